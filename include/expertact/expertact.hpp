@@ -1,0 +1,111 @@
+// expertact public C++ API: the gated activation of MoE expert MLPs, forward and
+// backward, over row-strided 2-D views on the CPU or a CUDA device.
+//
+// Framework-free: raw pointers, sizes, a stream. Every entry point validates its
+// arguments once and returns a Status; on failure expertact::last_error() holds a
+// message naming the argument and its value. Nothing throws out of these calls.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+namespace expertact {
+
+enum class Status : int32_t {
+  kOk = 0,
+  kInvalidArgument = 1,  // shape, dtype, device, stride, alias or parameter error
+  kUnsupported = 2,      // well-formed but not built in (e.g. CUDA tensor, CPU-only build)
+  kCudaError = 3,        // a CUDA runtime call failed
+  kInternal = 4,         // a bug in expertact: please report it
+};
+
+enum class Activation : int32_t {
+  kSilu = 0,      // silu_alpha(x) = x * sigmoid(alpha * x)
+  kGeluTanh = 1,  // gelu(x, approximate="tanh"); alpha is ignored
+};
+
+// Where gate and up live. For the three packed layouts the input is one
+// [rows, 2F] tensor and its gradient comes back packed the same way.
+enum class Layout : int32_t {
+  kSeparate = 0,       // gate [rows, F], up [rows, F]
+  kHalves = 1,         // gate_up[:, :F] = gate, gate_up[:, F:] = up
+  kHalvesUpFirst = 2,  // gate_up[:, :F] = up,   gate_up[:, F:] = gate
+  kInterleaved = 3,    // gate_up[:, 0::2] = gate, gate_up[:, 1::2] = up
+};
+
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+enum class DeviceType : int32_t { kCPU = 0, kCUDA = 1 };
+
+// out = act(min(g, limit)) * (clamp(u, -limit, limit) + beta) * w
+// limit = +inf means "no clamp at all" (plain swiglu / geglu): a NaN input then
+// gets a NaN gradient of its own, as F.silu(g) * u gives it; with a finite
+// limit the clamp's mask is false at NaN and that gradient is 0, as
+// torch.clamp's backward gives it.
+struct GluParams {
+  Activation act = Activation::kSilu;
+  float alpha = 1.0f;
+  float limit = std::numeric_limits<float>::infinity();
+  float beta = 0.0f;
+};
+
+// The presets of SPEC section 1 (DeepSpeed's registry names).
+GluParams preset_swiglu();
+GluParams preset_swiglu_clamped(float limit = 7.0f);
+GluParams preset_swiglu_oai(float alpha = 1.702f, float limit = 7.0f);
+GluParams preset_geglu_tanh();
+
+// A row-strided 2-D view: element (r, c) is at data + r * row_stride + c
+// (in elements). Inputs are only read, except by an in-place backward, which
+// names the input's memory as its gradient output.
+struct MatrixRef {
+  void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;  // elements; may be anything >= cols when rows > 1
+  DType dtype = DType::kFloat32;
+  DeviceType device = DeviceType::kCPU;
+  int32_t device_id = 0;
+};
+
+// A float32 vector of per-row weights (or their gradient): element r at data + r * stride.
+struct VectorRef {
+  float* data = nullptr;
+  int64_t size = 0;
+  int64_t stride = 1;
+  DeviceType device = DeviceType::kCPU;
+  int32_t device_id = 0;
+};
+
+// Forward: out[rows, F] = glu(gate, up) * w.
+//   x: gate (kSeparate) or the packed gate_up [rows, 2F].
+//   up: the up tensor for kSeparate, nullptr otherwise.
+//   weights: optional per-row float32 weights (nullptr = 1).
+//   stream: a cudaStream_t for CUDA operands (nullptr = legacy default stream); ignored on the CPU.
+Status glu_forward(const GluParams& params, Layout layout, const MatrixRef& x,
+                   const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
+                   void* stream = nullptr);
+
+// Backward: gradients of the forward above given grad_out [rows, F].
+//   grad_x: gradient of x, same layout and shape as x (for kSeparate, of gate).
+//   grad_up: gradient of up for kSeparate, nullptr otherwise.
+//   grad_weights: float32 [rows] gradient of the weights, or nullptr when not
+//   wanted; must be nullptr when weights is nullptr.
+// In-place backward: grad_x may be x itself (same data, same strides), and
+// grad_up up itself; every input value is read before its gradient is written.
+// Any other overlap between an input and an output is refused.
+Status glu_backward(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                    const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                    const MatrixRef& grad_x, const MatrixRef* grad_up,
+                    const VectorRef* grad_weights, void* stream = nullptr);
+
+// The message of the last failed call on this thread ("" after a success).
+const char* last_error();
+
+// Whether this build has the CUDA path, and the number of CPU threads the CPU path uses.
+bool has_cuda();
+int cpu_threads();
+// 0 restores the default (EXPERTACT_NUM_THREADS, else the hardware concurrency).
+void set_cpu_threads(int n);
+
+}  // namespace expertact

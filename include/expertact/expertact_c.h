@@ -1,0 +1,91 @@
+/* expertact C ABI: the same operations as expertact.hpp over DLPack tensors
+ * (dlpack.h) and an explicit stream. Every call returns an expertact_status
+ * (0 = success); on failure expertact_last_error() gives a readable message
+ * naming the argument and its value. No exception crosses this boundary and
+ * nothing exits the process.
+ *
+ * Tensors are [..., C] with the last dimension contiguous (stride 1) and the
+ * leading dimensions collapsible into one row stride (any contiguous tensor,
+ * a row slice, a column slice of a wider matrix). strides == NULL means
+ * compact row-major. Weights are float32 with one element per row, any shape
+ * whose elements collapse to a single stride.
+ */
+#ifndef EXPERTACT_C_H_
+#define EXPERTACT_C_H_
+
+#include <dlpack/dlpack.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define EXPERTACT_API __declspec(dllexport)
+#else
+#define EXPERTACT_API __attribute__((visibility("default")))
+#endif
+
+#define EXPERTACT_ABI_VERSION 1
+
+typedef int32_t expertact_status; /* values of expertact::Status */
+#define EXPERTACT_OK 0
+#define EXPERTACT_INVALID_ARGUMENT 1
+#define EXPERTACT_UNSUPPORTED 2
+#define EXPERTACT_CUDA_ERROR 3
+#define EXPERTACT_INTERNAL 4
+
+/* layout: 0 separate, 1 halves, 2 halves up-first, 3 interleaved */
+#define EXPERTACT_LAYOUT_SEPARATE 0
+#define EXPERTACT_LAYOUT_HALVES 1
+#define EXPERTACT_LAYOUT_HALVES_UP_FIRST 2
+#define EXPERTACT_LAYOUT_INTERLEAVED 3
+
+/* act: 0 silu (with alpha), 1 gelu_tanh */
+#define EXPERTACT_ACT_SILU 0
+#define EXPERTACT_ACT_GELU_TANH 1
+
+typedef struct expertact_params {
+  int32_t act;
+  float alpha;
+  float limit; /* +inf: no clamp */
+  float beta;
+} expertact_params;
+
+/* Fills *out with a preset by name: "swiglu", "swiglu_clamped", "swiglu_oai",
+ * "geglu_tanh". alpha and limit are used by the presets that take them (NaN
+ * keeps the preset's default). */
+EXPERTACT_API expertact_status expertact_preset(const char* name, float alpha, float limit,
+                                                expertact_params* out);
+
+/* x: gate (separate) or gate_up [..., 2F]; up: NULL unless layout is separate;
+ * weights: NULL or float32 [rows]; out: [..., F], written. stream: a
+ * cudaStream_t for CUDA tensors (NULL = legacy default stream). */
+EXPERTACT_API expertact_status expertact_glu_forward(const expertact_params* params,
+                                                     int32_t layout, const DLTensor* x,
+                                                     const DLTensor* up, const DLTensor* weights,
+                                                     DLTensor* out, void* stream);
+
+/* grad_x has x's shape and layout (it may be x itself: in-place backward);
+ * grad_up: NULL unless layout is separate (may be up itself); grad_weights:
+ * NULL, or float32 [rows] when weights is given. */
+EXPERTACT_API expertact_status expertact_glu_backward(
+    const expertact_params* params, int32_t layout, const DLTensor* grad_out, const DLTensor* x,
+    const DLTensor* up, const DLTensor* weights, DLTensor* grad_x, DLTensor* grad_up,
+    DLTensor* grad_weights, void* stream);
+
+/* Message of the last failed call on this thread ("" if the last call succeeded). */
+EXPERTACT_API const char* expertact_last_error(void);
+
+/* 1 if built with CUDA, else 0. */
+EXPERTACT_API int32_t expertact_has_cuda(void);
+EXPERTACT_API int32_t expertact_abi_version(void);
+/* CPU worker threads: get, and set (0 = default). */
+EXPERTACT_API int32_t expertact_cpu_threads(void);
+EXPERTACT_API void expertact_set_cpu_threads(int32_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EXPERTACT_C_H_ */

@@ -1,0 +1,286 @@
+// The C ABI: DLTensor* -> MatrixRef / VectorRef, then the C++ API. Every
+// entry point catches everything; the status is returned and the message kept
+// for expertact_last_error().
+#include "expertact/expertact_c.h"
+
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "core/error.h"
+#include "expertact/expertact.hpp"
+
+namespace expertact::detail {
+namespace {
+
+Status to_dtype(const char* name, const DLDataType& t, DType& out) {
+  if (t.lanes == 1 && t.code == kDLFloat && t.bits == 32) {
+    out = DType::kFloat32;
+  } else if (t.lanes == 1 && t.code == kDLFloat && t.bits == 16) {
+    out = DType::kFloat16;
+  } else if (t.lanes == 1 && t.code == kDLBfloat && t.bits == 16) {
+    out = DType::kBFloat16;
+  } else {
+    return fail(Status::kInvalidArgument, name, " has unsupported DLPack dtype (code ",
+                static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
+                static_cast<int>(t.lanes), "); expected float32, float16 or bfloat16");
+  }
+  return Status::kOk;
+}
+
+Status to_device(const char* name, const DLDevice& d, DeviceType& type, int32_t& id) {
+  switch (d.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost:  // pinned host memory: the CPU reads it directly
+      type = DeviceType::kCPU;
+      id = 0;
+      return Status::kOk;
+    case kDLCUDA:
+      type = DeviceType::kCUDA;
+      id = d.device_id;
+      return Status::kOk;
+    default:
+      return fail(Status::kInvalidArgument, name, " is on DLPack device type ",
+                  static_cast<int>(d.device_type), " (id ", d.device_id,
+                  "); expected cpu (1) or cuda (2)");
+  }
+}
+
+std::string shape_str(const DLTensor& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+std::string strides_str(const DLTensor& t) {
+  if (t.strides == nullptr) return "compact";
+  std::string s = "(";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.strides[i]);
+  return s + ")";
+}
+
+// [..., C] with the last dimension contiguous and the leading ones collapsible
+// into one row stride -> a row-strided [rows, C] view.
+Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  if (t->ndim < 1)
+    return fail(Status::kInvalidArgument, name,
+                " is 0-dimensional; expected [..., features] with at least one dimension");
+  if (t->shape == nullptr) return fail(Status::kInvalidArgument, name, ".shape is null");
+  if (Status s = to_dtype(name, t->dtype, m.dtype); s != Status::kOk) return s;
+  if (Status s = to_device(name, t->device, m.device, m.device_id); s != Status::kOk) return s;
+  const int nd = t->ndim;
+  int64_t rows = 1;
+  for (int i = 0; i < nd; ++i) {
+    if (t->shape[i] < 0)
+      return fail(Status::kInvalidArgument, name, " has a negative dimension: shape ",
+                  shape_str(*t));
+    if (i < nd - 1) rows *= t->shape[i];
+  }
+  const int64_t cols = t->shape[nd - 1];
+  m.rows = rows;
+  m.cols = cols;
+  m.data = t->data == nullptr ? nullptr : static_cast<char*>(t->data) + t->byte_offset;
+  m.row_stride = cols;
+  if (rows == 0 || cols == 0) return Status::kOk;
+  if (t->strides == nullptr) return Status::kOk;
+  if (cols > 1 && t->strides[nd - 1] != 1)
+    return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
+                strides_str(*t),
+                ": the last dimension must be contiguous (stride 1); copy it first");
+  // Collapse leading dims (size-1 dims carry no stride information).
+  int64_t row_stride = -1;  // stride of the innermost leading dim of size > 1
+  int64_t expect = -1;      // stride the next outer dim must have to collapse
+  for (int i = nd - 2; i >= 0; --i) {
+    if (t->shape[i] == 1) continue;
+    if (row_stride < 0) {
+      row_stride = t->strides[i];
+      expect = row_stride * t->shape[i];
+    } else {
+      if (t->strides[i] != expect)
+        return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
+                    strides_str(*t),
+                    ": its leading dimensions do not collapse into one row stride; copy it first");
+      expect *= t->shape[i];
+    }
+  }
+  m.row_stride = row_stride < 0 ? cols : row_stride;
+  return Status::kOk;
+}
+
+Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  if (t->ndim > 0 && t->shape == nullptr)
+    return fail(Status::kInvalidArgument, name, ".shape is null");
+  if (!(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1))
+    return fail(Status::kInvalidArgument, name, " must be float32 (got DLPack dtype code ",
+                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits),
+                ", lanes ", static_cast<int>(t->dtype.lanes), ")");
+  if (Status s = to_device(name, t->device, v.device, v.device_id); s != Status::kOk) return s;
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; ++i) {
+    if (t->shape[i] < 0)
+      return fail(Status::kInvalidArgument, name, " has a negative dimension: shape ",
+                  shape_str(*t));
+    n *= t->shape[i];
+  }
+  v.size = n;
+  v.data = t->data == nullptr ? nullptr
+                              : reinterpret_cast<float*>(static_cast<char*>(t->data) + t->byte_offset);
+  v.stride = 1;
+  if (n <= 1 || t->strides == nullptr) return Status::kOk;
+  int64_t stride = 0, expect = 0;
+  bool first = true;
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    if (t->shape[i] == 1) continue;
+    if (first) {
+      stride = t->strides[i];
+      expect = stride * t->shape[i];
+      first = false;
+    } else {
+      if (t->strides[i] != expect)
+        return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
+                    strides_str(*t), ": its elements do not collapse into one stride");
+      expect *= t->shape[i];
+    }
+  }
+  v.stride = stride;
+  return Status::kOk;
+}
+
+Status check_layout(int32_t layout) {
+  if (layout < 0 || layout > 3)
+    return fail(Status::kInvalidArgument, "layout ", layout,
+                " is not one of 0 (separate), 1 (halves), 2 (halves_up_first), 3 (interleaved)");
+  return Status::kOk;
+}
+
+Status to_params(const expertact_params* p, GluParams& out) {
+  if (p == nullptr) return fail(Status::kInvalidArgument, "params is null");
+  out.act = static_cast<Activation>(p->act);
+  out.alpha = p->alpha;
+  out.limit = p->limit;
+  out.beta = p->beta;
+  return Status::kOk;
+}
+
+template <typename Fn>
+expertact_status guarded(Fn&& fn) {
+  try {
+    clear_error();
+    return static_cast<expertact_status>(fn());
+  } catch (const std::exception& e) {
+    return static_cast<expertact_status>(fail(Status::kInternal, "internal error: ", e.what()));
+  } catch (...) {
+    return static_cast<expertact_status>(fail(Status::kInternal, "internal error: unknown exception"));
+  }
+}
+
+#define EA_C_TRY(expr)                        \
+  do {                                        \
+    Status ea_s_ = (expr);                    \
+    if (ea_s_ != Status::kOk) return ea_s_;   \
+  } while (0)
+
+}  // namespace
+}  // namespace expertact::detail
+
+using namespace expertact;
+using namespace expertact::detail;
+
+extern "C" {
+
+expertact_status expertact_preset(const char* name, float alpha, float limit,
+                                  expertact_params* out) {
+  return guarded([&]() -> Status {
+    if (name == nullptr) return fail(Status::kInvalidArgument, "preset name is null");
+    if (out == nullptr) return fail(Status::kInvalidArgument, "out (params) is null");
+    GluParams p;
+    const std::string n(name);
+    if (n == "swiglu") {
+      p = preset_swiglu();
+    } else if (n == "swiglu_clamped") {
+      p = preset_swiglu_clamped(std::isnan(limit) ? 7.0f : limit);
+    } else if (n == "swiglu_oai") {
+      p = preset_swiglu_oai(std::isnan(alpha) ? 1.702f : alpha, std::isnan(limit) ? 7.0f : limit);
+    } else if (n == "geglu_tanh") {
+      p = preset_geglu_tanh();
+    } else {
+      return fail(Status::kInvalidArgument, "unknown preset '", n,
+                  "' (expected swiglu, swiglu_clamped, swiglu_oai or geglu_tanh)");
+    }
+    out->act = static_cast<int32_t>(p.act);
+    out->alpha = p.alpha;
+    out->limit = p.limit;
+    out->beta = p.beta;
+    return Status::kOk;
+  });
+}
+
+expertact_status expertact_glu_forward(const expertact_params* params, int32_t layout,
+                                       const DLTensor* x, const DLTensor* up,
+                                       const DLTensor* weights, DLTensor* out, void* stream) {
+  return guarded([&]() -> Status {
+    GluParams p;
+    EA_C_TRY(to_params(params, p));
+    EA_C_TRY(check_layout(layout));
+    const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
+    MatrixRef mx, mup, mout;
+    VectorRef vw;
+    EA_C_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+    if (separate) {
+      if (up == nullptr)
+        return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
+      EA_C_TRY(to_matrix("up", up, mup));
+    } else if (up != nullptr) {
+      return fail(Status::kInvalidArgument, "up must be null for a packed layout (gate_up holds both halves)");
+    }
+    if (weights) EA_C_TRY(to_vector("weights", weights, vw));
+    EA_C_TRY(to_matrix("out", out, mout));
+    return glu_forward(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
+                       weights ? &vw : nullptr, mout, stream);
+  });
+}
+
+expertact_status expertact_glu_backward(const expertact_params* params, int32_t layout,
+                                        const DLTensor* grad_out, const DLTensor* x,
+                                        const DLTensor* up, const DLTensor* weights,
+                                        DLTensor* grad_x, DLTensor* grad_up,
+                                        DLTensor* grad_weights, void* stream) {
+  return guarded([&]() -> Status {
+    GluParams p;
+    EA_C_TRY(to_params(params, p));
+    EA_C_TRY(check_layout(layout));
+    const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
+    MatrixRef mdy, mx, mup, mgx, mgu;
+    VectorRef vw, vgw;
+    EA_C_TRY(to_matrix("grad_out", grad_out, mdy));
+    EA_C_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+    if (separate) {
+      if (up == nullptr)
+        return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
+      if (grad_up == nullptr)
+        return fail(Status::kInvalidArgument, "grad_up is missing: the separate layout returns two gradients");
+      EA_C_TRY(to_matrix("up", up, mup));
+      EA_C_TRY(to_matrix("grad_up", grad_up, mgu));
+    } else if (up != nullptr || grad_up != nullptr) {
+      return fail(Status::kInvalidArgument,
+                  "up and grad_up must be null for a packed layout (gate_up holds both halves)");
+    }
+    if (weights) EA_C_TRY(to_vector("weights", weights, vw));
+    if (grad_weights) EA_C_TRY(to_vector("grad_weights", grad_weights, vgw));
+    EA_C_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
+    return glu_backward(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
+                        weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
+                        grad_weights ? &vgw : nullptr, stream);
+  });
+}
+
+const char* expertact_last_error(void) { return expertact::last_error(); }
+int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }
+int32_t expertact_abi_version(void) { return EXPERTACT_ABI_VERSION; }
+int32_t expertact_cpu_threads(void) { return expertact::cpu_threads(); }
+void expertact_set_cpu_threads(int32_t n) { expertact::set_cpu_threads(n); }
+
+}  // extern "C"

@@ -1,0 +1,154 @@
+// The elementwise math of SPEC section 1, written once as __host__ __device__
+// float functions shared by the CPU and CUDA paths. Everything is branch-free
+// (selects, not fminf/fmaxf, which would turn NaN into the bound) so that the
+// CPU loops vectorize and NaN propagates exactly as in eager PyTorch.
+#pragma once
+
+#include <cstdint>
+
+#include "expertact/expertact.hpp"
+
+#if defined(__CUDACC__)
+#define EA_HD __host__ __device__ __forceinline__
+#else
+#define EA_HD inline __attribute__((always_inline))
+#endif
+
+namespace expertact::math {
+
+EA_HD float as_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  return __builtin_bit_cast(float, b);
+#endif
+}
+EA_HD uint32_t as_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return __builtin_bit_cast(uint32_t, f);
+#endif
+}
+
+// e^x. On the device: CUDA's expf (at most 2 ulp). On the host a branch-free
+// version the compiler vectorizes (glibc's expf is a scalar call): x = n ln2 + r,
+// |r| <= ln2/2, e^r by its Taylor series to degree 7 (truncation < 2^-27
+// relative), times 2^n built in the exponent bits. Inputs past the float range
+// give +inf or 0 (values below e^-87.3, float subnormals, flush to 0: a
+// sigmoid built from them differs from the exact one by less than 1e-37).
+// NaN in, NaN out.
+EA_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  const float kHi = 88.72283f;   // ln(FLT_MAX)
+  const float kLo = -87.33654f;  // ln(FLT_MIN)
+  float xc = x > kHi ? kHi : (x < kLo ? kLo : x);
+  const float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float t = xc * 1.44269504f + kShift;
+  float n = t - kShift;
+  int32_t ni = static_cast<int32_t>(as_bits(t)) - static_cast<int32_t>(as_bits(kShift));
+  float r = xc - n * 0.693145752f;  // ln2 split in two: hi has 16 significant bits,
+  r = r - n * 1.42860677e-6f;       // so n * hi is exact for |n| <= 128
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // 2^n in two halves so that n = 128 (x just under ln FLT_MAX) and n = -126 both build.
+  int32_t n1 = ni >> 1;
+  int32_t n2 = ni - n1;
+  float s1 = as_float(static_cast<uint32_t>(n1 + 127) << 23);
+  float s2 = as_float(static_cast<uint32_t>(n2 + 127) << 23);
+  float y = p * s1 * s2;
+  const float kInf = __builtin_inff();
+  return x > kHi ? kInf : (x < kLo ? 0.0f : y);
+#endif
+}
+
+EA_HD float sigmoid_f(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+
+// tanh(y) = 1 - 2 / (1 + e^{2y}): exact limits at +-inf, NaN kept; absolute
+// error ~1e-7 near 0, which the 1 + tanh of gelu absorbs.
+EA_HD float tanh_f(float y) { return 1.0f - 2.0f / (1.0f + exp_f(2.0f * y)); }
+
+// min(g, L) with NaN kept (torch.clamp(max=L) semantics).
+EA_HD float clamp_hi(float g, float L) { return g > L ? L : g; }
+// clamp(u, -L, L) with NaN kept.
+EA_HD float clamp_sym(float u, float L) { return u > L ? L : (u < -L ? -L : u); }
+
+// The activations. fwd gives act(x); fwd_bwd gives act(x) and act'(x) together.
+template <Activation A>
+struct Act;
+
+template <>
+struct Act<Activation::kSilu> {
+  // silu_alpha(x) = x * sigmoid(alpha x); derivative s (1 + alpha x (1 - s)).
+  EA_HD static float fwd(float x, float alpha) { return x * sigmoid_f(alpha * x); }
+  EA_HD static void fwd_bwd(float x, float alpha, float& a, float& da) {
+    float s = sigmoid_f(alpha * x);
+    a = x * s;
+    da = s * (1.0f + alpha * x * (1.0f - s));
+  }
+};
+
+template <>
+struct Act<Activation::kGeluTanh> {
+  // gelu_tanh(x) = 0.5 x (1 + tanh(k0 (x + k1 x^3))), as torch.nn.functional.gelu(approximate="tanh").
+  static constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float k1 = 0.044715f;
+  EA_HD static float fwd(float x, float) {
+    float t = tanh_f(k0 * (x + k1 * x * x * x));
+    return 0.5f * x * (1.0f + t);
+  }
+  EA_HD static void fwd_bwd(float x, float, float& a, float& da) {
+    float x2 = x * x;
+    float t = tanh_f(k0 * (x + k1 * x2 * x));
+    a = 0.5f * x * (1.0f + t);
+    da = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k0 * (1.0f + 3.0f * k1 * x2);
+  }
+};
+
+// Per-call constants, hoisted out of the loops.
+struct Coeffs {
+  float alpha;
+  float limit;  // +inf when unclamped
+  float beta;
+  bool has_limit;
+};
+
+// out = act(min(g, L)) * (clamp(u, -L, L) + beta) * w
+template <Activation A>
+EA_HD float glu_fwd(float g, float u, float w, const Coeffs& c) {
+  float gc = clamp_hi(g, c.limit);
+  float uc = clamp_sym(u, c.limit);
+  return Act<A>::fwd(gc, c.alpha) * (uc + c.beta) * w;
+}
+
+// The gradients of one element: dg, du, and this element's term of grad_w
+// (dy * a * (uc + beta), summed over the row in float32 by the caller).
+// Masks are inclusive (g == L passes, as torch.clamp's backward) and false at
+// NaN when clamped; unclamped (limit = inf) nothing is masked.
+template <Activation A>
+EA_HD void glu_bwd(float g, float u, float dy, float w, const Coeffs& c, float& dg, float& du,
+                   float& dw_term) {
+  float gc = clamp_hi(g, c.limit);
+  float uc = clamp_sym(u, c.limit);
+  float a, da;
+  Act<A>::fwd_bwd(gc, c.alpha, a, da);
+  float v = uc + c.beta;
+  float dyw = dy * w;
+  bool gpass = (!c.has_limit) | (g <= c.limit);
+  bool upass = (!c.has_limit) | ((u >= -c.limit) & (u <= c.limit));
+  float dgv = dyw * v * da;
+  float duv = dyw * a;
+  dg = gpass ? dgv : 0.0f;
+  du = upass ? duv : 0.0f;
+  dw_term = dy * a * v;
+}
+
+}  // namespace expertact::math

@@ -1,0 +1,60 @@
+// The validated, layout-normalised description of one forward or backward call,
+// handed from the API boundary (src/api.cpp) to the CPU or CUDA launchers.
+#pragma once
+
+#include <cstdint>
+
+#include "expertact/expertact.hpp"
+
+namespace expertact::detail {
+
+// Gate element (r, c) is at g + r * g_stride + c * step, up element at
+// u + r * u_stride + c * step (strides and step in elements). step is 1 for the
+// separate and halves layouts (halves: u = g + F, up-first: g = u + F) and 2
+// for the interleaved layout (u = g + 1, same stride).
+struct GluProblem {
+  GluParams params;
+  bool has_limit = false;  // limit is finite: clamps and their gradient masks apply
+  DType dtype = DType::kFloat32;
+  DeviceType device = DeviceType::kCPU;
+  int32_t device_id = 0;
+  int64_t rows = 0;
+  int64_t F = 0;
+  int step = 1;
+  const void* g = nullptr;
+  const void* u = nullptr;
+  int64_t g_stride = 0;
+  int64_t u_stride = 0;
+  const float* w = nullptr;  // nullptr: no weights
+  int64_t w_stride = 1;
+};
+
+struct FwdOutput {
+  void* out = nullptr;
+  int64_t out_stride = 0;
+};
+
+// Gradient outputs share the inputs' step; dg/du may equal g/u (in-place).
+struct BwdIO {
+  const void* dy = nullptr;
+  int64_t dy_stride = 0;
+  void* dg = nullptr;
+  void* du = nullptr;
+  int64_t dg_stride = 0;
+  int64_t du_stride = 0;
+  float* dw = nullptr;  // nullptr: weight gradient not wanted
+  int64_t dw_stride = 1;
+};
+
+// Launchers: called only with validated, non-empty problems (rows > 0, F > 0).
+Status cpu_forward(const GluProblem& p, const FwdOutput& o);
+Status cpu_backward(const GluProblem& p, const BwdIO& io);
+#if EXPERTACT_WITH_CUDA
+Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream);
+Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream);
+// Zero-fills dw (rows elements, stride) on the problem's device: the weight
+// gradient of an F == 0 problem.
+Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride, void* stream);
+#endif
+
+}  // namespace expertact::detail
