@@ -1,0 +1,63 @@
+// CUDA helpers shared by the launchers: storage types and their float
+// conversions, aligned vector packs, error checking and the device guard.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dispatch.h"
+#include "core/error.h"
+
+namespace expertact::cuda {
+
+template <DType D> struct Storage;
+template <> struct Storage<DType::kFloat32> { using type = float; };
+template <> struct Storage<DType::kFloat16> { using type = __half; };
+template <> struct Storage<DType::kBFloat16> { using type = __nv_bfloat16; };
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// N elements moved as one access of N * sizeof(T) bytes (up to 16; 32 bytes
+// become two 16-byte accesses). The host proves the alignment before choosing N.
+template <typename T, int N>
+struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// Sets the message and returns kCudaError when a CUDA call failed.
+inline Status cuda_check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::kOk;
+  return detail::fail(Status::kCudaError, what, " failed: ", cudaGetErrorName(e), " (",
+                      cudaGetErrorString(e), ")");
+}
+
+// Makes `device` current for the scope and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) status_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int prev_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+}  // namespace expertact::cuda

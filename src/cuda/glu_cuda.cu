@@ -1,0 +1,109 @@
+// The CUDA entry points behind the C++ API: check that every pointer is memory
+// of the device the tensors claim, make that device current, dispatch on dtype.
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+#include "core/problem.h"
+#include "cuda/common.cuh"
+#include "cuda/entry.h"
+
+namespace expertact::detail {
+namespace {
+
+__global__ void fill_zero_kernel(float* x, int64_t n, int64_t stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i * stride] = 0.0f;
+}
+
+// A CUDA operand must be device (or managed) memory of device `device`. Catches
+// a host pointer labelled CUDA, or a tensor of another GPU, before a kernel
+// faults (a fault would poison the caller's CUDA context).
+Status check_device_pointer(const char* name, const void* ptr, int device) {
+  if (ptr == nullptr) return Status::kOk;
+  cudaPointerAttributes attr{};
+  cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it so the caller's next call is clean
+    return fail(Status::kInvalidArgument, name, " (", ptr,
+                ") is not CUDA device memory: cudaPointerGetAttributes says ",
+                cudaGetErrorName(e));
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    return fail(Status::kInvalidArgument, name, " (", ptr,
+                ") is not CUDA device memory (memory type ", static_cast<int>(attr.type),
+                ": host or unregistered) but was passed as a cuda:", device, " tensor");
+  if (attr.type == cudaMemoryTypeDevice && attr.device != device)
+    return fail(Status::kInvalidArgument, name, " (", ptr, ") is memory of cuda:", attr.device,
+                " but was passed as a cuda:", device, " tensor");
+  return Status::kOk;
+}
+
+#define EA_CUDA_TRY(expr)                   \
+  do {                                      \
+    Status ea_s_ = (expr);                  \
+    if (ea_s_ != Status::kOk) return ea_s_; \
+  } while (0)
+
+Status enter_device(int device, cuda::DeviceGuard& guard) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return fail(Status::kCudaError, "no usable CUDA device: cudaGetDeviceCount says ",
+                cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  }
+  if (device < 0 || device >= count)
+    return fail(Status::kInvalidArgument, "device_id ", device, " is not a CUDA device (",
+                count, " visible)");
+  return cuda::cuda_check(guard.status(), "cudaSetDevice");
+}
+
+}  // namespace
+
+Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_CUDA_TRY(enter_device(p.device_id, guard));
+  EA_CUDA_TRY(check_device_pointer(p.step == 2 || p.u == nullptr ? "gate_up" : "gate", p.g, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("up", p.u, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("weights", p.w, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("out", o.out, p.device_id));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat32: return cuda::forward_f32(p, o, st);
+    case DType::kFloat16: return cuda::forward_f16(p, o, st);
+    case DType::kBFloat16: return cuda::forward_bf16(p, o, st);
+  }
+  return fail(Status::kInternal, "cuda_forward: unexpected dtype ", static_cast<int>(p.dtype));
+}
+
+Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_CUDA_TRY(enter_device(p.device_id, guard));
+  EA_CUDA_TRY(check_device_pointer("gate", p.g, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("up", p.u, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("weights", p.w, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("grad_out", io.dy, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("grad_gate", io.dg, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("grad_up", io.du, p.device_id));
+  EA_CUDA_TRY(check_device_pointer("grad_weights", io.dw, p.device_id));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat32: return cuda::backward_f32(p, io, st);
+    case DType::kFloat16: return cuda::backward_f16(p, io, st);
+    case DType::kBFloat16: return cuda::backward_bf16(p, io, st);
+  }
+  return fail(Status::kInternal, "cuda_backward: unexpected dtype ", static_cast<int>(p.dtype));
+}
+
+Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride, void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_CUDA_TRY(enter_device(p.device_id, guard));
+  EA_CUDA_TRY(check_device_pointer("grad_weights", dw, p.device_id));
+  const int threads = 256;
+  const int64_t blocks = (n + threads - 1) / threads;
+  fill_zero_kernel<<<static_cast<unsigned>(blocks), threads, 0,
+                           static_cast<cudaStream_t>(stream)>>>(dw, n, stride);
+  return cuda::cuda_check(cudaGetLastError(), "fill_zero kernel launch");
+}
+
+}  // namespace expertact::detail

@@ -1,0 +1,208 @@
+// The forward and backward kernels: a group of G lanes (a power of two up to a
+// warp) owns one row and walks it in packs of V elements; blockIdx.y splits
+// long rows into column ranges when there are too few rows to fill the GPU.
+// The per-element math is src/core/math.h, shared with the CPU path.
+#pragma once
+
+#include <cstdint>
+
+#include "core/math.h"
+#include "cuda/common.cuh"
+
+namespace expertact::cuda {
+
+// Row-strided operands after layout normalisation (see detail::GluProblem):
+// gate element (r, c) at g + r * g_stride + c * kStep, up likewise. Strides in
+// elements, 64-bit.
+template <typename T>
+struct KernelArgs {
+  const T* g;
+  const T* u;
+  int64_t g_stride, u_stride;
+  const float* w;
+  int64_t w_stride;
+  int64_t rows;
+  int64_t packs;       // packs of V elements per row (F / V)
+  int64_t split_len;   // packs per column split (gridDim.y splits)
+  math::Coeffs c;
+  // forward
+  T* out;
+  int64_t out_stride;
+  // backward
+  const T* dy;
+  int64_t dy_stride;
+  T* dg;
+  T* du;
+  int64_t dg_stride, du_stride;
+  float* dw;
+  int64_t dw_stride;
+};
+
+template <typename T, int V>
+__device__ __forceinline__ void store_v(T* x, int64_t p, const float (&xv)[V]) {
+  Pack<T, V> a;
+#pragma unroll
+  for (int i = 0; i < V; ++i) a.v[i] = from_f<T>(xv[i]);
+  reinterpret_cast<Pack<T, V>*>(x)[p] = a;
+}
+
+template <typename T, int V, int kStep>
+__device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&gv)[V],
+                                         const float (&uv)[V]) {
+  if constexpr (kStep == 1) {
+    store_v<T, V>(dg, p, gv);
+    store_v<T, V>(du, p, uv);
+  } else {
+    Pack<T, 2 * V> a;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      a.v[2 * i] = from_f<T>(gv[i]);
+      a.v[2 * i + 1] = from_f<T>(uv[i]);
+    }
+    reinterpret_cast<Pack<T, 2 * V>*>(dg)[p] = a;
+  }
+}
+
+// Which row and column range this group of G lanes owns.
+// G (lanes per row) is a power of two from 1 to the block size; G <= 32 when
+// the row sum of the weight gradient is wanted (a shuffle reduction).
+struct RowSpan {
+  int64_t row;
+  int lane;
+  int64_t begin, end;  // packs [begin, end) of the row
+};
+
+__device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t split_len) {
+  RowSpan s;
+  const int rows_per_block = blockDim.x / G;
+  s.row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / G;
+  s.lane = threadIdx.x & (G - 1);
+  s.begin = static_cast<int64_t>(blockIdx.y) * split_len;
+  s.end = s.begin + split_len < packs ? s.begin + split_len : packs;
+  return s;
+}
+
+// Packs in flight per lane: 4 of 16 or 8 bytes, 8 of narrower ones.
+template <typename T, int V>
+constexpr int unroll_of() {
+  return sizeof(T) * V >= 8 ? 4 : 8;
+}
+
+// The raw packs of gate and up (one pack of 2V for interleaved rows).
+template <typename T, int V, int kStep>
+struct GuPack;
+template <typename T, int V>
+struct GuPack<T, V, 1> {
+  Pack<T, V> g, u;
+};
+template <typename T, int V>
+struct GuPack<T, V, 2> {
+  Pack<T, 2 * V> gu;
+};
+
+template <typename T, int V, int kStep>
+__device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPack<T, V, kStep>& r) {
+  if constexpr (kStep == 1) {
+    r.g = reinterpret_cast<const Pack<T, V>*>(g)[p];
+    r.u = reinterpret_cast<const Pack<T, V>*>(u)[p];
+  } else {
+    r.gu = reinterpret_cast<const Pack<T, 2 * V>*>(g)[p];
+  }
+}
+
+template <typename T, int V, int kStep>
+__device__ __forceinline__ float gate_of(const GuPack<T, V, kStep>& r, int i) {
+  if constexpr (kStep == 1) return to_f(r.g.v[i]); else return to_f(r.gu.v[2 * i]);
+}
+template <typename T, int V, int kStep>
+__device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
+  if constexpr (kStep == 1) return to_f(r.u.v[i]); else return to_f(r.gu.v[2 * i + 1]);
+}
+
+// U packs per lane per step: their loads are all issued before the first use,
+// so each lane keeps U * (2 or 3) accesses in flight.
+template <typename T, Activation A, int kStep, bool kW, int V>
+__global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
+  constexpr int U = unroll_of<T, V>();
+  const RowSpan s = row_span(G, a.packs, a.split_len);
+  if (s.row >= a.rows) return;
+  const T* g = a.g + s.row * a.g_stride;
+  const T* u = a.u + s.row * a.u_stride;
+  T* out = a.out + s.row * a.out_stride;
+  const float w = kW ? a.w[s.row * a.w_stride] : 1.0f;
+  for (int64_t p0 = s.begin + s.lane; p0 < s.end; p0 += static_cast<int64_t>(G) * U) {
+    GuPack<T, V, kStep> in[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) load_raw<T, V, kStep>(g, u, p, in[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) {
+        float ov[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          ov[i] = math::glu_fwd<A>(gate_of(in[k], i), up_of(in[k], i), w, a.c);
+        store_v<T, V>(out, p, ov);
+      }
+    }
+  }
+}
+
+// dg/du may be g/u themselves (in-place): every lane loads its packs before it
+// stores them and no pack is touched by two lanes, so plain loads (not the
+// read-only path) are used and nothing is marked __restrict__.
+template <typename T, Activation A, int kStep, bool kW, bool kDW, int V>
+__global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int G) {
+  constexpr int U = unroll_of<T, V>();
+  const RowSpan s = row_span(G, a.packs, a.split_len);
+  // Rows past the end still take part in the group reduction below (groups of
+  // G < 32 lanes share a warp), so they only skip the loads and stores.
+  const bool live = s.row < a.rows;
+  if (!kDW && !live) return;
+  const int64_t row = live ? s.row : 0;
+  const T* g = a.g + row * a.g_stride;
+  const T* u = a.u + row * a.u_stride;
+  const T* dy = a.dy + row * a.dy_stride;
+  T* dg = a.dg + row * a.dg_stride;
+  T* du = a.du + row * a.du_stride;
+  const float w = kW ? a.w[row * a.w_stride] : 1.0f;
+  float acc = 0.0f;
+  const int64_t end = live ? s.end : s.begin;
+  for (int64_t p0 = s.begin + s.lane; p0 < end; p0 += static_cast<int64_t>(G) * U) {
+    GuPack<T, V, kStep> in[U];
+    Pack<T, V> d[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < end) {
+        load_raw<T, V, kStep>(g, u, p, in[k]);
+        d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < end) {
+        float dgv[V], duv[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          float dwt;
+          math::glu_bwd<A>(gate_of(in[k], i), up_of(in[k], i), to_f(d[k].v[i]), w, a.c, dgv[i],
+                           duv[i], dwt);
+          if constexpr (kDW) acc += dwt;
+        }
+        store_gu<T, V, kStep>(dg, du, p, dgv, duv);
+      }
+    }
+  }
+  if constexpr (kDW) {
+    // Sum over the G lanes of the group (xor shuffles stay inside aligned groups).
+    for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (live && s.lane == 0) a.dw[row * a.dw_stride] = acc;
+  }
+}
+
+}  // namespace expertact::cuda

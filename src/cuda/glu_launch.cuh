@@ -1,0 +1,218 @@
+// Host side of the CUDA path for one storage type: proves alignment to pick the
+// pack width, merges contiguous rows, picks lanes per row and column splits,
+// and launches. Included by one .cu file per dtype so they compile in parallel.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/problem.h"
+#include "cuda/common.cuh"
+#include "cuda/glu_kernels.cuh"
+
+namespace expertact::cuda {
+
+constexpr int kThreads = 256;
+
+// One operand as seen by the alignment proof: its base pointer, row stride (in
+// elements) and the elements one pack of it holds.
+struct Operand {
+  const void* ptr;
+  int64_t stride;
+  int mult;  // elements per output element: 1, or 2 for an interleaved gate_up row
+};
+
+inline bool operand_aligned(const Operand& o, int V, int es, int64_t rows) {
+  const int64_t bytes = std::min<int64_t>(16, static_cast<int64_t>(o.mult) * V * es);
+  if (reinterpret_cast<uintptr_t>(o.ptr) % bytes != 0) return false;
+  return rows <= 1 || (o.stride * es) % bytes == 0;
+}
+
+// The widest pack (16 bytes, then 4 bytes, then one element) that every
+// operand's pointer and row stride allow and that divides F.
+inline int pick_pack(const Operand* ops, int n, int64_t F, int64_t rows, int es) {
+  const int widest = 16 / es;
+  const int narrow = 4 / es;  // 2 halves, or 1 float
+  for (int V : {widest, narrow, 1}) {
+    if (V < 1 || F % V != 0) continue;
+    bool ok = true;
+    for (int i = 0; i < n && ok; ++i) ok = operand_aligned(ops[i], V, es, rows);
+    if (ok) return V;
+  }
+  return 1;
+}
+
+inline int sm_count(int device) {
+  static int cache[64] = {0};
+  if (device >= 0 && device < 64 && cache[device] > 0) return cache[device];
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
+    n = 132;
+  if (device >= 0 && device < 64) cache[device] = n;
+  return n;
+}
+
+struct LaunchShape {
+  int G = 32;
+  dim3 grid;
+  int64_t split_len = 0;
+};
+
+// Lanes per row: enough to cover a row in about one unrolled step, at most
+// 32 when a row sum is needed, else at most the block. Column splits only
+// when the rows alone would leave the GPU underfilled (and never with a row sum).
+inline LaunchShape shape_for(int64_t rows, int64_t packs, int U, bool row_sum, int device) {
+  LaunchShape s;
+  const int gmax = row_sum ? 32 : kThreads;
+  int G = 1;
+  while (G < gmax && static_cast<int64_t>(G) * 2 * U <= packs) G *= 2;
+  s.G = G;
+  const int64_t rows_per_block = kThreads / G;
+  const int64_t gx = (rows + rows_per_block - 1) / rows_per_block;
+  int64_t splits = 1;
+  const int64_t target = static_cast<int64_t>(sm_count(device)) * 16;
+  if (!row_sum && gx < target) {
+    const int64_t max_useful = (packs + static_cast<int64_t>(G) * U - 1) / (static_cast<int64_t>(G) * U);
+    splits = std::min<int64_t>({(target + gx - 1) / gx, max_useful, 65535});
+    splits = std::max<int64_t>(splits, 1);
+  }
+  s.split_len = (packs + splits - 1) / splits;
+  splits = (packs + s.split_len - 1) / s.split_len;
+  s.grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(splits), 1);
+  return s;
+}
+
+// Rows that follow each other in every operand (no gap, no weights) form one
+// long row: the pack width then depends on the base pointers alone, so an odd
+// F in a contiguous tensor still moves 16-byte packs.
+inline bool rows_mergeable(const detail::GluProblem& p, std::initializer_list<int64_t> planar_strides,
+                           std::initializer_list<int64_t> input_strides) {
+  if (p.w != nullptr || p.rows <= 1) return false;
+  for (int64_t s : planar_strides)
+    if (s != p.F) return false;
+  for (int64_t s : input_strides)
+    if (s != p.step * p.F) return false;
+  return true;
+}
+
+template <typename T, Activation A, int kStep, bool kW>
+Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
+  auto go = [&](auto vtag) {
+    constexpr int Vc = decltype(vtag)::value;
+    glu_fwd_kernel<T, A, kStep, kW, Vc><<<s.grid, kThreads, 0, st>>>(a, s.G);
+    return Status::kOk;
+  };
+  constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
+  if (V == kWide) return go(detail::IntTag<kWide>{});
+  if constexpr (kNarrow != kWide && kNarrow != 1) {
+    if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+  }
+  return go(detail::IntTag<1>{});
+}
+
+template <typename T, Activation A, int kStep, bool kW, bool kDW>
+Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
+  auto go = [&](auto vtag) {
+    constexpr int Vc = decltype(vtag)::value;
+    glu_bwd_kernel<T, A, kStep, kW, kDW, Vc><<<s.grid, kThreads, 0, st>>>(a, s.G);
+    return Status::kOk;
+  };
+  constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
+  if (V == kWide) return go(detail::IntTag<kWide>{});
+  if constexpr (kNarrow != kWide && kNarrow != 1) {
+    if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+  }
+  return go(detail::IntTag<1>{});
+}
+
+inline int unroll_for(int es, int V) { return es * V >= 8 ? 4 : 8; }
+
+template <typename T>
+KernelArgs<T> base_args(const detail::GluProblem& p) {
+  KernelArgs<T> a{};
+  a.g = static_cast<const T*>(p.g);
+  a.u = static_cast<const T*>(p.u);
+  a.g_stride = p.g_stride;
+  a.u_stride = p.u_stride;
+  a.w = p.w;
+  a.w_stride = p.w_stride;
+  a.rows = p.rows;
+  a.c = math::Coeffs{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  return a;
+}
+
+template <typename T>
+Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cudaStream_t st) {
+  constexpr int es = sizeof(T);
+  KernelArgs<T> a = base_args<T>(p);
+  a.out = static_cast<T*>(o.out);
+  a.out_stride = o.out_stride;
+  int64_t rows = p.rows, F = p.F;
+  if (rows_mergeable(p, {o.out_stride}, {p.g_stride, p.u_stride})) {
+    F = rows * F;
+    rows = 1;
+  }
+  // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element.
+  const Operand ops[] = {{o.out, o.out_stride, 1}, {p.g, p.g_stride, p.step},
+                         {p.u, p.u_stride, 1}};
+  const int V = pick_pack(ops, p.step == 1 ? 3 : 2, F, rows, es);
+  a.rows = rows;
+  a.packs = F / V;
+  const LaunchShape s = shape_for(rows, a.packs, unroll_for(es, V), false, p.device_id);
+  a.split_len = s.split_len;
+  const bool weighted = p.w != nullptr;
+  Status r = detail::dispatch_act(p.params.act, [&](auto act) {
+    return detail::dispatch_step(p.step, [&](auto step) {
+      return detail::dispatch_bool(weighted, [&](auto wt) {
+        return launch_fwd_v<T, decltype(act)::value, decltype(step)::value, decltype(wt)::value>(
+            V, a, s, st);
+      });
+    });
+  });
+  if (r != Status::kOk) return r;
+  return cuda_check(cudaGetLastError(), "glu forward kernel launch");
+}
+
+template <typename T>
+Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaStream_t st) {
+  constexpr int es = sizeof(T);
+  KernelArgs<T> a = base_args<T>(p);
+  a.dy = static_cast<const T*>(io.dy);
+  a.dy_stride = io.dy_stride;
+  a.dg = static_cast<T*>(io.dg);
+  a.du = static_cast<T*>(io.du);
+  a.dg_stride = io.dg_stride;
+  a.du_stride = io.du_stride;
+  a.dw = io.dw;
+  a.dw_stride = io.dw_stride;
+  int64_t rows = p.rows, F = p.F;
+  if (rows_mergeable(p, {io.dy_stride}, {p.g_stride, p.u_stride, io.dg_stride, io.du_stride})) {
+    F = rows * F;
+    rows = 1;
+  }
+  const Operand ops[] = {{io.dy, io.dy_stride, 1}, {p.g, p.g_stride, p.step},
+                         {io.dg, io.dg_stride, p.step}, {p.u, p.u_stride, 1},
+                         {io.du, io.du_stride, 1}};
+  const int V = pick_pack(ops, p.step == 1 ? 5 : 3, F, rows, es);
+  a.rows = rows;
+  a.packs = F / V;
+  const bool weighted = p.w != nullptr;
+  const bool row_sum = weighted && io.dw != nullptr;
+  const LaunchShape s = shape_for(rows, a.packs, unroll_for(es, V), row_sum, p.device_id);
+  a.split_len = s.split_len;
+  Status r = detail::dispatch_act(p.params.act, [&](auto act) {
+    return detail::dispatch_step(p.step, [&](auto step) {
+      return detail::dispatch_bool(weighted, [&](auto wt) {
+        return detail::dispatch_bool(row_sum, [&](auto rs) {
+          constexpr bool kW = decltype(wt)::value;
+          constexpr bool kDW = kW && decltype(rs)::value;
+          return launch_bwd_v<T, decltype(act)::value, decltype(step)::value, kW, kDW>(V, a, s, st);
+        });
+      });
+    });
+  });
+  if (r != Status::kOk) return r;
+  return cuda_check(cudaGetLastError(), "glu backward kernel launch");
+}
+
+}  // namespace expertact::cuda
