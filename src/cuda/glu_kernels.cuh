@@ -23,7 +23,7 @@ struct KernelArgs {
   int64_t w_stride;
   int64_t rows;
   int64_t packs;       // packs of V elements per row (F / V)
-  int64_t split_len;   // packs per column split (gridDim.y splits)
+  int64_t splits;      // column splits per row (see row_span)
   math::Coeffs c;
   // forward
   T* out;
@@ -38,20 +38,66 @@ struct KernelArgs {
   int64_t dw_stride;
 };
 
-template <typename T, int V>
+// Pack loads and stores. kHint 1 marks them streaming (ld/st .cs: evict first),
+// since every byte is touched once and L2 is better left to other data.
+template <int B> struct Raw;
+template <> struct Raw<2> { using type = unsigned short; };
+template <> struct Raw<4> { using type = unsigned int; };
+template <> struct Raw<8> { using type = uint2; };
+template <> struct Raw<16> { using type = uint4; };
+
+template <int kHint, typename P>
+__device__ __forceinline__ P ldp(const P* ptr) {
+  if constexpr (kHint == 0) {
+    return *ptr;
+  } else if constexpr (sizeof(P) <= 16) {
+    using R = typename Raw<sizeof(P)>::type;
+    R r = __ldcs(reinterpret_cast<const R*>(ptr));
+    P out;
+    memcpy(&out, &r, sizeof(P));
+    return out;
+  } else {
+    static_assert(sizeof(P) == 32, "pack of 32 bytes");
+    const uint4* q = reinterpret_cast<const uint4*>(ptr);
+    uint4 r[2] = {__ldcs(q), __ldcs(q + 1)};
+    P out;
+    memcpy(&out, r, sizeof(P));
+    return out;
+  }
+}
+
+template <int kHint, typename P>
+__device__ __forceinline__ void stp(P* ptr, const P& v) {
+  if constexpr (kHint == 0) {
+    *ptr = v;
+  } else if constexpr (sizeof(P) <= 16) {
+    using R = typename Raw<sizeof(P)>::type;
+    R r;
+    memcpy(&r, &v, sizeof(P));
+    __stcs(reinterpret_cast<R*>(ptr), r);
+  } else {
+    uint4 r[2];
+    memcpy(r, &v, sizeof(P));
+    uint4* q = reinterpret_cast<uint4*>(ptr);
+    __stcs(q, r[0]);
+    __stcs(q + 1, r[1]);
+  }
+}
+
+template <typename T, int V, int kHint = 0>
 __device__ __forceinline__ void store_v(T* x, int64_t p, const float (&xv)[V]) {
   Pack<T, V> a;
 #pragma unroll
   for (int i = 0; i < V; ++i) a.v[i] = from_f<T>(xv[i]);
-  reinterpret_cast<Pack<T, V>*>(x)[p] = a;
+  stp<kHint>(reinterpret_cast<Pack<T, V>*>(x) + p, a);
 }
 
-template <typename T, int V, int kStep>
+template <typename T, int V, int kStep, int kHint = 0>
 __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&gv)[V],
                                          const float (&uv)[V]) {
   if constexpr (kStep == 1) {
-    store_v<T, V>(dg, p, gv);
-    store_v<T, V>(du, p, uv);
+    store_v<T, V, kHint>(dg, p, gv);
+    store_v<T, V, kHint>(du, p, uv);
   } else {
     Pack<T, 2 * V> a;
 #pragma unroll
@@ -59,33 +105,49 @@ __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&
       a.v[2 * i] = from_f<T>(gv[i]);
       a.v[2 * i + 1] = from_f<T>(uv[i]);
     }
-    reinterpret_cast<Pack<T, 2 * V>*>(dg)[p] = a;
+    stp<kHint>(reinterpret_cast<Pack<T, 2 * V>*>(dg) + p, a);
   }
 }
 
 // Which row and column range this group of G lanes owns.
 // G (lanes per row) is a power of two from 1 to the block size; G <= 32 when
 // the row sum of the weight gradient is wanted (a shuffle reduction).
+// The grid is one-dimensional over (row block, column split), split fastest:
+// block b owns rows [b / splits * rows_per_block, ...) and, of each of those
+// rows, the tiles of G * U packs numbered b % splits, + splits, + 2 splits, ...
+// Round-robin tiles keep the blocks running at one time on neighbouring memory.
 struct RowSpan {
   int64_t row;
   int lane;
-  int64_t begin, end;  // packs [begin, end) of the row
+  int64_t first;  // first pack of this lane's first tile
+  int64_t step;   // packs between this split's consecutive tiles
+  int64_t end;    // packs in the row
 };
 
-__device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t split_len) {
+template <int U>
+__device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t splits) {
   RowSpan s;
   const int rows_per_block = blockDim.x / G;
-  s.row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / G;
+  const int64_t b = blockIdx.x;
+  const int64_t split = splits == 1 ? 0 : b % splits;
+  const int64_t row_block = splits == 1 ? b : b / splits;
+  s.row = row_block * rows_per_block + threadIdx.x / G;
   s.lane = threadIdx.x & (G - 1);
-  s.begin = static_cast<int64_t>(blockIdx.y) * split_len;
-  s.end = s.begin + split_len < packs ? s.begin + split_len : packs;
+  const int64_t tile = static_cast<int64_t>(G) * U;
+  s.first = split * tile + s.lane;
+  s.step = splits * tile;
+  s.end = packs;
   return s;
 }
 
-// Packs in flight per lane: 4 of 16 or 8 bytes, 8 of narrower ones.
-template <typename T, int V>
-constexpr int unroll_of() {
-  return sizeof(T) * V >= 8 ? 4 : 8;
+// Packs in flight per lane, by pack bytes, as measured on the H200 at the seed
+// size (docs/perf-notes.md): forward 2 packs of 16 bytes (4 was 5-8% slower),
+// backward 4 (2 was 3-4% slower); narrower packs keep the bytes in flight.
+constexpr int fwd_unroll_for(int pack_bytes) {
+  return pack_bytes >= 16 ? 2 : pack_bytes >= 8 ? 4 : pack_bytes >= 4 ? 8 : 16;
+}
+constexpr int bwd_unroll_for(int pack_bytes) {
+  return pack_bytes >= 16 ? 4 : pack_bytes >= 8 ? 8 : 16;
 }
 
 // The raw packs of gate and up (one pack of 2V for interleaved rows).
@@ -100,13 +162,13 @@ struct GuPack<T, V, 2> {
   Pack<T, 2 * V> gu;
 };
 
-template <typename T, int V, int kStep>
+template <typename T, int V, int kStep, int kHint = 0>
 __device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPack<T, V, kStep>& r) {
   if constexpr (kStep == 1) {
-    r.g = reinterpret_cast<const Pack<T, V>*>(g)[p];
-    r.u = reinterpret_cast<const Pack<T, V>*>(u)[p];
+    r.g = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(g) + p);
+    r.u = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(u) + p);
   } else {
-    r.gu = reinterpret_cast<const Pack<T, 2 * V>*>(g)[p];
+    r.gu = ldp<kHint>(reinterpret_cast<const Pack<T, 2 * V>*>(g) + p);
   }
 }
 
@@ -121,21 +183,21 @@ __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
 
 // U packs per lane per step: their loads are all issued before the first use,
 // so each lane keeps U * (2 or 3) accesses in flight.
-template <typename T, Activation A, int kStep, bool kW, int V>
+template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unroll_for(sizeof(T) * V),
+          int kHint = 0>
 __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
-  constexpr int U = unroll_of<T, V>();
-  const RowSpan s = row_span(G, a.packs, a.split_len);
+  const RowSpan s = row_span<U>(G, a.packs, a.splits);
   if (s.row >= a.rows) return;
   const T* g = a.g + s.row * a.g_stride;
   const T* u = a.u + s.row * a.u_stride;
   T* out = a.out + s.row * a.out_stride;
   const float w = kW ? a.w[s.row * a.w_stride] : 1.0f;
-  for (int64_t p0 = s.begin + s.lane; p0 < s.end; p0 += static_cast<int64_t>(G) * U) {
+  for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
     GuPack<T, V, kStep> in[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int64_t p = p0 + static_cast<int64_t>(k) * G;
-      if (p < s.end) load_raw<T, V, kStep>(g, u, p, in[k]);
+      if (p < s.end) load_raw<T, V, kStep, kHint>(g, u, p, in[k]);
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -145,7 +207,7 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 #pragma unroll
         for (int i = 0; i < V; ++i)
           ov[i] = math::glu_fwd<A>(gate_of(in[k], i), up_of(in[k], i), w, a.c);
-        store_v<T, V>(out, p, ov);
+        store_v<T, V, kHint>(out, p, ov);
       }
     }
   }
@@ -154,10 +216,10 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 // dg/du may be g/u themselves (in-place): every lane loads its packs before it
 // stores them and no pack is touched by two lanes, so plain loads (not the
 // read-only path) are used and nothing is marked __restrict__.
-template <typename T, Activation A, int kStep, bool kW, bool kDW, int V>
+template <typename T, Activation A, int kStep, bool kW, bool kDW, int V,
+          int U = bwd_unroll_for(sizeof(T) * V), int kHint = 0>
 __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int G) {
-  constexpr int U = unroll_of<T, V>();
-  const RowSpan s = row_span(G, a.packs, a.split_len);
+  const RowSpan s = row_span<U>(G, a.packs, a.splits);
   // Rows past the end still take part in the group reduction below (groups of
   // G < 32 lanes share a warp), so they only skip the loads and stores.
   const bool live = s.row < a.rows;
@@ -170,16 +232,16 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
   T* du = a.du + row * a.du_stride;
   const float w = kW ? a.w[row * a.w_stride] : 1.0f;
   float acc = 0.0f;
-  const int64_t end = live ? s.end : s.begin;
-  for (int64_t p0 = s.begin + s.lane; p0 < end; p0 += static_cast<int64_t>(G) * U) {
+  const int64_t end = live ? s.end : 0;
+  for (int64_t p0 = s.first; p0 < end; p0 += s.step) {
     GuPack<T, V, kStep> in[U];
     Pack<T, V> d[U];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int64_t p = p0 + static_cast<int64_t>(k) * G;
       if (p < end) {
-        load_raw<T, V, kStep>(g, u, p, in[k]);
-        d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
+        load_raw<T, V, kStep, kHint>(g, u, p, in[k]);
+        d[k] = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(dy) + p);
       }
     }
 #pragma unroll
@@ -194,7 +256,7 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
                            duv[i], dwt);
           if constexpr (kDW) acc += dwt;
         }
-        store_gu<T, V, kStep>(dg, du, p, dgv, duv);
+        store_gu<T, V, kStep, kHint>(dg, du, p, dgv, duv);
       }
     }
   }

@@ -12,7 +12,7 @@
 
 namespace expertact::cuda {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 
 // One operand as seen by the alignment proof: its base pointer, row stride (in
 // elements) and the elements one pack of it holds.
@@ -53,32 +53,37 @@ inline int sm_count(int device) {
 }
 
 struct LaunchShape {
+  int threads = kThreads;
   int G = 32;
-  dim3 grid;
-  int64_t split_len = 0;
+  int64_t splits = 1;
+  int64_t blocks = 1;
 };
 
-// Lanes per row: enough to cover a row in about one unrolled step, at most
-// 32 when a row sum is needed, else at most the block. Column splits only
-// when the rows alone would leave the GPU underfilled (and never with a row sum).
+// Measured on the H200 (docs/perf-notes.md, bench/kernel_variants.cu): blocks
+// of 128 threads; 32 lanes per row (a 3072-wide bf16 row is then 12 packs per
+// lane; 64 lanes were 5-15% slower); when rows alone leave the GPU underfilled,
+// the row goes to whole blocks, one tile of G * U packs per block.
+// A row sum (weight gradient) keeps G <= 32 and no splits.
 inline LaunchShape shape_for(int64_t rows, int64_t packs, int U, bool row_sum, int device) {
   LaunchShape s;
-  const int gmax = row_sum ? 32 : kThreads;
-  int G = 1;
-  while (G < gmax && static_cast<int64_t>(G) * 2 * U <= packs) G *= 2;
-  s.G = G;
-  const int64_t rows_per_block = kThreads / G;
-  const int64_t gx = (rows + rows_per_block - 1) / rows_per_block;
-  int64_t splits = 1;
-  const int64_t target = static_cast<int64_t>(sm_count(device)) * 16;
-  if (!row_sum && gx < target) {
-    const int64_t max_useful = (packs + static_cast<int64_t>(G) * U - 1) / (static_cast<int64_t>(G) * U);
-    splits = std::min<int64_t>({(target + gx - 1) / gx, max_useful, 65535});
-    splits = std::max<int64_t>(splits, 1);
+  s.threads = kThreads;
+  auto lanes_for = [&](int cap) {
+    int G = 1;
+    while (G < cap && static_cast<int64_t>(G) * 2 * U <= packs) G *= 2;
+    return G;
+  };
+  s.G = lanes_for(32);
+  int64_t row_blocks = (rows + s.threads / s.G - 1) / (s.threads / s.G);
+  const int64_t target = static_cast<int64_t>(sm_count(device)) * 32;  // blocks for a full GPU
+  if (!row_sum && row_blocks < target) {
+    s.G = lanes_for(s.threads);
+    row_blocks = (rows + s.threads / s.G - 1) / (s.threads / s.G);
+    const int64_t tile = static_cast<int64_t>(s.G) * U;
+    const int64_t tiles = (packs + tile - 1) / tile;
+    // One tile per block, but at most 2^31 - 1 blocks in all.
+    s.splits = std::max<int64_t>(1, std::min<int64_t>(tiles, 0x7fffffff / row_blocks));
   }
-  s.split_len = (packs + splits - 1) / splits;
-  splits = (packs + s.split_len - 1) / s.split_len;
-  s.grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(splits), 1);
+  s.blocks = row_blocks * s.splits;
   return s;
 }
 
@@ -99,7 +104,7 @@ template <typename T, Activation A, int kStep, bool kW>
 Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
   auto go = [&](auto vtag) {
     constexpr int Vc = decltype(vtag)::value;
-    glu_fwd_kernel<T, A, kStep, kW, Vc><<<s.grid, kThreads, 0, st>>>(a, s.G);
+    glu_fwd_kernel<T, A, kStep, kW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
     return Status::kOk;
   };
   constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
@@ -114,7 +119,7 @@ template <typename T, Activation A, int kStep, bool kW, bool kDW>
 Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
   auto go = [&](auto vtag) {
     constexpr int Vc = decltype(vtag)::value;
-    glu_bwd_kernel<T, A, kStep, kW, kDW, Vc><<<s.grid, kThreads, 0, st>>>(a, s.G);
+    glu_bwd_kernel<T, A, kStep, kW, kDW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
     return Status::kOk;
   };
   constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
@@ -125,7 +130,6 @@ Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
   return go(detail::IntTag<1>{});
 }
 
-inline int unroll_for(int es, int V) { return es * V >= 8 ? 4 : 8; }
 
 template <typename T>
 KernelArgs<T> base_args(const detail::GluProblem& p) {
@@ -158,8 +162,8 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
   const int V = pick_pack(ops, p.step == 1 ? 3 : 2, F, rows, es);
   a.rows = rows;
   a.packs = F / V;
-  const LaunchShape s = shape_for(rows, a.packs, unroll_for(es, V), false, p.device_id);
-  a.split_len = s.split_len;
+  const LaunchShape s = shape_for(rows, a.packs, fwd_unroll_for(es * V), false, p.device_id);
+  a.splits = s.splits;
   const bool weighted = p.w != nullptr;
   Status r = detail::dispatch_act(p.params.act, [&](auto act) {
     return detail::dispatch_step(p.step, [&](auto step) {
@@ -198,8 +202,8 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaSt
   a.packs = F / V;
   const bool weighted = p.w != nullptr;
   const bool row_sum = weighted && io.dw != nullptr;
-  const LaunchShape s = shape_for(rows, a.packs, unroll_for(es, V), row_sum, p.device_id);
-  a.split_len = s.split_len;
+  const LaunchShape s = shape_for(rows, a.packs, bwd_unroll_for(es * V), row_sum, p.device_id);
+  a.splits = s.splits;
   Status r = detail::dispatch_act(p.params.act, [&](auto act) {
     return detail::dispatch_step(p.step, [&](auto step) {
       return detail::dispatch_bool(weighted, [&](auto wt) {

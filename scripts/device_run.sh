@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build (CUDA on, sm_90), C++ tests, sanitizers,
+# GPU benchmark, Python package tests and benchmark. Logs and results go to
+# $OUT (or ./device-out). Stages: STAGES="build ctest sanitize bench python pybench".
+# Needs .deps/include/dlpack/dlpack.h and .deps/googletest (git-ignored, carried).
+set -u
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build ctest sanitize bench python pybench"}
+JOBS=$(nproc)
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  nvcc --version | tail -2
+  python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if has build; then
+  log "build googletest"
+  if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
+    cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF > "$OUT/gtest.log" 2>&1 &&
+      ninja -C /tmp/gtest-build -j"$JOBS" install >> "$OUT/gtest.log" 2>&1 || log "googletest build FAILED"
+  fi
+  log "build expertact"
+  cmake -S . -B build-dev -G Ninja -DEXPERTACT_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${ARCHS:-90} \
+    -DCMAKE_PREFIX_PATH=/tmp/gtest -DEXPERTACT_DLPACK_INCLUDE_DIR=$PWD/.deps/include > "$OUT/build.log" 2>&1 &&
+    ninja -C build-dev -j"$JOBS" >> "$OUT/build.log" 2>&1 && log "build ok" || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+fi
+
+if has ctest; then
+  log "ctest"
+  (cd build-dev && timeout ${CTEST_TIMEOUT:-400} ctest --output-on-failure -j4 > "$OUT/ctest.log" 2>&1)
+  log "ctest rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
+  grep -E "FAILED|Failed|SKIPPED" "$OUT/ctest.log" | head -40
+fi
+
+if has sanitize; then
+  for t in memcheck racecheck; do
+    log "compute-sanitizer $t"
+    for exe in build-dev/tests/cpp/*; do
+      [ -x "$exe" ] && [ -f "$exe" ] || continue
+      timeout 300 compute-sanitizer --tool $t --error-exitcode 9 "$exe" \
+        --gtest_filter="${SANITIZE_FILTER:-*Cuda*Small*:*CUDA*Small*:*Gpu*Small*}" > "$OUT/sanitize-$t-$(basename $exe).log" 2>&1
+      log "$t $(basename $exe) rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitize-$t-$(basename $exe).log" | tr '\n' ' ' | cut -c1-200)"
+    done
+  done
+fi
+
+if has bench; then
+  log "gpu bench"
+  ./build-dev/bench/expertact_gpu_bench ${BENCH_ARGS:-} --json "$OUT/gpu_bench.json" > "$OUT/gpu_bench.md" 2>&1
+  log "gpu bench rc=$?"
+  cat "$OUT/gpu_bench.md"
+fi
+
+if has python; then
+  log "pip install"
+  EXPERTACT_DLPACK_INCLUDE_DIR=$PWD/.deps/include CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=${ARCHS:-90}" \
+    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 && log "pip ok" || { log "pip FAILED"; tail -30 "$OUT/pip.log"; }
+  log "pytest"
+  (cd /tmp && timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider "$OLDPWD/tests/python" > "$OUT/pytest.log" 2>&1)
+  log "pytest rc=$? $(tail -1 "$OUT/pytest.log")"
+fi
+
+if has pybench; then
+  log "python bench"
+  (cd /tmp && PYTHONUNBUFFERED=1 timeout ${PYBENCH_TIMEOUT:-400} python3 -m expertact.bench ${PYBENCH_ARGS:-} --json "$OUT/py_bench.json" --markdown "$OUT/py_bench.md" > "$OUT/py_bench.log" 2>&1)
+  log "python bench rc=$?"
+  tail -40 "$OUT/py_bench.log"
+fi
+log "done"
