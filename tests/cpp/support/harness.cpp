@@ -690,9 +690,12 @@ void expect_run_ok(const RunResult& r, const std::string& label) {
 }  // namespace
 
 void check_case(BackendKind kind, const Case& c, const Plan& plan) {
+  check_case(kind, c, make_inputs(c), plan);
+}
+
+void check_case(BackendKind kind, const Case& c, const Inputs& in, const Plan& plan) {
   SCOPED_TRACE(c.describe() + ", " + wmode_name(plan.wmode) + ", " + backend_name(kind));
   Backend& be = backend(kind);
-  const Inputs in = make_inputs(c);
   const OracleParams op = oracle_params(c.params);
   const bool gpu = kind != BackendKind::kCpu;
   if (plan.forward) {
@@ -745,9 +748,13 @@ void check_case(BackendKind kind, const Case& c, const Plan& plan) {
 }
 
 void check_case_all_modes(BackendKind kind, const Case& c) {
-  check_case(kind, c, Plan{WMode::kNone, true, true, InPlace::kAll});
-  check_case(kind, c, Plan{WMode::kWeights, true, true, InPlace::kGate});
-  check_case(kind, c, Plan{WMode::kWeightsNoGrad, false, true, InPlace::kNo});
+  check_case_all_modes(kind, c, make_inputs(c));
+}
+
+void check_case_all_modes(BackendKind kind, const Case& c, const Inputs& in) {
+  check_case(kind, c, in, Plan{WMode::kNone, true, true, InPlace::kAll});
+  check_case(kind, c, in, Plan{WMode::kWeights, true, true, InPlace::kGate});
+  check_case(kind, c, in, Plan{WMode::kWeightsNoGrad, false, true, InPlace::kNo});
 }
 
 }  // namespace eat

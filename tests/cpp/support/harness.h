@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -135,8 +136,19 @@ struct Plan {
   InPlace inplace = InPlace::kNo;  // an extra in-place backward run when not kNo
 };
 void check_case(BackendKind kind, const Case& c, const Plan& plan);
+// The same with inputs given (rows and F must match the case).
+void check_case(BackendKind kind, const Case& c, const Inputs& in, const Plan& plan);
 // The usual set: no weights + in-place (all), weights + grad + in-place
 // (gate only), weights without grad_weights.
 void check_case_all_modes(BackendKind kind, const Case& c);
+void check_case_all_modes(BackendKind kind, const Case& c, const Inputs& in);
+
+inline void PrintTo(BackendKind k, std::ostream* os) { *os << backend_name(k); }
 
 }  // namespace eat
+
+// Readable parameter values in gtest's output.
+namespace expertact {
+inline void PrintTo(Layout l, std::ostream* os) { *os << eat::layout_name(l); }
+inline void PrintTo(DType d, std::ostream* os) { *os << eat::dtype_name(d); }
+}  // namespace expertact
