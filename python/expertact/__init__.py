@@ -1,0 +1,54 @@
+"""expertact: fused gated activations (SwiGLU variants, GeGLU) of Mixture-of-Experts
+expert MLPs, forward and backward, for CPU and CUDA tensors.
+
+    import expertact
+    h = expertact.swiglu_oai(gate_up, layout="interleaved")      # GPT-OSS
+    h = expertact.swiglu(gate, up, inplace_backward=True)         # 3x less extra memory
+    h = expertact.glu(gate, up, activation="silu", alpha=1.0, limit=10.0, beta=0.0)
+
+The tensor API needs torch (an optional dependency); the C library's information
+(has_cuda, cpu_threads, ...) is available without it. DeepSpeed's names and
+signatures are in ``expertact.deepspeed``.
+"""
+from __future__ import annotations
+
+from ._capi import (
+    LIBRARY_PATH,
+    ExpertactError,
+    abi_version,
+    cpu_threads,
+    has_cuda,
+    set_cpu_threads,
+)
+
+__version__ = "0.1.0"
+
+_TORCH_NAMES = (
+    "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS",
+    "swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation", "deepspeed", "ops",
+)
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # the C library alone
+    _torch = None
+
+if _torch is not None:
+    from . import deepspeed
+    from ._ops import glu_op as _glu_op  # noqa: F401  (registers the torch.ops.expertact operators)
+    from .deepspeed import apply_expert_activation, apply_packed_expert_activation, swiglu_packed
+    from .functional import ACTIVATIONS, LAYOUTS, PRESETS, geglu_tanh, glu, swiglu, swiglu_clamped, swiglu_oai
+
+    ops = _torch.ops.expertact
+else:
+
+    def __getattr__(name):
+        if name in _TORCH_NAMES:
+            raise ImportError(f"expertact.{name} needs torch (pip install torch); it is not installed")
+        raise AttributeError(f"module 'expertact' has no attribute {name!r}")
+
+
+__all__ = [
+    "LIBRARY_PATH", "ExpertactError", "abi_version", "cpu_threads", "has_cuda", "set_cpu_threads",
+    "__version__", *_TORCH_NAMES,
+]

@@ -1,0 +1,210 @@
+"""ctypes binding of the C ABI (include/expertact/expertact_c.h): the library,
+the DLPack structs, and the status -> Python exception mapping. No torch here.
+
+Per-call cost is what matters (STYLE.md: ~1 us for ctypes over raw pointers,
+~2.4 us per tensor through __dlpack__ capsules), so DLTensor structs and their
+shape/stride arrays are allocated once per thread and refilled on each call.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+import threading
+from ctypes import POINTER, byref, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint16, c_uint64, c_void_p
+
+ABI_VERSION = 1
+
+# expertact_status values
+OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = 0, 1, 2, 3, 4
+
+# DLPack codes (dlpack.h)
+DL_CPU, DL_CUDA = 1, 2
+DL_INT, DL_UINT, DL_FLOAT, DL_BFLOAT, DL_COMPLEX, DL_BOOL = 0, 1, 2, 4, 5, 6
+
+LAYOUT_SEPARATE, LAYOUT_HALVES, LAYOUT_HALVES_UP_FIRST, LAYOUT_INTERLEAVED = 0, 1, 2, 3
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("device", DLDevice),
+        ("ndim", c_int32),
+        ("dtype", DLDataType),
+        ("shape", POINTER(c_int64)),
+        ("strides", POINTER(c_int64)),
+        ("byte_offset", c_uint64),
+    ]
+
+
+class Params(ctypes.Structure):
+    """expertact_params: act (0 silu, 1 gelu_tanh), alpha, limit (+inf: no clamp), beta."""
+
+    _fields_ = [("act", c_int32), ("alpha", c_float), ("limit", c_float), ("beta", c_float)]
+
+
+class ExpertactError(RuntimeError):
+    """An internal error of the library (EXPERTACT_INTERNAL): please report it."""
+
+
+def _library_path() -> str:
+    override = os.environ.get("EXPERTACT_LIBRARY")
+    if override:
+        return override
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = {"win32": "expertact.dll", "darwin": "libexpertact.dylib"}
+    return os.path.join(here, names.get(sys.platform, "libexpertact.so"))
+
+
+def _load():
+    path = _library_path()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(
+            f"expertact: cannot load the C library {path!r} ({e}); build and install the package "
+            "with `pip install .` (or point EXPERTACT_LIBRARY at a built libexpertact.so)"
+        ) from None
+    P = POINTER(DLTensor)
+    lib.expertact_preset.argtypes = [c_char_p, c_float, c_float, POINTER(Params)]
+    lib.expertact_glu_forward.argtypes = [POINTER(Params), c_int32, P, P, P, P, c_void_p]
+    lib.expertact_glu_backward.argtypes = [POINTER(Params), c_int32, P, P, P, P, P, P, P, c_void_p]
+    for f in (lib.expertact_preset, lib.expertact_glu_forward, lib.expertact_glu_backward,
+              lib.expertact_has_cuda, lib.expertact_abi_version, lib.expertact_cpu_threads):
+        f.restype = c_int32
+    lib.expertact_last_error.argtypes = []
+    lib.expertact_last_error.restype = c_char_p
+    lib.expertact_set_cpu_threads.argtypes = [c_int32]
+    lib.expertact_set_cpu_threads.restype = None
+    got = lib.expertact_abi_version()
+    if got != ABI_VERSION:
+        raise ImportError(f"expertact: {path!r} has C ABI version {got}, this package expects {ABI_VERSION}")
+    return lib, path
+
+
+LIB, LIBRARY_PATH = _load()
+_forward = LIB.expertact_glu_forward
+_backward = LIB.expertact_glu_backward
+
+
+def last_error() -> str:
+    msg = LIB.expertact_last_error()
+    return msg.decode("utf-8", "replace") if msg else ""
+
+
+def raise_for(status: int) -> None:
+    """Maps a failed status to the Python exception for it, with the library's message.
+
+    INVALID_ARGUMENT -> ValueError (TypeError when the message is about a dtype),
+    UNSUPPORTED -> NotImplementedError (a RuntimeError), CUDA_ERROR -> RuntimeError,
+    INTERNAL -> ExpertactError (a RuntimeError).
+    """
+    msg = "expertact: " + (last_error() or f"call failed with status {status}")
+    if status == INVALID_ARGUMENT:
+        raise (TypeError if "dtype" in msg or "must be float32" in msg else ValueError)(msg)
+    if status == UNSUPPORTED:
+        raise NotImplementedError(msg)
+    if status == CUDA_ERROR:
+        raise RuntimeError(msg)
+    raise ExpertactError(msg + " (internal error: please report it)")
+
+
+def has_cuda() -> bool:
+    """Whether this build of the library has the CUDA path."""
+    return bool(LIB.expertact_has_cuda())
+
+
+def abi_version() -> int:
+    return int(LIB.expertact_abi_version())
+
+
+def cpu_threads() -> int:
+    """Worker threads of the CPU path."""
+    return int(LIB.expertact_cpu_threads())
+
+
+def set_cpu_threads(n: int) -> None:
+    """Sets the CPU path's worker threads (0 restores the default: EXPERTACT_NUM_THREADS, else all cores)."""
+    LIB.expertact_set_cpu_threads(int(n))
+
+
+def preset(name: str, alpha: float = math.nan, limit: float = math.nan) -> tuple:
+    """(act, alpha, limit, beta) of a named preset, as the C library defines it (NaN keeps a default)."""
+    p = Params()
+    status = LIB.expertact_preset(name.encode(), alpha, limit, byref(p))
+    if status:
+        raise_for(status)
+    return (p.act, p.alpha, p.limit, p.beta)
+
+
+_MAX_DIMS = 8
+
+
+class Slot:
+    """One reusable DLTensor with room for _MAX_DIMS dims (more get arrays of their own)."""
+
+    __slots__ = ("t", "shape", "strides", "ref")
+
+    def __init__(self):
+        self.t = DLTensor()
+        self.shape = (c_int64 * _MAX_DIMS)()
+        self.strides = (c_int64 * _MAX_DIMS)()
+        self.t.shape = ctypes.cast(self.shape, POINTER(c_int64))
+        self.t.strides = ctypes.cast(self.strides, POINTER(c_int64))
+        self.t.dtype.lanes = 1
+        self.ref = byref(self.t)
+
+    def fill(self, data: int, device_type: int, device_id: int, code: int, bits: int, shape, strides):
+        t = self.t
+        t.data = data
+        t.device.device_type = device_type
+        t.device.device_id = device_id
+        t.dtype.code = code
+        t.dtype.bits = bits
+        n = len(shape)
+        t.ndim = n
+        if n <= _MAX_DIMS:
+            self.shape[:n] = shape
+            self.strides[:n] = strides
+        else:  # rare: arrays of their own, kept alive on the slot until the next fill
+            self.shape = (c_int64 * n)(*shape)
+            self.strides = (c_int64 * n)(*strides)
+            t.shape = ctypes.cast(self.shape, POINTER(c_int64))
+            t.strides = ctypes.cast(self.strides, POINTER(c_int64))
+        return self.ref
+
+
+class Workspace(threading.local):
+    """Per-thread structs: autograd may run a backward on another thread than its forward."""
+
+    def __init__(self):
+        self.params = Params()
+        self.params_ref = byref(self.params)
+        self.slots = [Slot() for _ in range(7)]
+
+
+WORKSPACE = Workspace()
+
+
+def glu_forward(params_ref, layout: int, x, up, weights, out, stream: int) -> None:
+    """Raw call: x, up, weights, out are byref(DLTensor) or None; raises on failure."""
+    status = _forward(params_ref, layout, x, up, weights, out, stream)
+    if status:
+        raise_for(status)
+
+
+def glu_backward(params_ref, layout: int, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
+                 stream: int) -> None:
+    status = _backward(params_ref, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights, stream)
+    if status:
+        raise_for(status)
