@@ -151,4 +151,9 @@ inline void PrintTo(BackendKind k, std::ostream* os) { *os << backend_name(k); }
 namespace expertact {
 inline void PrintTo(Layout l, std::ostream* os) { *os << eat::layout_name(l); }
 inline void PrintTo(DType d, std::ostream* os) { *os << eat::dtype_name(d); }
+inline void PrintTo(Status s, std::ostream* os) {
+  static const char* names[] = {"kOk", "kInvalidArgument", "kUnsupported", "kCudaError", "kInternal"};
+  const int i = static_cast<int>(s);
+  *os << (i >= 0 && i < 5 ? names[i] : "Status(?)");
+}
 }  // namespace expertact
