@@ -90,11 +90,15 @@ Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
                 strides_str(*t),
                 ": the last dimension must be contiguous (stride 1); copy it first");
   // Collapse leading dims (size-1 dims carry no stride information).
-  int64_t row_stride = -1;  // stride of the innermost leading dim of size > 1
-  int64_t expect = -1;      // stride the next outer dim must have to collapse
+  // A found flag, not a sentinel value: a negative stride (reversed rows) must
+  // reach check_matrix's refusal, not be taken for "none found yet".
+  bool found = false;
+  int64_t row_stride = 0;  // stride of the innermost leading dim of size > 1
+  int64_t expect = 0;      // stride the next outer dim must have to collapse
   for (int i = nd - 2; i >= 0; --i) {
     if (t->shape[i] == 1) continue;
-    if (row_stride < 0) {
+    if (!found) {
+      found = true;
       row_stride = t->strides[i];
       expect = row_stride * t->shape[i];
     } else {
@@ -105,7 +109,7 @@ Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
       expect *= t->shape[i];
     }
   }
-  m.row_stride = row_stride < 0 ? cols : row_stride;
+  m.row_stride = found ? row_stride : cols;
   return Status::kOk;
 }
 
