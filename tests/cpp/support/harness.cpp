@@ -223,8 +223,9 @@ void mark(std::vector<uint8_t>& mask, const Mat& m) {
     for (int64_t c = 0; c < m.cols; ++c) std::memset(&mask[m.pos(r, c)], 1, m.es);
 }
 
-// Logical packed [rows, 2F] matrix from gate and up, and back.
-std::vector<float> pack(Layout l, int64_t rows, int64_t F, const std::vector<float>& g,
+}  // namespace
+
+std::vector<float> pack_layout(Layout l, int64_t rows, int64_t F, const std::vector<float>& g,
                         const std::vector<float>& u) {
   std::vector<float> x(static_cast<size_t>(rows * 2 * F));
   for (int64_t r = 0; r < rows; ++r)
@@ -241,7 +242,7 @@ std::vector<float> pack(Layout l, int64_t rows, int64_t F, const std::vector<flo
   return x;
 }
 
-void unpack(Layout l, int64_t rows, int64_t F, const std::vector<float>& x, std::vector<float>& g,
+void unpack_layout(Layout l, int64_t rows, int64_t F, const std::vector<float>& x, std::vector<float>& g,
             std::vector<float>& u) {
   g.assign(static_cast<size_t>(rows * F), 0.0f);
   u.assign(static_cast<size_t>(rows * F), 0.0f);
@@ -258,6 +259,8 @@ void unpack(Layout l, int64_t rows, int64_t F, const std::vector<float>& x, std:
       }
     }
 }
+
+namespace {
 
 // One buffer of a run: its contents before the call, and the views the call writes.
 struct Slot {
@@ -373,7 +376,7 @@ Operands lay_inputs(Arena& a, const Case& c, const Inputs& in, bool weights) {
   } else {
     o.x = place(R, 2 * F, 2 * F + c.x_extra, c.dtype, c.offset);
     o.sx = a.add("gate_up", {o.x}, 0xFF);
-    if (!a.failed()) put(o.sx->buf->image, o.x, pack(c.layout, R, F, in.gate, in.up).data());
+    if (!a.failed()) put(o.sx->buf->image, o.x, pack_layout(c.layout, R, F, in.gate, in.up).data());
   }
   if (weights) {
     o.w = place_vector(R, c.w_stride);
@@ -477,7 +480,7 @@ RunResult run_backward(Backend& be, const Case& c, const Inputs& in, WMode wm, I
     res.dgate = get(sgx->buf->image, gx);
     res.dup = get(sgu->buf->image, gu);
   } else {
-    unpack(c.layout, R, F, get(sgx->buf->image, gx), res.dgate, res.dup);
+    unpack_layout(c.layout, R, F, get(sgx->buf->image, gx), res.dgate, res.dup);
   }
   if (want_gw) res.dw = get(sgw->buf->image, gw);
   return res;

@@ -73,6 +73,11 @@ struct Inputs {
   std::vector<float> gate, up, dy, w;  // values exact in the dtype; [rows, F] and [rows]
 };
 Inputs make_inputs(const Case& c);
+// The logical packed [rows, 2F] input of a layout from gate and up, and back.
+std::vector<float> pack_layout(Layout l, int64_t rows, int64_t F, const std::vector<float>& g,
+                               const std::vector<float>& u);
+void unpack_layout(Layout l, int64_t rows, int64_t F, const std::vector<float>& x,
+                   std::vector<float>& g, std::vector<float>& u);
 // The special values used for a case (in the dtype).
 std::vector<double> special_values(const Case& c);
 
