@@ -136,5 +136,37 @@ int main() {
     }
     CK(cudaFree(in)); CK(cudaFree(out)); CK(cudaFree(dy)); CK(cudaFree(grad));
   }
+  // Odd F in the halves layout: no pack wider than one element is aligned in
+  // every row; how many 2-byte packs in flight per lane does the kernel need?
+  {
+    const int64_t rows = 65536, F = 2881, n = rows * F;
+    const size_t tb = n * 2;
+    void *in, *out, *dy, *grad;
+    CK(cudaMalloc(&in, 2 * tb)); CK(cudaMalloc(&out, tb)); CK(cudaMalloc(&dy, tb)); CK(cudaMalloc(&grad, 2 * tb));
+    fill<<<4096, 256>>>((uint16_t*)in, 2 * n, 6.0f);
+    fill<<<4096, 256>>>((uint16_t*)dy, n, 1.0f);
+    CK(cudaDeviceSynchronize());
+    float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
+    const double bw = 2.0 * 2 * tb / (copy * 1e-3);
+    const double ff = 3.0 * tb / bw * 1e3, bf = 5.0 * tb / bw * 1e3;
+    std::printf("\nodd F %lld x %lld bf16 halves, 2-byte packs: fwd floor %.3f bwd floor %.3f\n", (long long)rows, (long long)F, ff, bf);
+    KernelArgs<T> a{};
+    a.c = c;
+    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows; a.packs = F;
+    a.out = (T*)out; a.out_stride = F; a.dy = (const T*)dy; a.dy_stride = F;
+    a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F; a.splits = 1;
+    auto one = [&](auto ut, int thr, int G) {
+      constexpr int U = decltype(ut)::value;
+      const int64_t blocks = (rows + thr / G - 1) / (thr / G);
+      float f = med([&] { glu_fwd_kernel<T, Activation::kSilu, 1, false, 1, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float b = med([&] { glu_bwd_kernel<T, Activation::kSilu, 1, false, false, 1, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      std::printf("thr=%d G=%d U=%2d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) sum %.1f%%\n", thr, G, U, f, 100 * ff / f, b, 100 * bf / b, 100 * (ff + bf) / (f + b));
+    };
+    for (int thr : {128, 256}) {
+      one(std::integral_constant<int, 8>{}, thr, 32);
+      one(std::integral_constant<int, 16>{}, thr, 32);
+      one(std::integral_constant<int, 32>{}, thr, 32);
+    }
+  }
   return 0;
 }

@@ -31,9 +31,8 @@ EA_HD uint32_t as_bits(float f) {
 #endif
 }
 
-// e^x. On the device: __expf (ex2.approx: 2 MUFU-class instructions instead
-// of ~8; relative error ~2 ulp + |x| * 2^-24, which only touches results whose
-// magnitude is far below the tolerances). On the host a branch-free
+// e^x. On the device: ex2.approx (as __expf: relative error ~2 ulp + |x| * 2^-24,
+// which only touches results whose magnitude is far below the tolerances). On the host a branch-free
 // version the compiler vectorizes (glibc's expf is a scalar call): x = n ln2 + r,
 // |r| <= ln2/2, e^r by its Taylor series to degree 7 (truncation < 2^-27
 // relative), times 2^n built in the exponent bits. Inputs past the float range
@@ -42,7 +41,12 @@ EA_HD uint32_t as_bits(float f) {
 // NaN in, NaN out.
 EA_HD float exp_f(float x) {
 #if defined(__CUDA_ARCH__)
-  return __expf(x);
+  // 2^(x log2 e) with the flush-to-zero form of ex2: one MUFU instruction,
+  // where the IEEE-denormal form adds range fix-ups around it. Only results
+  // below 2^-126 differ (they become 0), which no sigmoid or tanh here can see.
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
 #else
   const float kHi = 88.72283f;   // ln(FLT_MAX)
   const float kLo = -87.33654f;  // ln(FLT_MIN)
@@ -72,12 +76,14 @@ EA_HD float exp_f(float x) {
 #endif
 }
 
-// a / b. On the device the fast division (reciprocal + multiply, ~2 ulp); it
-// returns 0 for |b| > 2^126, which is what sigmoid and tanh want there (the
+// a / b. On the device the fast division (div.approx, as __fdividef:
+// reciprocal + multiply, ~2 ulp); it returns 0 for |b| > 2^126, which is what sigmoid and tanh want there (the
 // exact quotient is below 1e-37). On the host an IEEE division.
 EA_HD float div_f(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  return __fdividef(a, b);
+  float y;
+  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
 #else
   return a / b;
 #endif

@@ -128,9 +128,11 @@ template <int U>
 __device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t splits) {
   RowSpan s;
   const int rows_per_block = blockDim.x / G;
-  const int64_t b = blockIdx.x;
-  const int64_t split = splits == 1 ? 0 : b % splits;
-  const int64_t row_block = splits == 1 ? b : b / splits;
+  // 32-bit division (the grid has < 2^31 blocks): once per thread.
+  const uint32_t b = blockIdx.x;
+  const uint32_t sp = static_cast<uint32_t>(splits);
+  const int64_t split = sp == 1 ? 0 : b % sp;
+  const int64_t row_block = sp == 1 ? b : b / sp;
   s.row = row_block * rows_per_block + threadIdx.x / G;
   s.lane = threadIdx.x & (G - 1);
   const int64_t tile = static_cast<int64_t>(G) * U;
@@ -143,11 +145,13 @@ __device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t splits
 // Packs in flight per lane, by pack bytes, as measured on the H200 at the seed
 // size (docs/perf-notes.md): forward 2 packs of 16 bytes (4 was 5-8% slower),
 // backward 4 (2 was 3-4% slower); narrower packs keep the bytes in flight.
+// pack_bytes: the widest access of one pack (an interleaved gate_up pack is
+// twice the output pack).
 constexpr int fwd_unroll_for(int pack_bytes) {
   return pack_bytes >= 16 ? 2 : pack_bytes >= 8 ? 4 : pack_bytes >= 4 ? 8 : 16;
 }
 constexpr int bwd_unroll_for(int pack_bytes) {
-  return pack_bytes >= 16 ? 4 : pack_bytes >= 8 ? 8 : 16;
+  return pack_bytes >= 32 ? 2 : pack_bytes >= 16 ? 4 : pack_bytes >= 8 ? 8 : 16;
 }
 
 // The raw packs of gate and up (one pack of 2V for interleaved rows).
@@ -183,7 +187,7 @@ __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
 
 // U packs per lane per step: their loads are all issued before the first use,
 // so each lane keeps U * (2 or 3) accesses in flight.
-template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unroll_for(sizeof(T) * V),
+template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unroll_for(sizeof(T) * V * kStep),
           int kHint = 0>
 __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 // stores them and no pack is touched by two lanes, so plain loads (not the
 // read-only path) are used and nothing is marked __restrict__.
 template <typename T, Activation A, int kStep, bool kW, bool kDW, int V,
-          int U = bwd_unroll_for(sizeof(T) * V), int kHint = 0>
+          int U = bwd_unroll_for(sizeof(T) * V * kStep), int kHint = 0>
 __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int G) {
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   // Rows past the end still take part in the group reduction below (groups of

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what the tests need, builds the C++ core (and the CUDA path when nvcc
+# is present, for sm_80 and sm_90), runs the GoogleTest suite, installs the
+# Python package and runs pytest. GPU tests skip cleanly on a machine without one.
+#   bash scripts/test.sh            (from the repository root)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+PY=${PYTHON:-python3}
+
+echo "== installing build and test dependencies"
+if command -v apt-get > /dev/null; then
+  if ! dpkg -s libdlpack-dev libgtest-dev > /dev/null 2>&1; then
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
+  fi
+fi
+# torch 2.13.0 is the CPU build on this workplace's machines; never a CUDA build here.
+$PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
+
+BUILD=${BUILD_DIR:-build/test}
+echo "== configuring (CUDA: ${EXPERTACT_CUDA:-AUTO})"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${EXPERTACT_CUDA:-AUTO}" \
+  -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD.configure.log" 2>&1 || {
+  cat "$BUILD.configure.log"; exit 1; }
+grep "expertact:" "$BUILD.configure.log" || true
+echo "== building"
+cmake --build "$BUILD" -j "$(nproc)"
+echo "== C++ tests (GoogleTest via ctest)"
+ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
+
+echo "== Python package"
+# The C++ build above already compiled (and so checked) the CUDA sources; the
+# package is built CPU-only here unless EXPERTACT_PIP_CUDA=AUTO or ON.
+CMAKE_ARGS="-DEXPERTACT_CUDA=${EXPERTACT_PIP_CUDA:-OFF}" $PY -m pip install -q --no-build-isolation --no-deps .
+echo "== Python tests (pytest)"
+(cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python")
