@@ -151,37 +151,24 @@ _MAX_DIMS = 8
 
 
 class Slot:
-    """One reusable DLTensor with room for _MAX_DIMS dims (more get arrays of their own)."""
+    """One reusable DLTensor with room for _MAX_DIMS dims, plus views of its nested
+    structs (each ctypes attribute access of a nested struct builds a new object)."""
 
-    __slots__ = ("t", "shape", "strides", "ref")
+    __slots__ = ("t", "dev", "shape", "strides", "ref")
 
     def __init__(self):
         self.t = DLTensor()
-        self.shape = (c_int64 * _MAX_DIMS)()
-        self.strides = (c_int64 * _MAX_DIMS)()
-        self.t.shape = ctypes.cast(self.shape, POINTER(c_int64))
-        self.t.strides = ctypes.cast(self.strides, POINTER(c_int64))
+        self.dev = self.t.device
         self.t.dtype.lanes = 1
         self.ref = byref(self.t)
+        self.resize(_MAX_DIMS)
 
-    def fill(self, data: int, device_type: int, device_id: int, code: int, bits: int, shape, strides):
-        t = self.t
-        t.data = data
-        t.device.device_type = device_type
-        t.device.device_id = device_id
-        t.dtype.code = code
-        t.dtype.bits = bits
-        n = len(shape)
-        t.ndim = n
-        if n <= _MAX_DIMS:
-            self.shape[:n] = shape
-            self.strides[:n] = strides
-        else:  # rare: arrays of their own, kept alive on the slot until the next fill
-            self.shape = (c_int64 * n)(*shape)
-            self.strides = (c_int64 * n)(*strides)
-            t.shape = ctypes.cast(self.shape, POINTER(c_int64))
-            t.strides = ctypes.cast(self.strides, POINTER(c_int64))
-        return self.ref
+    def resize(self, n: int) -> None:
+        """Shape and stride arrays for n dims (kept alive here while the DLTensor points at them)."""
+        self.shape = (c_int64 * n)()
+        self.strides = (c_int64 * n)()
+        self.t.shape = ctypes.cast(self.shape, POINTER(c_int64))
+        self.t.strides = ctypes.cast(self.strides, POINTER(c_int64))
 
 
 class Workspace(threading.local):

@@ -1,7 +1,8 @@
 """The torch operators: expertact::glu (differentiable), expertact::glu_backward and the
 in-place expertact::glu_backward_, registered through torch.library (define/impl,
-register_fake, register_autograd) so that torch.compile traces them with no graph
-break. Each kernel builds DLTensors straight from the tensors and calls the C ABI
+register_fake, and an Autograd kernel around a torch.autograd.Function: what
+register_autograd builds, without its per-call schema walk) so that torch.compile
+traces them with no graph break. Each kernel builds DLTensors straight from the tensors and calls the C ABI
 on the current stream of the tensors' own device; the library validates everything.
 
 Memory (SPEC section 3): the forward saves only its inputs (and weights) for
@@ -34,23 +35,33 @@ _LIB.define(
     "Tensor(c!)? grad_weights, int layout, int act, float alpha, float limit, float beta) -> ()"
 )
 
-# torch dtype -> DLPack (code, bits). Only the first three are accepted by the
-# library; the others are named so that its message says what was passed.
+# torch dtype -> DLPack dtype. Only the first three are accepted by the library; the
+# others are named so that its message says what was passed.
+def _dl_dtype(code, bits):
+    d = _capi.DLDataType()
+    d.code, d.bits, d.lanes = code, bits, 1
+    return d
+
+
 _DL_DTYPES = {
-    torch.float32: (_capi.DL_FLOAT, 32),
-    torch.float16: (_capi.DL_FLOAT, 16),
-    torch.bfloat16: (_capi.DL_BFLOAT, 16),
-    torch.float64: (_capi.DL_FLOAT, 64),
-    torch.int8: (_capi.DL_INT, 8),
-    torch.int16: (_capi.DL_INT, 16),
-    torch.int32: (_capi.DL_INT, 32),
-    torch.int64: (_capi.DL_INT, 64),
-    torch.uint8: (_capi.DL_UINT, 8),
-    torch.bool: (_capi.DL_BOOL, 8),
-    torch.complex64: (_capi.DL_COMPLEX, 64),
-    torch.complex128: (_capi.DL_COMPLEX, 128),
+    dt: _dl_dtype(code, bits) for dt, (code, bits) in {
+        torch.float32: (_capi.DL_FLOAT, 32),
+        torch.float16: (_capi.DL_FLOAT, 16),
+        torch.bfloat16: (_capi.DL_BFLOAT, 16),
+        torch.float64: (_capi.DL_FLOAT, 64),
+        torch.int8: (_capi.DL_INT, 8),
+        torch.int16: (_capi.DL_INT, 16),
+        torch.int32: (_capi.DL_INT, 32),
+        torch.int64: (_capi.DL_INT, 64),
+        torch.uint8: (_capi.DL_UINT, 8),
+        torch.bool: (_capi.DL_BOOL, 8),
+        torch.complex64: (_capi.DL_COMPLEX, 64),
+        torch.complex128: (_capi.DL_COMPLEX, 128),
+    }.items()
 }
 _UNKNOWN_DTYPE_CODE = 255
+_MAX_DIMS = _capi._MAX_DIMS
+_DL_CPU, _DL_CUDA = _capi.DL_CPU, _capi.DL_CUDA
 
 try:  # the raw cudaStream_t of a device's current stream, without building a torch.cuda.Stream
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -67,28 +78,24 @@ def _dl(slot, t):
     """Fills a reusable DLTensor from a tensor (its data pointer already includes the storage offset)."""
     d = slot.t
     d.data = t.data_ptr()
-    if t.is_cuda:
-        d.device.device_type = _capi.DL_CUDA
-        d.device.device_id = t.get_device()
-    elif t.is_cpu:
-        d.device.device_type = _capi.DL_CPU
-        d.device.device_id = 0
-    else:  # not reachable through the ops (only CPU and CUDA kernels are registered)
-        d.device.device_type = 0
-        d.device.device_id = 0
-    code_bits = _DL_DTYPES.get(t.dtype)
-    if code_bits is None:
-        code_bits = (_UNKNOWN_DTYPE_CODE, t.element_size() * 8)
-    d.dtype.code, d.dtype.bits = code_bits
+    dev = slot.dev
+    idx = t.get_device()  # -1 for CPU tensors
+    if idx < 0:
+        dev.device_type = _DL_CPU if t.is_cpu else 0  # 0: not cpu/cuda, which the library names
+        dev.device_id = 0
+    else:
+        dev.device_type = _DL_CUDA if t.is_cuda else 0
+        dev.device_id = idx
+    dt = _DL_DTYPES.get(t.dtype)
+    d.dtype = dt if dt is not None else _dl_dtype(_UNKNOWN_DTYPE_CODE, t.element_size() * 8)
     shape = t.shape
     n = len(shape)
-    if n <= _capi._MAX_DIMS:
-        d.ndim = n
-        slot.shape[:n] = shape
-        slot.strides[:n] = t.stride()
-        return slot.ref
-    return slot.fill(d.data, d.device.device_type, d.device.device_id, code_bits[0], code_bits[1],
-                     shape, t.stride())
+    d.ndim = n
+    if n > _MAX_DIMS and len(slot.shape) < n:
+        slot.resize(n)
+    slot.shape[:n] = shape
+    slot.strides[:n] = t.stride()
+    return slot.ref
 
 
 def _stream(t) -> int:
@@ -166,10 +173,11 @@ def _vec(t):
 
 
 def _out_cols(x, layout):
-    if x.dim() == 0:
-        return ()  # the library refuses a 0-dim input with a message naming it
-    c = x.shape[-1]
-    return (*x.shape[:-1], c if layout == _capi.LAYOUT_SEPARATE else c // 2)
+    shape = x.shape
+    if not shape:
+        return shape  # 0-dim: the library refuses it with a message naming it
+    c = shape[-1]
+    return shape[:-1] + (c if layout == _capi.LAYOUT_SEPARATE else c // 2,)
 
 
 # ---------------------------------------------------------------------------
@@ -179,7 +187,7 @@ def _out_cols(x, layout):
 
 def _glu_kernel(x, up, weights, layout, act, alpha, limit, beta, inplace_backward=False):
     x, up, weights = _rows(x), _rows(up), _vec(weights)
-    out = torch.empty(_out_cols(x, layout), dtype=x.dtype, device=x.device)
+    out = x.new_empty(_out_cols(x, layout))
     s = _WS.slots
     status = _fwd(
         _params(act, alpha, limit, beta), layout, _dl(s[0], x),
@@ -193,8 +201,8 @@ def _glu_kernel(x, up, weights, layout, act, alpha, limit, beta, inplace_backwar
 
 def _glu_backward_kernel(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta):
     grad_out, x, up, weights = _rows(grad_out), _rows(x), _rows(up), _vec(weights)
-    gx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    gu = None if up is None else torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    gx = x.new_empty(x.shape)
+    gu = None if up is None else up.new_empty(up.shape)
     gw = None
     if weights_grad:
         # With no weights: a 0-element buffer, which the library refuses with its own message.
@@ -310,42 +318,62 @@ _SECOND_BACKWARD_MSG = (
 )
 
 
-def _setup_context(ctx, inputs, output):
-    x, up, weights, layout, act, alpha, limit, beta = inputs[:8]
-    ctx.save_for_backward(x, up, weights)
-    ctx.args = (layout, act, alpha, limit, beta)
-    ctx.inplace = bool(inputs[8]) if len(inputs) > 8 else False
-    ctx.spent = False
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
-def _glu_autograd_backward(ctx, grad):
-    if torch.is_grad_enabled():
-        raise RuntimeError(_CREATE_GRAPH_MSG)
-    need = ctx.needs_input_grad
-    if ctx.inplace and ctx.spent:
-        raise RuntimeError(_SECOND_BACKWARD_MSG)
-    x, up, weights = ctx.saved_tensors
-    grad = _rows(grad)
-    weights_grad = weights is not None and need[2]
-    # In place only when every tensor it would overwrite wants its gradient: never
-    # destroy an input that is not being differentiated.
-    if ctx.inplace and need[0] and (up is None or need[1]):
-        ctx.spent = True
-        gw = None
-        if weights_grad:
-            gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
-        glu_backward_inplace_op(grad, x, up, weights, gw, *ctx.args)
-        # Fresh aliases of the overwritten inputs: an AccumulateGrad of a leaf can then
-        # take them as .grad without a copy.
-        gx = x.detach()
-        gu = None if up is None else up.detach()
-        return gx, gu, gw, None, None, None, None, None, None
-    res = glu_backward_op(grad, x, up, weights, weights_grad, *ctx.args)
-    gx = res[0]
-    gu = res[1] if up is not None else None
-    gw = res[-1] if weights_grad else None
-    return gx, gu, gw, None, None, None, None, None, None
+class _Glu(torch.autograd.Function):
+    """The autograd node of expertact::glu. Registered by hand as the op's Autograd kernel
+    rather than through torch.library.register_autograd, whose wrapper re-reads the schema's
+    arguments on every call (~O(args^2) Python objects: tens of microseconds a call)."""
+
+    @staticmethod
+    def forward(ctx, keyset, x, up, weights, layout, act, alpha, limit, beta, inplace_backward):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = glu_op.redispatch(keyset & _BELOW_AUTOGRAD, x, up, weights, layout, act, alpha, limit, beta,
+                                    inplace_backward)
+        ctx.save_for_backward(x, up, weights)
+        ctx.args = (layout, act, alpha, limit, beta)
+        ctx.inplace = inplace_backward
+        ctx.spent = False
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_CREATE_GRAPH_MSG)
+        if ctx.spent:
+            raise RuntimeError(_SECOND_BACKWARD_MSG)
+        _, need_x, need_up, need_w = ctx.needs_input_grad[:4]
+        x, up, weights = ctx.saved_tensors
+        grad = _rows(grad)
+        weights_grad = weights is not None and need_w
+        # In place only when every tensor it would overwrite wants its gradient: never
+        # destroy an input that is not being differentiated.
+        if ctx.inplace and need_x and (up is None or need_up):
+            ctx.spent = True
+            gw = None
+            if weights_grad:
+                gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
+            glu_backward_inplace_op(grad, x, up, weights, gw, *ctx.args)
+            # Fresh aliases of the overwritten inputs: an AccumulateGrad of a leaf can then
+            # take them as .grad without a copy.
+            gx = x.detach()
+            gu = None if up is None else up.detach()
+            return None, gx, gu, gw, None, None, None, None, None, None
+        res = glu_backward_op(grad, x, up, weights, weights_grad, *ctx.args)
+        gx = res[0]
+        gu = res[1] if up is not None else None
+        gw = res[-1] if weights_grad else None
+        return None, gx, gu, gw, None, None, None, None, None, None
 
 
-torch.library.register_autograd("expertact::glu", _glu_autograd_backward, setup_context=_setup_context,
-                                lib=_LIB)
+def _glu_autograd(keyset, x, up, weights, layout, act, alpha, limit, beta, inplace_backward=False):
+    if torch.is_grad_enabled() and (x.requires_grad or (up is not None and up.requires_grad)
+                                    or (weights is not None and weights.requires_grad)):
+        return _Glu.apply(keyset, x, up, weights, layout, act, alpha, limit, beta, inplace_backward)
+    with torch._C._AutoDispatchBelowAutograd():
+        return glu_op.redispatch(keyset & _BELOW_AUTOGRAD, x, up, weights, layout, act, alpha, limit, beta,
+                                 inplace_backward)
+
+
+_LIB.impl("glu", _glu_autograd, "Autograd", with_keyset=True)

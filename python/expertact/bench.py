@@ -41,6 +41,7 @@ LAYOUTS = ("separate", "halves", "up_first", "interleaved")
 IMPLS = ("eager", "compile", "expertact", "expertact-inplace")
 CUDA_DEFAULT = dict(rows=1_045_081, ffn=3072, dtype="bfloat16")  # the seed: MiniMax-M3's busiest EP rank
 CPU_DEFAULT = dict(rows=4096, ffn=1024, dtype="float32")
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -421,7 +422,7 @@ def main(argv=None):
             fn = make_fn(impl, preset, layout, a.alpha, a.limit)
             r.update(measure(fn, inp, clock, memory, iters, a.warmup, refresh=impl == "expertact-inplace"))
             r["pct_floor"] = floor_ms / r["ms"] * 100
-        except torch.OutOfMemoryError:
+        except _OOM:
             r["error"] = "OOM"
         except Exception as e:  # one failing cell does not end the table
             r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
