@@ -52,7 +52,7 @@ fi
 
 if has bench; then
   log "gpu bench"
-  ./build-dev/bench/expertact_gpu_bench ${BENCH_ARGS:-} --json "$OUT/gpu_bench.json" > "$OUT/gpu_bench.md" 2>&1
+  ./build-dev/bench/expertact_gpu_bench ${GPU_BENCH_ARGS:-} --json "$OUT/gpu_bench.json" > "$OUT/gpu_bench.md" 2>&1
   log "gpu bench rc=$?"
   cat "$OUT/gpu_bench.md"
 fi

@@ -40,7 +40,7 @@ PRESETS = ("swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh")
 LAYOUTS = ("separate", "halves", "up_first", "interleaved")
 IMPLS = ("eager", "compile", "expertact", "expertact-inplace")
 CUDA_DEFAULT = dict(rows=1_045_081, ffn=3072, dtype="bfloat16")  # the seed: MiniMax-M3's busiest EP rank
-CPU_DEFAULT = dict(rows=4096, ffn=1024, dtype="float32")
+CPU_DEFAULT = dict(rows=2048, ffn=1024, dtype="float32")
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

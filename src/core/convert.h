@@ -1,11 +1,20 @@
 // Host-side storage types and their float32 conversions, written with integer
 // and float operations only (no lookup, no library call) so the CPU loops
 // vectorize. Both round to nearest even and keep NaN, like the CUDA intrinsics.
+// Always inlined: the CPU kernels are compiled twice (baseline and AVX2), and an
+// out-of-line copy of an inline function could be merged across the two at link
+// time, running AVX2 code on a CPU without it.
 #pragma once
 
 #include <cstdint>
 
 #include "core/math.h"
+
+#if defined(__GNUC__)
+#define EA_HOST_INLINE inline __attribute__((always_inline))
+#else
+#define EA_HOST_INLINE inline
+#endif
 
 namespace expertact::host {
 
@@ -15,23 +24,26 @@ struct f16 { uint16_t bits; };
 template <typename T> struct Io;
 
 template <> struct Io<float> {
-  static inline float load(float v) { return v; }
-  static inline float store(float v) { return v; }
+  static EA_HOST_INLINE float load(float v) { return v; }
+  static EA_HOST_INLINE float store(float v) { return v; }
 };
 
 template <> struct Io<bf16> {
-  static inline float load(bf16 v) { return math::as_float(static_cast<uint32_t>(v.bits) << 16); }
-  static inline bf16 store(float f) {
+  static EA_HOST_INLINE float load(bf16 v) { return math::as_float(static_cast<uint32_t>(v.bits) << 16); }
+  static EA_HOST_INLINE bf16 store(float f) {
     uint32_t b = math::as_bits(f);
-    uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    uint32_t quiet_nan = (b >> 16) | 0x0040u;  // keep sign and payload top, force quiet
-    bool is_nan = (b & 0x7fffffffu) > 0x7f800000u;
-    return bf16{static_cast<uint16_t>(is_nan ? quiet_nan : rounded)};
+    uint32_t rounded = b + 0x7fffu + ((b >> 16) & 1u);
+    uint32_t quiet_nan = b | 0x00400000u;  // keep sign and payload top, force quiet
+    // One select on 32-bit lanes and one shift: the NaN test as a float compare
+    // (one instruction) and the select before the narrowing, which vectorize to
+    // half the instructions of selecting between two 16-bit results.
+    bool is_nan = f != f;
+    return bf16{static_cast<uint16_t>((is_nan ? quiet_nan : rounded) >> 16)};
   }
 };
 
 template <> struct Io<f16> {
-  static inline float load(f16 v) {
+  static EA_HOST_INLINE float load(f16 v) {
     uint32_t h = v.bits;
     uint32_t sign = (h & 0x8000u) << 16;
     uint32_t em = h & 0x7fffu;
@@ -42,7 +54,7 @@ template <> struct Io<f16> {
     uint32_t bits = em >= 0x7c00u ? inf_nan : math::as_bits(scaled);
     return math::as_float(bits | sign);
   }
-  static inline f16 store(float f) {
+  static EA_HOST_INLINE f16 store(float f) {
     uint32_t b = math::as_bits(f);
     uint32_t sign = (b >> 16) & 0x8000u;
     uint32_t a = b & 0x7fffffffu;

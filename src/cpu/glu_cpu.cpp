@@ -1,127 +1,161 @@
-// CPU forward and backward: rows split across threads, each row one loop the
-// compiler vectorizes (#pragma omp simd under -fopenmp-simd, no OpenMP
-// runtime); the per-element math is src/core/math.h, shared with CUDA.
+// CPU forward and backward: picks the kernels for this CPU once (AVX2+FMA+F16C
+// where present, else the portable baseline built here), and splits the work
+// between threads in blocks of kBlock columns, so that a few long rows (rows = 1,
+// F huge) spread as evenly as many short ones. The per-element math is
+// src/core/math.h, shared with CUDA; the kernels are cpu/glu_cpu_kernels.h.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
-#include "core/convert.h"
-#include "core/dispatch.h"
-#include "core/math.h"
+#include "core/error.h"
 #include "core/problem.h"
+#include "cpu/glu_cpu_kernels.h"
+#include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
 
-namespace expertact::detail {
+namespace expertact::cpu {
+
+const KernelTable& baseline_kernels() {
+  static const KernelTable table = make_table("baseline");
+  return table;
+}
+
 namespace {
 
-using host::Io;
-using cpu::parallel_for;
-
-template <DType D> struct Storage;
-template <> struct Storage<DType::kFloat32> { using type = float; };
-template <> struct Storage<DType::kFloat16> { using type = host::f16; };
-template <> struct Storage<DType::kBFloat16> { using type = host::bf16; };
-
-math::Coeffs coeffs_of(const GluProblem& p) {
-  return math::Coeffs{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
-}
-
-template <typename T, Activation A, int kStep, bool kW>
-void fwd_rows(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1) {
-  const math::Coeffs c = coeffs_of(p);
-  const int64_t F = p.F;
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* __restrict g = static_cast<const T*>(p.g) + r * p.g_stride;
-    const T* __restrict u = static_cast<const T*>(p.u) + r * p.u_stride;
-    T* __restrict out = static_cast<T*>(o.out) + r * o.out_stride;
-    const float w = kW ? p.w[r * p.w_stride] : 1.0f;
-#pragma omp simd
-    for (int64_t j = 0; j < F; ++j) {
-      float gv = Io<T>::load(g[j * kStep]);
-      float uv = Io<T>::load(u[j * kStep]);
-      out[j] = Io<T>::store(math::glu_fwd<A>(gv, uv, w, c));
-    }
+// EXPERTACT_CPU_ISA=baseline forces the portable kernels (to test or compare them).
+const KernelTable& pick_kernels() {
+  const char* env = std::getenv("EXPERTACT_CPU_ISA");
+  if (env != nullptr && std::strcmp(env, "baseline") == 0) return baseline_kernels();
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    if (const KernelTable* t = avx2_kernels()) return *t;
   }
+#endif
+  return baseline_kernels();
 }
 
-// dg/du may be g/u themselves (in-place backward): each iteration reads its
-// inputs before it stores, and no iteration touches another's elements, so the
-// simd loop is correct for exact aliasing (partial overlap is refused earlier).
-template <typename T, Activation A, int kStep, bool kW, bool kDW>
-void bwd_rows(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1) {
-  const math::Coeffs c = coeffs_of(p);
-  const int64_t F = p.F;
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-    const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-    const T* dy = static_cast<const T*>(io.dy) + r * io.dy_stride;
-    T* dg = static_cast<T*>(io.dg) + r * io.dg_stride;
-    T* du = static_cast<T*>(io.du) + r * io.du_stride;
-    const float w = kW ? p.w[r * p.w_stride] : 1.0f;
-    if constexpr (kDW) {
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t j = 0; j < F; ++j) {
-        float dgv, duv, dwt;
-        math::glu_bwd<A>(Io<T>::load(g[j * kStep]), Io<T>::load(u[j * kStep]),
-                         Io<T>::load(dy[j]), w, c, dgv, duv, dwt);
-        dg[j * kStep] = Io<T>::store(dgv);
-        du[j * kStep] = Io<T>::store(duv);
-        acc += dwt;
-      }
-      io.dw[r * io.dw_stride] = acc;
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < F; ++j) {
-        float dgv, duv, dwt;
-        math::glu_bwd<A>(Io<T>::load(g[j * kStep]), Io<T>::load(u[j * kStep]),
-                         Io<T>::load(dy[j]), w, c, dgv, duv, dwt);
-        dg[j * kStep] = Io<T>::store(dgv);
-        du[j * kStep] = Io<T>::store(duv);
-      }
-    }
-  }
+const KernelTable& kernels() {
+  static const KernelTable& table = pick_kernels();
+  return table;
 }
 
-// Element-operations per row, for the threading threshold: backward does
-// about twice the arithmetic of forward.
+// Element-operations per element, for the threading threshold: backward does
+// about twice the arithmetic and moves 5/3 of the bytes of forward.
 constexpr int64_t kFwdCost = 1, kBwdCost = 2;
 
+// The work is rows x blocks units (a block: kBlock columns of one row; the last
+// one of a row may be shorter). Thread t takes units [U t / nt, U (t + 1) / nt):
+// a partial row at each end, whole rows between.
+struct Split {
+  int64_t F, blocks_per_row, units;
+  int nt;
+};
+
+Split make_split(const detail::GluProblem& p, int64_t cost) {
+  Split s;
+  s.F = p.F;
+  s.blocks_per_row = (p.F + kBlock - 1) / kBlock;
+  s.units = p.rows * s.blocks_per_row;
+  const int64_t nt = threads_for(p.rows * p.F * cost);
+  s.nt = static_cast<int>(nt < s.units ? nt : s.units);
+  return s;
+}
+
+// Calls seg(r0, r1, c0, c1) for the row segments of thread t's units.
+template <typename Seg>
+void for_each_segment(const Split& s, int t, Seg&& seg) {
+  const int64_t u0 = s.units * t / s.nt, u1 = s.units * (t + 1) / s.nt;
+  if (u0 >= u1) return;
+  const int64_t nb = s.blocks_per_row;
+  int64_t ra = u0 / nb, ba = u0 % nb;
+  const int64_t rb = u1 / nb, bb = u1 % nb;
+  if (ra == rb) {  // inside one row
+    seg(ra, ra + 1, ba * kBlock, bb * kBlock);
+    return;
+  }
+  if (ba > 0) {
+    seg(ra, ra + 1, ba * kBlock, s.F);
+    ++ra;
+  }
+  if (ra < rb) seg(ra, rb, int64_t{0}, s.F);
+  if (bb > 0) seg(rb, rb + 1, int64_t{0}, bb * kBlock);
+}
+
 }  // namespace
+}  // namespace expertact::cpu
+
+// The name of the kernels in use ("avx2+fma+f16c" or "baseline"), for benchmark
+// reports. Not part of the public API.
+extern "C" __attribute__((visibility("default"))) const char* expertact_cpu_kernel_isa(void) {
+  return expertact::cpu::kernels().isa;
+}
+
+namespace expertact::detail {
 
 Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
-  return dispatch_dtype(p.dtype, [&](auto dt) {
-    using T = typename Storage<decltype(dt)::value>::type;
-    return dispatch_act(p.params.act, [&](auto act) {
-      return dispatch_step(p.step, [&](auto step) {
-        return dispatch_bool(p.w != nullptr, [&](auto weighted) {
-          parallel_for(p.rows, p.F * kFwdCost, [&](int64_t r0, int64_t r1) {
-            fwd_rows<T, decltype(act)::value, decltype(step)::value, decltype(weighted)::value>(
-                p, o, r0, r1);
-          });
-          return Status::kOk;
-        });
-      });
+  using namespace cpu;
+  const int d = static_cast<int>(p.dtype), a = static_cast<int>(p.params.act);
+  if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
+    return fail(Status::kInternal, "cpu_forward: dtype ", d, ", act ", a, ", step ", p.step);
+  const FwdKernel fn = kernels().fwd[d][a][p.step - 1][p.w != nullptr];
+  const Split s = make_split(p, kFwdCost);
+  if (s.nt <= 1) {
+    fn(p, o, 0, p.rows, 0, p.F);
+    return Status::kOk;
+  }
+  parallel_run(s.nt, [&](int t) {
+    for_each_segment(s, t, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+      fn(p, o, r0, r1, c0, c1);
     });
   });
+  return Status::kOk;
 }
 
 Status cpu_backward(const GluProblem& p, const BwdIO& io) {
-  return dispatch_dtype(p.dtype, [&](auto dt) {
-    using T = typename Storage<decltype(dt)::value>::type;
-    return dispatch_act(p.params.act, [&](auto act) {
-      return dispatch_step(p.step, [&](auto step) {
-        return dispatch_bool(p.w != nullptr, [&](auto weighted) {
-          return dispatch_bool(io.dw != nullptr, [&](auto want_dw) {
-            constexpr bool kW = decltype(weighted)::value;
-            constexpr bool kDW = kW && decltype(want_dw)::value;
-            parallel_for(p.rows, p.F * kBwdCost, [&](int64_t r0, int64_t r1) {
-              bwd_rows<T, decltype(act)::value, decltype(step)::value, kW, kDW>(p, io, r0, r1);
-            });
-            return Status::kOk;
-          });
-        });
-      });
+  using namespace cpu;
+  const int d = static_cast<int>(p.dtype), a = static_cast<int>(p.params.act);
+  if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
+    return fail(Status::kInternal, "cpu_backward: dtype ", d, ", act ", a, ", step ", p.step);
+  const bool want_dw = p.w != nullptr && io.dw != nullptr;
+  const BwdKernel fn = kernels().bwd[d][a][p.step - 1][p.w != nullptr][want_dw];
+  const Split s = make_split(p, kBwdCost);
+  if (s.nt <= 1) {
+    fn(p, io, 0, p.rows, 0, p.F, nullptr);
+    return Status::kOk;
+  }
+  // Rows split between threads keep their block sums here, one slot per block,
+  // and are added up in block order afterwards: the same sum as a whole row's.
+  std::vector<int64_t> split_rows;
+  std::vector<float> block_sums;
+  if (want_dw) {
+    for (int t = 1; t < s.nt; ++t) {
+      const int64_t u = s.units * t / s.nt;
+      if (u % s.blocks_per_row == 0) continue;
+      const int64_t r = u / s.blocks_per_row;
+      if (split_rows.empty() || split_rows.back() != r) split_rows.push_back(r);
+    }
+    block_sums.assign(split_rows.size() * s.blocks_per_row, 0.0f);
+  }
+  parallel_run(s.nt, [&](int t) {
+    for_each_segment(s, t, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+      float* sums = nullptr;
+      if (want_dw && (c0 != 0 || c1 != p.F)) {
+        size_t i = 0;
+        while (split_rows[i] != r0) ++i;
+        sums = block_sums.data() + i * s.blocks_per_row;
+      }
+      fn(p, io, r0, r1, c0, c1, sums);
     });
   });
+  for (size_t i = 0; i < split_rows.size(); ++i) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < s.blocks_per_row; ++b) acc += block_sums[i * s.blocks_per_row + b];
+    io.dw[split_rows[i] * io.dw_stride] = acc;
+  }
+  return Status::kOk;
 }
 
 }  // namespace expertact::detail

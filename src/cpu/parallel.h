@@ -1,5 +1,5 @@
-// A minimal fork-join over row ranges for the CPU path: std::thread, no runtime
-// dependency (OpenMP's runtime can clash with the one a framework loads).
+// A minimal fork-join for the CPU path: a lazily started pool of std::threads, no
+// runtime dependency (OpenMP's runtime can clash with the one a framework loads).
 #pragma once
 
 #include <cstdint>
@@ -12,10 +12,21 @@ namespace expertact::cpu {
 int threads();
 void set_threads(int n);
 
+// Calls fn(t) for t in [0, nt): t = 0 on the calling thread, the others on pool
+// threads (started on first use, kept parked between calls: starting a thread
+// costs 100-200 us on a small VM, waking a parked one ~10 us). A call made while
+// another parallel region runs (a second caller thread, or from inside fn) runs
+// all nt parts inline, in order. Exceptions from fn are rethrown on the caller.
+void parallel_run(int nt, const std::function<void(int)>& fn);
+
 // Calls fn(begin, end) over [0, n) split into contiguous chunks, one per
 // thread; runs inline when the work (n * cost_per_item) is too small to repay
-// starting threads (~20 us each).
+// waking threads.
 void parallel_for(int64_t n, int64_t cost_per_item,
                   const std::function<void(int64_t, int64_t)>& fn);
+
+// How many threads a job of `work` element-operations should use: one per
+// kMinWorkPerThread, at most threads().
+int threads_for(int64_t work);
 
 }  // namespace expertact::cpu

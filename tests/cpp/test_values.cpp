@@ -196,8 +196,9 @@ TEST(CpuThreads, SetAndRestore) {
 TEST(CpuThreads, BitwiseIdenticalAcrossThreadCounts) {
   ThreadGuard guard;
   Backend& be = backend(BackendKind::kCpu);
-  for (Layout layout : {Layout::kInterleaved, Layout::kSeparate}) {
-    for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+  for (auto [layout, dtype] : {std::pair<Layout, DType>{Layout::kInterleaved, DType::kBFloat16},
+                               {Layout::kSeparate, DType::kFloat32}}) {
+    {
       Case c;
       c.params = preset("swiglu_oai").params;
       c.layout = layout;
