@@ -95,6 +95,10 @@ class CudaBackend final : public Backend {
   }
   void upload(void* dst, const void* src, size_t n) override {
     cuda_ok(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    // From pageable memory cudaMemcpy may return before the DMA lands, and the
+    // library's kernels run on a non-blocking stream that does not wait for it.
+    OnDevice g(dev_);
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemcpy H2D");
   }
   void download(void* dst, const void* src, size_t n) override {
     cuda_ok(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
