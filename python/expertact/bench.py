@@ -252,7 +252,7 @@ def copy_bandwidth(nbytes, device):
             e.synchronize()
             ts.append(s.elapsed_time(e) / 1e3)
     else:
-        for _ in range(10):
+        for _ in range(30):
             t0 = time.perf_counter()
             b.copy_(a)
             ts.append(time.perf_counter() - t0)
@@ -261,7 +261,7 @@ def copy_bandwidth(nbytes, device):
         torch.cuda.empty_cache()
         return 2 * n * 2 / statistics.median(ts)
     # On a CPU shared with other work one descheduled thread stretches a copy many times
-    # over: the best of 10 is the machine's bandwidth.
+    # over: the best of 30 is the machine's bandwidth.
     return 2 * n * 2 / min(ts)
 
 
@@ -356,7 +356,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10 on CUDA, 5 on the CPU)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps, the first compiles (default 2 on CUDA, 1 on the CPU)")
     p.add_argument("--scale", type=float, default=6.0, help="inputs are scale x standard normal")
     p.add_argument("--alpha", type=float, default=1.702)
     p.add_argument("--limit", type=float, default=7.0)
@@ -382,6 +382,7 @@ def main(argv=None):
     dtype_name = a.dtype or d["dtype"]
     dtype = _DTYPES[dtype_name]
     iters = a.iters if a.iters is not None else (10 if cuda else 5)
+    warmup = a.warmup if a.warmup is not None else (2 if cuda else 1)
     presets = _csv(a.presets, PRESETS, "presets")
     layouts = _csv(a.layouts, LAYOUTS, "layouts")
     impls = _csv(a.impls, IMPLS, "impls")
@@ -397,7 +398,7 @@ def main(argv=None):
         device=str(device), device_name=name, rows=rows, ffn=ffn, dtype=dtype_name,
         tensor_gib=tensor_bytes / GiB, mem_unit="GiB" if tensor_bytes >= GiB // 8 else "MiB", scale=a.scale, alpha=a.alpha, limit=a.limit,
         copy_tbs=bw / 1e12, floor_ms=floor_ms, floor_fwd_ms=3 * tensor_bytes / bw * 1e3,
-        floor_bwd_ms=5 * tensor_bytes / bw * 1e3, iters=iters, warmup=a.warmup,
+        floor_bwd_ms=5 * tensor_bytes / bw * 1e3, iters=iters, warmup=warmup,
         timer="CUDA events" if cuda else "time.perf_counter",
         memory_source=("torch.cuda.max_memory_allocated / memory_allocated" if cuda else
                        "torch CPU allocator events recorded by torch.profiler (profile_memory=True)"),
@@ -420,7 +421,7 @@ def main(argv=None):
         try:
             inp = Inputs(layout, rows, ffn, dtype, device, a.scale)
             fn = make_fn(impl, preset, layout, a.alpha, a.limit)
-            r.update(measure(fn, inp, clock, memory, iters, a.warmup, refresh=impl == "expertact-inplace"))
+            r.update(measure(fn, inp, clock, memory, iters, warmup, refresh=impl == "expertact-inplace"))
             r["pct_floor"] = floor_ms / r["ms"] * 100
         except _OOM:
             r["error"] = "OOM"
