@@ -250,6 +250,26 @@ TEST_F(CheckerCatches, NanInfAndMaskedZeros) {
   EXPECT_NE(bitwise_diff(a, b, "out", c_.F), "");
 }
 
+// The GPU-vs-CPU comparison (verify_pair): identical runs pass, a run that
+// differs by a few ulp of float32 somewhere, or in NaN-ness, fails.
+TEST_F(CheckerCatches, PeerComparison) {
+  run("swiglu_oai", DType::kFloat32, 17, 100, WMode::kWeights);
+  RunResult f2 = fwd_, b2 = bwd_;
+  Verdict same = verify_pair(c_, in_, wm_, &fwd_, &f2, &bwd_, &b2);
+  EXPECT_TRUE(same.out.ok() && same.dg.ok() && same.du.ok() && same.dw.ok());
+  size_t i = 0;
+  while (!(std::fabs(f2.out[i]) > 1.0f)) ++i;
+  f2.out[i] *= 1.0f + 2e-5f;
+  b2.dw[0] *= 1.001f;
+  size_t k = 0;
+  while (std::isnan(b2.dgate[k])) ++k;
+  b2.dgate[k] = std::numeric_limits<float>::quiet_NaN();
+  Verdict v = verify_pair(c_, in_, wm_, &fwd_, &f2, &bwd_, &b2);
+  EXPECT_EQ(v.out.bad, 1) << v.out.report();
+  EXPECT_EQ(v.dw.bad, 1) << v.dw.report();
+  EXPECT_EQ(v.dg.bad, 1) << v.dg.report();
+}
+
 // The weight-gradient bound of a 14336-wide row is below the terms that carry
 // the sum (silu of a negative gate is near 0, so many terms are tiny): a sum
 // that dropped any of those (a tail bug) fails.
