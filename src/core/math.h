@@ -35,9 +35,9 @@ EA_HD uint32_t as_bits(float f) {
 // which only touches results whose magnitude is far below the tolerances). On the host a branch-free
 // version the compiler vectorizes (glibc's expf is a scalar call): x = n ln2 + r,
 // |r| <= ln2/2, e^r by its Taylor series to degree 7 (truncation < 2^-27
-// relative), times 2^n built in the exponent bits, in two halves, so that past
-// the float range the product itself overflows to +inf or underflows to 0
-// (through the subnormals): no select on the result. NaN in, NaN out.
+// relative), times 2^n built in the exponent bits. Past ln(FLT_MAX) the product
+// overflows to +inf by itself; below about -87.0 (results under 1.7e-38, where
+// 1 + e^x, the only use here, is exactly 1) it is 0. NaN in, NaN out.
 EA_HD float exp_f(float x) {
 #if defined(__CUDA_ARCH__)
   // 2^(x log2 e) with the flush-to-zero form of ex2: one MUFU instruction,
@@ -47,32 +47,31 @@ EA_HD float exp_f(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
   return y;
 #else
-  // e^89 > FLT_MAX and e^-104 < FLT_TRUE_MIN / 2: clamping there changes no
-  // result and keeps n in [-150, 129]. Two one-sided selects (each a single
-  // min/max instruction on x86; NaN fails both comparisons and passes through).
-  const float kHi = 89.0f, kLo = -104.0f;
+  // Two one-sided selects (each a single min/max on x86; NaN fails both
+  // comparisons and passes through). kHi: e^89 > FLT_MAX. kLo: n = -126 there.
+  const float kHi = 89.0f, kLo = -87.5f;
   float xc = x < kLo ? kLo : x;
   xc = xc > kHi ? kHi : xc;
-  const float kShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  // Adding kShift = 1.5 * 2^23 + 126 rounds x log2(e) to the integer n and leaves
+  // n + 126 in the low mantissa bits of t: shifted up 23 bits, those are the
+  // float 2^(n - 1) (n + 126 in [0, 254]; 0 gives +0, the flush above).
+  const float kShift = 12583038.0f;
   float t = xc * 1.44269504f + kShift;
   float n = t - kShift;
-  int32_t ni = static_cast<int32_t>(as_bits(t)) - static_cast<int32_t>(as_bits(kShift));
+  float scale = as_float(as_bits(t) << 23);
   float r = xc - n * 0.693145752f;  // ln2 split in two: hi has 16 significant bits,
   r = r - n * 1.42860677e-6f;       // so n * hi is exact for |n| <= 256
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
+  // 2 e^r (the Taylor coefficients doubled, exactly), so that 2 e^r 2^(n - 1)
+  // reaches 2^128 (inf) at n = 128 without a 2^128 scale.
+  float p = 2.0f / 5040.0f;
+  p = p * r + 2.0f / 720.0f;
+  p = p * r + 2.0f / 120.0f;
+  p = p * r + 2.0f / 24.0f;
+  p = p * r + 2.0f / 6.0f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // 2^n = 2^n1 * 2^n2, each half a normal float for n in [-150, 129].
-  int32_t n1 = ni >> 1;
-  int32_t n2 = ni - n1;
-  float s1 = as_float(static_cast<uint32_t>(n1 + 127) << 23);
-  float s2 = as_float(static_cast<uint32_t>(n2 + 127) << 23);
-  return p * s1 * s2;
+  p = p * r + 2.0f;
+  p = p * r + 2.0f;
+  return p * scale;
 #endif
 }
 
