@@ -98,6 +98,9 @@ __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&
   if constexpr (kStep == 1) {
     store_v<T, V, kHint>(dg, p, gv);
     store_v<T, V, kHint>(du, p, uv);
+  } else if constexpr (V == 1) {
+    dg[2 * p] = from_f<T>(gv[0]);
+    dg[2 * p + 1] = from_f<T>(uv[0]);
   } else {
     Pack<T, 2 * V> a;
 #pragma unroll
@@ -166,11 +169,18 @@ struct GuPack<T, V, 2> {
   Pack<T, 2 * V> gu;
 };
 
+
 template <typename T, int V, int kStep, int kHint = 0>
 __device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPack<T, V, kStep>& r) {
   if constexpr (kStep == 1) {
     r.g = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(g) + p);
     r.u = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(u) + p);
+  } else if constexpr (V == 1) {
+    // One pair as two elements: the host proves only element alignment for a
+    // 1-element pack, and the pair of an odd row stride or offset is not
+    // aligned to twice the element.
+    r.gu.v[0] = g[2 * p];
+    r.gu.v[1] = g[2 * p + 1];
   } else {
     r.gu = ldp<kHint>(reinterpret_cast<const Pack<T, 2 * V>*>(g) + p);
   }
