@@ -43,10 +43,25 @@ __device__ __forceinline__ void stage(uint8_t* sm, const void* base, int64_t lo,
   uintptr_t c1 = ahi & ~uintptr_t(15);
   if (c0 > c1) c0 = c1 = ahi;  // no whole chunk: all of it goes element-wise below
   const int64_t chunks = static_cast<int64_t>(c1 - c0) / 16;
-  for (int64_t i = threadIdx.x; i < chunks; i += blockDim.x) {
-    uint4* gp = reinterpret_cast<uint4*>(c0 + 16 * i);
-    uint4* sp = reinterpret_cast<uint4*>(sm + (c0 - origin) + 16 * i);
-    if constexpr (kToShared) *sp = *gp; else *gp = *sp;
+  uint4* gp = reinterpret_cast<uint4*>(c0);
+  uint4* sp = reinterpret_cast<uint4*>(sm + (c0 - origin));
+  // Eight chunks per thread in flight: a load followed at once by its store
+  // would stall the thread on every load (one access in flight).
+  constexpr int kBatch = 8;
+  for (int64_t i0 = threadIdx.x; i0 < chunks; i0 += kBatch * blockDim.x) {
+    uint4 r[kBatch];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t i = i0 + static_cast<int64_t>(k) * blockDim.x;
+      if (i < chunks) r[k] = kToShared ? gp[i] : sp[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int64_t i = i0 + static_cast<int64_t>(k) * blockDim.x;
+      if (i < chunks) {
+        if constexpr (kToShared) sp[i] = r[k]; else gp[i] = r[k];
+      }
+    }
   }
   // Head [alo, c0) and tail [c1, ahi): at most 15 bytes each.
   const int64_t head = static_cast<int64_t>(c0 - alo) / sizeof(T);
