@@ -3,6 +3,7 @@
 // deliberately wrong results (so the suite cannot pass vacuously).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -248,6 +249,29 @@ TEST_F(CheckerCatches, NanInfAndMaskedZeros) {
   std::vector<float> a = fwd_.out, b = fwd_.out;
   b[5] = static_cast<float>(from_f16_bits(0x7b7b));
   EXPECT_NE(bitwise_diff(a, b, "out", c_.F), "");
+}
+
+// A kernel that rounds the activation to the 2-byte dtype before the product
+// (two roundings instead of one) is caught on some elements.
+TEST_F(CheckerCatches, RoundingTwice) {
+  for (DType d : {DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(d));
+    run("swiglu_oai", d, 17, 100, WMode::kNone);
+    const OracleParams op = oracle_params(c_.params);
+    const std::vector<double> ones(c_.F, 1.0);
+    for (int64_t r = 0; r < c_.rows; ++r)
+      for (int64_t j = 0; j < c_.F; ++j) {
+        const size_t i = static_cast<size_t>(r * c_.F + j);
+        // a alone: the forward with up = 1 - beta (so uc + beta = 1) and w = 1.
+        const float g = in_.gate[i], one_minus_beta = static_cast<float>(1.0 - op.beta);
+        Ref a;
+        oracle_forward_row(op, &g, &one_minus_beta, 1.0, 1, &a);
+        const double uc = std::max(-op.limit, std::min<double>(op.limit, in_.up[i]));
+        fwd_.out[i] = static_cast<float>(round_to(d, round_to(d, a.v) * (uc + op.beta)));
+      }
+    const Verdict v = check(op);
+    EXPECT_GT(v.out.bad, 0) << "double rounding went unnoticed";
+  }
 }
 
 // The GPU-vs-CPU comparison (verify_pair): identical runs pass, a run that

@@ -23,9 +23,11 @@ using expertact::GluParams;
 using expertact::Layout;
 using expertact::Status;
 
-// Tolerance factors on the oracle's float32 error bound: K = 4 against the
-// oracle (exp/tanh may be ~3x worse than assumed, operations may be ordered
-// differently), K = 2 between two implementations (each within its bound).
+// Tolerance factors on the oracle's float32 error bound e: a result must lie
+// in [round(v - K e), round(v + K e)] with K = 4 against the oracle (CUDA's
+// __expf / __fdividef are ~2-3x the error the bound assumes, operations may
+// be ordered differently); two implementations may differ by one ulp of the
+// dtype + 2 e (each within its bound).
 constexpr double kOracleK = 4.0;
 constexpr double kPeerK = 2.0;
 
