@@ -64,3 +64,5 @@ if has python; then
   tail -60 "$OUT/python.log"
 fi
 log "done"
+# At most 8 files come back from the device: keep results, pack the logs.
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.txt *.xml *.progress 2>/dev/null; rm -f *.log *.xml *.progress gtest.log; ls)

@@ -33,13 +33,13 @@ note() { echo "== $*" | tee -a "$OUT/run_device.log"; }
 install() {
   note "install: $(nvcc --version 2>/dev/null | tail -1)"
   # EXPERTACT_CUDA=ON: a build that silently lost its CUDA path would be an error here.
-  if ! pip install --no-index --no-build-isolation --no-deps -v \
+  if ! python3 -m pip install --no-index --no-build-isolation --no-deps -v \
       -C cmake.define.EXPERTACT_CUDA=ON . >"$OUT/build.log" 2>&1; then
     tail -40 "$OUT/build.log"
     note "BUILD FAILED (see build.log)"
     exit 1
   fi
-  (cd /tmp && python - <<'EOF'
+  (cd /tmp && python3 - <<'EOF'
 import torch, expertact
 print("expertact", expertact.__version__, "from", expertact.LIBRARY_PATH)
 print("CUDA path built:", expertact.has_cuda(), "| torch", torch.__version__, "CUDA", torch.version.cuda,
@@ -54,7 +54,7 @@ EOF
   echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-  python --version
+  python3 --version
 } | tee "$OUT/env.txt"
 
 install
@@ -64,14 +64,14 @@ for stage in "${STAGES[@]}"; do
     test)
       note "pytest tests/python ${PYTEST_ARGS:-}"
       # shellcheck disable=SC2086
-      python -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-} \
+      python3 -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/pytest.log" | tail -60
       [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; note "TESTS FAILED"; }
       ;;
     bench)
       note "python -m expertact.bench ${BENCH_ARGS:-}"
       # shellcheck disable=SC2086
-      (cd /tmp && python -m expertact.bench --json "$OUT/bench.json" --markdown "$OUT/BENCHMARKS.md" ${BENCH_ARGS:-}) \
+      (cd /tmp && python3 -m expertact.bench --json "$OUT/bench.json" --markdown "$OUT/BENCHMARKS.md" ${BENCH_ARGS:-}) \
         >"$OUT/bench.log" 2> >(tee "$OUT/bench.progress" >&2)
       rc=$?
       tail -80 "$OUT/bench.log"

@@ -91,7 +91,10 @@ def test_cuda_mixed_devices_and_no_sticky_error():
     with pytest.raises(ValueError, match="gate is on cpu"):
         expertact.swiglu(torch.randn(4, 8), g)
     torch.cuda.synchronize()
-    assert torch.equal(expertact.swiglu(g, g).cpu(), expertact.swiglu(g.cpu(), g.cpu()))
+    # The CUDA path uses the device's fast exp/division: equal to the CPU path
+    # within float32 rounding, not bit for bit.
+    torch.testing.assert_close(expertact.swiglu(g, g).cpu(), expertact.swiglu(g.cpu(), g.cpu()),
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(HAS_CUDA or not torch.cuda.is_available(), reason="only for a CPU-only build on a GPU machine")
