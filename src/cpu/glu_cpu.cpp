@@ -8,6 +8,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
 #include "core/error.h"
 #include "core/problem.h"
 #include "cpu/glu_cpu_kernels.h"
@@ -41,6 +45,28 @@ const KernelTable& kernels() {
   static const KernelTable& table = pick_kernels();
   return table;
 }
+
+// Whether a call that moves `bytes` should write with non-temporal stores: when
+// it moves more than the last-level cache holds, its output cannot stay cached
+// for the next op anyway, and skipping the read of each output line before it is
+// written saves a quarter of forward's traffic and a fifth of backward's.
+// EXPERTACT_CPU_STREAM=0 / 1 forces it off / on (to measure either).
+bool use_stream(int64_t bytes) {
+  static const int64_t threshold = [] {
+    if (const char* env = std::getenv("EXPERTACT_CPU_STREAM")) {
+      if (env[0] == '0') return INT64_MAX;
+      if (env[0] == '1') return int64_t{0};
+    }
+    int64_t llc = 0;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    llc = static_cast<int64_t>(sysconf(_SC_LEVEL3_CACHE_SIZE));
+#endif
+    return llc > 0 ? llc : int64_t{32} << 20;
+  }();
+  return bytes > threshold;
+}
+
+int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 
 // Element-operations per element, for the threading threshold: backward does
 // about twice the arithmetic and moves 5/3 of the bytes of forward.
@@ -101,14 +127,15 @@ Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
   if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
     return fail(Status::kInternal, "cpu_forward: dtype ", d, ", act ", a, ", step ", p.step);
   const FwdKernel fn = kernels().fwd[d][a][p.step - 1][p.w != nullptr];
+  const bool stream = use_stream(3 * p.rows * p.F * dtype_bytes(p.dtype));
   const Split s = make_split(p, kFwdCost);
   if (s.nt <= 1) {
-    fn(p, o, 0, p.rows, 0, p.F);
+    fn(p, o, 0, p.rows, 0, p.F, stream);
     return Status::kOk;
   }
   parallel_run(s.nt, [&](int t) {
     for_each_segment(s, t, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-      fn(p, o, r0, r1, c0, c1);
+      fn(p, o, r0, r1, c0, c1, stream);
     });
   });
   return Status::kOk;
@@ -121,9 +148,10 @@ Status cpu_backward(const GluProblem& p, const BwdIO& io) {
     return fail(Status::kInternal, "cpu_backward: dtype ", d, ", act ", a, ", step ", p.step);
   const bool want_dw = p.w != nullptr && io.dw != nullptr;
   const BwdKernel fn = kernels().bwd[d][a][p.step - 1][p.w != nullptr][want_dw];
+  const bool stream = use_stream(5 * p.rows * p.F * dtype_bytes(p.dtype));
   const Split s = make_split(p, kBwdCost);
   if (s.nt <= 1) {
-    fn(p, io, 0, p.rows, 0, p.F, nullptr);
+    fn(p, io, 0, p.rows, 0, p.F, nullptr, stream);
     return Status::kOk;
   }
   // Rows split between threads keep their block sums here, one slot per block,
@@ -147,7 +175,7 @@ Status cpu_backward(const GluProblem& p, const BwdIO& io) {
         while (split_rows[i] != r0) ++i;
         sums = block_sums.data() + i * s.blocks_per_row;
       }
-      fn(p, io, r0, r1, c0, c1, sums);
+      fn(p, io, r0, r1, c0, c1, sums, stream);
     });
   });
   for (size_t i = 0; i < split_rows.size(); ++i) {

@@ -12,7 +12,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -115,9 +115,39 @@ EA_KERNEL_INLINE void widen_pairs(const T* __restrict src, float* __restrict g,
   }
 }
 
+#if defined(__AVX2__)
+// Io<bf16>::store on 8 lanes, leaving the bf16 in the high half of each 32-bit
+// lane (the low half is garbage): round to nearest even, NaN made quiet. Written
+// out because GCC narrows the NaN select to 16-bit lanes and packs the mask
+// (33 instructions per 16 values instead of 21).
+EA_KERNEL_INLINE __m256i bf16_round_hi(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i quiet_nan = _mm256_or_si256(b, _mm256_set1_epi32(0x00400000));
+  const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                                              _mm256_castsi256_ps(quiet_nan), is_nan));
+}
+#endif
+
 // dst[j * kStep] = round(src[j]).
 template <typename T, int kStep>
 EA_KERNEL_INLINE void narrow(const float* __restrict src, T* __restrict dst, int64_t n) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, bf16> && kStep == 1) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m256i a = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(src + j)), 16);
+      const __m256i b = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(src + j + 8)), 16);
+      // packus interleaves the 128-bit halves: a0-3 b0-3 a4-7 b4-7; the permute fixes it.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                          _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8));
+    }
+    for (; j < n; ++j) dst[j] = Io<T>::store(src[j]);
+    return;
+  }
+#endif
 #if defined(__F16C__) && defined(__AVX__)
   if constexpr (std::is_same_v<T, f16> && kStep == 1) {
     int64_t j = 0;
@@ -137,6 +167,22 @@ EA_KERNEL_INLINE void narrow_pairs(const float* __restrict g, const float* __res
                                    T* __restrict dst, int64_t n) {
   static_assert(kIs16<T>, "pairs of 16-bit values");
   unsigned char* b = reinterpret_cast<unsigned char*>(dst);
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    int64_t j = 0;
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (; j + 8 <= n; j += 8) {
+      const __m256i rg = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(g + j)), 16);
+      const __m256i ru = _mm256_and_si256(bf16_round_hi(_mm256_load_ps(u + j)), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + 4 * j), _mm256_or_si256(rg, ru));
+    }
+    for (; j < n; ++j) {
+      dst[2 * j] = Io<T>::store(g[j]);
+      dst[2 * j + 1] = Io<T>::store(u[j]);
+    }
+    return;
+  }
+#endif
 #if defined(__F16C__) && defined(__AVX2__)
   if constexpr (std::is_same_v<T, f16>) {
     int64_t j = 0;
@@ -168,6 +214,69 @@ EA_KERNEL_INLINE void narrow_pairs(const float* __restrict g, const float* __res
   }
 }
 
+// Copies a block's results to their place with non-temporal stores (the aligned
+// middle; head and tail as ordinary stores). The caller ends with stream_fence().
+EA_KERNEL_INLINE void stream_copy(void* __restrict dst, const void* __restrict src, int64_t bytes) {
+  unsigned char* d = static_cast<unsigned char*>(dst);
+  const unsigned char* s = static_cast<const unsigned char*>(src);
+#if defined(__AVX__) || defined(__SSE2__)
+#if defined(__AVX__)
+  constexpr int64_t kV = 32;
+#else
+  constexpr int64_t kV = 16;
+#endif
+  int64_t head = static_cast<int64_t>((kV - (reinterpret_cast<uintptr_t>(d) & (kV - 1))) & (kV - 1));
+  if (head > bytes) head = bytes;
+  std::memcpy(d, s, static_cast<size_t>(head));
+  d += head;
+  s += head;
+  bytes -= head;
+  for (; bytes >= kV; bytes -= kV, d += kV, s += kV) {
+#if defined(__AVX__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+#else
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+  }
+#endif
+  std::memcpy(d, s, static_cast<size_t>(bytes));
+}
+
+// Non-temporal stores are weakly ordered: fence them before the thread reports
+// its part done, so whoever reads the output next sees it.
+EA_KERNEL_INLINE void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+#if defined(__SSE2__)
+constexpr bool kCanStream = true;
+#else
+constexpr bool kCanStream = false;
+#endif
+
+// Rounds a block to T at dst (kStep apart), directly or through a staging
+// buffer and non-temporal stores.
+template <typename T, int kStep>
+EA_KERNEL_INLINE void put(const float* __restrict src, T* __restrict dst, int64_t n, bool stream,
+                          T* __restrict stage) {
+  if (kCanStream && stream && kStep == 1) {
+    if constexpr (std::is_same_v<T, float>) {
+      stream_copy(dst, src, n * 4);
+    } else {
+      narrow<T, 1>(src, stage, n);
+      stream_copy(dst, stage, n * static_cast<int64_t>(sizeof(T)));
+    }
+  } else if constexpr (std::is_same_v<T, float> && kStep == 1) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+  } else {
+    narrow<T, kStep>(src, dst, n);
+  }
+}
+
 // Gate and up of one block as float32: widened into the buffers, or (float32,
 // step 1) the tensors themselves.
 template <typename T, int kStep>
@@ -192,9 +301,11 @@ EA_KERNEL_INLINE void load_gate_up(const T* g, const T* u, int64_t n, float* gb,
 
 template <typename T, Activation A, int kStep, bool kW>
 void fwd_kernel(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1, int64_t c0,
-                int64_t c1) {
+                int64_t c1, bool stream) {
   const math::Coeffs c = coeffs_of(p);
+  stream = stream && kCanStream;
   alignas(64) float gb[kBlock], ub[kBlock], ob[kBlock];
+  alignas(64) T stage[kBlock];
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
     const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
@@ -204,14 +315,17 @@ void fwd_kernel(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1,
       const int64_t n = c1 - cb < kBlock ? c1 - cb : kBlock;
       const float *gf, *uf;
       load_gate_up<T, kStep>(g + cb * kStep, u + cb * kStep, n, gb, ub, gf, uf);
-      float* of;
-      if constexpr (std::is_same_v<T, float>) of = out + cb;
-      else of = ob;
+      // float32 results go straight to the output unless they are streamed.
+      float* of = ob;
+      if constexpr (std::is_same_v<T, float>) {
+        if (!stream) of = out + cb;
+      }
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) of[j] = math::glu_fwd<A>(gf[j], uf[j], w, c);
-      if constexpr (!std::is_same_v<T, float>) narrow<T, 1>(ob, out + cb, n);
+      if (of == ob) put<T, 1>(ob, out + cb, n, stream, stage);
     }
   }
+  if (stream) stream_fence();
 }
 
 // ---------------------------------------------------------------- backward
@@ -221,10 +335,13 @@ void fwd_kernel(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1,
 // before its gradients are stored, and no iteration touches another's elements.
 template <typename T, Activation A, int kStep, bool kW, bool kDW>
 void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, int64_t c0,
-                int64_t c1, float* block_sums) {
+                int64_t c1, float* block_sums, bool stream) {
   const math::Coeffs c = coeffs_of(p);
+  stream = stream && kCanStream;
   alignas(64) float gb[kBlock], ub[kBlock], yb[kBlock], dgb[kBlock], dub[kBlock];
-  constexpr bool kDirect = std::is_same_v<T, float> && kStep == 1;
+  alignas(64) T stage[2 * kBlock];
+  // float32 step 1 writes its gradients in place of the buffers, unless streamed.
+  const bool direct = std::is_same_v<T, float> && kStep == 1 && !stream;
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
     const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
@@ -243,13 +360,13 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
         widen<T, 1>(dy + cb, yb, n);
         yf = yb;
       }
-      float *dgf, *duf;
-      if constexpr (kDirect) {
-        dgf = dg + cb;
-        duf = du + cb;
-      } else {
-        dgf = dgb;
-        duf = dub;
+      float* dgf = dgb;
+      float* duf = dub;
+      if constexpr (std::is_same_v<T, float> && kStep == 1) {
+        if (direct) {
+          dgf = dg + cb;
+          duf = du + cb;
+        }
       }
       float acc = 0.0f;
       if constexpr (kDW) {
@@ -270,12 +387,17 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
           duf[j] = duv;
         }
       }
-      if constexpr (!kDirect) {
+      if (!direct) {
         if constexpr (kStep == 2 && kIs16<T>) {
-          narrow_pairs<T>(dgb, dub, dg + 2 * cb, n);  // du == dg + 1
+          if (stream) {  // du == dg + 1
+            narrow_pairs<T>(dgb, dub, stage, n);
+            stream_copy(dg + 2 * cb, stage, 4 * n);
+          } else {
+            narrow_pairs<T>(dgb, dub, dg + 2 * cb, n);
+          }
         } else {
-          narrow<T, kStep>(dgb, dg + cb * kStep, n);
-          narrow<T, kStep>(dub, du + cb * kStep, n);
+          put<T, kStep>(dgb, dg + cb * kStep, n, stream, stage);
+          put<T, kStep>(dub, du + cb * kStep, n, stream, stage);
         }
       }
       if constexpr (kDW) {
@@ -287,6 +409,7 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
       if (!block_sums) io.dw[r * io.dw_stride] = row_sum;
     }
   }
+  if (stream) stream_fence();
 }
 
 // ---------------------------------------------------------------- the table

@@ -14,15 +14,18 @@ namespace expertact::cpu {
 constexpr int64_t kBlock = 512;
 
 // Rows [r0, r1), columns [c0, c1) (c0 and c1 multiples of kBlock, or c1 = F).
+// stream: store the results with non-temporal (cache-bypassing) stores, for
+// outputs too large to stay in the cache anyway: the store then costs no read of
+// the line first (x86-64 only; elsewhere it is ignored).
 using FwdKernel = void (*)(const detail::GluProblem& p, const detail::FwdOutput& o, int64_t r0,
-                           int64_t r1, int64_t c0, int64_t c1);
+                           int64_t r1, int64_t c0, int64_t c1, bool stream);
 // The same for backward. With the weight gradient wanted: block_sums == nullptr
 // writes each row's sum to io.dw (the range must then be whole rows); otherwise
 // the sum of block b (columns [b * kBlock, ...)) goes to block_sums[b], for the
 // caller to add up in block order, so that a row split between threads sums
 // exactly as a whole one.
 using BwdKernel = void (*)(const detail::GluProblem& p, const detail::BwdIO& io, int64_t r0,
-                           int64_t r1, int64_t c0, int64_t c1, float* block_sums);
+                           int64_t r1, int64_t c0, int64_t c1, float* block_sums, bool stream);
 
 struct KernelTable {
   const char* isa;
