@@ -59,7 +59,7 @@ fi
 
 if has python; then
   log "python package: build, pytest, bench (tests/python/run_device.sh)"
-  OUT="$OUT" bash tests/python/run_device.sh ${PY_STAGES:-build test bench} > "$OUT/python.log" 2>&1
+  OUT="$OUT" timeout ${PY_TIMEOUT:-420} bash tests/python/run_device.sh ${PY_STAGES:-build test bench} > "$OUT/python.log" 2>&1
   log "python rc=$?"
   tail -60 "$OUT/python.log"
 fi

@@ -90,9 +90,6 @@ EA_HD float div_f(float a, float b) {
 
 EA_HD float sigmoid_f(float x) { return div_f(1.0f, 1.0f + exp_f(-x)); }
 
-// tanh(y) = 1 - 2 / (1 + e^{2y}): exact limits at +-inf, NaN kept; absolute
-// error ~1e-7 near 0, which the 1 + tanh of gelu absorbs.
-EA_HD float tanh_f(float y) { return 1.0f - div_f(2.0f, 1.0f + exp_f(2.0f * y)); }
 
 // min(g, L) with NaN kept (torch.clamp(max=L) semantics).
 EA_HD float clamp_hi(float g, float L) { return g > L ? L : g; }
@@ -121,18 +118,24 @@ struct Act<Activation::kSilu> {
 
 template <>
 struct Act<Activation::kGeluTanh> {
-  // gelu_tanh(x) = 0.5 x (1 + tanh(k0 (x + k1 x^3))), as torch.nn.functional.gelu(approximate="tanh").
+  // gelu_tanh(x) = 0.5 x (1 + tanh(y)), y = k0 (x + k1 x^3), as
+  // torch.nn.functional.gelu(approximate="tanh"), computed through the identity
+  // (1 + tanh(y)) / 2 = sigmoid(2y): one exp and one division, as silu, and no
+  // cancellation in 1 + tanh(y) for x << 0. Derivative: with s = sigmoid(2y),
+  // 1 - tanh(y)^2 = 4 s (1 - s), so gelu' = s (1 + x (1 - s) 2 k0 (1 + 3 k1 x^2)).
   static constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
   static constexpr float k1 = 0.044715f;
+  static constexpr float c1 = 2.0f * k0;            // 2y = x (c1 + c3 x^2)
+  static constexpr float c3 = 2.0f * k0 * k1;
   EA_HD static float fwd(float x, float) {
-    float t = tanh_f(k0 * (x + k1 * x * x * x));
-    return 0.5f * x * (1.0f + t);
+    float s = sigmoid_f(x * (c1 + c3 * (x * x)));
+    return x * s;
   }
   EA_HD static void fwd_bwd(float x, float, float& a, float& da) {
     float x2 = x * x;
-    float t = tanh_f(k0 * (x + k1 * x2 * x));
-    a = 0.5f * x * (1.0f + t);
-    da = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k0 * (1.0f + 3.0f * k1 * x2);
+    float s = sigmoid_f(x * (c1 + c3 * x2));
+    a = x * s;
+    da = s * (1.0f + x * (1.0f - s) * (c1 + 3.0f * c3 * x2));
   }
 };
 
