@@ -125,12 +125,15 @@ Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
     glu_fwd_kernel<T, A, kStep, kW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
     return Status::kOk;
   };
-  constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
+  // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
+  constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
   if (V == kWide) return go(detail::IntTag<kWide>{});
   if constexpr (kNarrow != kWide && kNarrow != 1) {
     if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
   }
-  return go(detail::IntTag<1>{});
+  if (V == 1) return go(detail::IntTag<1>{});
+  // A width with no kernel would silently skip elements: refuse loudly instead.
+  return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
 }
 
 template <typename T, Activation A, int kStep, bool kW, bool kDW>
@@ -140,12 +143,15 @@ Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
     glu_bwd_kernel<T, A, kStep, kW, kDW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
     return Status::kOk;
   };
-  constexpr int kWide = 16 / sizeof(T), kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
+  // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
+  constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
   if (V == kWide) return go(detail::IntTag<kWide>{});
   if constexpr (kNarrow != kWide && kNarrow != 1) {
     if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
   }
-  return go(detail::IntTag<1>{});
+  if (V == 1) return go(detail::IntTag<1>{});
+  // A width with no kernel would silently skip elements: refuse loudly instead.
+  return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
 }
 
 
