@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The main job: installs expertact and runs its benchmark.
+#  - on a machine with a CUDA GPU (and a CUDA build of torch already installed):
+#    the seed-size table (1,045,081 x 3,072 bf16) of eager PyTorch, torch.compile,
+#    expertact and expertact with in-place backward, plus the C++ GPU benchmark;
+#  - on a machine without one: the same table on the CPU path at a reduced size,
+#    plus the C++ CPU benchmark against memcpy.
+#   bash scripts/demo.sh           (from the repository root; results under bench/out/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+OUTDIR=${OUTDIR:-bench/out}
+mkdir -p "$OUTDIR"
+
+gpu=0
+if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then gpu=1; fi
+
+if command -v apt-get > /dev/null && ! dpkg -s libdlpack-dev > /dev/null 2>&1; then
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev > /dev/null
+fi
+if ! $PY -c "import torch" > /dev/null 2>&1; then
+  # Without a GPU: the CPU build of torch (on this workplace's machines it is on disk).
+  [ $gpu = 1 ] && { echo "a CUDA build of torch is needed on a GPU machine; install it first"; exit 1; }
+  $PY -m pip install -q "torch==2.13.0"
+fi
+$PY -m pip install -q scikit-build-core cmake ninja
+
+echo "== building and installing expertact (CUDA path: $([ $gpu = 1 ] && echo on || echo auto))"
+if [ $gpu = 1 ]; then
+  $PY -m pip install -q --no-build-isolation --no-deps -C cmake.define.EXPERTACT_CUDA=ON .
+else
+  $PY -m pip install -q --no-build-isolation --no-deps .
+fi
+cmake -S . -B build/demo -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_BUILD_TESTS=OFF \
+  -DEXPERTACT_CUDA=$([ $gpu = 1 ] && echo ON || echo OFF) > build/demo.configure.log
+cmake --build build/demo -j "$(nproc)" > build/demo.build.log
+
+echo "== python -m expertact.bench (progress on stderr)"
+(cd /tmp && $PY -m expertact.bench --json "$OLDPWD/$OUTDIR/bench.json" --markdown "$OLDPWD/$OUTDIR/bench.md")
+if [ $gpu = 1 ]; then
+  echo "== C++ GPU benchmark"
+  ./build/demo/bench/expertact_gpu_bench --json "$OUTDIR/gpu_bench.json" | tee "$OUTDIR/gpu_bench.md"
+else
+  echo "== C++ CPU benchmark"
+  ./build/demo/bench/expertact_cpu_bench --json "$OUTDIR/cpu_bench.json" | tee "$OUTDIR/cpu_bench.md"
+fi
+echo "== results in $OUTDIR/"
