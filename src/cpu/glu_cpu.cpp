@@ -3,6 +3,8 @@
 // between threads in blocks of kBlock columns, so that a few long rows (rows = 1,
 // F huge) spread as evenly as many short ones. The per-element math is
 // src/core/math.h, shared with CUDA; the kernels are cpu/glu_cpu_kernels.h.
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -73,10 +75,15 @@ int64_t dtype_bytes(DType d) { return d == DType::kFloat32 ? 4 : 2; }
 constexpr int64_t kFwdCost = 1, kBwdCost = 2;
 
 // The work is rows x blocks units (a block: kBlock columns of one row; the last
-// one of a row may be shorter). Thread t takes units [U t / nt, U (t + 1) / nt):
-// a partial row at each end, whole rows between.
+// one of a row may be shorter), cut into chunks of consecutive units that the
+// threads take from a shared counter as they go: a thread slowed down by
+// anything else on its core takes fewer chunks instead of holding up the call
+// (an equal static split lost up to half the time so on a shared 2-core VM). A
+// chunk covers a partial row at each end and whole rows between.
 struct Split {
   int64_t F, blocks_per_row, units;
+  int64_t chunk;    // units per chunk
+  int64_t nchunks;
   int nt;
 };
 
@@ -87,13 +94,20 @@ Split make_split(const detail::GluProblem& p, int64_t cost) {
   s.units = p.rows * s.blocks_per_row;
   const int64_t nt = threads_for(p.rows * p.F * cost);
   s.nt = static_cast<int>(nt < s.units ? nt : s.units);
+  // ~8 chunks per thread for balance, each at least ~32K elements so that
+  // taking one (an atomic add) stays far below 1% of its time.
+  const int64_t unit_elems = p.F < kBlock ? p.F : kBlock;
+  const int64_t min_chunk = (int64_t{1} << 15) / unit_elems + 1;
+  const int64_t by_balance = (s.units + 8 * s.nt - 1) / (8 * s.nt);
+  s.chunk = s.nt <= 1 ? s.units : (by_balance > min_chunk ? by_balance : min_chunk);
+  s.nchunks = (s.units + s.chunk - 1) / s.chunk;
+  if (s.nchunks < s.nt) s.nt = static_cast<int>(s.nchunks);
   return s;
 }
 
-// Calls seg(r0, r1, c0, c1) for the row segments of thread t's units.
+// Calls seg(r0, r1, c0, c1) for the row segments of units [u0, u1).
 template <typename Seg>
-void for_each_segment(const Split& s, int t, Seg&& seg) {
-  const int64_t u0 = s.units * t / s.nt, u1 = s.units * (t + 1) / s.nt;
+void for_each_segment(const Split& s, int64_t u0, int64_t u1, Seg&& seg) {
   if (u0 >= u1) return;
   const int64_t nb = s.blocks_per_row;
   int64_t ra = u0 / nb, ba = u0 % nb;
@@ -108,6 +122,22 @@ void for_each_segment(const Split& s, int t, Seg&& seg) {
   }
   if (ra < rb) seg(ra, rb, int64_t{0}, s.F);
   if (bb > 0) seg(rb, rb + 1, int64_t{0}, bb * kBlock);
+}
+
+// Runs seg over every chunk on s.nt threads, each thread taking the next chunk
+// until none is left.
+template <typename Seg>
+void run_chunks(const Split& s, Seg&& seg) {
+  std::atomic<int64_t> next{0};
+  parallel_run(s.nt, [&](int) {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= s.nchunks) return;
+      const int64_t u0 = c * s.chunk;
+      const int64_t u1 = u0 + s.chunk < s.units ? u0 + s.chunk : s.units;
+      for_each_segment(s, u0, u1, seg);
+    }
+  });
 }
 
 }  // namespace
@@ -133,10 +163,8 @@ Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
     fn(p, o, 0, p.rows, 0, p.F, stream);
     return Status::kOk;
   }
-  parallel_run(s.nt, [&](int t) {
-    for_each_segment(s, t, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-      fn(p, o, r0, r1, c0, c1, stream);
-    });
+  run_chunks(s, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    fn(p, o, r0, r1, c0, c1, stream);
   });
   return Status::kOk;
 }
@@ -154,29 +182,28 @@ Status cpu_backward(const GluProblem& p, const BwdIO& io) {
     fn(p, io, 0, p.rows, 0, p.F, nullptr, stream);
     return Status::kOk;
   }
-  // Rows split between threads keep their block sums here, one slot per block,
-  // and are added up in block order afterwards: the same sum as a whole row's.
+  // Rows that a chunk boundary cuts keep their block sums here, one slot per
+  // block, added up in block order afterwards: exactly the sum a whole row gets
+  // (0 + block 0 + block 1 + ...), whatever the split and the thread count.
   std::vector<int64_t> split_rows;
   std::vector<float> block_sums;
   if (want_dw) {
-    for (int t = 1; t < s.nt; ++t) {
-      const int64_t u = s.units * t / s.nt;
+    for (int64_t c = 1; c < s.nchunks; ++c) {
+      const int64_t u = c * s.chunk;
       if (u % s.blocks_per_row == 0) continue;
       const int64_t r = u / s.blocks_per_row;
       if (split_rows.empty() || split_rows.back() != r) split_rows.push_back(r);
     }
     block_sums.assign(split_rows.size() * s.blocks_per_row, 0.0f);
   }
-  parallel_run(s.nt, [&](int t) {
-    for_each_segment(s, t, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-      float* sums = nullptr;
-      if (want_dw && (c0 != 0 || c1 != p.F)) {
-        size_t i = 0;
-        while (split_rows[i] != r0) ++i;
-        sums = block_sums.data() + i * s.blocks_per_row;
-      }
-      fn(p, io, r0, r1, c0, c1, sums, stream);
-    });
+  run_chunks(s, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    float* sums = nullptr;
+    if (want_dw && (c0 != 0 || c1 != p.F)) {
+      const size_t i = static_cast<size_t>(
+          std::lower_bound(split_rows.begin(), split_rows.end(), r0) - split_rows.begin());
+      sums = block_sums.data() + i * s.blocks_per_row;
+    }
+    fn(p, io, r0, r1, c0, c1, sums, stream);
   });
   for (size_t i = 0; i < split_rows.size(); ++i) {
     float acc = 0.0f;

@@ -252,6 +252,7 @@ EA_KERNEL_INLINE void stream_fence() {
 #endif
 }
 
+
 #if defined(__SSE2__)
 constexpr bool kCanStream = true;
 #else
