@@ -40,10 +40,11 @@ void set_cpu_threads(int n) { cpu::set_threads(n); }
 namespace detail {
 namespace {
 
-int64_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+int64_t dtype_size(DType d) { return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : 2; }
 
 bool valid_dtype(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
+         d == DType::kFloat64;
 }
 
 Status check_params(const GluParams& p) {
@@ -63,7 +64,7 @@ Status check_params(const GluParams& p) {
 Status check_matrix(const char* name, const MatrixRef& m) {
   if (!valid_dtype(m.dtype))
     return fail(Status::kInvalidArgument, name, ".dtype ", static_cast<int>(m.dtype),
-                " is not supported (expected float32, float16 or bfloat16)");
+                " is not supported (expected float32, float16 or bfloat16; float64 on the CPU)");
   if (m.device != DeviceType::kCPU && m.device != DeviceType::kCUDA)
     return fail(Status::kInvalidArgument, name, ".device ", static_cast<int>(m.device),
                 " is not supported (expected cpu or cuda)");
@@ -196,6 +197,15 @@ Status check_no_overlap(const char* out_name, const Extent& out, const char* in_
   return Status::kOk;
 }
 
+// float64 exists for gradient checking on the CPU; no kernel computes it on a GPU.
+Status check_float64_device(const GluProblem& p, const char* xname) {
+  if (p.dtype == DType::kFloat64 && p.device != DeviceType::kCPU)
+    return fail(Status::kUnsupported, xname,
+                " is a float64 CUDA tensor: float64 is supported on the CPU only "
+                "(for gradient checking); use float32, float16 or bfloat16 on the GPU");
+  return Status::kOk;
+}
+
 #define EA_TRY(expr)                          \
   do {                                        \
     Status ea_s_ = (expr);                    \
@@ -325,8 +335,10 @@ Status forward_body(const void* ctx) {
   EA_TRY(check_no_overlap("out", eo, xname, extent_of(*c.x)));
   if (c.up) EA_TRY(check_no_overlap("out", eo, "up", extent_of(*c.up)));
   if (c.weights) EA_TRY(check_no_overlap("out", eo, "weights", extent_of(*c.weights)));
+  EA_TRY(check_float64_device(p, xname));
   if (p.rows == 0 || p.F == 0) return Status::kOk;
   FwdOutput o{out.data, out.row_stride};
+  if (p.dtype == DType::kFloat64) return cpu_forward_f64(p, o);
   if (p.device == DeviceType::kCPU) return cpu_forward(p, o);
 #if EXPERTACT_WITH_CUDA
   return cuda_forward(p, o, c.stream);
@@ -412,6 +424,7 @@ Status backward_body(const void* ctx) {
   EA_TRY(check_no_overlap("grad_weights", e_gw, "up", e_up));
   EA_TRY(check_no_overlap("grad_weights", e_gw, "weights", e_w));
 
+  EA_TRY(check_float64_device(p, xname));
   if (p.rows == 0) return Status::kOk;
   BwdIO io;
   io.dy = dy.data;
@@ -432,6 +445,7 @@ Status backward_body(const void* ctx) {
     return cuda_fill_zero(p, io.dw, p.rows, io.dw_stride, c.stream);
 #endif
   }
+  if (p.dtype == DType::kFloat64) return cpu_backward_f64(p, io);
   if (p.device == DeviceType::kCPU) return cpu_backward(p, io);
 #if EXPERTACT_WITH_CUDA
   return cuda_backward(p, io, c.stream);

@@ -21,10 +21,12 @@ Status to_dtype(const char* name, const DLDataType& t, DType& out) {
     out = DType::kFloat16;
   } else if (t.lanes == 1 && t.code == kDLBfloat && t.bits == 16) {
     out = DType::kBFloat16;
+  } else if (t.lanes == 1 && t.code == kDLFloat && t.bits == 64) {
+    out = DType::kFloat64;
   } else {
     return fail(Status::kInvalidArgument, name, " has unsupported DLPack dtype (code ",
                 static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
-                static_cast<int>(t.lanes), "); expected float32, float16 or bfloat16");
+                static_cast<int>(t.lanes), "); expected float32, float16 or bfloat16 (float64 on the CPU)");
   }
   return Status::kOk;
 }

@@ -33,7 +33,10 @@ enum class Layout : int32_t {
   kInterleaved = 3,    // gate_up[:, 0::2] = gate, gate_up[:, 1::2] = up
 };
 
-enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// float64 is accepted on the CPU only and computed in float64 throughout: it
+// exists for gradient checking (torch.autograd.gradcheck); the kernels' dtypes
+// are the other three, computed in float32.
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 enum class DeviceType : int32_t { kCPU = 0, kCUDA = 1 };
 

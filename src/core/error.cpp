@@ -38,6 +38,7 @@ std::string to_str(DType d) {
     case DType::kFloat32: return "float32";
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat64: return "float64";
   }
   return "dtype(" + std::to_string(static_cast<int>(d)) + ")";
 }

@@ -4,6 +4,7 @@
 // CPU loops vectorize and NaN propagates exactly as in eager PyTorch.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "expertact/expertact.hpp"
@@ -88,16 +89,25 @@ EA_HD float div_f(float a, float b) {
 #endif
 }
 
-EA_HD float sigmoid_f(float x) { return div_f(1.0f, 1.0f + exp_f(-x)); }
+// float64 (the CPU gradient-checking path only): the C library's exp and an
+// IEEE division; nothing in float64 runs on the device.
+EA_HD double exp_f(double x) { return ::exp(x); }
+EA_HD double div_f(double a, double b) { return a / b; }
 
+// Everything below is written once for the compute type S: float for every
+// storage dtype of the kernels, double for the float64 path.
+template <typename S>
+EA_HD S sigmoid_f(S x) { return div_f(S(1), S(1) + exp_f(-x)); }
 
 // min(g, L) with NaN kept (torch.clamp(max=L) semantics).
-EA_HD float clamp_hi(float g, float L) { return g > L ? L : g; }
+template <typename S>
+EA_HD S clamp_hi(S g, S L) { return g > L ? L : g; }
 // clamp(u, -L, L) with NaN kept (L > 0). Two one-sided selects rather than a
 // nested one: each is a single max/min instruction on x86, the nested form
 // compiled to eight.
-EA_HD float clamp_sym(float u, float L) {
-  float t = u < -L ? -L : u;
+template <typename S>
+EA_HD S clamp_sym(S u, S L) {
+  S t = u < -L ? -L : u;
   return t > L ? L : t;
 }
 
@@ -108,12 +118,25 @@ struct Act;
 template <>
 struct Act<Activation::kSilu> {
   // silu_alpha(x) = x * sigmoid(alpha x); derivative s (1 + alpha x (1 - s)).
-  EA_HD static float fwd(float x, float alpha) { return x * sigmoid_f(alpha * x); }
-  EA_HD static void fwd_bwd(float x, float alpha, float& a, float& da) {
-    float s = sigmoid_f(alpha * x);
+  template <typename S>
+  EA_HD static S fwd(S x, S alpha) { return x * sigmoid_f(alpha * x); }
+  template <typename S>
+  EA_HD static void fwd_bwd(S x, S alpha, S& a, S& da) {
+    S s = sigmoid_f(alpha * x);
     a = x * s;
-    da = s * (1.0f + alpha * x * (1.0f - s));
+    da = s * (S(1) + alpha * x * (S(1) - s));
   }
+};
+
+// gelu_tanh's constants in each compute type.
+template <typename S> struct GeluK;
+template <> struct GeluK<float> {
+  static constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+  static constexpr float k1 = 0.044715f;
+};
+template <> struct GeluK<double> {
+  static constexpr double k0 = 0.7978845608028654;
+  static constexpr double k1 = 0.044715;
 };
 
 template <>
@@ -123,19 +146,20 @@ struct Act<Activation::kGeluTanh> {
   // (1 + tanh(y)) / 2 = sigmoid(2y): one exp and one division, as silu, and no
   // cancellation in 1 + tanh(y) for x << 0. Derivative: with s = sigmoid(2y),
   // 1 - tanh(y)^2 = 4 s (1 - s), so gelu' = s (1 + x (1 - s) 2 k0 (1 + 3 k1 x^2)).
-  static constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  static constexpr float k1 = 0.044715f;
-  static constexpr float c1 = 2.0f * k0;            // 2y = x (c1 + c3 x^2)
-  static constexpr float c3 = 2.0f * k0 * k1;
-  EA_HD static float fwd(float x, float) {
-    float s = sigmoid_f(x * (c1 + c3 * (x * x)));
+  // 2y = x (c1 + c3 x^2) with c1 = 2 k0, c3 = 2 k0 k1.
+  template <typename S>
+  EA_HD static S fwd(S x, S) {
+    const S c1 = S(2) * GeluK<S>::k0, c3 = S(2) * GeluK<S>::k0 * GeluK<S>::k1;
+    S s = sigmoid_f(x * (c1 + c3 * (x * x)));
     return x * s;
   }
-  EA_HD static void fwd_bwd(float x, float, float& a, float& da) {
-    float x2 = x * x;
-    float s = sigmoid_f(x * (c1 + c3 * x2));
+  template <typename S>
+  EA_HD static void fwd_bwd(S x, S, S& a, S& da) {
+    const S c1 = S(2) * GeluK<S>::k0, c3 = S(2) * GeluK<S>::k0 * GeluK<S>::k1;
+    S x2 = x * x;
+    S s = sigmoid_f(x * (c1 + c3 * x2));
     a = x * s;
-    da = s * (1.0f + x * (1.0f - s) * (c1 + 3.0f * c3 * x2));
+    da = s * (S(1) + x * (S(1) - s) * (c1 + S(3) * c3 * x2));
   }
 };
 
@@ -148,32 +172,32 @@ struct Coeffs {
 };
 
 // out = act(min(g, L)) * (clamp(u, -L, L) + beta) * w
-template <Activation A>
-EA_HD float glu_fwd(float g, float u, float w, const Coeffs& c) {
-  float gc = clamp_hi(g, c.limit);
-  float uc = clamp_sym(u, c.limit);
-  return Act<A>::fwd(gc, c.alpha) * (uc + c.beta) * w;
+template <Activation A, typename S>
+EA_HD S glu_fwd(S g, S u, S w, const Coeffs& c) {
+  S gc = clamp_hi(g, S(c.limit));
+  S uc = clamp_sym(u, S(c.limit));
+  return Act<A>::fwd(gc, S(c.alpha)) * (uc + S(c.beta)) * w;
 }
 
 // The gradients of one element: dg, du, and this element's term of grad_w
 // (dy * a * (uc + beta), summed over the row in float32 by the caller).
 // Masks are inclusive (g == L passes, as torch.clamp's backward) and false at
 // NaN when clamped; unclamped (limit = inf) nothing is masked.
-template <Activation A>
-EA_HD void glu_bwd(float g, float u, float dy, float w, const Coeffs& c, float& dg, float& du,
-                   float& dw_term) {
-  float gc = clamp_hi(g, c.limit);
-  float uc = clamp_sym(u, c.limit);
-  float a, da;
-  Act<A>::fwd_bwd(gc, c.alpha, a, da);
-  float v = uc + c.beta;
-  float dyw = dy * w;
-  bool gpass = (!c.has_limit) | (g <= c.limit);
-  bool upass = (!c.has_limit) | ((u >= -c.limit) & (u <= c.limit));
-  float dgv = dyw * v * da;
-  float duv = dyw * a;
-  dg = gpass ? dgv : 0.0f;
-  du = upass ? duv : 0.0f;
+template <Activation A, typename S>
+EA_HD void glu_bwd(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_term) {
+  const S L = S(c.limit);
+  S gc = clamp_hi(g, L);
+  S uc = clamp_sym(u, L);
+  S a, da;
+  Act<A>::fwd_bwd(gc, S(c.alpha), a, da);
+  S v = uc + S(c.beta);
+  S dyw = dy * w;
+  bool gpass = (!c.has_limit) | (g <= L);
+  bool upass = (!c.has_limit) | ((u >= -L) & (u <= L));
+  S dgv = dyw * v * da;
+  S duv = dyw * a;
+  dg = gpass ? dgv : S(0);
+  du = upass ? duv : S(0);
   dw_term = dy * a * v;
 }
 

@@ -49,6 +49,9 @@ struct BwdIO {
 // Launchers: called only with validated, non-empty problems (rows > 0, F > 0).
 Status cpu_forward(const GluProblem& p, const FwdOutput& o);
 Status cpu_backward(const GluProblem& p, const BwdIO& io);
+// float64 on the CPU (gradient checking): plain loops, float64 arithmetic.
+Status cpu_forward_f64(const GluProblem& p, const FwdOutput& o);
+Status cpu_backward_f64(const GluProblem& p, const BwdIO& io);
 #if EXPERTACT_WITH_CUDA
 Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream);
 Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream);

@@ -23,6 +23,7 @@ DLDataType dl_dtype(DType d) {
     case DType::kFloat32: return DLDataType{kDLFloat, 32, 1};
     case DType::kFloat16: return DLDataType{kDLFloat, 16, 1};
     case DType::kBFloat16: return DLDataType{kDLBfloat, 16, 1};
+    case DType::kFloat64: return DLDataType{kDLFloat, 64, 1};
   }
   return DLDataType{kDLFloat, 32, 1};
 }
@@ -326,7 +327,7 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     const char* text;
   } bad_dtypes[] = {{{kDLInt, 32, 1}, "code 0, bits 32, lanes 1"},
                     {{kDLUInt, 8, 1}, "code 1, bits 8, lanes 1"},
-                    {{kDLFloat, 64, 1}, "code 2, bits 64, lanes 1"},
+                    {{kDLFloat, 8, 1}, "code 2, bits 8, lanes 1"},
                     {{kDLFloat, 16, 2}, "code 2, bits 16, lanes 2"},
                     {{kDLBfloat, 32, 1}, "code 4, bits 32, lanes 1"},
                     {{kDLFloat, 32, 4}, "code 2, bits 32, lanes 4"}};

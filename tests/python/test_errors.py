@@ -22,8 +22,9 @@ def _cases(dev):
         # (call, exception, message fragments)
         (lambda: expertact.swiglu(g, t(4, 9)), ValueError, ["up", "[4, 9]", "[4, 8]"]),
         (lambda: expertact.swiglu(g, t(5, 8)), ValueError, ["up", "[5, 8]"]),
-        (lambda: expertact.swiglu(t(4, 8, dtype=torch.float64), t(4, 8, dtype=torch.float64)), TypeError,
-         ["gate", "dtype", "bits 64"]),
+        (lambda: expertact.swiglu(torch.ones(4, 8, dtype=torch.int16, device=dev),
+                                  torch.ones(4, 8, dtype=torch.int16, device=dev)), TypeError,
+         ["gate", "dtype", "bits 16"]),
         (lambda: expertact.swiglu(g, t(4, 8, dtype=torch.bfloat16)), TypeError, ["up", "bfloat16", "float32"]),
         (lambda: expertact.swiglu(torch.ones(4, 8, dtype=torch.int32, device=dev), t(4, 8)), TypeError, ["gate"]),
         (lambda: expertact.swiglu(t(4, 7), layout="halves"), ValueError, ["gate_up", "7", "odd"]),
