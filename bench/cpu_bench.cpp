@@ -156,6 +156,7 @@ void store_val(void* base, int64_t i, ea::DType d, double v) {
     case ea::DType::kFloat32: static_cast<float*>(base)[i] = static_cast<float>(v); break;
     case ea::DType::kBFloat16: static_cast<uint16_t*>(base)[i] = to_bf16(static_cast<float>(v)); break;
     case ea::DType::kFloat16: static_cast<uint16_t*>(base)[i] = to_f16(v); break;
+    default: die("the benchmark covers float32, float16 and bfloat16");
   }
 }
 double load_val(const void* base, int64_t i, ea::DType d) {
@@ -163,8 +164,8 @@ double load_val(const void* base, int64_t i, ea::DType d) {
     case ea::DType::kFloat32: return static_cast<const float*>(base)[i];
     case ea::DType::kBFloat16: return from_bf16(static_cast<const uint16_t*>(base)[i]);
     case ea::DType::kFloat16: return from_f16(static_cast<const uint16_t*>(base)[i]);
+    default: die("the benchmark covers float32, float16 and bfloat16");
   }
-  return 0;
 }
 // Rounds a double to the dtype's value set (bf16 through float: double rounding can differ
 // from a direct rounding only at exact float ties, far inside the tolerances below).

@@ -278,6 +278,48 @@ EA_KERNEL_INLINE void put(const float* __restrict src, T* __restrict dst, int64_
   }
 }
 
+// float32 [gate, up] pairs: de-interleaved and re-interleaved with shuffles (GCC's
+// own code for the stride-2 loops took the interleaved layout to 60-70% of the
+// separate one's speed).
+EA_KERNEL_INLINE void split_pairs(const float* __restrict src, float* __restrict g,
+                                  float* __restrict u, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256 a = _mm256_loadu_ps(src + 2 * j);      // g0 u0 g1 u1 | g2 u2 g3 u3
+    const __m256 b = _mm256_loadu_ps(src + 2 * j + 8);  // g4 u4 g5 u5 | g6 u6 g7 u7
+    // shuffle_ps works per 128-bit lane: g0 g1 g4 g5 | g2 g3 g6 g7, then the
+    // 64-bit permute puts the quarters in order.
+    _mm256_store_ps(g + j, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                               _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8)));
+    _mm256_store_ps(u + j, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                               _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8)));
+  }
+#endif
+  for (; j < n; ++j) {
+    g[j] = src[2 * j];
+    u[j] = src[2 * j + 1];
+  }
+}
+
+EA_KERNEL_INLINE void join_pairs(const float* __restrict g, const float* __restrict u,
+                                 float* __restrict dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX__)
+  for (; j + 8 <= n; j += 8) {
+    const __m256 a = _mm256_load_ps(g + j), b = _mm256_load_ps(u + j);
+    const __m256 lo = _mm256_unpacklo_ps(a, b);  // g0 u0 g1 u1 | g4 u4 g5 u5
+    const __m256 hi = _mm256_unpackhi_ps(a, b);  // g2 u2 g3 u3 | g6 u6 g7 u7
+    _mm256_storeu_ps(dst + 2 * j, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(dst + 2 * j + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+#endif
+  for (; j < n; ++j) {
+    dst[2 * j] = g[j];
+    dst[2 * j + 1] = u[j];
+  }
+}
+
 // Gate and up of one block as float32: widened into the buffers, or (float32,
 // step 1) the tensors themselves.
 template <typename T, int kStep>
@@ -289,6 +331,8 @@ EA_KERNEL_INLINE void load_gate_up(const T* g, const T* u, int64_t n, float* gb,
   } else {
     if constexpr (kStep == 2 && kIs16<T>) {
       widen_pairs<T>(g, gb, ub, n);  // u == g + 1
+    } else if constexpr (kStep == 2) {
+      split_pairs(g, gb, ub, n);
     } else {
       widen<T, kStep>(g, gb, n);
       widen<T, kStep>(u, ub, n);
@@ -389,13 +433,11 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
         }
       }
       if (!direct) {
-        if constexpr (kStep == 2 && kIs16<T>) {
-          if (stream) {  // du == dg + 1
-            narrow_pairs<T>(dgb, dub, stage, n);
-            stream_copy(dg + 2 * cb, stage, 4 * n);
-          } else {
-            narrow_pairs<T>(dgb, dub, dg + 2 * cb, n);
-          }
+        if constexpr (kStep == 2) {  // du == dg + 1
+          T* dst = stream ? stage : dg + 2 * cb;
+          if constexpr (kIs16<T>) narrow_pairs<T>(dgb, dub, dst, n);
+          else join_pairs(dgb, dub, dst, n);
+          if (stream) stream_copy(dg + 2 * cb, stage, 2 * n * static_cast<int64_t>(sizeof(T)));
         } else {
           put<T, kStep>(dgb, dg + cb * kStep, n, stream, stage);
           put<T, kStep>(dub, du + cb * kStep, n, stream, stage);
