@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -26,6 +28,10 @@
 #include "expertact/expertact.hpp"
 
 namespace ea = expertact;
+
+// The CPU kernels the library picked ("avx2+fma+f16c" or "baseline"): exported by
+// src/cpu/glu_cpu.cpp for benchmark reports, not part of the public API.
+extern "C" const char* expertact_cpu_kernel_isa(void);
 
 namespace {
 
@@ -200,14 +206,72 @@ struct Buffer {
   ~Buffer() { std::free(p); }
 };
 
-// Runs fn(t, begin, end) over rows [0, n) in nt contiguous chunks, thread 0 inline: the same
-// split as the library's parallel_for.
+// Runs fn(t, begin, end) over rows [0, n) in nt contiguous chunks, thread 0 inline,
+// the others on threads started once and parked between calls, as the library's
+// own pool does (starting a thread costs 100-200 us on a small VM, which would
+// charge the memcpy reference with more than the kernels pay).
+class Workers {
+ public:
+  void run(int nt, const std::function<void(int)>& fn) {
+    while (static_cast<int>(threads_.size()) < nt - 1) {
+      const int id = static_cast<int>(threads_.size()) + 1;
+      threads_.emplace_back([this, id] { loop(id); });
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      active_ = nt - 1;
+      pending_ = nt - 1;
+      ++gen_;
+    }
+    cv_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    done_.wait(lk, [&] { return pending_ == 0; });
+  }
+  ~Workers() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+      ++gen_;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  void loop(int id) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (stop_) return;
+      if (id > active_) continue;
+      const std::function<void(int)>* job = job_;
+      lk.unlock();
+      (*job)(id);
+      lk.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int active_ = 0, pending_ = 0;
+  uint64_t gen_ = 0;
+  bool stop_ = false;
+};
+
+Workers& workers() {
+  static Workers w;
+  return w;
+}
+
 void split_rows(int64_t n, int nt, const std::function<void(int, int64_t, int64_t)>& fn) {
   nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nt, n)));
-  std::vector<std::thread> ws;
-  for (int t = 1; t < nt; ++t) ws.emplace_back(fn, t, n * t / nt, n * (t + 1) / nt);
-  fn(0, 0, n / nt);
-  for (auto& w : ws) w.join();
+  workers().run(nt, [&](int t) { fn(t, n * t / nt, n * (t + 1) / nt); });
 }
 
 // xorshift64* and Box-Muller: fast, deterministic per (seed, thread chunk).
@@ -259,16 +323,20 @@ Timing time_it(int warmup, int iters, const std::function<void()>& fn) {
   return {median(ms), *std::min_element(ms.begin(), ms.end())};
 }
 
+// "model name" of /proc/cpuinfo, with the family and model numbers (a VM may
+// report only "AMD EPYC"; family 25 model 1 is then Zen 3, Milan).
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
-  std::string line;
+  std::string line, name = "unknown", family, model;
+  auto value = [&] { size_t c = line.find(':'); return c == std::string::npos ? std::string() : line.substr(c + 2); };
   while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0 || line.rfind("Model", 0) == 0) {
-      size_t c = line.find(':');
-      if (c != std::string::npos) return line.substr(c + 2);
-    }
+    if (line.rfind("model name", 0) == 0 && name == "unknown") name = value();
+    else if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
+    else if (line.rfind("model\t", 0) == 0 && model.empty()) model = value();
+    else if (line.empty() && name != "unknown") break;
   }
-  return "unknown";
+  if (!family.empty()) name += " (family " + family + ", model " + model + ")";
+  return name;
 }
 
 std::string compiler() {
@@ -279,6 +347,17 @@ std::string compiler() {
 #else
   return "unknown";
 #endif
+}
+
+// The 1, 5 and 15 minute load averages: other work on the machine slows a
+// CPU benchmark down, so every report carries them.
+std::string load_average() {
+  std::ifstream f("/proc/loadavg");
+  double a = 0, b = 0, c = 0;
+  if (!(f >> a >> b >> c)) return "unknown";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f %.2f %.2f", a, b, c);
+  return buf;
 }
 
 std::string today() {
@@ -315,6 +394,7 @@ struct Options {
   std::string json;
   bool check = false;
   std::string command;
+  std::string load_start;
 };
 
 struct Result {
@@ -423,7 +503,9 @@ void write_json(const std::string& path, const Options& o, int nt,
   f << "  \"date\": \"" << today() << "\",\n";
   f << "  \"machine\": {\"cpu\": \"" << json_escape(cpu_model())
     << "\", \"hardware_concurrency\": " << std::thread::hardware_concurrency()
-    << ", \"compiler\": \"" << json_escape(compiler()) << "\"},\n";
+    << ", \"compiler\": \"" << json_escape(compiler()) << "\", \"kernels\": \""
+    << expertact_cpu_kernel_isa() << "\", \"load_average_at_start\": \"" << o.load_start
+    << "\", \"load_average_at_end\": \"" << load_average() << "\"},\n";
   f << "  \"threads\": " << nt << ", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup
     << ", \"weights\": " << (o.weights ? "true" : "false") << ",\n";
   f << "  \"inputs\": \"gate, up ~ 6 N(0,1); grad_out ~ N(0,1)\",\n";
@@ -837,8 +919,11 @@ int main(int argc, char** argv) {
   if (ea::cpu_threads() != nt) die("set_cpu_threads did not take");
 
   std::printf("expertact CPU benchmark, %s\n", today().c_str());
-  std::printf("cpu: %s (hardware concurrency %u)\ncompiler: %s\nthreads: %d\n", cpu_model().c_str(),
-              hc, compiler().c_str(), nt);
+  o.load_start = load_average();
+  std::printf("cpu: %s (hardware concurrency %u)\ncompiler: %s\nkernels: %s\nthreads: %d\n"
+              "load average: %s\n",
+              cpu_model().c_str(), hc, compiler().c_str(), expertact_cpu_kernel_isa(), nt,
+              o.load_start.c_str());
   if (o.check) return run_check(nt);
 
   std::printf("iters %d (median) after %d warm-up; inputs 6 N(0,1)%s; GB/s counts forward 3, "
@@ -854,6 +939,7 @@ int main(int argc, char** argv) {
   if (o.f32_extra &&
       std::find(o.dtypes.begin(), o.dtypes.end(), ea::DType::kFloat32) == o.dtypes.end())
     run_size(ea::DType::kFloat32, o.f32_size, o, nt, results);
+  std::printf("\nload average at the end: %s\n", load_average().c_str());
   if (!o.json.empty()) {
     write_json(o.json, o, nt, results);
     std::printf("\nwrote %s\n", o.json.c_str());
