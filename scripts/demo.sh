@@ -33,9 +33,10 @@ if [ $gpu = 1 ]; then
 else
   $PY -m pip install -q --no-build-isolation --no-deps .
 fi
+mkdir -p build/demo
 cmake -S . -B build/demo -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_BUILD_TESTS=OFF \
-  -DEXPERTACT_CUDA=$([ $gpu = 1 ] && echo ON || echo OFF) > build/demo.configure.log
-cmake --build build/demo -j "$(nproc)" > build/demo.build.log
+  -DEXPERTACT_CUDA=$([ $gpu = 1 ] && echo ON || echo OFF) > build/demo/configure.log
+cmake --build build/demo -j "$(nproc)" > build/demo/build.log
 
 echo "== python -m expertact.bench (progress on stderr)"
 (cd /tmp && $PY -m expertact.bench --json "$OLDPWD/$OUTDIR/bench.json" --markdown "$OLDPWD/$OUTDIR/bench.md")

@@ -21,10 +21,11 @@ $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
 
 BUILD=${BUILD_DIR:-build/test}
 echo "== configuring (CUDA: ${EXPERTACT_CUDA:-AUTO})"
+mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${EXPERTACT_CUDA:-AUTO}" \
-  -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD.configure.log" 2>&1 || {
-  cat "$BUILD.configure.log"; exit 1; }
-grep "expertact:" "$BUILD.configure.log" || true
+  -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD/configure.log" 2>&1 || {
+  cat "$BUILD/configure.log"; exit 1; }
+grep "expertact:" "$BUILD/configure.log" || true
 echo "== building"
 cmake --build "$BUILD" -j "$(nproc)"
 echo "== C++ tests (GoogleTest via ctest)"
