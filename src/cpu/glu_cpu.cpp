@@ -156,7 +156,7 @@ Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
   const int d = static_cast<int>(p.dtype), a = static_cast<int>(p.params.act);
   if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
     return fail(Status::kInternal, "cpu_forward: dtype ", d, ", act ", a, ", step ", p.step);
-  const FwdKernel fn = kernels().fwd[d][a][p.step - 1][p.w != nullptr];
+  const FwdKernel fn = kernels().fwd[d][a][p.step - 1][p.w != nullptr][p.has_limit];
   const bool stream = use_stream(3 * p.rows * p.F * dtype_bytes(p.dtype));
   const Split s = make_split(p, kFwdCost);
   if (s.nt <= 1) {
@@ -175,7 +175,7 @@ Status cpu_backward(const GluProblem& p, const BwdIO& io) {
   if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
     return fail(Status::kInternal, "cpu_backward: dtype ", d, ", act ", a, ", step ", p.step);
   const bool want_dw = p.w != nullptr && io.dw != nullptr;
-  const BwdKernel fn = kernels().bwd[d][a][p.step - 1][p.w != nullptr][want_dw];
+  const BwdKernel fn = kernels().bwd[d][a][p.step - 1][p.w != nullptr][want_dw][p.has_limit];
   const bool stream = use_stream(5 * p.rows * p.F * dtype_bytes(p.dtype));
   const Split s = make_split(p, kBwdCost);
   if (s.nt <= 1) {

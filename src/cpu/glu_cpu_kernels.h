@@ -50,8 +50,12 @@ template <> struct Storage<DType::kBFloat16> { using type = bf16; };
 
 template <typename T> constexpr bool kIs16 = sizeof(T) == 2;
 
+// kClamp false: the problem has limit = +inf, passed as a constant so the
+// compiler drops the clamps (x > inf is false for every x, NaN too) and masks.
+template <bool kClamp>
 math::Coeffs coeffs_of(const GluProblem& p) {
-  return math::Coeffs{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  if constexpr (kClamp) return math::Coeffs{p.params.alpha, p.params.limit, p.params.beta, true};
+  else return math::Coeffs{p.params.alpha, __builtin_inff(), p.params.beta, false};
 }
 
 // ---------------------------------------------------------------- storage <-> float32
@@ -344,10 +348,10 @@ EA_KERNEL_INLINE void load_gate_up(const T* g, const T* u, int64_t n, float* gb,
 
 // ---------------------------------------------------------------- forward
 
-template <typename T, Activation A, int kStep, bool kW>
+template <typename T, Activation A, int kStep, bool kW, bool kClamp>
 void fwd_kernel(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1, int64_t c0,
                 int64_t c1, bool stream) {
-  const math::Coeffs c = coeffs_of(p);
+  const math::Coeffs c = coeffs_of<kClamp>(p);
   stream = stream && kCanStream;
   alignas(64) float gb[kBlock], ub[kBlock], ob[kBlock];
   alignas(64) T stage[kBlock];
@@ -378,10 +382,10 @@ void fwd_kernel(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1,
 // dg/du may be g/u themselves (in-place backward): a block's inputs are all read
 // (widened, or for float32 step 1 read in the same iteration that writes them)
 // before its gradients are stored, and no iteration touches another's elements.
-template <typename T, Activation A, int kStep, bool kW, bool kDW>
+template <typename T, Activation A, int kStep, bool kW, bool kDW, bool kClamp>
 void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, int64_t c0,
                 int64_t c1, float* block_sums, bool stream) {
-  const math::Coeffs c = coeffs_of(p);
+  const math::Coeffs c = coeffs_of<kClamp>(p);
   stream = stream && kCanStream;
   alignas(64) float gb[kBlock], ub[kBlock], yb[kBlock], dgb[kBlock], dub[kBlock];
   alignas(64) T stage[2 * kBlock];
@@ -457,22 +461,28 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
 
 // ---------------------------------------------------------------- the table
 
-template <DType D, Activation A, int kStep, bool kW>
+template <DType D, Activation A, int kStep, bool kW, bool kClamp>
 void fill_one(KernelTable& t) {
   using T = typename Storage<D>::type;
   const int d = static_cast<int>(D), a = static_cast<int>(A);
-  t.fwd[d][a][kStep - 1][kW] = &fwd_kernel<T, A, kStep, kW>;
-  t.bwd[d][a][kStep - 1][kW][0] = &bwd_kernel<T, A, kStep, kW, false>;
+  t.fwd[d][a][kStep - 1][kW][kClamp] = &fwd_kernel<T, A, kStep, kW, kClamp>;
+  t.bwd[d][a][kStep - 1][kW][0][kClamp] = &bwd_kernel<T, A, kStep, kW, false, kClamp>;
   // A weight gradient needs weights: without them the "want" slot is never used.
-  t.bwd[d][a][kStep - 1][kW][1] = &bwd_kernel<T, A, kStep, kW, kW>;
+  t.bwd[d][a][kStep - 1][kW][1][kClamp] = &bwd_kernel<T, A, kStep, kW, kW, kClamp>;
+}
+
+template <DType D, Activation A, int kStep, bool kW>
+void fill_clamp(KernelTable& t) {
+  fill_one<D, A, kStep, kW, false>(t);
+  fill_one<D, A, kStep, kW, true>(t);
 }
 
 template <DType D, Activation A>
 void fill_act(KernelTable& t) {
-  fill_one<D, A, 1, false>(t);
-  fill_one<D, A, 1, true>(t);
-  fill_one<D, A, 2, false>(t);
-  fill_one<D, A, 2, true>(t);
+  fill_clamp<D, A, 1, false>(t);
+  fill_clamp<D, A, 1, true>(t);
+  fill_clamp<D, A, 2, false>(t);
+  fill_clamp<D, A, 2, true>(t);
 }
 
 template <DType D>

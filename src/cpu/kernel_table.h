@@ -29,10 +29,13 @@ using FwdKernel = void (*)(const detail::GluProblem& p, const detail::FwdOutput&
 using BwdKernel = void (*)(const detail::GluProblem& p, const detail::BwdIO& io, int64_t r0,
                            int64_t r1, int64_t c0, int64_t c1, float* block_sums, bool stream);
 
+// The last index, clamped, is the problem's has_limit: with limit = +inf as a
+// compile-time constant the clamps and gradient masks fold away (backward's
+// AVX2 loop: 49 -> 35 instructions per 8 elements).
 struct KernelTable {
   const char* isa;
-  FwdKernel fwd[3][2][2][2];     // [dtype][act][step - 1][weighted]
-  BwdKernel bwd[3][2][2][2][2];  // [dtype][act][step - 1][weighted][want weight gradient]
+  FwdKernel fwd[3][2][2][2][2];     // [dtype][act][step - 1][weighted][clamped]
+  BwdKernel bwd[3][2][2][2][2][2];  // [dtype][act][step - 1][weighted][want weight gradient][clamped]
 };
 
 // The portable kernels (any x86-64, or the target's baseline elsewhere).
