@@ -135,8 +135,9 @@ EA_KERNEL_INLINE __m256i bf16_round_hi(__m256 v) {
 }
 #endif
 
-// dst[j * kStep] = round(src[j]).
-template <typename T, int kStep>
+// dst[j * kStep] = round(src[j]). kNT (AVX2 bf16 only, dst 32-byte aligned):
+// non-temporal stores straight from the rounding, no staging copy.
+template <typename T, int kStep, bool kNT = false>
 EA_KERNEL_INLINE void narrow(const float* __restrict src, T* __restrict dst, int64_t n) {
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<T, bf16> && kStep == 1) {
@@ -145,8 +146,9 @@ EA_KERNEL_INLINE void narrow(const float* __restrict src, T* __restrict dst, int
       const __m256i a = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(src + j)), 16);
       const __m256i b = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(src + j + 8)), 16);
       // packus interleaves the 128-bit halves: a0-3 b0-3 a4-7 b4-7; the permute fixes it.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                          _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8));
+      const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+      if constexpr (kNT) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + j), v);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), v);
     }
     for (; j < n; ++j) dst[j] = Io<T>::store(src[j]);
     return;
@@ -166,7 +168,7 @@ EA_KERNEL_INLINE void narrow(const float* __restrict src, T* __restrict dst, int
   for (int64_t j = 0; j < n; ++j) dst[j * kStep] = Io<T>::store(src[j]);
 }
 
-template <typename T>
+template <typename T, bool kNT = false>
 EA_KERNEL_INLINE void narrow_pairs(const float* __restrict g, const float* __restrict u,
                                    T* __restrict dst, int64_t n) {
   static_assert(kIs16<T>, "pairs of 16-bit values");
@@ -178,7 +180,8 @@ EA_KERNEL_INLINE void narrow_pairs(const float* __restrict g, const float* __res
     for (; j + 8 <= n; j += 8) {
       const __m256i rg = _mm256_srli_epi32(bf16_round_hi(_mm256_load_ps(g + j)), 16);
       const __m256i ru = _mm256_and_si256(bf16_round_hi(_mm256_load_ps(u + j)), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + 4 * j), _mm256_or_si256(rg, ru));
+      if constexpr (kNT) _mm256_stream_si256(reinterpret_cast<__m256i*>(b + 4 * j), _mm256_or_si256(rg, ru));
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(b + 4 * j), _mm256_or_si256(rg, ru));
     }
     for (; j < n; ++j) {
       dst[2 * j] = Io<T>::store(g[j]);
@@ -257,6 +260,13 @@ EA_KERNEL_INLINE void stream_fence() {
 }
 
 
+#if defined(__AVX2__)
+constexpr bool kDirectNT = true;  // bf16 blocks stream straight from the rounding
+#else
+constexpr bool kDirectNT = false;
+#endif
+EA_KERNEL_INLINE bool aligned32(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 31) == 0; }
+
 #if defined(__SSE2__)
 constexpr bool kCanStream = true;
 #else
@@ -272,6 +282,12 @@ EA_KERNEL_INLINE void put(const float* __restrict src, T* __restrict dst, int64_
     if constexpr (std::is_same_v<T, float>) {
       stream_copy(dst, src, n * 4);
     } else {
+      if constexpr (kDirectNT && std::is_same_v<T, bf16>) {
+        if (aligned32(dst)) {
+          narrow<T, 1, true>(src, dst, n);
+          return;
+        }
+      }
       narrow<T, 1>(src, stage, n);
       stream_copy(dst, stage, n * static_cast<int64_t>(sizeof(T)));
     }
@@ -438,10 +454,19 @@ void bwd_kernel(const GluProblem& p, const BwdIO& io, int64_t r0, int64_t r1, in
       }
       if (!direct) {
         if constexpr (kStep == 2) {  // du == dg + 1
-          T* dst = stream ? stage : dg + 2 * cb;
-          if constexpr (kIs16<T>) narrow_pairs<T>(dgb, dub, dst, n);
-          else join_pairs(dgb, dub, dst, n);
-          if (stream) stream_copy(dg + 2 * cb, stage, 2 * n * static_cast<int64_t>(sizeof(T)));
+          bool done = false;
+          if constexpr (kDirectNT && std::is_same_v<T, bf16>) {
+            if (stream && aligned32(dg + 2 * cb)) {
+              narrow_pairs<T, true>(dgb, dub, dg + 2 * cb, n);
+              done = true;
+            }
+          }
+          if (!done) {
+            T* dst = stream ? stage : dg + 2 * cb;
+            if constexpr (kIs16<T>) narrow_pairs<T>(dgb, dub, dst, n);
+            else join_pairs(dgb, dub, dst, n);
+            if (stream) stream_copy(dg + 2 * cb, stage, 2 * n * static_cast<int64_t>(sizeof(T)));
+          }
         } else {
           put<T, kStep>(dgb, dg + cb * kStep, n, stream, stage);
           put<T, kStep>(dub, du + cb * kStep, n, stream, stage);
