@@ -258,12 +258,12 @@ def main():
           % (torch.__version__, args.dtype, args.threads, cpu, " ".join("%.2f" % v for v in os.getloadavg())))
     print("torch: eager forward; backward = out.backward(grad_out). expertact: C ABI forward; backward. "
           "Medians (ms) of %d after %d warm-up.\n" % (args.iters, args.warmup))
+    print("(errors: expertact against the expression in float64 rounded once to the dtype; "
+          "eager: PyTorch's own bf16/f32 result against the same)\n")
     print("| rows x F | dtype | layout | torch fwd | torch bwd | expertact fwd | expertact bwd | fwd speedup | "
           "bwd speedup | fwd+bwd speedup | max ulp: out / grad (eager grad) | max err / max ref: out / grad "
           "(eager grad) | NaN/inf match |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
-    print("(errors: expertact against the expression in float64 rounded once to the dtype; "
-          "eager: PyTorch's own bf16/f32 result against the same)\n")
     ea, rows = run(args)
     if args.json:
         with open(args.json, "w") as f:
