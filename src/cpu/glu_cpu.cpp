@@ -13,6 +13,9 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
 #endif
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 
 #include "core/error.h"
 #include "core/problem.h"
@@ -34,9 +37,13 @@ const KernelTable& pick_kernels() {
   const char* env = std::getenv("EXPERTACT_CPU_ISA");
   if (env != nullptr && std::strcmp(env, "baseline") == 0) return baseline_kernels();
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  // avx2 and fma through the compiler (which also checks that the OS saves the
+  // ymm registers); F16C from cpuid leaf 1 (ecx bit 29), which older GCCs'
+  // __builtin_cpu_supports does not know.
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
     if (const KernelTable* t = avx2_kernels()) return *t;
   }
 #endif
