@@ -38,66 +38,20 @@ struct KernelArgs {
   int64_t dw_stride;
 };
 
-// Pack loads and stores. kHint 1 marks them streaming (ld/st .cs: evict first),
-// since every byte is touched once and L2 is better left to other data.
-template <int B> struct Raw;
-template <> struct Raw<2> { using type = unsigned short; };
-template <> struct Raw<4> { using type = unsigned int; };
-template <> struct Raw<8> { using type = uint2; };
-template <> struct Raw<16> { using type = uint4; };
-
-template <int kHint, typename P>
-__device__ __forceinline__ P ldp(const P* ptr) {
-  if constexpr (kHint == 0) {
-    return *ptr;
-  } else if constexpr (sizeof(P) <= 16) {
-    using R = typename Raw<sizeof(P)>::type;
-    R r = __ldcs(reinterpret_cast<const R*>(ptr));
-    P out;
-    memcpy(&out, &r, sizeof(P));
-    return out;
-  } else {
-    static_assert(sizeof(P) == 32, "pack of 32 bytes");
-    const uint4* q = reinterpret_cast<const uint4*>(ptr);
-    uint4 r[2] = {__ldcs(q), __ldcs(q + 1)};
-    P out;
-    memcpy(&out, r, sizeof(P));
-    return out;
-  }
-}
-
-template <int kHint, typename P>
-__device__ __forceinline__ void stp(P* ptr, const P& v) {
-  if constexpr (kHint == 0) {
-    *ptr = v;
-  } else if constexpr (sizeof(P) <= 16) {
-    using R = typename Raw<sizeof(P)>::type;
-    R r;
-    memcpy(&r, &v, sizeof(P));
-    __stcs(reinterpret_cast<R*>(ptr), r);
-  } else {
-    uint4 r[2];
-    memcpy(r, &v, sizeof(P));
-    uint4* q = reinterpret_cast<uint4*>(ptr);
-    __stcs(q, r[0]);
-    __stcs(q + 1, r[1]);
-  }
-}
-
-template <typename T, int V, int kHint = 0>
+template <typename T, int V>
 __device__ __forceinline__ void store_v(T* x, int64_t p, const float (&xv)[V]) {
   Pack<T, V> a;
 #pragma unroll
   for (int i = 0; i < V; ++i) a.v[i] = from_f<T>(xv[i]);
-  stp<kHint>(reinterpret_cast<Pack<T, V>*>(x) + p, a);
+  reinterpret_cast<Pack<T, V>*>(x)[p] = a;
 }
 
-template <typename T, int V, int kStep, int kHint = 0>
+template <typename T, int V, int kStep>
 __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&gv)[V],
                                          const float (&uv)[V]) {
   if constexpr (kStep == 1) {
-    store_v<T, V, kHint>(dg, p, gv);
-    store_v<T, V, kHint>(du, p, uv);
+    store_v<T, V>(dg, p, gv);
+    store_v<T, V>(du, p, uv);
   } else if constexpr (V == 1) {
     dg[2 * p] = from_f<T>(gv[0]);
     dg[2 * p + 1] = from_f<T>(uv[0]);
@@ -108,7 +62,7 @@ __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&
       a.v[2 * i] = from_f<T>(gv[i]);
       a.v[2 * i + 1] = from_f<T>(uv[i]);
     }
-    stp<kHint>(reinterpret_cast<Pack<T, 2 * V>*>(dg) + p, a);
+    reinterpret_cast<Pack<T, 2 * V>*>(dg)[p] = a;
   }
 }
 
@@ -170,11 +124,11 @@ struct GuPack<T, V, 2> {
 };
 
 
-template <typename T, int V, int kStep, int kHint = 0>
+template <typename T, int V, int kStep>
 __device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPack<T, V, kStep>& r) {
   if constexpr (kStep == 1) {
-    r.g = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(g) + p);
-    r.u = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(u) + p);
+    r.g = reinterpret_cast<const Pack<T, V>*>(g)[p];
+    r.u = reinterpret_cast<const Pack<T, V>*>(u)[p];
   } else if constexpr (V == 1) {
     // One pair as two elements: the host proves only element alignment for a
     // 1-element pack, and the pair of an odd row stride or offset is not
@@ -182,7 +136,7 @@ __device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPa
     r.gu.v[0] = g[2 * p];
     r.gu.v[1] = g[2 * p + 1];
   } else {
-    r.gu = ldp<kHint>(reinterpret_cast<const Pack<T, 2 * V>*>(g) + p);
+    r.gu = reinterpret_cast<const Pack<T, 2 * V>*>(g)[p];
   }
 }
 
@@ -197,8 +151,7 @@ __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
 
 // U packs per lane per step: their loads are all issued before the first use,
 // so each lane keeps U * (2 or 3) accesses in flight.
-template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unroll_for(sizeof(T) * V * kStep),
-          int kHint = 0>
+template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unroll_for(sizeof(T) * V * kStep)>
 __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   if (s.row >= a.rows) return;
@@ -211,7 +164,7 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int64_t p = p0 + static_cast<int64_t>(k) * G;
-      if (p < s.end) load_raw<T, V, kStep, kHint>(g, u, p, in[k]);
+      if (p < s.end) load_raw<T, V, kStep>(g, u, p, in[k]);
     }
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -221,7 +174,7 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 #pragma unroll
         for (int i = 0; i < V; ++i)
           ov[i] = math::glu_fwd<A>(gate_of(in[k], i), up_of(in[k], i), w, a.c);
-        store_v<T, V, kHint>(out, p, ov);
+        store_v<T, V>(out, p, ov);
       }
     }
   }
@@ -231,7 +184,7 @@ __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int
 // stores them and no pack is touched by two lanes, so plain loads (not the
 // read-only path) are used and nothing is marked __restrict__.
 template <typename T, Activation A, int kStep, bool kW, bool kDW, int V,
-          int U = bwd_unroll_for(sizeof(T) * V * kStep), int kHint = 0>
+          int U = bwd_unroll_for(sizeof(T) * V * kStep)>
 __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int G) {
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   // Rows past the end still take part in the group reduction below (groups of
@@ -254,8 +207,8 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
     for (int k = 0; k < U; ++k) {
       const int64_t p = p0 + static_cast<int64_t>(k) * G;
       if (p < end) {
-        load_raw<T, V, kStep, kHint>(g, u, p, in[k]);
-        d[k] = ldp<kHint>(reinterpret_cast<const Pack<T, V>*>(dy) + p);
+        load_raw<T, V, kStep>(g, u, p, in[k]);
+        d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
       }
     }
 #pragma unroll
@@ -270,7 +223,7 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
                            duv[i], dwt);
           if constexpr (kDW) acc += dwt;
         }
-        store_gu<T, V, kStep, kHint>(dg, du, p, dgv, duv);
+        store_gu<T, V, kStep>(dg, du, p, dgv, duv);
       }
     }
   }
