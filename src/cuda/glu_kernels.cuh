@@ -23,6 +23,7 @@ struct KernelArgs {
   int64_t w_stride;
   int64_t rows;
   int64_t packs;       // packs of V elements per row (F / V)
+  int64_t cols;        // F (the realigning kernels find their packs per row)
   int64_t splits;      // column splits per row (see row_span)
   math::Coeffs c;
   // forward

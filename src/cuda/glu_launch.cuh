@@ -9,7 +9,7 @@
 #include "core/problem.h"
 #include "cuda/common.cuh"
 #include "cuda/glu_kernels.cuh"
-#include "cuda/glu_staged.cuh"
+#include "cuda/glu_realign.cuh"
 
 namespace expertact::cuda {
 
@@ -67,8 +67,10 @@ struct LaunchShape {
 // of 128 threads; 32 lanes per row (a 3072-wide bf16 row is then 12 packs per
 // lane; 64 lanes were 5-15% slower); when rows alone leave the GPU underfilled,
 // the row goes to whole blocks, one tile of G * U packs per block.
-// A row sum (weight gradient) keeps G <= 32 and no splits.
-inline LaunchShape shape_for(int64_t rows, int64_t packs, int U, bool row_sum, int device) {
+// A row sum (weight gradient) keeps G <= 32 and no splits; max_lanes caps G
+// (32 for kernels whose lanes of a row shuffle among themselves).
+inline LaunchShape shape_for(int64_t rows, int64_t packs, int U, bool row_sum, int device,
+                             int max_lanes) {
   LaunchShape s;
   s.threads = kThreads;
   auto lanes_for = [&](int cap) {
@@ -80,7 +82,7 @@ inline LaunchShape shape_for(int64_t rows, int64_t packs, int U, bool row_sum, i
   int64_t row_blocks = (rows + s.threads / s.G - 1) / (s.threads / s.G);
   const int64_t target = static_cast<int64_t>(sm_count(device)) * 32;  // blocks for a full GPU
   if (!row_sum && row_blocks < target) {
-    s.G = lanes_for(s.threads);
+    s.G = lanes_for(std::min(s.threads, max_lanes));
     row_blocks = (rows + s.threads / s.G - 1) / (s.threads / s.G);
     const int64_t tile = static_cast<int64_t>(s.G) * U;
     const int64_t tiles = (packs + tile - 1) / tile;
@@ -169,68 +171,12 @@ KernelArgs<T> base_args(const detail::GluProblem& p) {
   return a;
 }
 
-// The staged kernel (glu_staged.cuh) takes packed halves / up-first rows that
-// are contiguous in every operand when no 16-byte pack fits them. Returns
-// false when it does not apply (the pack kernel then runs).
-struct StagedPlan {
-  bool use = false;
-  int R = 0;
-  uint32_t in_region = 0, smem = 0;
-};
-
+// Planar rows whose operands allow no 16-byte pack (after merging contiguous
+// rows) go to the realigning kernels (glu_realign.cuh), which keep 16-byte
+// accesses by realigning in registers.
 template <typename T>
-StagedPlan plan_staged(const detail::GluProblem& p, int V, int device) {
-  StagedPlan plan;
-  const int64_t es = sizeof(T);
-  if (p.step != 1 || p.rows < 2 || V == static_cast<int>(16 / es)) return plan;
-  if (p.g_stride != 2 * p.F || p.u_stride != 2 * p.F) return plan;
-  const char* g = static_cast<const char*>(p.g);
-  const char* u = static_cast<const char*>(p.u);
-  if (u != g + p.F * es && g != u + p.F * es) return plan;  // not one packed tensor
-  int max_smem = 48 * 1024;
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess)
-    max_smem = std::max(max_smem, optin);
-  auto bytes_for = [&](int64_t R) {
-    const int64_t in = ((R * 2 * p.F * es + 16) + 15) / 16 * 16;
-    return std::pair<int64_t, int64_t>(in, in + R * p.F * es + 16);
-  };
-  // Up to 8 rows a block while under 48 KB (several blocks per SM); one row may opt in to more.
-  int64_t R = 8;
-  while (R > 1 && bytes_for(R).second > 48 * 1024) --R;
-  if (bytes_for(R).second > max_smem) return plan;
-  plan.use = true;
-  plan.R = static_cast<int>(R);
-  plan.in_region = static_cast<uint32_t>(bytes_for(R).first);
-  plan.smem = static_cast<uint32_t>(bytes_for(R).second);
-  return plan;
-}
-
-template <typename T>
-StagedArgs<T> staged_args(const detail::GluProblem& p, const StagedPlan& plan) {
-  StagedArgs<T> a{};
-  const T* g = static_cast<const T*>(p.g);
-  const T* u = static_cast<const T*>(p.u);
-  a.x = g < u ? g : u;
-  a.gate_off = g - a.x;
-  a.up_off = u - a.x;
-  a.w = p.w;
-  a.w_stride = p.w_stride;
-  a.rows = p.rows;
-  a.F = p.F;
-  a.R = plan.R;
-  a.in_region = plan.in_region;
-  a.c = math::Coeffs{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
-  return a;
-}
-
-// Above 48 KB a kernel's dynamic shared memory must be opted into.
-template <typename Kernel>
-Status allow_smem(Kernel k, const StagedPlan& plan) {
-  if (plan.smem <= 48 * 1024) return Status::kOk;
-  return cuda_check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(plan.smem)),
-                    "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+bool use_realign(int step, int V) {
+  return step == 1 && V != static_cast<int>(16 / sizeof(T));
 }
 
 template <typename T>
@@ -246,38 +192,36 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
   int V = pick_pack(ops, p.step == 1 ? 3 : 2, F, rows, es, p.step);
   if (rows_mergeable(p, {o.out_stride}, {p.g_stride, p.u_stride}))
     merge_if_better(ops, p.step == 1 ? 3 : 2, es, p.step, rows, F, V);
-  if (rows == p.rows && o.out_stride == p.F) {
-    const StagedPlan plan = plan_staged<T>(p, V, p.device_id);
-    if (plan.use) {
-      StagedArgs<T> sa = staged_args<T>(p, plan);
-      sa.out = static_cast<T*>(o.out);
-      const unsigned blocks = static_cast<unsigned>((p.rows + plan.R - 1) / plan.R);
-      Status r = detail::dispatch_act(p.params.act, [&](auto act) {
-        return detail::dispatch_bool(p.w != nullptr, [&](auto wt) {
-          auto k = glu_fwd_staged<T, decltype(act)::value, decltype(wt)::value>;
-          Status q = allow_smem(k, plan);
-          if (q != Status::kOk) return q;
-          k<<<blocks, 256, plan.smem, st>>>(sa);
-          return Status::kOk;
-        });
-      });
-      if (r != Status::kOk) return r;
-      return cuda_check(cudaGetLastError(), "glu forward (staged) kernel launch");
-    }
-  }
   a.rows = rows;
-  a.packs = F / V;
-  const LaunchShape s = shape_for(rows, a.packs, fwd_unroll_for(es * V * p.step), false, p.device_id);
-  a.splits = s.splits;
+  a.cols = F;
   const bool weighted = p.w != nullptr;
-  Status r = detail::dispatch_act(p.params.act, [&](auto act) {
-    return detail::dispatch_step(p.step, [&](auto step) {
+  Status r = Status::kOk;
+  if (use_realign<T>(p.step, V)) {
+    constexpr int kV = 16 / es, kU = 1;
+    a.packs = (F + kV - 1) / kV;
+    const LaunchShape s = shape_for(rows, a.packs, kU, false, p.device_id, 32);
+    a.splits = s.splits;
+    r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
-        return launch_fwd_v<T, decltype(act)::value, decltype(step)::value, decltype(wt)::value>(
-            V, a, s, st);
+        glu_fwd_realign<T, decltype(act)::value, decltype(wt)::value, kU>
+            <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
+        return Status::kOk;
       });
     });
-  });
+  } else {
+    a.packs = F / V;
+    const LaunchShape s =
+        shape_for(rows, a.packs, fwd_unroll_for(es * V * p.step), false, p.device_id, kThreads);
+    a.splits = s.splits;
+    r = detail::dispatch_act(p.params.act, [&](auto act) {
+      return detail::dispatch_step(p.step, [&](auto step) {
+        return detail::dispatch_bool(weighted, [&](auto wt) {
+          return launch_fwd_v<T, decltype(act)::value, decltype(step)::value, decltype(wt)::value>(
+              V, a, s, st);
+        });
+      });
+    });
+  }
   if (r != Status::kOk) return r;
   return cuda_check(cudaGetLastError(), "glu forward kernel launch");
 }
@@ -301,55 +245,45 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaSt
   int V = pick_pack(ops, p.step == 1 ? 5 : 3, F, rows, es, p.step);
   if (rows_mergeable(p, {io.dy_stride}, {p.g_stride, p.u_stride, io.dg_stride, io.du_stride}))
     merge_if_better(ops, p.step == 1 ? 5 : 3, es, p.step, rows, F, V);
-  const char* gxb = static_cast<const char*>(io.dg < io.du ? io.dg : io.du);
-  const char* xb = static_cast<const char*>(p.g < p.u ? p.g : p.u);
-  if (rows == p.rows && io.dy_stride == p.F && io.dg_stride == 2 * p.F && io.du_stride == 2 * p.F &&
-      (static_cast<const char*>(io.dg) - gxb) == (static_cast<const char*>(p.g) - xb) &&
-      (static_cast<const char*>(io.du) - gxb) == (static_cast<const char*>(p.u) - xb) &&
-      (reinterpret_cast<uintptr_t>(gxb) - reinterpret_cast<uintptr_t>(xb)) % 16 == 0) {
-    const StagedPlan plan = plan_staged<T>(p, V, p.device_id);
-    if (plan.use) {
-      StagedArgs<T> sa = staged_args<T>(p, plan);
-      sa.gx = reinterpret_cast<T*>(const_cast<char*>(gxb));
-      sa.dy = static_cast<const T*>(io.dy);
-      sa.dw = io.dw;
-      sa.dw_stride = io.dw_stride;
-      const unsigned blocks = static_cast<unsigned>((p.rows + plan.R - 1) / plan.R);
-      const bool weighted = p.w != nullptr;
-      Status r = detail::dispatch_act(p.params.act, [&](auto act) {
-        return detail::dispatch_bool(weighted, [&](auto wt) {
-          return detail::dispatch_bool(weighted && io.dw != nullptr, [&](auto rs) {
-            constexpr bool kW = decltype(wt)::value;
-            constexpr bool kDW = kW && decltype(rs)::value;
-            auto k = glu_bwd_staged<T, decltype(act)::value, kW, kDW>;
-            Status q = allow_smem(k, plan);
-            if (q != Status::kOk) return q;
-            k<<<blocks, 256, plan.smem, st>>>(sa);
-            return Status::kOk;
-          });
-        });
-      });
-      if (r != Status::kOk) return r;
-      return cuda_check(cudaGetLastError(), "glu backward (staged) kernel launch");
-    }
-  }
   a.rows = rows;
-  a.packs = F / V;
+  a.cols = F;
   const bool weighted = p.w != nullptr;
   const bool row_sum = weighted && io.dw != nullptr;
-  const LaunchShape s = shape_for(rows, a.packs, bwd_unroll_for(es * V * p.step), row_sum, p.device_id);
-  a.splits = s.splits;
-  Status r = detail::dispatch_act(p.params.act, [&](auto act) {
-    return detail::dispatch_step(p.step, [&](auto step) {
+  Status r = Status::kOk;
+  if (use_realign<T>(p.step, V)) {
+    constexpr int kV = 16 / es, kU = 1;
+    a.packs = (F + kV - 1) / kV;
+    const LaunchShape s = shape_for(rows, a.packs, kU, row_sum, p.device_id, 32);
+    a.splits = s.splits;
+    r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
         return detail::dispatch_bool(row_sum, [&](auto rs) {
           constexpr bool kW = decltype(wt)::value;
           constexpr bool kDW = kW && decltype(rs)::value;
-          return launch_bwd_v<T, decltype(act)::value, decltype(step)::value, kW, kDW>(V, a, s, st);
+          glu_bwd_realign<T, decltype(act)::value, kW, kDW, kU>
+              <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
+          return Status::kOk;
         });
       });
     });
-  });
+  } else {
+    a.packs = F / V;
+    const LaunchShape s =
+        shape_for(rows, a.packs, bwd_unroll_for(es * V * p.step), row_sum, p.device_id, kThreads);
+    a.splits = s.splits;
+    r = detail::dispatch_act(p.params.act, [&](auto act) {
+      return detail::dispatch_step(p.step, [&](auto step) {
+        return detail::dispatch_bool(weighted, [&](auto wt) {
+          return detail::dispatch_bool(row_sum, [&](auto rs) {
+            constexpr bool kW = decltype(wt)::value;
+            constexpr bool kDW = kW && decltype(rs)::value;
+            return launch_bwd_v<T, decltype(act)::value, decltype(step)::value, kW, kDW>(V, a, s,
+                                                                                         st);
+          });
+        });
+      });
+    });
+  }
   if (r != Status::kOk) return r;
   return cuda_check(cudaGetLastError(), "glu backward kernel launch");
 }

@@ -23,14 +23,16 @@ std::string matrix_name(const testing::TestParamInfo<MatrixParam>& info) {
 class PresetMatrix : public testing::TestWithParam<MatrixParam> {};
 
 // Sizes: one element past a vector width (F 7, rows 1), a medium odd F with
-// specials in every fourth row, a typical expert width with few rows.
+// specials in every fourth row, a typical expert width with few rows, and a
+// long odd row with few rows (on the GPU: realigned 16-byte accesses, each row
+// split over several blocks, in place).
 TEST_P(PresetMatrix, ForwardBackwardInPlace) {
   const auto& [kind, pi, layout, dtype] = GetParam();
   EAT_REQUIRE_BACKEND(kind);
   const struct {
     int64_t rows, F;
     bool specials;
-  } sizes[] = {{1, 7, false}, {17, 100, true}, {3, 1408, false}};
+  } sizes[] = {{1, 7, false}, {17, 100, true}, {3, 1408, false}, {3, 11001, false}};
   for (const auto& s : sizes) {
     Case c;
     c.params = presets()[pi].params;
