@@ -293,6 +293,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(in, pristine, 2 * tb, cudaMemcpyDeviceToDevice));
     CK(cudaDeviceSynchronize());
     const double floor_ms = 8.0 * tb / (copy_tbs * 1e12) * 1e3;
+    bool warmed = false;  // the first configuration of a size runs once untimed (see below)
     for (const Preset& pr : presets) {
       for (Layout L : layouts) {
         const bool sep = L == Layout::kSeparate;
@@ -321,6 +322,15 @@ int main(int argc, char** argv) {
                           nullptr, nullptr));
         };
         auto restore = [&] { CK(cudaMemcpyAsync(in, pristine, 2 * tb, cudaMemcpyDeviceToDevice)); };
+        if (!warmed) {
+          // The first configuration timed after new buffers were allocated ran
+          // 8-10% slower than the same kernel later in the run (91.8% against
+          // 95-96% at 65536 x 1536): one untimed pass of forward and backward
+          // over the new buffers first.
+          time_ms(fwd, [] {}, 3, iters, flush);
+          time_ms(bwd, [] {}, 3, iters, flush);
+          warmed = true;
+        }
         CK(cudaMemset(outb, 0xff, tb));
         float tf = time_ms(fwd, [] {}, 3, iters, flush);
         CK(cudaMemset(grad, 0xff, 2 * tb));

@@ -1,13 +1,15 @@
 // Tuning experiment (not part of the library or CI): times variants of the
 // forward and backward kernels at the seed size - register cap (min blocks per
 // SM), streaming cache hints, and the number of column splits - for the merged
-// (separate, contiguous) and per-row (halves) paths. Results feed
+// (separate, contiguous) and per-row (halves) paths; the realigning kernels at
+// an odd F; the geglu backward's packs in flight. Results feed
 // docs/perf-notes.md. Build: nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc
 // -I<dlpack include> bench/kernel_variants.cu -o kv
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "cuda/glu_launch.cuh"
@@ -83,12 +85,20 @@ void run(const char* name, KernelArgs<T> a, int threads, int G, int64_t splits, 
   std::fflush(stdout);
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // Sections to run: seed (block shape and unroll), odd (realigning kernels), geglu; all by default.
+  auto want = [&](const char* w) {
+    if (argc < 2) return true;
+    for (int i = 1; i < argc; ++i)
+      if (std::strcmp(argv[i], w) == 0) return true;
+    return false;
+  };
   void* flush;
   CK(cudaMalloc(&flush, 256 << 20));
   math::Coeffs c{1.702f, 7.0f, 1.0f, true};
   struct Size { int64_t rows, F; };
   for (Size sz : {Size{1045081, 3072}, Size{65536, 1536}}) {
+    if (!want("seed")) break;
     const int64_t rows = sz.rows, F = sz.F, n = rows * F;
     const size_t tb = n * 2;
     void *in, *out, *dy, *grad;
@@ -136,9 +146,8 @@ int main() {
     }
     CK(cudaFree(in)); CK(cudaFree(out)); CK(cudaFree(dy)); CK(cudaFree(grad));
   }
-  // Odd F in the halves layout: no pack wider than one element is aligned in
-  // every row; how many 2-byte packs in flight per lane does the kernel need?
-  {
+  // Odd F in the halves layout (realigning kernels): packs in flight per lane.
+  if (want("odd")) {
     const int64_t rows = 65536, F = 2881, n = rows * F;
     const size_t tb = n * 2;
     void *in, *out, *dy, *grad;
@@ -149,24 +158,71 @@ int main() {
     float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
     const double bw = 2.0 * 2 * tb / (copy * 1e-3);
     const double ff = 3.0 * tb / bw * 1e3, bf = 5.0 * tb / bw * 1e3;
-    std::printf("\nodd F %lld x %lld bf16 halves, 2-byte packs: fwd floor %.3f bwd floor %.3f\n", (long long)rows, (long long)F, ff, bf);
+    std::printf("\nodd F %lld x %lld bf16 halves, realigning kernels: fwd floor %.3f bwd floor %.3f\n", (long long)rows, (long long)F, ff, bf);
     KernelArgs<T> a{};
     a.c = c;
-    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows; a.packs = F;
+    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows;
+    a.cols = F; a.packs = (F + 7) / 8;
     a.out = (T*)out; a.out_stride = F; a.dy = (const T*)dy; a.dy_stride = F;
     a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F; a.splits = 1;
-    auto one = [&](auto ut, int thr, int G) {
-      constexpr int U = decltype(ut)::value;
+    KernelArgs<T> ip = a;  // in place: the gradients overwrite the inputs (values drift; timing only)
+    ip.dg = (T*)in; ip.du = (T*)in + F;
+    // U: packs per lane in flight; MB: blocks of 256 threads per SM the register budget allows.
+    auto one = [&](auto ut, auto mbt) {
+      constexpr int U = decltype(ut)::value, MB = decltype(mbt)::value;
+      const int G = 32, thr = 128;
       const int64_t blocks = (rows + thr / G - 1) / (thr / G);
-      float f = med([&] { glu_fwd_kernel<T, Activation::kSilu, 1, false, 1, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float b = med([&] { glu_bwd_kernel<T, Activation::kSilu, 1, false, false, 1, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      std::printf("thr=%d G=%d U=%2d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) sum %.1f%%\n", thr, G, U, f, 100 * ff / f, b, 100 * bf / b, 100 * (ff + bf) / (f + b));
+      float f = med([&] { glu_fwd_realign<T, Activation::kSilu, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float b = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float bi = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, U, MB><<<(unsigned)blocks, thr>>>(ip, G); }, flush);
+      float bg = med([&] { glu_bwd_realign<T, Activation::kGeluTanh, false, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      std::printf("thr=%d G=%d U=%d minB=%d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) bwd-inplace %.3f bwd-geglu %.3f (%.1f%%) sum %.1f%%\n",
+                  thr, G, U, MB, f, 100 * ff / f, b, 100 * bf / b, bi, bg, 100 * bf / bg, 100 * (ff + bf) / (f + b));
+      std::fflush(stdout);
+    };
+    using I1 = std::integral_constant<int, 1>;
+    using I2 = std::integral_constant<int, 2>;
+    using I3 = std::integral_constant<int, 3>;
+    using I4 = std::integral_constant<int, 4>;
+    one(I1{}, I1{}); one(I1{}, I2{}); one(I2{}, I1{}); one(I2{}, I2{});
+
+    CK(cudaFree(in)); CK(cudaFree(out)); CK(cudaFree(dy)); CK(cudaFree(grad));
+  }
+  // geglu backward at the seed size, halves: packs in flight and block size
+  // (its derivative keeps more values live than silu's).
+  if (want("geglu")) {
+    const int64_t rows = 1045081, F = 3072, n = rows * F;
+    const size_t tb = n * 2;
+    void *in, *dy, *grad;
+    CK(cudaMalloc(&in, 2 * tb)); CK(cudaMalloc(&dy, tb)); CK(cudaMalloc(&grad, 2 * tb));
+    fill<<<4096, 256>>>((uint16_t*)in, 2 * n, 6.0f);
+    fill<<<4096, 256>>>((uint16_t*)dy, n, 1.0f);
+    CK(cudaDeviceSynchronize());
+    float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
+    const double bw = 2.0 * 2 * tb / (copy * 1e-3);
+    const double bf = 5.0 * tb / bw * 1e3;
+    std::printf("\nseed halves backward: floor %.3f ms\n", bf);
+    KernelArgs<T> a{};
+    a.c = c;
+    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows;
+    a.packs = F / 8; a.cols = F; a.splits = 1;
+    a.dy = (const T*)dy; a.dy_stride = F;
+    a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F;
+    auto one = [&](auto ut, int thr) {
+      constexpr int U = decltype(ut)::value;
+      const int G = 32;
+      const int64_t blocks = (rows + thr / G - 1) / (thr / G);
+      float bg = med([&] { glu_bwd_kernel<T, Activation::kGeluTanh, 1, false, false, 8, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float bs = med([&] { glu_bwd_kernel<T, Activation::kSilu, 1, false, false, 8, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      std::printf("thr=%d U=%d geglu bwd %.3f (%.1f%%) silu bwd %.3f (%.1f%%)\n", thr, U, bg, 100 * bf / bg, bs, 100 * bf / bs);
+      std::fflush(stdout);
     };
     for (int thr : {128, 256}) {
-      one(std::integral_constant<int, 8>{}, thr, 32);
-      one(std::integral_constant<int, 16>{}, thr, 32);
-      one(std::integral_constant<int, 32>{}, thr, 32);
+      one(std::integral_constant<int, 2>{}, thr);
+      one(std::integral_constant<int, 3>{}, thr);
+      one(std::integral_constant<int, 4>{}, thr);
     }
+    CK(cudaFree(in)); CK(cudaFree(dy)); CK(cudaFree(grad));
   }
   return 0;
 }

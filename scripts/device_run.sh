@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build (CUDA on, sm_90), C++ tests, sanitizers,
 # GPU benchmark, Python package tests and benchmark. Logs and results go to
-# $OUT (or ./device-out). Stages: STAGES="build ctest sanitize bench python".
+# $OUT (or ./device-out). Stages: STAGES="build ctest sanitize variants bench python"
+# (variants: the tuning harness bench/kernel_variants.cu, sections in $VARIANTS).
 # Needs .deps/include/dlpack/dlpack.h and .deps/googletest (git-ignored, carried).
 set -u
 OUT=${OUT:-$PWD/device-out}
@@ -48,6 +49,14 @@ if has sanitize; then
       log "$t $(basename $exe) rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitize-$t-$(basename $exe).log" | tr '\n' ' ' | cut -c1-200)"
     done
   done
+fi
+
+if has variants; then
+  log "kernel variants (bench/kernel_variants.cu: ${VARIANTS:-all sections})"
+  mkdir -p build-dev && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc -I.deps/include bench/kernel_variants.cu -o build-dev/kernel_variants > "$OUT/variants-build.log" 2>&1 &&
+    timeout ${VARIANTS_TIMEOUT:-240} ./build-dev/kernel_variants ${VARIANTS:-} > "$OUT/variants.txt" 2>&1
+  log "variants rc=$?"
+  cat "$OUT/variants.txt"
 fi
 
 if has bench; then
