@@ -5,6 +5,7 @@
 // against the CPU path. Markdown on stdout, JSON with --json PATH.
 //
 //   expertact_gpu_bench [--quick] [--iters N] [--json PATH] [--only-seed]
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -52,32 +53,17 @@ __device__ uint32_t hash32(uint64_t x) {
   return static_cast<uint32_t>(x);
 }
 
-__global__ void fill_normal_bf16(uint16_t* p, int64_t n, uint64_t seed, float scale) {
+__device__ void put(float* p, float z) { *p = z; }
+__device__ void put(__half* p, float z) { *p = __float2half_rn(z); }
+__device__ void put(__nv_bfloat16* p, float z) { *p = __float2bfloat16_rn(z); }
+
+template <typename T>
+__global__ void fill_normal(T* p, int64_t n, uint64_t seed, float scale) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
     float u1 = (hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i) + 1.0f) * 2.3283064e-10f;
     float u2 = hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i + 1) * 2.3283064e-10f;
-    float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * scale;
-    uint32_t b = __float_as_uint(z);
-    p[i] = static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-  }
-}
-__global__ void fill_normal_f16(uint16_t* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    float u1 = (hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i) + 1.0f) * 2.3283064e-10f;
-    float u2 = hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i + 1) * 2.3283064e-10f;
-    float z = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * scale;
-    __half h = __float2half_rn(z);
-    p[i] = *reinterpret_cast<uint16_t*>(&h);
-  }
-}
-__global__ void fill_normal_f32(float* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    float u1 = (hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i) + 1.0f) * 2.3283064e-10f;
-    float u2 = hash32(seed * 0x9e3779b97f4a7c15ull + 2 * i + 1) * 2.3283064e-10f;
-    p[i] = sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * scale;
+    put(p + i, sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * scale);
   }
 }
 
@@ -88,11 +74,11 @@ const char* dname(DType d) {
 
 void fill(void* p, int64_t n, DType d, uint64_t seed, float scale) {
   if (d == DType::kFloat32)
-    fill_normal_f32<<<4096, 256>>>(static_cast<float*>(p), n, seed, scale);
+    fill_normal<<<4096, 256>>>(static_cast<float*>(p), n, seed, scale);
   else if (d == DType::kFloat16)
-    fill_normal_f16<<<4096, 256>>>(static_cast<uint16_t*>(p), n, seed, scale);
+    fill_normal<<<4096, 256>>>(static_cast<__half*>(p), n, seed, scale);
   else
-    fill_normal_bf16<<<4096, 256>>>(static_cast<uint16_t*>(p), n, seed, scale);
+    fill_normal<<<4096, 256>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
   CK(cudaGetLastError());
 }
 

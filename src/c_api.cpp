@@ -183,12 +183,6 @@ expertact_status guarded(Fn&& fn) {
   }
 }
 
-#define EA_C_TRY(expr)                        \
-  do {                                        \
-    Status ea_s_ = (expr);                    \
-    if (ea_s_ != Status::kOk) return ea_s_;   \
-  } while (0)
-
 }  // namespace
 }  // namespace expertact::detail
 
@@ -229,21 +223,21 @@ expertact_status expertact_glu_forward(const expertact_params* params, int32_t l
                                        const DLTensor* weights, DLTensor* out, void* stream) {
   return guarded([&]() -> Status {
     GluParams p;
-    EA_C_TRY(to_params(params, p));
-    EA_C_TRY(check_layout(layout));
+    EA_TRY(to_params(params, p));
+    EA_TRY(check_layout(layout));
     const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
     MatrixRef mx, mup, mout;
     VectorRef vw;
-    EA_C_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+    EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
     if (separate) {
       if (up == nullptr)
         return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
-      EA_C_TRY(to_matrix("up", up, mup));
+      EA_TRY(to_matrix("up", up, mup));
     } else if (up != nullptr) {
       return fail(Status::kInvalidArgument, "up must be null for a packed layout (gate_up holds both halves)");
     }
-    if (weights) EA_C_TRY(to_vector("weights", weights, vw));
-    EA_C_TRY(to_matrix("out", out, mout));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    EA_TRY(to_matrix("out", out, mout));
     return glu_forward(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
                        weights ? &vw : nullptr, mout, stream);
   });
@@ -256,27 +250,27 @@ expertact_status expertact_glu_backward(const expertact_params* params, int32_t 
                                         DLTensor* grad_weights, void* stream) {
   return guarded([&]() -> Status {
     GluParams p;
-    EA_C_TRY(to_params(params, p));
-    EA_C_TRY(check_layout(layout));
+    EA_TRY(to_params(params, p));
+    EA_TRY(check_layout(layout));
     const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
     MatrixRef mdy, mx, mup, mgx, mgu;
     VectorRef vw, vgw;
-    EA_C_TRY(to_matrix("grad_out", grad_out, mdy));
-    EA_C_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+    EA_TRY(to_matrix("grad_out", grad_out, mdy));
+    EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
     if (separate) {
       if (up == nullptr)
         return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
       if (grad_up == nullptr)
         return fail(Status::kInvalidArgument, "grad_up is missing: the separate layout returns two gradients");
-      EA_C_TRY(to_matrix("up", up, mup));
-      EA_C_TRY(to_matrix("grad_up", grad_up, mgu));
+      EA_TRY(to_matrix("up", up, mup));
+      EA_TRY(to_matrix("grad_up", grad_up, mgu));
     } else if (up != nullptr || grad_up != nullptr) {
       return fail(Status::kInvalidArgument,
                   "up and grad_up must be null for a packed layout (gate_up holds both halves)");
     }
-    if (weights) EA_C_TRY(to_vector("weights", weights, vw));
-    if (grad_weights) EA_C_TRY(to_vector("grad_weights", grad_weights, vgw));
-    EA_C_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    EA_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
     return glu_backward(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
                         weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
                         grad_weights ? &vgw : nullptr, stream);

@@ -30,6 +30,13 @@ std::string to_str(DType d);
 std::string to_str(DeviceType d);
 std::string to_str(Layout l);
 
+// Returns from the calling function when expr (a Status) is not kOk.
+#define EA_TRY(expr)                        \
+  do {                                      \
+    Status ea_s_ = (expr);                  \
+    if (ea_s_ != Status::kOk) return ea_s_; \
+  } while (0)
+
 template <typename... Args>
 Status fail(Status s, const Args&... parts) {
   std::string msg;

@@ -2,6 +2,8 @@
 // of the device the tensors claim, make that device current, dispatch on dtype.
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+
 #include "core/error.h"
 #include "core/problem.h"
 #include "cuda/common.cuh"
@@ -38,12 +40,6 @@ Status check_device_pointer(const char* name, const void* ptr, int device) {
   return Status::kOk;
 }
 
-#define EA_CUDA_TRY(expr)                   \
-  do {                                      \
-    Status ea_s_ = (expr);                  \
-    if (ea_s_ != Status::kOk) return ea_s_; \
-  } while (0)
-
 Status enter_device(int device, cuda::DeviceGuard& guard) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
@@ -58,15 +54,29 @@ Status enter_device(int device, cuda::DeviceGuard& guard) {
   return cuda::cuda_check(guard.status(), "cudaSetDevice");
 }
 
+struct NamedPointer {
+  const char* name;
+  const void* ptr;
+};
+
+// Makes the problem's device current (for the guard's scope) and checks that
+// every operand is memory of that device.
+Status enter_and_check(int device, cuda::DeviceGuard& guard,
+                       std::initializer_list<NamedPointer> operands) {
+  EA_TRY(enter_device(device, guard));
+  for (const NamedPointer& o : operands) EA_TRY(check_device_pointer(o.name, o.ptr, device));
+  return Status::kOk;
+}
+
 }  // namespace
 
 Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
-  EA_CUDA_TRY(enter_device(p.device_id, guard));
-  EA_CUDA_TRY(check_device_pointer(p.step == 2 || p.u == nullptr ? "gate_up" : "gate", p.g, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("up", p.u, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("weights", p.w, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("out", o.out, p.device_id));
+  EA_TRY(enter_and_check(p.device_id, guard,
+                         {{p.step == 2 || p.u == nullptr ? "gate_up" : "gate", p.g},
+                          {"up", p.u},
+                          {"weights", p.w},
+                          {"out", o.out}}));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case DType::kFloat32: return cuda::forward_f32(p, o, st);
@@ -78,14 +88,14 @@ Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
 
 Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
-  EA_CUDA_TRY(enter_device(p.device_id, guard));
-  EA_CUDA_TRY(check_device_pointer("gate", p.g, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("up", p.u, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("weights", p.w, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("grad_out", io.dy, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("grad_gate", io.dg, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("grad_up", io.du, p.device_id));
-  EA_CUDA_TRY(check_device_pointer("grad_weights", io.dw, p.device_id));
+  EA_TRY(enter_and_check(p.device_id, guard,
+                         {{"gate", p.g},
+                          {"up", p.u},
+                          {"weights", p.w},
+                          {"grad_out", io.dy},
+                          {"grad_gate", io.dg},
+                          {"grad_up", io.du},
+                          {"grad_weights", io.dw}}));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
     case DType::kFloat32: return cuda::backward_f32(p, io, st);
@@ -97,8 +107,7 @@ Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
 
 Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
-  EA_CUDA_TRY(enter_device(p.device_id, guard));
-  EA_CUDA_TRY(check_device_pointer("grad_weights", dw, p.device_id));
+  EA_TRY(enter_and_check(p.device_id, guard, {{"grad_weights", dw}}));
   const int threads = 256;
   const int64_t blocks = (n + threads - 1) / threads;
   fill_zero_kernel<<<static_cast<unsigned>(blocks), threads, 0,

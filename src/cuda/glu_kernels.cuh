@@ -67,6 +67,35 @@ __device__ __forceinline__ void store_gu(T* dg, T* du, int64_t p, const float (&
   }
 }
 
+// One row's operands (row offsets are 64-bit).
+template <typename T>
+struct FwdRow {
+  const T* g;
+  const T* u;
+  T* out;
+  float w;  // 1 without weights
+};
+template <typename T>
+struct BwdRow {
+  const T* g;
+  const T* u;
+  const T* dy;
+  T* dg;
+  T* du;
+  float w;  // 1 without weights
+};
+
+template <typename T, bool kW>
+__device__ __forceinline__ FwdRow<T> fwd_row(const KernelArgs<T>& a, int64_t row) {
+  return {a.g + row * a.g_stride, a.u + row * a.u_stride, a.out + row * a.out_stride,
+          kW ? a.w[row * a.w_stride] : 1.0f};
+}
+template <typename T, bool kW>
+__device__ __forceinline__ BwdRow<T> bwd_row(const KernelArgs<T>& a, int64_t row) {
+  return {a.g + row * a.g_stride,   a.u + row * a.u_stride,   a.dy + row * a.dy_stride,
+          a.dg + row * a.dg_stride, a.du + row * a.du_stride, kW ? a.w[row * a.w_stride] : 1.0f};
+}
+
 // Which row and column range this group of G lanes owns.
 // G (lanes per row) is a power of two from 1 to the block size; G <= 32 when
 // the row sum of the weight gradient is wanted (a shuffle reduction).
@@ -156,10 +185,7 @@ template <typename T, Activation A, int kStep, bool kW, int V, int U = fwd_unrol
 __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   if (s.row >= a.rows) return;
-  const T* g = a.g + s.row * a.g_stride;
-  const T* u = a.u + s.row * a.u_stride;
-  T* out = a.out + s.row * a.out_stride;
-  const float w = kW ? a.w[s.row * a.w_stride] : 1.0f;
+  const auto [g, u, out, w] = fwd_row<T, kW>(a, s.row);
   for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
     GuPack<T, V, kStep> in[U];
 #pragma unroll
@@ -193,12 +219,7 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
   const bool live = s.row < a.rows;
   if (!kDW && !live) return;
   const int64_t row = live ? s.row : 0;
-  const T* g = a.g + row * a.g_stride;
-  const T* u = a.u + row * a.u_stride;
-  const T* dy = a.dy + row * a.dy_stride;
-  T* dg = a.dg + row * a.dg_stride;
-  T* du = a.du + row * a.du_stride;
-  const float w = kW ? a.w[row * a.w_stride] : 1.0f;
+  const auto [g, u, dy, dg, du, w] = bwd_row<T, kW>(a, row);
   float acc = 0.0f;
   const int64_t end = live ? s.end : 0;
   for (int64_t p0 = s.first; p0 < end; p0 += s.step) {

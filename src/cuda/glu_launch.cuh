@@ -130,10 +130,13 @@ Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
   // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
   constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
   if (V == kWide) return go(detail::IntTag<kWide>{});
-  if constexpr (kNarrow != kWide && kNarrow != 1) {
-    if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+  // Planar rows narrower than 16 bytes go to the realigning kernels instead.
+  if constexpr (kStep == 2) {
+    if constexpr (kNarrow != kWide && kNarrow != 1) {
+      if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+    }
+    if (V == 1) return go(detail::IntTag<1>{});
   }
-  if (V == 1) return go(detail::IntTag<1>{});
   // A width with no kernel would silently skip elements: refuse loudly instead.
   return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
 }
@@ -148,10 +151,13 @@ Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
   // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
   constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
   if (V == kWide) return go(detail::IntTag<kWide>{});
-  if constexpr (kNarrow != kWide && kNarrow != 1) {
-    if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+  // Planar rows narrower than 16 bytes go to the realigning kernels instead.
+  if constexpr (kStep == 2) {
+    if constexpr (kNarrow != kWide && kNarrow != 1) {
+      if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
+    }
+    if (V == 1) return go(detail::IntTag<1>{});
   }
-  if (V == 1) return go(detail::IntTag<1>{});
   // A width with no kernel would silently skip elements: refuse loudly instead.
   return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
 }
@@ -179,6 +185,18 @@ bool use_realign(int step, int V) {
   return step == 1 && V != static_cast<int>(16 / sizeof(T));
 }
 
+// The realigning kernels' packs (16 bytes, counted up: a row's own packs
+// depend on its alignment) and launch shape: lanes of a row shuffle, so G <= 32.
+constexpr int kRealignU = 1;
+template <typename T>
+LaunchShape realign_shape(KernelArgs<T>& a, bool row_sum, int device) {
+  constexpr int V = 16 / sizeof(T);
+  a.packs = (a.cols + V - 1) / V;
+  const LaunchShape s = shape_for(a.rows, a.packs, kRealignU, row_sum, device, 32);
+  a.splits = s.splits;
+  return s;
+}
+
 template <typename T>
 Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cudaStream_t st) {
   constexpr int es = sizeof(T);
@@ -197,13 +215,10 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
   const bool weighted = p.w != nullptr;
   Status r = Status::kOk;
   if (use_realign<T>(p.step, V)) {
-    constexpr int kV = 16 / es, kU = 1;
-    a.packs = (F + kV - 1) / kV;
-    const LaunchShape s = shape_for(rows, a.packs, kU, false, p.device_id, 32);
-    a.splits = s.splits;
+    const LaunchShape s = realign_shape(a, false, p.device_id);
     r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
-        glu_fwd_realign<T, decltype(act)::value, decltype(wt)::value, kU>
+        glu_fwd_realign<T, decltype(act)::value, decltype(wt)::value, kRealignU>
             <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
         return Status::kOk;
       });
@@ -251,16 +266,13 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaSt
   const bool row_sum = weighted && io.dw != nullptr;
   Status r = Status::kOk;
   if (use_realign<T>(p.step, V)) {
-    constexpr int kV = 16 / es, kU = 1;
-    a.packs = (F + kV - 1) / kV;
-    const LaunchShape s = shape_for(rows, a.packs, kU, row_sum, p.device_id, 32);
-    a.splits = s.splits;
+    const LaunchShape s = realign_shape(a, row_sum, p.device_id);
     r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
         return detail::dispatch_bool(row_sum, [&](auto rs) {
           constexpr bool kW = decltype(wt)::value;
           constexpr bool kDW = kW && decltype(rs)::value;
-          glu_bwd_realign<T, decltype(act)::value, kW, kDW, kU>
+          glu_bwd_realign<T, decltype(act)::value, kW, kDW, kRealignU>
               <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
           return Status::kOk;
         });

@@ -272,10 +272,7 @@ __global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T
   constexpr int V = 16 / sizeof(T);
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   if (s.row >= a.rows) return;
-  const T* g = a.g + s.row * a.g_stride;
-  const T* u = a.u + s.row * a.u_stride;
-  T* out = a.out + s.row * a.out_stride;
-  const float w = kW ? a.w[s.row * a.w_stride] : 1.0f;
+  const auto [g, u, out, w] = fwd_row<T, kW>(a, s.row);
   const int64_t F = a.cols;
   const int64_t c0 = to_boundary(out) < F ? to_boundary(out) : F;
   const int64_t P = (F - c0) / V;
@@ -325,12 +322,7 @@ __global__ void __launch_bounds__(256, kMinB) glu_bwd_realign(const KernelArgs<T
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   const bool live = s.row < a.rows;
   const int64_t row = live ? s.row : 0;
-  const T* g = a.g + row * a.g_stride;
-  const T* u = a.u + row * a.u_stride;
-  const T* dy = a.dy + row * a.dy_stride;
-  T* dg = a.dg + row * a.dg_stride;
-  T* du = a.du + row * a.du_stride;
-  const float w = kW ? a.w[row * a.w_stride] : 1.0f;
+  const auto [g, u, dy, dg, du, w] = bwd_row<T, kW>(a, row);
   const int64_t F = live ? a.cols : 0;
   const int64_t c0 = to_boundary(dg) < F ? to_boundary(dg) : F;
   const int64_t P = (F - c0) / V;
