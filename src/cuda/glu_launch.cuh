@@ -120,17 +120,13 @@ inline void merge_if_better(const Operand* ops, int n, int es, int step, int64_t
   }
 }
 
-template <typename T, Activation A, int kStep, bool kW>
-Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
-  auto go = [&](auto vtag) {
-    constexpr int Vc = decltype(vtag)::value;
-    glu_fwd_kernel<T, A, kStep, kW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
-    return Status::kOk;
-  };
-  // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
+// Calls go(IntTag<V>) for a pack width V that has a kernel instance: the widths
+// pick_pack can return (16 bytes of the widest operand, 4 bytes, 1); planar
+// rows narrower than 16 bytes go to the realigning kernels instead.
+template <typename T, int kStep, typename Go>
+Status dispatch_pack(int V, Go&& go) {
   constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
   if (V == kWide) return go(detail::IntTag<kWide>{});
-  // Planar rows narrower than 16 bytes go to the realigning kernels instead.
   if constexpr (kStep == 2) {
     if constexpr (kNarrow != kWide && kNarrow != 1) {
       if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
@@ -139,29 +135,25 @@ Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStr
   }
   // A width with no kernel would silently skip elements: refuse loudly instead.
   return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
+}
+
+template <typename T, Activation A, int kStep, bool kW>
+Status launch_fwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
+  return dispatch_pack<T, kStep>(V, [&](auto vtag) {
+    constexpr int Vc = decltype(vtag)::value;
+    glu_fwd_kernel<T, A, kStep, kW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
+    return Status::kOk;
+  });
 }
 
 template <typename T, Activation A, int kStep, bool kW, bool kDW>
 Status launch_bwd_v(int V, const KernelArgs<T>& a, const LaunchShape& s, cudaStream_t st) {
-  auto go = [&](auto vtag) {
+  return dispatch_pack<T, kStep>(V, [&](auto vtag) {
     constexpr int Vc = decltype(vtag)::value;
     glu_bwd_kernel<T, A, kStep, kW, kDW, Vc><<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
     return Status::kOk;
-  };
-  // The pack widths pick_pack can return (16 bytes of the widest operand, 4 bytes, 1).
-  constexpr int kWide = 16 / sizeof(T) / kStep, kNarrow = 4 / sizeof(T) > 0 ? 4 / sizeof(T) : 1;
-  if (V == kWide) return go(detail::IntTag<kWide>{});
-  // Planar rows narrower than 16 bytes go to the realigning kernels instead.
-  if constexpr (kStep == 2) {
-    if constexpr (kNarrow != kWide && kNarrow != 1) {
-      if (V == kNarrow) return go(detail::IntTag<kNarrow>{});
-    }
-    if (V == 1) return go(detail::IntTag<1>{});
-  }
-  // A width with no kernel would silently skip elements: refuse loudly instead.
-  return detail::fail(Status::kInternal, "no kernel for a pack of ", V, " elements");
+  });
 }
-
 
 template <typename T>
 KernelArgs<T> base_args(const detail::GluProblem& p) {
