@@ -60,13 +60,38 @@ float med(Fn fn, void* flushbuf, int iters = 9) {
 }
 
 
-// One configuration: threads per block, lanes per row G, packs in flight U,
-// and column splits (0 = one tile per block).
-struct Setup {
-  KernelArgs<T> a;
-  int64_t rows_real;
+// The buffers of one size (n = rows * F elements): gate_up [rows, 2F] (or the
+// two separate halves), out and grad_out [rows, F], gradients [rows, 2F];
+// inputs filled, then the copy bandwidth that sets the floors.
+struct Bufs {
+  void *in, *out, *dy, *grad;
+  size_t tb;          // bytes of one [rows, F] bf16 tensor
+  double bw, ff, bf;  // copy bytes/s; forward (3 passes) and backward (5 passes) floors, ms
 };
 
+Bufs make_bufs(int64_t n, void* flush) {
+  Bufs b;
+  b.tb = n * 2;
+  CK(cudaMalloc(&b.in, 2 * b.tb));
+  CK(cudaMalloc(&b.out, b.tb));
+  CK(cudaMalloc(&b.dy, b.tb));
+  CK(cudaMalloc(&b.grad, 2 * b.tb));
+  fill<<<4096, 256>>>((uint16_t*)b.in, 2 * n, 6.0f);
+  fill<<<4096, 256>>>((uint16_t*)b.dy, n, 1.0f);
+  CK(cudaDeviceSynchronize());
+  float copy = med([&] { CK(cudaMemcpyAsync(b.grad, b.in, 2 * b.tb, cudaMemcpyDeviceToDevice)); }, flush);
+  b.bw = 2.0 * 2 * b.tb / (copy * 1e-3);
+  b.ff = 3.0 * b.tb / b.bw * 1e3;
+  b.bf = 5.0 * b.tb / b.bw * 1e3;
+  return b;
+}
+
+void free_bufs(Bufs& b) {
+  CK(cudaFree(b.in)); CK(cudaFree(b.out)); CK(cudaFree(b.dy)); CK(cudaFree(b.grad));
+}
+
+// One configuration: threads per block, lanes per row G, packs in flight U,
+// and column splits (0 = one tile per block).
 template <int U>
 void run(const char* name, KernelArgs<T> a, int threads, int G, int64_t splits, void* flush,
          double fwd_floor, double bwd_floor) {
@@ -100,18 +125,10 @@ int main(int argc, char** argv) {
   for (Size sz : {Size{1045081, 3072}, Size{65536, 1536}}) {
     if (!want("seed")) break;
     const int64_t rows = sz.rows, F = sz.F, n = rows * F;
-    const size_t tb = n * 2;
-    void *in, *out, *dy, *grad;
-    CK(cudaMalloc(&in, 2 * tb));
-    CK(cudaMalloc(&out, tb));
-    CK(cudaMalloc(&dy, tb));
-    CK(cudaMalloc(&grad, 2 * tb));
-    fill<<<4096, 256>>>((uint16_t*)in, 2 * n, 6.0f);
-    fill<<<4096, 256>>>((uint16_t*)dy, n, 1.0f);
-    CK(cudaDeviceSynchronize());
-    float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
-    const double bw = 2.0 * 2 * tb / (copy * 1e-3);
-    const double ff = 3.0 * tb / bw * 1e3, bf = 5.0 * tb / bw * 1e3;
+    Bufs B = make_bufs(n, flush);
+    void *in = B.in, *out = B.out, *dy = B.dy, *grad = B.grad;
+    const size_t tb = B.tb;
+    const double bw = B.bw, ff = B.ff, bf = B.bf;
     std::printf("\n%lld x %lld bf16: copy %.3f TB/s; fwd floor %.3f ms, bwd floor %.3f ms\n", (long long)rows,
                 (long long)F, bw / 1e12, ff, bf);
     for (int layout = 0; layout < 2; ++layout) {
@@ -144,20 +161,14 @@ int main(int argc, char** argv) {
         run<4>("halves(rows,split)", a, 256, 32, 0, flush, ff, bf);
       }
     }
-    CK(cudaFree(in)); CK(cudaFree(out)); CK(cudaFree(dy)); CK(cudaFree(grad));
+    free_bufs(B);
   }
   // Odd F in the halves layout (realigning kernels): packs in flight per lane.
   if (want("odd")) {
     const int64_t rows = 65536, F = 2881, n = rows * F;
-    const size_t tb = n * 2;
-    void *in, *out, *dy, *grad;
-    CK(cudaMalloc(&in, 2 * tb)); CK(cudaMalloc(&out, tb)); CK(cudaMalloc(&dy, tb)); CK(cudaMalloc(&grad, 2 * tb));
-    fill<<<4096, 256>>>((uint16_t*)in, 2 * n, 6.0f);
-    fill<<<4096, 256>>>((uint16_t*)dy, n, 1.0f);
-    CK(cudaDeviceSynchronize());
-    float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
-    const double bw = 2.0 * 2 * tb / (copy * 1e-3);
-    const double ff = 3.0 * tb / bw * 1e3, bf = 5.0 * tb / bw * 1e3;
+    Bufs B = make_bufs(n, flush);
+    void *in = B.in, *out = B.out, *dy = B.dy, *grad = B.grad;
+    const double ff = B.ff, bf = B.bf;
     std::printf("\nodd F %lld x %lld bf16 halves, realigning kernels: fwd floor %.3f bwd floor %.3f\n", (long long)rows, (long long)F, ff, bf);
     KernelArgs<T> a{};
     a.c = c;
@@ -182,25 +193,16 @@ int main(int argc, char** argv) {
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;
-    using I3 = std::integral_constant<int, 3>;
-    using I4 = std::integral_constant<int, 4>;
     one(I1{}, I1{}); one(I1{}, I2{}); one(I2{}, I1{}); one(I2{}, I2{});
-
-    CK(cudaFree(in)); CK(cudaFree(out)); CK(cudaFree(dy)); CK(cudaFree(grad));
+    free_bufs(B);
   }
   // geglu backward at the seed size, halves: packs in flight and block size
   // (its derivative keeps more values live than silu's).
   if (want("geglu")) {
     const int64_t rows = 1045081, F = 3072, n = rows * F;
-    const size_t tb = n * 2;
-    void *in, *dy, *grad;
-    CK(cudaMalloc(&in, 2 * tb)); CK(cudaMalloc(&dy, tb)); CK(cudaMalloc(&grad, 2 * tb));
-    fill<<<4096, 256>>>((uint16_t*)in, 2 * n, 6.0f);
-    fill<<<4096, 256>>>((uint16_t*)dy, n, 1.0f);
-    CK(cudaDeviceSynchronize());
-    float copy = med([&] { CK(cudaMemcpyAsync(grad, in, 2 * tb, cudaMemcpyDeviceToDevice)); }, flush);
-    const double bw = 2.0 * 2 * tb / (copy * 1e-3);
-    const double bf = 5.0 * tb / bw * 1e3;
+    Bufs B = make_bufs(n, flush);
+    void *in = B.in, *dy = B.dy, *grad = B.grad;
+    const double bf = B.bf;
     std::printf("\nseed halves backward: floor %.3f ms\n", bf);
     KernelArgs<T> a{};
     a.c = c;
@@ -222,7 +224,7 @@ int main(int argc, char** argv) {
       one(std::integral_constant<int, 3>{}, thr);
       one(std::integral_constant<int, 4>{}, thr);
     }
-    CK(cudaFree(in)); CK(cudaFree(dy)); CK(cudaFree(grad));
+    free_bufs(B);
   }
   return 0;
 }
