@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     }
     free_bufs(B);
   }
-  // Odd F in the halves layout (realigning kernels): packs in flight per lane.
+  // Odd F in the halves layout (realigning kernels): prefetch distance, register cap, block size.
   if (want("odd")) {
     const int64_t rows = 65536, F = 2881, n = rows * F;
     Bufs B = make_bufs(n, flush);
@@ -178,22 +178,30 @@ int main(int argc, char** argv) {
     a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F; a.splits = 1;
     KernelArgs<T> ip = a;  // in place: the gradients overwrite the inputs (values drift; timing only)
     ip.dg = (T*)in; ip.du = (T*)in + F;
-    // U: packs per lane in flight; MB: blocks of 256 threads per SM the register budget allows.
-    auto one = [&](auto ut, auto mbt) {
-      constexpr int U = decltype(ut)::value, MB = decltype(mbt)::value;
-      const int G = 32, thr = 128;
+    // AH: prefetch distance in tiles; MB: blocks of 256 threads per SM the
+    // register budget must allow; thr: threads per block.
+    auto one = [&](auto aht, auto mbt, int thr) {
+      constexpr int AH = decltype(aht)::value, MB = decltype(mbt)::value;
+      const int G = 32;
       const int64_t blocks = (rows + thr / G - 1) / (thr / G);
-      float f = med([&] { glu_fwd_realign<T, Activation::kSilu, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float b = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float bi = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, U, MB><<<(unsigned)blocks, thr>>>(ip, G); }, flush);
-      float bg = med([&] { glu_bwd_realign<T, Activation::kGeluTanh, false, false, U, MB><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      std::printf("thr=%d G=%d U=%d minB=%d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) bwd-inplace %.3f bwd-geglu %.3f (%.1f%%) sum %.1f%%\n",
-                  thr, G, U, MB, f, 100 * ff / f, b, 100 * bf / b, bi, bg, 100 * bf / bg, 100 * (ff + bf) / (f + b));
+      float f = med([&] { glu_fwd_realign<T, Activation::kSilu, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float b = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      float bi = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, MB, AH><<<(unsigned)blocks, thr>>>(ip, G); }, flush);
+      float bg = med([&] { glu_bwd_realign<T, Activation::kGeluTanh, false, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
+      std::printf("thr=%d G=%d ahead=%d minB=%d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) bwd-inplace %.3f bwd-geglu %.3f (%.1f%%) sum %.1f%%\n",
+                  thr, G, AH, MB, f, 100 * ff / f, b, 100 * bf / b, bi, bg, 100 * bf / bg, 100 * (ff + bf) / (f + b));
       std::fflush(stdout);
     };
     using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;
-    one(I1{}, I1{}); one(I1{}, I2{}); one(I2{}, I1{}); one(I2{}, I2{});
+    using I3 = std::integral_constant<int, 3>;
+    for (int rep = 0; rep < 2; ++rep) {
+      one(I1{}, I1{}, 128);
+      one(I2{}, I1{}, 128);
+      one(I3{}, I1{}, 128);
+      one(I2{}, I3{}, 128);
+      one(I2{}, I2{}, 256);
+    }
     free_bufs(B);
   }
   // geglu backward at the seed size, halves: packs in flight and block size

@@ -179,12 +179,11 @@ bool use_realign(int step, int V) {
 
 // The realigning kernels' packs (16 bytes, counted up: a row's own packs
 // depend on its alignment) and launch shape: lanes of a row shuffle, so G <= 32.
-constexpr int kRealignU = 1;
 template <typename T>
 LaunchShape realign_shape(KernelArgs<T>& a, bool row_sum, int device) {
   constexpr int V = 16 / sizeof(T);
   a.packs = (a.cols + V - 1) / V;
-  const LaunchShape s = shape_for(a.rows, a.packs, kRealignU, row_sum, device, 32);
+  const LaunchShape s = shape_for(a.rows, a.packs, 1, row_sum, device, 32);
   a.splits = s.splits;
   return s;
 }
@@ -210,7 +209,7 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
     const LaunchShape s = realign_shape(a, false, p.device_id);
     r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
-        glu_fwd_realign<T, decltype(act)::value, decltype(wt)::value, kRealignU>
+        glu_fwd_realign<T, decltype(act)::value, decltype(wt)::value>
             <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
         return Status::kOk;
       });
@@ -264,7 +263,7 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaSt
         return detail::dispatch_bool(row_sum, [&](auto rs) {
           constexpr bool kW = decltype(wt)::value;
           constexpr bool kDW = kW && decltype(rs)::value;
-          glu_bwd_realign<T, decltype(act)::value, kW, kDW, kRealignU>
+          glu_bwd_realign<T, decltype(act)::value, kW, kDW>
               <<<static_cast<unsigned>(s.blocks), s.threads, 0, st>>>(a, s.G);
           return Status::kOk;
         });

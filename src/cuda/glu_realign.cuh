@@ -20,11 +20,18 @@
 // - A realigned output Y (grad_up in backward) is stored as the aligned chunks
 //   y + c - d: the lane of pack p writes the last d elements of pack p - 1
 //   (received from that lane by a shuffle) and the first V - d of its own. At
-//   the two ends of a tile (G * U packs, see RowSpan) the lane stores its own
-//   elements one by one instead, so no store covers another tile's columns.
-// - Each lane also asks L2 (prefetch.global.L2) for the chunks of its group's
-//   next tile: the loads are limited by the registers that hold them, the
-//   prefetch holds none (73% -> 82% of the floor at 65,536 x 2,881).
+//   the two ends of a tile (the G packs a group moves at once, see RowSpan)
+//   the lane stores its own elements one by one instead, so no store covers
+//   another tile's columns.
+// - Each lane walks its packs (first, first + step, ...) with pointers that
+//   advance by one tile's stride; which pack is the row's last, and whether its
+//   second chunks must be read element by element, is found once per row. (The
+//   64-bit column arithmetic of every tile had been a fifth of the loop; the
+//   loop is bound by instruction issue as much as by bytes in flight.)
+// - Each lane also asks L2 (prefetch.global.L2) for its chunk kAhead tiles
+//   ahead: the loads are limited by the registers that hold them, the
+//   prefetch holds none (73% -> 82% of the floor at 65,536 x 2,881). A
+//   cp.async pipeline through shared memory instead was slower (67%).
 // In place (grad_up = up), a lane uses loaded values only of its own columns,
 // and a chunk store that covers pack p - 1's columns comes after the shuffle
 // by which pack p - 1's lane hands over its values (computed from its loads).
@@ -129,13 +136,6 @@ __device__ __forceinline__ Words load16(const void* p) {
 __device__ __forceinline__ void store16(void* p, const Words& w) {
   *reinterpret_cast<uint4*>(p) = make_uint4(w.w[0], w.w[1], w.w[2], w.w[3]);
 }
-__device__ __forceinline__ Words pick(bool c, const Words& x, const Words& y) {
-  Words r;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) r.w[j] = c ? x.w[j] : y.w[j];
-  return r;
-}
-
 // Bytes [b, b + 16) of the 32 bytes lo ++ hi, for 0 <= b < 16: two rounds of
 // word selects (by 2 words, by 1 word), then a funnel shift by the bytes left.
 __device__ __forceinline__ Words extract(const Words& lo, const Words& hi, int b) {
@@ -173,130 +173,149 @@ __device__ __forceinline__ int past_boundary(const T* p) {
   return static_cast<int>((reinterpret_cast<uintptr_t>(p) & 15u) / sizeof(T));
 }
 
-// Where a pack sits in its row and its tile.
-struct PackPos {
-  int64_t c;   // first column
-  bool live;   // p < P
-  bool first;  // the tile's first pack: no predecessor in the tile
-  bool last;   // the tile's or the row's last pack: no successor in the tile
-};
-
-__device__ __forceinline__ PackPos pack_pos(int64_t t0, int k, int lane, int G, int U, int64_t c0,
-                                            int64_t P, int V) {
-  PackPos q;
-  const int64_t p = t0 + static_cast<int64_t>(k) * G + lane;
-  q.c = c0 + p * V;
-  q.live = p < P;
-  q.first = k == 0 && lane == 0;
-  q.last = p + 1 == P || (k == U - 1 && lane == G - 1);
-  return q;
-}
-
-// One realigned input over one tile. issue() starts the loads (every
-// operand's loads of a tile are issued before any value is used) and asks L2
-// for the chunks of the group's tile `ahead` packs later; finish() reads
-// element by element the second chunks that would pass the row's end; get()
-// gives pack k.
-template <typename T, int U>
-struct InTile {
-  static constexpr int V = 16 / sizeof(T);
-  Words a[U], b[U];
-
-  __device__ __forceinline__ void issue(const T* x, int d, int64_t t0, int lane, int G, int64_t c0,
-                                        int64_t P, int64_t F, int64_t ahead) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const PackPos q = pack_pos(t0, k, lane, G, U, c0, P, V);
-      a[k] = Words{};
-      b[k] = Words{};
-      if (q.live) a[k] = load16(x + q.c - d);
-      if (q.live && d != 0 && q.c + 2 * V - d <= F) b[k] = load16(x + q.c + V - d);
-      // The prefetch holds no register, so it adds bytes in flight where the
-      // loads above are limited by the registers that hold them.
-      const PackPos n = pack_pos(t0 + ahead, k, lane, G, U, c0, P, V);
-      if (n.live) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + n.c - d));
-    }
-  }
-  __device__ __forceinline__ void finish(const T* x, int d, int64_t t0, int lane, int G, int64_t c0,
-                                         int64_t P, int64_t F) {
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const PackPos q = pack_pos(t0, k, lane, G, U, c0, P, V);
-      if (q.live && d != 0 && q.c + 2 * V - d > F) {
-#pragma unroll
-        for (int i = 0; i < V; ++i)
-          if (i < d) set_elem<T>(b[k], i, x[q.c + V - d + i]);
-      }
-    }
-  }
-  __device__ __forceinline__ Words get(int k, int d) const {
-    if (d == 0) return a[k];
-    return extract(a[k], b[k], d * static_cast<int>(sizeof(T)));
-  }
-};
-
-// Stores pack k's values m of a realigned output (see the top of the file).
-// Every lane of the warp calls it, in order of k (it shuffles).
-template <typename T>
-__device__ __forceinline__ void put_realigned(T* y, int d, const Words& m, const Words& prev_k,
-                                              const PackPos& q, int k, int lane, int G) {
-  constexpr int V = 16 / sizeof(T);
-  // prev_k: this lane's values of pack k - 1 (lane G-1 hands them to lane 0).
-  const Words pm = from_prev_lane(pick(lane == G - 1 && k > 0, prev_k, m), lane, G, 0xffffffffu);
-  if (!q.live) return;
-  if (d == 0) {
-    store16(y + q.c, m);
-    return;
-  }
-  if (!q.first) store16(y + q.c - d, extract(pm, m, 16 - d * static_cast<int>(sizeof(T))));
-  if (q.first || q.last) {
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (i < V - d ? q.first : q.last) y[q.c + i] = get_raw<T>(m, i);
-  }
-}
-
 // Head and tail columns of a row: [0, c0) and [c0 + P * V, F), one element a
 // lane, by the group of the row's first split.
 __device__ __forceinline__ int64_t edge_col(int64_t e, int64_t c0, int64_t P, int V) {
   return e < c0 ? e : c0 + P * V + (e - c0);
 }
 
-// Measured on the H200 at 65,536 x 2,881 bf16 halves (bench/kernel_variants.cu,
-// docs/perf-notes.md): one pack per lane in flight and an L2 prefetch of the
-// group's next tile (U = 2 without prefetch held more registers than it
-// gained bytes in flight). kMinB: blocks of 256 threads per SM that the
-// register budget must allow.
-template <typename T, Activation A, bool kW, int U = 1, int kMinB = 1>
-__global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T> a, int G) {
-  constexpr int V = 16 / sizeof(T);
-  const RowSpan s = row_span<U>(G, a.packs, a.splits);
-  if (s.row >= a.rows) return;
-  const auto [g, u, out, w] = fwd_row<T, kW>(a, s.row);
-  const int64_t F = a.cols;
-  const int64_t c0 = to_boundary(out) < F ? to_boundary(out) : F;
-  const int64_t P = (F - c0) / V;
-  const int dg = past_boundary(g + c0), du = past_boundary(u + c0);
-  const int64_t t_first = s.first - s.lane;
-  for (int64_t t0 = t_first; t0 < P; t0 += s.step) {
-    InTile<T, U> gt, ut;
-    gt.issue(g, dg, t0, s.lane, G, c0, P, F, s.step);
-    ut.issue(u, du, t0, s.lane, G, c0, P, F, s.step);
-    gt.finish(g, dg, t0, s.lane, G, c0, P, F);
-    ut.finish(u, du, t0, s.lane, G, c0, P, F);
+// This lane's packs of its row.
+struct LaneWalk {
+  int n;               // packs of this lane (P / step: far below 2^31)
+  int64_t c_first;     // first column of the first
+  int64_t stride;      // elements between consecutive ones
+  bool owns_last;      // the last of them is the row's last pack
+  int64_t c_last;      // first column of the last
+};
+
+__device__ __forceinline__ LaneWalk lane_walk(const RowSpan& s, int64_t c0, int64_t P, int V) {
+  LaneWalk w;
+  w.n = s.first < P ? static_cast<int>((P - s.first + s.step - 1) / s.step) : 0;
+  w.c_first = c0 + s.first * V;
+  w.stride = s.step * V;
+  const int64_t p_last = s.first + static_cast<int64_t>(w.n - 1) * s.step;
+  w.owns_last = w.n > 0 && p_last == P - 1;
+  w.c_last = c0 + p_last * V;
+  return w;
+}
+
+// The largest value of v over the warp.
+__device__ __forceinline__ int warp_max(int v) {
+  for (int off = 16; off > 0; off /= 2) {
+    const int o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
+// One realigned input along the lane's walk. (Taking the second chunk from
+// the next lane by a shuffle instead of loading it was slower: 75% against
+// 81%, the shuffle waits for the load.)
+template <typename T>
+struct InWalk {
+  static constexpr int V = 16 / sizeof(T);
+  const T* p;  // the aligned chunk x + c - d of the current pack
+  int d;       // elements x + c sits past a 16-byte boundary (the same for every pack)
+  bool tail;   // the row's last pack: its second chunk would pass the row's end
+  Words a, b;
+
+  __device__ __forceinline__ InWalk(const T* x, const LaneWalk& w, int64_t F) {
+    d = past_boundary(x + w.c_first);
+    p = x + w.c_first - d;
+    tail = w.owns_last && d != 0 && w.c_last + 2 * V - d > F;
+  }
+  // Starts the loads of the current pack (end: it is the lane's last) and
+  // asks L2 for the one `ahead` elements later (more: there is one).
+  __device__ __forceinline__ void issue(bool on, bool end, bool more, int64_t ahead) {
+    if (on) {
+      a = load16(p);
+      if (d != 0 && !(end && tail)) b = load16(p + V);
+    }
+    if (more) prefetch(ahead);
+  }
+  // Asks L2 for the chunk `ahead` elements later (no register held).
+  __device__ __forceinline__ void prefetch(int64_t ahead) const {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + ahead));
+  }
+  __device__ __forceinline__ void finish(bool on, bool end) {
+    if (on && end && tail) {
+      b = Words{};
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const PackPos q = pack_pos(t0, k, s.lane, G, U, c0, P, V);
-      if (q.live) {
-        const Words gv = gt.get(k, dg), uv = ut.get(k, du);
-        float r[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) r[i] = math::glu_fwd<A>(elem<T>(gv, i), elem<T>(uv, i), w, a.c);
-        store16(out + q.c, pack_words<T>(r));
-      }
+      for (int i = 0; i < V; ++i)
+        if (i < d) set_elem<T>(b, i, p[V + i]);
     }
   }
-  if (t_first == 0) {
+  __device__ __forceinline__ Words get() const {
+    return d == 0 ? a : extract(a, b, d * static_cast<int>(sizeof(T)));
+  }
+  __device__ __forceinline__ void advance(int64_t stride) { p += stride; }
+};
+
+// Stores the lane's pack m of a realigned output at y (y = out + c); every
+// lane of the warp calls it (it shuffles). The chunk y - d holds the last d
+// elements of the previous pack and the first V - d of this one; the lane
+// that stores it gets the previous pack's values from lane (lane - 1) mod G.
+// first / last: no chunk store covers this pack's first V - d / last d
+// elements (the tile's first / last lane, the row's last pack), so the lane
+// stores them one by one. (Carrying the edge between a warp's consecutive
+// tiles, so that lane 0 stores that chunk whole, was not faster.)
+template <typename T>
+__device__ __forceinline__ void put_walk(T* y, int d, const Words& m, bool on, bool first,
+                                         bool last, int lane, int G) {
+  constexpr int V = 16 / sizeof(T);
+  const Words pm = from_prev_lane(m, lane, G, 0xffffffffu);
+  if (!on) return;
+  if (d == 0) {
+    store16(y, m);
+    return;
+  }
+  if (!first) store16(y - d, extract(pm, m, 16 - d * static_cast<int>(sizeof(T))));
+  if (first || last) {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (i < V - d ? first : last) y[i] = get_raw<T>(m, i);
+  }
+}
+
+// Measured on the H200 at 65,536 x 2,881 bf16 halves (bench/kernel_variants.cu,
+// docs/perf-notes.md): blocks of 128 threads, one pack per lane in flight,
+// and an L2 prefetch kAhead tiles ahead: 1 in forward, 2 in backward (2 was
+// 0.7% slower in forward, 1 was 2% slower in backward; 3 slower in both). A
+// tighter register cap (kMinB = 3 blocks of 256 threads per SM) spilled and
+// was 20% slower in backward.
+template <typename T, Activation A, bool kW, int kMinB = 1, int kAhead = 1>
+__global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T> a, int G) {
+  constexpr int V = 16 / sizeof(T);
+  const RowSpan s = row_span<1>(G, a.packs, a.splits);
+  const bool live = s.row < a.rows;
+  const auto [g, u, out, w] = fwd_row<T, kW>(a, live ? s.row : 0);
+  const int64_t F = live ? a.cols : 0;
+  const int64_t c0 = to_boundary(out) < F ? to_boundary(out) : F;
+  const int64_t P = (F - c0) / V;
+  const LaneWalk lw = lane_walk(s, c0, P, V);
+  InWalk<T> gi(g, lw, F), ui(u, lw, F);
+  T* o = out + lw.c_first;
+  // The packs the loop's prefetches (kAhead tiles ahead) do not reach.
+  for (int k = 1; k < kAhead && k < lw.n; ++k) {
+    gi.prefetch(k * lw.stride);
+    ui.prefetch(k * lw.stride);
+  }
+  for (int it = 0; it < lw.n; ++it) {
+    const bool end = it == lw.n - 1, more = it + kAhead < lw.n;
+    gi.issue(true, end, more, kAhead * lw.stride);
+    ui.issue(true, end, more, kAhead * lw.stride);
+    gi.finish(true, end);
+    ui.finish(true, end);
+    const Words gv = gi.get(), uv = ui.get();
+    float r[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) r[i] = math::glu_fwd<A>(elem<T>(gv, i), elem<T>(uv, i), w, a.c);
+    store16(o, pack_words<T>(r));
+    gi.advance(lw.stride);
+    ui.advance(lw.stride);
+    o += lw.stride;
+  }
+  if (s.first == s.lane) {
     for (int64_t e = s.lane; e < F - P * V; e += G) {
       const int64_t c = edge_col(e, c0, P, V);
       out[c] = from_f<T>(math::glu_fwd<A>(to_f(g[c]), to_f(u[c]), w, a.c));
@@ -304,65 +323,62 @@ __global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T
   }
 }
 
-// The largest value of v over the warp.
-__device__ __forceinline__ int64_t warp_max(int64_t v) {
-  for (int off = 16; off > 0; off /= 2) {
-    const int64_t o = __shfl_xor_sync(0xffffffffu, v, off);
-    v = o > v ? o : v;
-  }
-  return v;
-}
-
 // Anchor: grad_gate. In place (grad_gate = gate, grad_up = up) gate is then
-// aligned as well. The grad_up stores shuffle across the whole warp, so every
-// lane runs the same number of tiles (groups of a shorter or absent row idle).
-template <typename T, Activation A, bool kW, bool kDW, int U = 1, int kMinB = 1>
+// aligned as well.
+template <typename T, Activation A, bool kW, bool kDW, int kMinB = 1, int kAhead = 2>
 __global__ void __launch_bounds__(256, kMinB) glu_bwd_realign(const KernelArgs<T> a, int G) {
   constexpr int V = 16 / sizeof(T);
-  const RowSpan s = row_span<U>(G, a.packs, a.splits);
+  const RowSpan s = row_span<1>(G, a.packs, a.splits);
   const bool live = s.row < a.rows;
   const int64_t row = live ? s.row : 0;
   const auto [g, u, dy, dg, du, w] = bwd_row<T, kW>(a, row);
   const int64_t F = live ? a.cols : 0;
   const int64_t c0 = to_boundary(dg) < F ? to_boundary(dg) : F;
   const int64_t P = (F - c0) / V;
-  const int d_g = past_boundary(g + c0), d_u = past_boundary(u + c0);
-  const int d_dy = past_boundary(dy + c0), d_du = past_boundary(du + c0);
+  const LaneWalk lw = lane_walk(s, c0, P, V);
+  InWalk<T> gi(g, lw, F), ui(u, lw, F), di(dy, lw, F);
+  T* og = dg + lw.c_first;
+  T* ou = du + lw.c_first;
+  const int d_du = past_boundary(ou);
   float acc = 0.0f;
-  const int64_t t_first = s.first - s.lane;
-  const int64_t tiles = warp_max(t_first < P ? (P - t_first + s.step - 1) / s.step : 0);
-  for (int64_t it = 0; it < tiles; ++it) {
-    const int64_t t0 = t_first + it * s.step;
-    InTile<T, U> gt, ut, dt;
-    gt.issue(g, d_g, t0, s.lane, G, c0, P, F, s.step);
-    ut.issue(u, d_u, t0, s.lane, G, c0, P, F, s.step);
-    dt.issue(dy, d_dy, t0, s.lane, G, c0, P, F, s.step);
-    gt.finish(g, d_g, t0, s.lane, G, c0, P, F);
-    ut.finish(u, d_u, t0, s.lane, G, c0, P, F);
-    dt.finish(dy, d_dy, t0, s.lane, G, c0, P, F);
-    Words prev{};
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const PackPos q = pack_pos(t0, k, s.lane, G, U, c0, P, V);
-      Words ou{};
-      if (q.live) {
-        const Words gv = gt.get(k, d_g), uv = ut.get(k, d_u), dv = dt.get(k, d_dy);
-        float rg[V], ru[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          float dwt;
-          math::glu_bwd<A>(elem<T>(gv, i), elem<T>(uv, i), elem<T>(dv, i), w, a.c, rg[i], ru[i],
-                           dwt);
-          if constexpr (kDW) acc += dwt;
-        }
-        store16(dg + q.c, pack_words<T>(rg));
-        ou = pack_words<T>(ru);
-      }
-      put_realigned<T>(du, d_du, ou, prev, q, k, s.lane, G);
-      prev = ou;
-    }
+  // The grad_up stores shuffle across the warp: every lane runs its warp's
+  // largest count of tiles.
+  const int n = warp_max(lw.n);
+  for (int k = 1; k < kAhead && k < lw.n; ++k) {
+    gi.prefetch(k * lw.stride);
+    ui.prefetch(k * lw.stride);
+    di.prefetch(k * lw.stride);
   }
-  if (t_first == 0) {
+  for (int it = 0; it < n; ++it) {
+    const bool on = it < lw.n, end = it == lw.n - 1, more = it + kAhead < lw.n;
+    gi.issue(on, end, more, kAhead * lw.stride);
+    ui.issue(on, end, more, kAhead * lw.stride);
+    di.issue(on, end, more, kAhead * lw.stride);
+    gi.finish(on, end);
+    ui.finish(on, end);
+    di.finish(on, end);
+    Words mu;
+    if (on) {
+      const Words gv = gi.get(), uv = ui.get(), dv = di.get();
+      float rg[V], ru[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float dwt;
+        math::glu_bwd<A>(elem<T>(gv, i), elem<T>(uv, i), elem<T>(dv, i), w, a.c, rg[i], ru[i], dwt);
+        if constexpr (kDW) acc += dwt;
+      }
+      store16(og, pack_words<T>(rg));
+      mu = pack_words<T>(ru);
+    }
+    put_walk<T>(ou, d_du, mu, on, s.lane == 0, s.lane == G - 1 || (end && lw.owns_last), s.lane,
+                G);
+    gi.advance(lw.stride);
+    ui.advance(lw.stride);
+    di.advance(lw.stride);
+    og += lw.stride;
+    ou += lw.stride;
+  }
+  if (s.first == s.lane) {
     for (int64_t e = s.lane; e < F - P * V; e += G) {
       const int64_t c = edge_col(e, c0, P, V);
       float fg, fu, dwt;
@@ -373,7 +389,6 @@ __global__ void __launch_bounds__(256, kMinB) glu_bwd_realign(const KernelArgs<T
     }
   }
   if constexpr (kDW) {
-    // A row sum runs without splits: the group's lanes add their shares.
     for (int off = G / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off, G);
     if (live && s.lane == 0) a.dw[row * a.dw_stride] = acc;
   }
