@@ -22,6 +22,7 @@ Format format_of(DType d) {
     case DType::kFloat32: return {24, -126, 3.4028234663852886e38};  // FLT_MAX
     case DType::kFloat16: return {11, -14, 65504.0};
     case DType::kBFloat16: return {8, -126, 3.3895313892515355e38};  // (2 - 2^-7) * 2^127
+    case DType::kFloat64: return {53, -1022, std::numeric_limits<double>::max()};
   }
   return {0, 0, 0};
 }
@@ -45,13 +46,14 @@ int lead_exponent(double x, int emin) {
 
 }  // namespace
 
-int64_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+int64_t dtype_size(DType d) { return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : 2; }
 
 const char* dtype_name(DType d) {
   switch (d) {
     case DType::kFloat32: return "f32";
     case DType::kFloat16: return "f16";
     case DType::kBFloat16: return "bf16";
+    case DType::kFloat64: return "f64";
   }
   return "dtype?";
 }
@@ -164,6 +166,9 @@ void store_elem(DType d, void* p, double x) {
       std::memcpy(p, &h, 2);
       return;
     }
+    case DType::kFloat64:
+      std::memcpy(p, &x, 8);
+      return;
   }
 }
 
@@ -183,6 +188,11 @@ double load_elem(DType d, const void* p) {
       uint16_t h;
       std::memcpy(&h, p, 2);
       return from_bf16_bits(h);
+    }
+    case DType::kFloat64: {
+      double x;
+      std::memcpy(&x, p, 8);
+      return x;
     }
   }
   return std::numeric_limits<double>::quiet_NaN();
