@@ -154,11 +154,11 @@ __device__ __forceinline__ Words extract(const Words& lo, const Words& hi, int b
 }
 
 // The value of lane (lane - 1) mod G of the group.
-__device__ __forceinline__ Words from_prev_lane(const Words& x, int lane, int G, unsigned mask) {
+__device__ __forceinline__ Words from_prev_lane(const Words& x, int lane, int G) {
   Words r;
   const int src = (lane + G - 1) & (G - 1);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) r.w[j] = __shfl_sync(mask, x.w[j], src, G);
+  for (int j = 0; j < 4; ++j) r.w[j] = __shfl_sync(0xffffffffu, x.w[j], src, G);
   return r;
 }
 
@@ -263,7 +263,7 @@ template <typename T>
 __device__ __forceinline__ void put_walk(T* y, int d, const Words& m, bool on, bool first,
                                          bool last, int lane, int G) {
   constexpr int V = 16 / sizeof(T);
-  const Words pm = from_prev_lane(m, lane, G, 0xffffffffu);
+  const Words pm = from_prev_lane(m, lane, G);
   if (!on) return;
   if (d == 0) {
     store16(y, m);
