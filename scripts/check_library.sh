@@ -47,9 +47,9 @@ echo "needs: $(echo "$vers" | grep '@GLIBC_' | tail -1 | tr -d @) $(echo "$vers"
 
 # 4. Device code: machine code for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT it).
 if [ $want_cuda = 1 ]; then
-  # cuobjdump: on PATH, beside nvcc, in /usr/local/cuda, or pip's nvidia-cuda-cuobjdump.
+  # cuobjdump: $CUOBJDUMP, on PATH, beside nvcc, in /usr/local/cuda*/bin (or pip's nvidia-cuda-cuobjdump).
   CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || ls "$(dirname "$(command -v nvcc || echo .)")/cuobjdump" \
-    /usr/local/cuda/bin/cuobjdump 2> /dev/null | head -1)}
+    /usr/local/cuda/bin/cuobjdump /usr/local/cuda-*/bin/cuobjdump 2> /dev/null | head -1)}
   if [ -z "$CUOBJDUMP" ]; then
     die "cuobjdump not found (needed for --cuda; set CUOBJDUMP or pip install nvidia-cuda-cuobjdump)"
   else
