@@ -27,7 +27,7 @@ note "wheel $(basename "$whl"), $(stat -c %s "$whl") bytes, sha256 $(sha256sum "
   python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda)' 2>&1
   # Whether this machine's pip would also take the manylinux retag (MANYLINUX=1 of build_wheel.sh).
   echo "$(python3 -c 'import platform; print(*platform.libc_ver())'), pip accepts manylinux_2_35_x86_64:" \
-    "$(python3 -m pip debug --verbose 2> /dev/null | grep -q 'manylinux_2_35_x86_64' && echo yes || echo no)"
+    "$(python3 -m pip debug --verbose 2> /dev/null | grep 'manylinux_2_35_x86_64' > /dev/null && echo yes || echo no)"
 } | tee -a "$RES/summary.txt"
 
 # 1. Install without building: only binary wheels, no index, and cmake / nvcc / ninja /
