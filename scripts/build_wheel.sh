@@ -34,7 +34,7 @@ if [ "${MANYLINUX:-0}" = 1 ]; then
   # symbol versions the library fits (here: manylinux_2_35, from GLIBCXX_3.4.30 of GCC 12);
   # there is nothing to graft (every NEEDED is a system library), so the wheel is only
   # retagged, its files byte for byte the same.
-  plat=$($PY -m auditwheel show "$whl" 2>&1 | tr -s ' \n' ' ' | grep -o 'consistent with the following platform tag: "manylinux_[0-9]*_[0-9]*_x86_64"' | grep -o 'manylinux_[0-9_]*x86_64')
+  plat=$($PY -m auditwheel show "$whl" 2>&1 | tr -s ' \n' ' ' | grep -o 'consistent with the following platform tag: "manylinux_[0-9]*_[0-9]*_x86_64"' | grep -o 'manylinux_[0-9_]*x86_64' || true)
   [ -n "$plat" ] || { $PY -m auditwheel show "$whl"; echo "auditwheel found no manylinux policy"; exit 1; }
   whl=$DIST/$($PY -m wheel tags --remove --platform-tag "$plat" "$whl")
 fi
