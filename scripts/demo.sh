@@ -21,7 +21,8 @@ if command -v apt-get > /dev/null && ! dpkg -s libdlpack-dev > /dev/null 2>&1; t
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev > /dev/null
 fi
 if ! $PY -c "import torch" > /dev/null 2>&1; then
-  # Without a GPU: the CPU build of torch (on this workplace's machines it is on disk).
+  # Without a GPU: torch from the package index (the CPU build where the index has it; PyPI's
+  # default Linux wheel is the larger CUDA build, which runs on the CPU too).
   [ $gpu = 1 ] && { echo "a CUDA build of torch is needed on a GPU machine; install it first"; exit 1; }
   $PY -m pip install -q "torch==2.13.0"
 fi

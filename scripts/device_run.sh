@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build (CUDA on, sm_90), C++ tests, sanitizers,
+# One call on a GPU machine: build (CUDA on, sm_90), C++ tests, sanitizers,
 # GPU benchmark, Python package tests and benchmark. Logs and results go to
 # $OUT (or ./device-out). Stages: STAGES="build ctest sanitize variants bench python"
 # (variants: the tuning harness bench/kernel_variants.cu, sections in $VARIANTS).
-# Needs .deps/include/dlpack/dlpack.h and .deps/googletest (git-ignored, carried).
+# Without network: .deps/include/dlpack/dlpack.h and .deps/googletest (git-ignored) stand in
+# for libdlpack-dev and libgtest-dev.
 set -u
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -21,7 +22,7 @@ cat "$OUT/env.txt"
 
 if has build; then
   log "build googletest"
-  if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
+  if [ -d .deps/googletest ] && [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
     cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF > "$OUT/gtest.log" 2>&1 &&
       ninja -C /tmp/gtest-build -j"$JOBS" install >> "$OUT/gtest.log" 2>&1 || log "googletest build FAILED"

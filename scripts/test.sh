@@ -16,7 +16,7 @@ if command -v apt-get > /dev/null; then
     $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
   fi
 fi
-# torch 2.13.0 is the CPU build on this workplace's machines; never a CUDA build here.
+# torch 2.13.0 (a no-op where it is installed); without a GPU the CPU build is enough.
 $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
 
 BUILD=${BUILD_DIR:-build/test}

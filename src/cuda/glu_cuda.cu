@@ -40,13 +40,35 @@ Status check_device_pointer(const char* name, const void* ptr, int device) {
   return Status::kOk;
 }
 
+// The oldest driver branch that runs the CUDA runtime linked into this library
+// (NVIDIA's minor-version compatibility: CUDA 13.x needs R580, 12.x R525, 11.x R450).
+constexpr int kMinDriverBranch = CUDART_VERSION >= 13000 ? 580 : CUDART_VERSION >= 12000 ? 525 : 450;
+
+// The first CUDA call of a process fails here when the driver cannot serve the
+// runtime: say which driver is needed instead of the runtime's generic words.
+Status no_usable_device(cudaError_t e) {
+  if (e == cudaErrorInsufficientDriver) {
+    int driver = 0;  // the CUDA version the driver supports; 0: no libcuda.so.1 could be loaded
+    cudaDriverGetVersion(&driver);
+    if (driver == 0)
+      return fail(Status::kCudaError, "no NVIDIA driver found (libcuda.so.1 could not be loaded); "
+                  "this build (CUDA runtime ", CUDART_VERSION / 1000, ".", CUDART_VERSION % 1000 / 10,
+                  ", linked in) needs driver >= ", kMinDriverBranch, " (cudaErrorInsufficientDriver)");
+    return fail(Status::kCudaError, "NVIDIA driver too old for this build (needs >= ", kMinDriverBranch,
+                "): it supports CUDA ", driver / 1000, ".", driver % 1000 / 10, ", this library's "
+                "CUDA runtime is ", CUDART_VERSION / 1000, ".", CUDART_VERSION % 1000 / 10,
+                " (cudaErrorInsufficientDriver)");
+  }
+  return fail(Status::kCudaError, "no usable CUDA device: cudaGetDeviceCount says ",
+              cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
 Status enter_device(int device, cuda::DeviceGuard& guard) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return fail(Status::kCudaError, "no usable CUDA device: cudaGetDeviceCount says ",
-                cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+    return no_usable_device(e);
   }
   if (device < 0 || device >= count)
     return fail(Status::kInvalidArgument, "device_id ", device, " is not a CUDA device (",

@@ -11,6 +11,10 @@
 
 #include "support/harness.h"
 
+#if EXPERTACT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace eat {
 namespace {
 
@@ -559,6 +563,44 @@ TEST(CudaBuild, HostMemoryLabelledCudaIsRefused) {
   EXPECT_NE(msg.find("not CUDA device memory"), std::string::npos) << msg;
   be.finish("host memory labelled cuda");
 }
+
+#if EXPERTACT_WITH_CUDA
+// A CUDA build on a machine whose driver cannot serve its runtime (here: none at
+// all, as on CI, which builds the CUDA path without a GPU): the first CUDA call
+// fails with cudaErrorInsufficientDriver, which must come back as a status whose
+// message names the driver the build needs, not a crash or the runtime's generic
+// words. The too-old-driver wording (a driver that loads but is older than the
+// runtime) shares the branch and cannot be produced on any machine at hand.
+TEST(CudaBuild, MissingDriverIsAClearError) {
+  int driver = -1;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess || driver != 0)
+    GTEST_SKIP() << "a CUDA driver is loaded (it supports CUDA " << driver << ")";
+  std::vector<float> host(1024);  // fake CUDA pointers: the call fails before using them
+  auto m = [&](int blk) {
+    MatrixRef r;
+    r.data = host.data() + 64 * blk;
+    r.rows = 4;
+    r.cols = 8;
+    r.row_stride = 8;
+    r.device = DeviceType::kCUDA;
+    return r;
+  };
+  const GluParams p = preset("swiglu").params;
+  const MatrixRef x = m(0), up = m(1), out = m(2), dy = m(3), gx = m(4), gu = m(5);
+  for (const auto& [st, name] :
+       {std::pair<Status, const char*>{expertact::glu_forward(p, Layout::kSeparate, x, &up, nullptr, out), "forward"},
+        {expertact::glu_backward(p, Layout::kSeparate, dy, x, &up, nullptr, gx, &gu, nullptr), "backward"}}) {
+    EXPECT_EQ(st, Status::kCudaError) << name;
+    const std::string msg = expertact::last_error();
+    EXPECT_NE(msg.find("no NVIDIA driver found"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("needs driver >= "), std::string::npos) << msg;
+#if CUDART_VERSION >= 13000 && CUDART_VERSION < 14000
+    EXPECT_NE(msg.find("needs driver >= 580"), std::string::npos) << msg;  // NVIDIA's R580 for 13.x
+#endif
+    EXPECT_NE(msg.find("cudaErrorInsufficientDriver"), std::string::npos) << msg;
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace eat

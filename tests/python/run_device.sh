@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (no network; torch with CUDA, nvcc, scikit-build-core, cmake, ninja,
+# On a GPU machine (no network needed; torch with CUDA, nvcc, scikit-build-core, cmake, ninja,
 # pytest present): build and install the package with its CUDA path, run the Python
 # tests, run the benchmark. Logs, JUnit XML, bench JSON and markdown go to $OUT.
 #

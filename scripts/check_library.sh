@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Checks a built libexpertact.so: its NEEDED libraries (no libcudart: the CUDA runtime
+# is linked in), its exported symbols (the C ABI and the public C++ API only), the
+# glibc / libstdc++ symbol versions it needs, and with --cuda its device code (sm_80
+# and sm_90 machine code, compute_90 PTX). Prints what it found; exits 1 on a violation.
+#   bash scripts/check_library.sh path/to/libexpertact.so [--cuda] [--list]
+# ctest runs it on every build (tests/cpp/CMakeLists.txt); the wheel scripts with --cuda.
+set -uo pipefail
+lib=${1:?usage: check_library.sh path/to/libexpertact.so [--cuda] [--list]}
+want_cuda=0 list=0
+for a in "${@:2}"; do
+  case $a in
+    --cuda) want_cuda=1 ;;
+    --list) list=1 ;;  # also print cuobjdump's full --list-elf / --list-ptx
+    *) echo "unknown option $a"; exit 2 ;;
+  esac
+done
+READELF=${READELF:-readelf}
+NM=${NM:-nm}
+bad=0
+die() { echo "FAIL: $*"; bad=1; }
+[ -f "$lib" ] || { echo "FAIL: no file $lib"; exit 1; }
+
+# 1. NEEDED: the C and C++ runtimes of the system only (what every manylinux policy
+#    allows); libcuda is not among them: the CUDA runtime loads it itself at run time.
+needed=$("$READELF" -d "$lib" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+echo "NEEDED: $(echo $needed)"
+for n in $needed; do
+  case $n in
+    libstdc++.so.6 | libgcc_s.so.1 | libc.so.6 | libm.so.6 | libpthread.so.0 | libdl.so.2 | librt.so.1 | ld-linux-x86-64.so.2 | ld-linux-aarch64.so.1) ;;
+    libcudart*) die "$n is NEEDED: the CUDA runtime must be linked statically" ;;
+    *) die "$n is NEEDED: not a system C/C++ runtime library" ;;
+  esac
+done
+
+# 2. Exports: expertact_* (the C ABI) and the functions of expertact.hpp (src/exports.map).
+exports=$("$NM" -D --defined-only -C "$lib" | cut -d' ' -f3-)
+extra=$(echo "$exports" | grep -v -E '^expertact_[a-z0-9_]+$|^expertact::(preset_swiglu|preset_swiglu_clamped|preset_swiglu_oai|preset_geglu_tanh|glu_forward|glu_backward|last_error|has_cuda|cpu_threads|set_cpu_threads)\(')
+echo "exported: $(echo "$exports" | grep -c .) symbols ($(echo "$exports" | grep -c '^expertact_') C, $(echo "$exports" | grep -c '^expertact::') C++)"
+[ -z "$extra" ] || die "symbols exported beyond the C ABI and C++ API:
+$(echo "$extra" | head -20)"
+echo "$exports" | grep -q '^expertact_glu_forward$' || die "expertact_glu_forward is not exported"
+
+# 3. The newest glibc / libstdc++ symbol versions it asks for (the oldest system it loads on).
+vers=$("$READELF" --dyn-syms -W "$lib" | grep -o '@GLIBC[A-Z]*_[0-9.]*' | sort -u -V)
+echo "needs: $(echo "$vers" | grep '@GLIBC_' | tail -1 | tr -d @) $(echo "$vers" | grep '@GLIBCXX_' | tail -1 | tr -d @) $(echo "$vers" | grep '@CXXABI_' | tail -1 | tr -d @)"
+
+# 4. Device code: machine code for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT it).
+if [ $want_cuda = 1 ]; then
+  # cuobjdump: $CUOBJDUMP, on PATH, beside nvcc, in /usr/local/cuda*/bin (or pip's nvidia-cuda-cuobjdump).
+  CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || ls "$(dirname "$(command -v nvcc || echo .)")/cuobjdump" \
+    /usr/local/cuda/bin/cuobjdump /usr/local/cuda-*/bin/cuobjdump 2> /dev/null | head -1)}
+  if [ -z "$CUOBJDUMP" ]; then
+    die "cuobjdump not found (needed for --cuda; set CUOBJDUMP or pip install nvidia-cuda-cuobjdump)"
+  else
+    elf=$("$CUOBJDUMP" --list-elf "$lib" 2>&1)
+    ptx=$("$CUOBJDUMP" --list-ptx "$lib" 2>&1)
+    arches=$(echo "$elf" | grep -o 'sm_[0-9]*[a-z]*' | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+    ptxs=$(echo "$ptx" | grep -o 'sm_[0-9]*[a-z]*' | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')
+    echo "ELF (machine code): $arches"
+    echo "PTX: $ptxs"
+    [ $list = 1 ] && printf '%s\n%s\n' "$elf" "$ptx"
+    for a in sm_80 sm_90; do echo "$elf" | grep -q "\.$a\.cubin" || die "no $a machine code"; done
+    echo "$ptx" | grep -q '\.sm_90\.ptx' || die "no compute_90 PTX"
+    extra_arch=$(echo "$elf" | grep -o 'sm_[0-9]*[a-z]*' | sort -u | grep -v -x -E 'sm_80|sm_90')
+    [ -z "$extra_arch" ] || die "unexpected machine code: $extra_arch"
+  fi
+fi
+[ $bad = 0 ] && echo "check_library: ok ($lib)"
+exit $bad
