@@ -22,12 +22,14 @@ the profiler (profile_memory=True), replayed in time order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -183,7 +185,7 @@ def cpu_memory(fn, inp):
     (profile_memory=True): every allocation and free of torch's CPU allocator, in time order."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_kineto_markers(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("expertact_bench_forward"):
             out = fn(*inp.args)
         out_bytes = out.numel() * out.element_size()
@@ -204,6 +206,35 @@ def cpu_memory(fn, inp):
     if at_fwd_end is None:
         at_fwd_end = live
     return peak, at_fwd_end - out_bytes
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Drop the two marker lines torch.profiler's backend prints on every profile.
+
+    Kineto (libkineto, inside libtorch_cpu) logs "USDT:... SyncActivityProfilerHandler.cpp:52]
+    profiler_start" and "...profiler_stop" through std::cerr at its USDT level, which is above
+    ERROR: KINETO_LOG_LEVEL could only drop them by dropping its errors too. So fd 2 goes to a
+    temporary file while the profiler runs and every other line is passed on afterwards."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to redirect: leave the output as it is
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not (line.startswith("USDT:") and ("profiler_start" in line or "profiler_stop" in line)):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def measure(fn, inp, clock, memory, iters, warmup, refresh):

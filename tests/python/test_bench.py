@@ -1,8 +1,10 @@
 """The benchmark runs end to end (a tiny CPU table) and its memory columns show what
 SPEC section 3 promises: expertact keeps nothing and peaks at 3 tensors, 1 in place."""
 import json
+import os
 
 import pytest
+import torch
 
 from expertact import bench
 
@@ -38,3 +40,17 @@ def test_bench_cpu_table(tmp_path, capsys):
 def test_bench_rejects_unknown_names():
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--presets", "relu"])
+
+
+def test_kineto_markers_dropped_other_lines_kept(capfd):
+    with bench._without_kineto_markers():
+        os.write(2, b"USDT:2026-11-30 09:26:16 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+                    b"ERROR: a real message\n"
+                    b"USDT:2026-11-30 09:26:16 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    err = capfd.readouterr().err
+    assert "profiler_st" not in err and "ERROR: a real message" in err
+    # The profiler behind the CPU memory columns (kineto prints the markers on every profile).
+    inp = bench.Inputs("separate", 8, 16, torch.float32, torch.device("cpu"), 6.0)
+    peak, kept = bench.cpu_memory(bench.make_fn("eager", "swiglu", "separate", 1.702, 7.0), inp)
+    assert peak > 0 and kept > 0
+    assert "USDT" not in capfd.readouterr().err
