@@ -134,8 +134,10 @@ class DeepSpeedKernels:
         return None if self.reason else self.kernels.get((preset, layout))
 
     def why_not(self, preset, layout):
+        """A table cell's word for a DeepSpeed cell that is not run (None: it is run); the
+        details of a failed import are in the markdown's header and the JSON's meta."""
         if self.reason:
-            return self.reason
+            return self.reason.split(" (")[0]
         return "n/a" if (preset, layout) not in self.kernels else None
 
 
