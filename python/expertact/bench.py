@@ -18,16 +18,20 @@ the profiler (profile_memory=True), replayed in time order.
     python -m expertact.bench                       # the full table, this machine's default size
     python -m expertact.bench --rows 65536 --ffn 1536 --presets swiglu_oai --impls compile,expertact
     expertact-bench --json out.json --markdown out.md
+    python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
+                                                    # (expertact/_peers.py; docs/python.md)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -183,7 +187,7 @@ def cpu_memory(fn, inp):
     (profile_memory=True): every allocation and free of torch's CPU allocator, in time order."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_kineto_markers(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("expertact_bench_forward"):
             out = fn(*inp.args)
         out_bytes = out.numel() * out.element_size()
@@ -204,6 +208,35 @@ def cpu_memory(fn, inp):
     if at_fwd_end is None:
         at_fwd_end = live
     return peak, at_fwd_end - out_bytes
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Drop the two marker lines torch.profiler's backend prints on every profile.
+
+    Kineto (libkineto, inside libtorch_cpu) logs "USDT:... SyncActivityProfilerHandler.cpp:52]
+    profiler_start" and "...profiler_stop" through std::cerr at its USDT level, which is above
+    ERROR: KINETO_LOG_LEVEL could only drop them by dropping its errors too. So fd 2 goes to a
+    temporary file while the profiler runs and every other line is passed on afterwards."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 to redirect: leave the output as it is
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if not (line.startswith("USDT:") and ("profiler_start" in line or "profiler_stop" in line)):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def measure(fn, inp, clock, memory, iters, warmup, refresh):
@@ -263,6 +296,27 @@ def copy_bandwidth(nbytes, device):
     # On a CPU shared with other work one descheduled thread stretches a copy many times
     # over: the best of 30 is the machine's bandwidth.
     return 2 * n * 2 / min(ts)
+
+
+def host_cost_us(fn, make_args, iters, device):
+    """Microseconds of the calling thread per call of fn(*make_args()), at a size where the
+    device work is negligible (the --peers host-cost table uses 256 x 128): `iters` calls back
+    to back timed with perf_counter, then one synchronize on CUDA (no CUDA graphs: the host
+    path is what is measured); the median of 5 such blocks after a warm-up block."""
+    cuda = torch.device(device).type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    args = make_args()
+    for _ in range(max(iters // 4, 10)):  # the first calls compile (torch.compile, Triton's JIT)
+        fn(*args)
+    sync()
+    per_call = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(*args)
+        sync()
+        per_call.append((time.perf_counter() - t0) / iters * 1e6)
+    return statistics.median(per_call)
 
 
 # ---------------------------------------------------------------------------
@@ -352,30 +406,67 @@ def parse_args(argv=None):
                    help=f"F (default {CUDA_DEFAULT['ffn']} on CUDA, {CPU_DEFAULT['ffn']} on the CPU)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                    help="default bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--presets", default=",".join(PRESETS))
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (default 10 on CUDA, 5 on the CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps, the first compiles (default 2 on CUDA, 1 on the CPU)")
+    p.add_argument("--presets", default=None, help=f"default {','.join(PRESETS)}")
+    p.add_argument("--layouts", default=None, help=f"default {','.join(LAYOUTS)}")
+    p.add_argument("--impls", default=None,
+                   help=f"default {','.join(IMPLS)}; with --peers also deepspeed, default without eager")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 10 on CUDA, 20 with --peers, 5 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps, the first compiles (default 2 on CUDA, 3 with --peers, 1 on the CPU)")
     p.add_argument("--scale", type=float, default=6.0, help="inputs are scale x standard normal")
     p.add_argument("--alpha", type=float, default=1.702)
     p.add_argument("--limit", type=float, default=7.0)
     p.add_argument("--json", default="", metavar="PATH")
     p.add_argument("--markdown", default="", metavar="PATH")
+    g = p.add_argument_group("--peers mode (expertact/_peers.py)")
+    g.add_argument("--peers", action="store_true",
+                   help="expertact beside DeepSpeed's Triton kernels, torch.compile (and eager, if in --impls) "
+                        "at several sizes, with the winner per cell and a host-cost table")
+    g.add_argument("--sizes", default=None, metavar="RxF,...",
+                   help="e.g. 65536x1536,16384x1536 (default on CUDA: the five of issue 9; --rows/--ffn: one size)")
+    g.add_argument("--quick", action="store_true",
+                   help="swiglu and swiglu_oai, separate and halves, 1,045,081 x 3,072 and 65,536 x 1,536")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="repeat each measurement N times; the table shows the spread (min-max) of the N medians")
+    g.add_argument("--host-size", default="256x128", metavar="RxF", help="size of the host-cost table")
+    g.add_argument("--host-iters", type=int, default=None,
+                   help="calls per timed block of the host-cost table (default 200 on CUDA, 50 on the CPU); "
+                        "0: no host-cost table")
     return p.parse_args(argv)
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto (cuda if available), cuda, cuda:N or cpu; a CUDA device becomes current."""
+    if name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return (f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+            f"{expertact.cpu_threads()} expertact threads)")
 
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(a.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if a.peers:
+        from . import _peers
+
+        return _peers.main(a, argv)
+    peers_only = [o for o, v in (("--sizes", a.sizes), ("--quick", a.quick), ("--repeat", a.repeat != 1)) if v]
+    if peers_only:
+        raise SystemExit(f"expertact-bench: {', '.join(peers_only)} need --peers")
+    device = resolve_device(a.device)
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(device)
     d = CUDA_DEFAULT if cuda else CPU_DEFAULT
     rows = a.rows if a.rows is not None else d["rows"]
     ffn = a.ffn if a.ffn is not None else d["ffn"]
@@ -383,14 +474,13 @@ def main(argv=None):
     dtype = _DTYPES[dtype_name]
     iters = a.iters if a.iters is not None else (10 if cuda else 5)
     warmup = a.warmup if a.warmup is not None else (2 if cuda else 1)
-    presets = _csv(a.presets, PRESETS, "presets")
-    layouts = _csv(a.layouts, LAYOUTS, "layouts")
-    impls = _csv(a.impls, IMPLS, "impls")
+    presets = _csv(a.presets or ",".join(PRESETS), PRESETS, "presets")
+    layouts = _csv(a.layouts or ",".join(LAYOUTS), LAYOUTS, "layouts")
+    impls = _csv(a.impls or ",".join(IMPLS), IMPLS, "impls")
 
     esize = torch.empty((), dtype=dtype).element_size()
     tensor_bytes = rows * ffn * esize
-    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()}, " \
-        f"{torch.get_num_threads()} torch threads, {expertact.cpu_threads()} expertact threads)"
+    name = device_name(device)
     log(f"expertact-bench on {name}: {rows:,} x {ffn:,} {dtype_name}; torch {torch.__version__}")
     bw = copy_bandwidth(tensor_bytes, device)
     floor_ms = 8 * tensor_bytes / bw * 1e3
