@@ -170,27 +170,38 @@ class _Plan(NamedTuple):
 
 
 def _use_grouped_mm(x, D, F) -> bool:
-    """torch._grouped_mm on CUDA when its stride rule holds for every operand: each matrix's
-    leading stride a multiple of 16 bytes, so D and F must be (8 elements in bf16/fp16, 4 in
-    fp32). bf16 takes its CUTLASS kernel on sm90/sm100; other dtypes torch's own per-group
-    loop. Anything else takes this module's per-expert loop: slower, same results."""
-    if not x.is_cuda or not hasattr(torch, "_grouped_mm") or x.dtype not in _FLOAT_DTYPES:
+    """torch._grouped_mm where it has a grouped kernel: bf16 on sm90 / sm100 (CUTLASS), with
+    every leading stride a multiple of 16 bytes (D and F multiples of 8). Elsewhere torch runs
+    it as a loop over the groups that reads the offsets to the host on each call (6 calls
+    here); this module's own per-expert loop does the same work with the offsets it already
+    read: other dtypes, other GPUs, odd D or F."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
-    align = 16 // x.element_size()
-    return D % align == 0 and F % align == 0
+    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return False
+    return D % 8 == 0 and F % 8 == 0
 
 
-def _mm_operand(t):
+def _mm_operand(t, row_major=False):
     """t as torch._grouped_mm reads it: a 16-byte aligned start and one of the last two dims
-    contiguous with the other's stride a multiple of 16 bytes; otherwise a contiguous copy."""
+    contiguous with the other's stride a multiple of 16 bytes (with row_major, the last dim);
+    otherwise a contiguous copy."""
     align = 16 // t.element_size()
     st, n = t.stride(), t.shape
     if t.data_ptr() % 16 == 0:
         if st[-1] == 1 and st[-2] >= max(1, n[-1]) and st[-2] % align == 0:
             return t
-        if st[-2] == 1 and st[-1] >= max(1, n[-2]) and st[-1] % align == 0:
+        if not row_major and st[-2] == 1 and st[-1] >= max(1, n[-2]) and st[-1] % align == 0:
             return t
     return torch.empty(n, dtype=t.dtype, device=t.device).copy_(t)
+
+
+# The 2-D operands of torch._grouped_mm are kept row-major ([rows, cols], cols contiguous):
+# its CUDA kernel asserts on the device (a sticky error) that a group's size is a multiple of
+# 16 bytes along a 2-D operand's dynamic dim when that dim is the contiguous one, and that no
+# group is empty in the weight-gradient form unless A is column-major and B row-major
+# (prepare_grouped_gemm_data in ATen's GroupMMCommon.cuh). Row-major activations make any
+# expert sizes legal, empty experts included; torch's own _grouped_mm backward lays them out so.
 
 
 def _gmm(a, b, offs, plan):
@@ -199,7 +210,7 @@ def _gmm(a, b, offs, plan):
     T = a.shape[0]
     end = plan.ends[-1] if plan.ends else 0
     if plan.grouped and end > 0:
-        out = torch._grouped_mm(_mm_operand(a), _mm_operand(b), offs=offs)
+        out = torch._grouped_mm(_mm_operand(a, row_major=True), _mm_operand(b), offs=offs)
     else:
         out = a.new_empty((T, b.shape[-1]))
         start = 0
@@ -217,7 +228,8 @@ def _gmm_wgrad(a, b, offs, plan):
     ends = plan.ends
     end = ends[-1] if ends else 0
     if plan.grouped and end > 0:
-        out = torch._grouped_mm(_mm_operand(a.t()), _mm_operand(b), offs=offs)
+        # a^T column-major, b row-major: the form with no constraint on the groups' sizes
+        out = torch._grouped_mm(_mm_operand(a, row_major=True).t(), _mm_operand(b, row_major=True), offs=offs)
         # Correct on Hopper already; written anyway because some kernels leave an empty
         # group's block unwritten (pytorch/pytorch#172439: non-zero on B200). E is small.
         start = 0
@@ -238,7 +250,7 @@ def _gmm_wgrad(a, b, offs, plan):
 def _forward(x, w13, w2, weights, offs, plan):
     """(gate_up, h, y) of the MLP."""
     if plan.grouped:
-        x = _mm_operand(x)
+        x = _mm_operand(x, row_major=True)  # the copy, if any, is what backward reads
     gate_up = _gmm(x, w13, offs, plan)
     h = glu_op(gate_up, None, weights, *plan.glu, False)
     y = _gmm(h, w2, offs, plan)
@@ -280,7 +292,7 @@ class _ExpertMLP(torch.autograd.Function):
         h = saved[6] if len(saved) > 6 else None
         del saved
         if plan.grouped:
-            dy = _mm_operand(dy)  # once, here, rather than in each of the two GEMMs that read it
+            dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
         dx = dw13 = dw2 = dweights = None
         # Order for the smallest peak: w2's gradient first, so that a recomputed h is freed
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
