@@ -157,15 +157,15 @@ def row_line(r, unit):
             f"{r['tflops']:7.3g} TFLOP/s  y diff {_diff_fmt(r['y_rel_diff'])}")
 
 
-def targets(results, tensor_gib):
+def targets(results, tensor_gib, unit="GiB"):
     """Issue 11's targets, checked on this run's numbers: (text, passed) pairs."""
     by = {r["impl"]: r for r in results if "error" not in r}
     out = []
     p, rc = by.get("expertact"), by.get("expertact-recompute")
     if p and rc and p["kept_gib"] is not None:
         less = p["kept_gib"] - rc["kept_gib"]
-        out.append((f"recompute keeps {less:.2f} GiB less than plain after forward (one [T, F] tensor: "
-                    f"{tensor_gib:.2f} GiB)", abs(less - tensor_gib) <= 0.01 * tensor_gib))
+        out.append((f"recompute keeps {_mem(less, unit)} {unit} less than plain after forward (one [T, F] tensor: "
+                    f"{_mem(tensor_gib, unit)} {unit})", abs(less - tensor_gib) <= 0.01 * tensor_gib))
     both = by.get("expertact-recompute-inplace")
     if both and both["extra_peak_gib"] is not None and tensor_gib > 1:
         out.append((f"recompute + in-place extra peak {both['extra_peak_gib']:.2f} GiB (target <= {TARGET_PEAK_GIB} "
@@ -324,7 +324,7 @@ def main(argv=None):
         results.append(r)
         print(row_line(r, meta["mem_unit"]), flush=True)
     meta["wall_s"] = time.time() - t_start
-    checks = targets(results, tensor_gib)
+    checks = targets(results, tensor_gib, meta["mem_unit"])
     md = markdown(meta, results, checks)
     print()
     print(md)

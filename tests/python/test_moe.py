@@ -374,7 +374,12 @@ def _mlp_fn(c, mode):
 
 
 def _memory(c, measure):
-    return {mode: measure(_mlp_fn(c, mode), _Inputs(c)) for mode in MODES}
+    out = {}
+    for mode in MODES:
+        for k in ("x", "w13", "w2"):
+            c[k].grad = None  # each mode's backward allocates its gradients afresh
+        out[mode] = measure(_mlp_fn(c, mode), _Inputs(c))
+    return out
 
 
 def _check_memory(mem, T, D, F, esize):
