@@ -248,7 +248,7 @@ def _gmm_wgrad(a, b, offs, plan):
 
 
 def _forward(x, w13, w2, weights, offs, plan):
-    """(gate_up, h, y) of the MLP."""
+    """(x as the GEMMs read it, gate_up, h, y) of the MLP."""
     if plan.grouped:
         x = _mm_operand(x, row_major=True)  # the copy, if any, is what backward reads
     gate_up = _gmm(x, w13, offs, plan)

@@ -34,13 +34,14 @@ TOL = {torch.float64: 1e-7, torch.float32: 2e-5, torch.float16: 4e-3, torch.bflo
 SHAPES = {
     # odd D and F: the per-expert loop everywhere (torch._grouped_mm needs 16-byte strides)
     "odd": dict(counts=[5, 0, 9, 3], pad=2, D=11, F=9),
-    # D, F multiples of 8: torch._grouped_mm on CUDA
+    # D, F multiples of 8: torch._grouped_mm on CUDA in bf16 (on sm90/sm100)
     "aligned": dict(counts=[40, 0, 72, 9], pad=7, D=64, F=48),
 }
 
 
 def _params(preset):
-    """expert_mlp's alpha / limit keywords of a preset (the defaults written out)."""
+    """expert_mlp's alpha / limit keywords of a preset (the defaults written out; DeepSpeed's
+    GroupedExperts passes both to every form, ours takes them only for the forms that read them)."""
     return {"swiglu_oai": dict(alpha=1.702, limit=7.0), "swiglu_clamped": dict(limit=7.0)}.get(preset, {})
 
 
@@ -193,9 +194,11 @@ def test_memory_modes_match_reference_and_each_other(preset, layout, mode, dtype
 def test_edge_shapes(counts, pad, mode, device):
     """E = 1, no rows at all (T = 0), every expert empty (all rows padding), empty experts at
     both ends, single rows."""
-    c = make_case(counts, pad, D=13, F=7, dtype=torch.float32, device=device, layout="interleaved", weighted=True)
-    y, grads = check_case(c, "swiglu_oai", torch.float32, mode)
-    assert y.shape == (sum(counts) + pad, 13)
+    # CUDA: bf16 with D, F multiples of 8, so that torch._grouped_mm gets these shapes too
+    dtype, D, F = (torch.bfloat16, 16, 8) if device == "cuda" else (torch.float32, 13, 7)
+    c = make_case(counts, pad, D=D, F=F, dtype=dtype, device=device, layout="interleaved", weighted=True)
+    y, grads = check_case(c, "swiglu_oai", dtype, mode)
+    assert y.shape == (sum(counts) + pad, D)
 
 
 @pytest.mark.parametrize("mode", ["plain", "recompute"])
@@ -447,23 +450,28 @@ def test_create_graph_is_rejected(mode, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_partial_gradients_and_no_grad(device):
-    """Only the inputs that want a gradient get one; with none (or under no_grad) nothing is
-    kept; the in-place mode leaves a tensor it does not need alone."""
-    c = make_case(**SHAPES["odd"], dtype=torch.float32, device=device, weighted=True)
+    """Only the inputs that want a gradient get one; under no_grad no graph is built; with
+    inplace_backward and only the routing weights wanting a gradient, gate_up is not
+    overwritten (its gradient is not needed), so a second backward still works."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # torch._grouped_mm on CUDA
+    c = make_case(**SHAPES["aligned" if device == "cuda" else "odd"], dtype=dtype, device=device, weighted=True)
     ry, rgrads, gw_scale = reference_mlp(c, "swiglu")
     x, w13, w2, w = (c[k].detach() for k in ("x", "w13", "w2", "weights"))
     w.requires_grad_()
     y = moe.expert_mlp(x, w13, w2, c["offsets"], weights=w, inplace_backward=True)
-    (gw,) = torch.autograd.grad(y, w, c["dy"])
-    assert_close("dweights", gw, rgrads[3], torch.float32, scale=gw_scale)
+    y.backward(c["dy"], retain_graph=True)
+    first = w.grad.clone()
+    assert_close("dweights", first, rgrads[3], dtype, scale=gw_scale)
+    y.backward(c["dy"])
+    torch.testing.assert_close(w.grad, 2 * first)
     w2 = w2.clone().requires_grad_()
     y = moe.expert_mlp(x, w13, w2, c["offsets"], weights=w.detach(), recompute=True)
     (g2,) = torch.autograd.grad(y, w2, c["dy"])
-    assert_close("dw2", g2, rgrads[2], torch.float32)
+    assert_close("dw2", g2, rgrads[2], dtype)
     with torch.no_grad():
         y = moe.expert_mlp(c["x"], c["w13"], c["w2"], c["offsets"], weights=c["weights"])
     assert y.grad_fn is None
-    assert_close("y", y, ry, torch.float32)
+    assert_close("y", y, ry, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -536,12 +544,6 @@ def test_cpu_tensors_with_cuda_offsets_are_refused():
 # ---------------------------------------------------------------------------
 
 
-def _ds_kwargs(preset):
-    """DeepSpeed's GroupedExperts passes alpha and limit to every form; ours takes them only
-    for the forms that read them."""
-    return {"swiglu_oai": dict(alpha=1.702, limit=7.0), "swiglu_clamped": dict(limit=7.0)}.get(preset, {})
-
-
 @pytest.mark.parametrize("fused_w13,layout", [(False, "halves"), (True, "halves"), (True, "interleaved"),
                                               (False, "up_first")])
 @pytest.mark.parametrize("preset", PRESETS)
@@ -555,7 +557,7 @@ def test_loads_deepspeed_state_dict(preset, fused_w13, layout):
     with torch.no_grad():
         for p in ds.parameters():
             p.normal_(0, 0.5)
-    ours = moe.GroupedExperts(D, F, E, activation=preset, layout=layout, fused_w13=fused_w13, **_ds_kwargs(preset))
+    ours = moe.GroupedExperts(D, F, E, activation=preset, layout=layout, fused_w13=fused_w13, **_params(preset))
     ours.load_state_dict(ds.state_dict())
     counts = torch.tensor([4, 0, 7])
     x = (torch.randn(13, D) * 2).requires_grad_()  # 2 padding rows
@@ -579,7 +581,7 @@ def test_loads_deepspeed_state_dict(preset, fused_w13, layout):
         torch.testing.assert_close(gg[2], wg[1], **tol)
         torch.testing.assert_close(gg[3], wg[3], **tol)
     # and back: our state dict (converted to the other form) loads into DeepSpeed's module
-    other = moe.GroupedExperts(D, F, E, activation=preset, layout=layout, fused_w13=not fused_w13, **_ds_kwargs(preset))
+    other = moe.GroupedExperts(D, F, E, activation=preset, layout=layout, fused_w13=not fused_w13, **_params(preset))
     other.load_state_dict(ours.state_dict())
     torch.testing.assert_close(other(x, counts), got, rtol=0, atol=0)
     if not fused_w13:
@@ -654,3 +656,30 @@ def test_grouped_experts_modes_and_casting():
         moe.GroupedExperts(D, F, E, activation="swiglu", alpha=1.0)
     with pytest.raises(ValueError, match="layout='separate'"):
         moe.GroupedExperts(D, F, E, layout="separate")
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grouped_experts_cuda_bf16(mode):
+    """The module on CUDA in bf16 (torch._grouped_mm), float32 master weights, an empty
+    expert and counts that are not multiples of 8, against the same module on the CPU in bf16
+    (the per-expert loop: the same roundings of the cast weights and of gate_up, so no clamp
+    mask flips between the two)."""
+    D, F, E = 64, 40, 4
+    cpu = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout="interleaved", fused_w13=True, init_std=0.2)
+    gpu = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout="interleaved", fused_w13=True,
+                             **MODES[mode]).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    counts = torch.tensor([37, 0, 101, 5])
+    x = (torch.randn(150, D) * 2).to(torch.bfloat16)  # 7 padding rows
+    w = torch.rand(150)
+    dy = torch.randn(150, D).to(torch.bfloat16)
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    want = cpu(xc, counts, weights=w)
+    got = gpu(xg, counts.cuda(), weights=w.cuda())
+    wg = torch.autograd.grad(want, [xc, cpu.w13, cpu.w2], dy)
+    gg = torch.autograd.grad(got, [xg, gpu.w13, gpu.w2], dy.cuda())
+    for name, g, r in (("y", got, want), ("dx", gg[0], wg[0]), ("dw13", gg[1], wg[1]), ("dw2", gg[2], wg[2])):
+        assert_close(name, g, r, torch.bfloat16)
+    assert got[143:].abs().max() == 0 and gg[0][143:].abs().max() == 0
+    assert gg[1].dtype == torch.float32  # the master weights' gradient
