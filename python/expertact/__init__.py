@@ -8,7 +8,8 @@ expert MLPs, forward and backward, for CPU and CUDA tensors.
 
 The tensor API needs torch (an optional dependency); the C library's information
 (has_cuda, cpu_threads, ...) is available without it. DeepSpeed's names and
-signatures are in ``expertact.deepspeed``.
+signatures are in ``expertact.deepspeed``; the grouped expert MLP around the activation
+(with memory modes) and a GroupedExperts module are in ``expertact.moe``.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 _TORCH_NAMES = (
     "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS",
-    "swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation", "deepspeed", "ops",
+    "swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation", "deepspeed", "ops", "moe",
 )
 
 try:
@@ -34,7 +35,7 @@ except ImportError:  # the C library alone
     _torch = None
 
 if _torch is not None:
-    from . import deepspeed
+    from . import deepspeed, moe
     from ._ops import glu_op as _glu_op  # noqa: F401  (registers the torch.ops.expertact operators)
     from .deepspeed import apply_expert_activation, apply_packed_expert_activation, swiglu_packed
     from .functional import ACTIVATIONS, LAYOUTS, PRESETS, geglu_tanh, glu, swiglu, swiglu_clamped, swiglu_oai

@@ -1,0 +1,511 @@
+"""expertact.moe: the grouped expert MLP around the fused activation (SPEC section 7),
+y = act(x @ w13[e]) @ w2[e] per expert over rows sorted by expert, as one autograd node
+whose memory modes decide what stays alive between forward and backward; and
+GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights around it.
+
+    from expertact.moe import expert_mlp, GroupedExperts
+    y = expert_mlp(x, w13, w2, offsets, "swiglu_oai", layout="interleaved", weights=probs,
+                   recompute=True, inplace_backward=True)
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _capi
+from ._ops import (
+    _CREATE_GRAPH_MSG,
+    _SECOND_BACKWARD_MSG,
+    glu_backward_inplace_op,
+    glu_backward_op,
+    glu_op,
+)
+from .functional import LAYOUTS, PRESETS, _float_arg
+
+__all__ = ["expert_mlp", "GroupedExperts", "PACKED_LAYOUTS"]
+
+Tensor = torch.Tensor
+
+#: The layouts of gate and up along w13's last dim (and so along gate_up's).
+PACKED_LAYOUTS = ("halves", "up_first", "interleaved")
+
+# The defaults of the forms that read alpha / limit: DeepSpeed's registry defaults
+# (alpha 1.702, limit 7.0), which are also GPT-OSS's.
+_DEFAULT_ALPHA = 1.702
+_DEFAULT_LIMIT = 7.0
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _err(msg: str) -> str:
+    return f"expertact.moe: {msg}"
+
+
+# ---------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------
+
+
+def _glu_args(activation, alpha, limit, layout) -> Tuple[int, int, float, float, float]:
+    """(layout code, act, alpha, limit, beta) for the glu operators, from a preset name."""
+    params = PRESETS.get(activation) if isinstance(activation, str) else None
+    if params is None:
+        raise ValueError(_err(f"activation={activation!r} is not one of {tuple(PRESETS)}"))
+    act, a, lim, beta = params
+    # A form that does not read alpha or limit refuses them: silently dropping limit=10 from
+    # "swiglu" would train an unclamped model that was meant to be clamped.
+    if a is None:
+        a = _DEFAULT_ALPHA if alpha is None else _float_arg("alpha", alpha)
+    elif alpha is not None:
+        raise ValueError(_err(f"activation={activation!r} has no alpha (got alpha={alpha!r}); "
+                              "'swiglu_oai' is the form with a sigmoid scale"))
+    if lim is None:
+        lim = _DEFAULT_LIMIT if limit is None else _float_arg("limit", limit)
+    elif limit is not None:
+        raise ValueError(_err(f"activation={activation!r} has no clamp (got limit={limit!r}); "
+                              "'swiglu_clamped' and 'swiglu_oai' are the clamped forms"))
+    code = LAYOUTS.get(layout) if isinstance(layout, str) else None
+    if code is None or code == _capi.LAYOUT_SEPARATE:
+        raise ValueError(_err(f"layout={layout!r} is not one of {PACKED_LAYOUTS} (w13 holds gate and up "
+                              "packed along its last dim)"))
+    return code, act, a, lim, beta
+
+
+def _tensor(name, t, optional=False):
+    if isinstance(t, Tensor) or (optional and t is None):
+        return t
+    raise TypeError(_err(f"{name} must be a torch.Tensor{' or None' if optional else ''} "
+                         f"(got {type(t).__name__})"))
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape)
+
+
+def _check(x, w13, w2, offsets, weights):
+    """Checks every argument against x; returns (T, D, F, the offsets as host ints)."""
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("offsets", offsets)):
+        _tensor(name, t)
+    _tensor("weights", weights, optional=True)
+    if x.dim() != 2:
+        raise ValueError(_err(f"x must be 2-D [T, D]; got shape {_shape(x)}"))
+    if w13.dim() != 3:
+        raise ValueError(_err(f"w13 must be 3-D [E, D, 2F]; got shape {_shape(w13)}"))
+    if w2.dim() != 3:
+        raise ValueError(_err(f"w2 must be 3-D [E, F, D]; got shape {_shape(w2)}"))
+    T, D = x.shape
+    E, wd, f2 = w13.shape
+    ok_dtypes = _FLOAT_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
+    if x.dtype not in ok_dtypes:
+        raise TypeError(_err(f"x has dtype {x.dtype}; expected one of {', '.join(map(str, ok_dtypes))}"))
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != x.dtype:
+            raise TypeError(_err(f"{name} has dtype {t.dtype} but x has {x.dtype}: cast the weights "
+                                 f"({name}.to(x.dtype))"))
+        if t.device != x.device:
+            raise ValueError(_err(f"{name} is on {t.device} but x is on {x.device}"))
+    if D == 0:
+        raise ValueError(_err(f"x has D = 0 columns (shape {_shape(x)})"))
+    if wd != D:
+        raise ValueError(_err(f"w13 has shape {_shape(w13)}: its D = {wd} does not match x's D = {D} "
+                              f"(x shape {_shape(x)})"))
+    if f2 == 0 or f2 % 2:
+        raise ValueError(_err(f"w13's last dim holds gate and up packed, 2F: it must be even and > 0, "
+                              f"got {f2} (shape {_shape(w13)})"))
+    F = f2 // 2
+    if _shape(w2) != (E, F, D):
+        raise ValueError(_err(f"w2 has shape {_shape(w2)}; expected [E, F, D] = {(E, F, D)} from w13 "
+                              f"{_shape(w13)} and x {_shape(x)}"))
+    if weights is not None:
+        if weights.dtype != torch.float32:
+            raise TypeError(_err(f"weights has dtype {weights.dtype}; routing weights are float32"))
+        if _shape(weights) != (T,):
+            raise ValueError(_err(f"weights has shape {_shape(weights)}; expected [T] = {(T,)}"))
+        if weights.device != x.device:
+            raise ValueError(_err(f"weights is on {weights.device} but x is on {x.device}"))
+    if offsets.dtype != torch.int32:
+        raise TypeError(_err(f"offsets has dtype {offsets.dtype}; it must be int32, as torch._grouped_mm "
+                             "takes it (offsets.to(torch.int32))"))
+    if _shape(offsets) != (E,):
+        raise ValueError(_err(f"offsets has shape {_shape(offsets)}; expected [E] = {(E,)} (one cumulative "
+                              "end row per expert)"))
+    if offsets.device != x.device and offsets.device.type != "cpu":
+        raise ValueError(_err(f"offsets is on {offsets.device} but x is on {x.device} (the CPU is also "
+                              "accepted)"))
+    # One device-to-host copy of E int32 values when offsets is on the GPU: the checks and
+    # the padding rows need the values (a device-side assert would leave a sticky CUDA error).
+    ends = offsets.tolist()
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            what = f"offsets[{e}] = {end} is negative" if e == 0 else \
+                f"offsets[{e}] = {end} < offsets[{e - 1}] = {prev}"
+            raise ValueError(_err(f"offsets must be non-decreasing cumulative end rows; {what} "
+                                  f"(offsets = {_short(ends)})"))
+        prev = end
+    if ends and ends[-1] > T:
+        raise ValueError(_err(f"offsets[-1] = {ends[-1]} is past T = {T}, the rows of x "
+                              f"(offsets = {_short(ends)})"))
+    return T, D, F, ends
+
+
+def _short(values, n=8):
+    return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
+
+
+# ---------------------------------------------------------------------------
+# The grouped GEMMs: torch._grouped_mm on CUDA, a per-expert loop otherwise
+# ---------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    ends: list          # cumulative end row of each expert, host ints
+    grouped: bool       # torch._grouped_mm (else the per-expert loop)
+    glu: tuple          # (layout, act, alpha, limit, beta) for the glu operators
+    recompute: bool
+    inplace: bool
+
+
+def _use_grouped_mm(x, D, F) -> bool:
+    """torch._grouped_mm where it has a grouped kernel: bf16 on sm90 / sm100 (CUTLASS), with
+    every leading stride a multiple of 16 bytes (D and F multiples of 8). Elsewhere torch runs
+    it as a loop over the groups that reads the offsets to the host on each call (6 calls
+    here); this module's own per-expert loop does the same work with the offsets it already
+    read: other dtypes, other GPUs, odd D or F."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return False
+    return D % 8 == 0 and F % 8 == 0
+
+
+def _mm_operand(t, row_major=False):
+    """t as torch._grouped_mm reads it: a 16-byte aligned start and one of the last two dims
+    contiguous with the other's stride a multiple of 16 bytes (with row_major, the last dim);
+    otherwise a contiguous copy."""
+    align = 16 // t.element_size()
+    st, n = t.stride(), t.shape
+    if t.data_ptr() % 16 == 0:
+        if st[-1] == 1 and st[-2] >= max(1, n[-1]) and st[-2] % align == 0:
+            return t
+        if not row_major and st[-2] == 1 and st[-1] >= max(1, n[-2]) and st[-1] % align == 0:
+            return t
+    return torch.empty(n, dtype=t.dtype, device=t.device).copy_(t)
+
+
+# The 2-D operands of torch._grouped_mm are kept row-major ([rows, cols], cols contiguous):
+# its CUDA kernel asserts on the device (a sticky error) that a group's size is a multiple of
+# 16 bytes along a 2-D operand's dynamic dim when that dim is the contiguous one, and that no
+# group is empty in the weight-gradient form unless A is column-major and B row-major
+# (prepare_grouped_gemm_data in ATen's GroupMMCommon.cuh). Row-major activations make any
+# expert sizes legal, empty experts included; torch's own _grouped_mm backward lays them out so.
+
+
+def _gmm(a, b, offs, plan):
+    """out[rows of e] = a[rows of e] @ b[e]: [T, N]. Rows past the last offset are zero
+    (torch._grouped_mm leaves them unwritten: whatever the allocator held, NaN included)."""
+    T = a.shape[0]
+    end = plan.ends[-1] if plan.ends else 0
+    if plan.grouped and end > 0:
+        out = torch._grouped_mm(_mm_operand(a, row_major=True), _mm_operand(b), offs=offs)
+    else:
+        out = a.new_empty((T, b.shape[-1]))
+        start = 0
+        for e, stop in enumerate(plan.ends):
+            if stop > start:
+                torch.matmul(a[start:stop], b[e], out=out[start:stop])
+            start = stop
+    if end < T:
+        out[end:].zero_()
+    return out
+
+
+def _gmm_wgrad(a, b, offs, plan):
+    """out[e] = a[rows of e]^T @ b[rows of e]: [E, a cols, b cols], zero for an expert with no rows."""
+    ends = plan.ends
+    end = ends[-1] if ends else 0
+    if plan.grouped and end > 0:
+        # a^T column-major, b row-major: the form with no constraint on the groups' sizes
+        out = torch._grouped_mm(_mm_operand(a, row_major=True).t(), _mm_operand(b, row_major=True), offs=offs)
+        # Correct on Hopper already; written anyway because some kernels leave an empty
+        # group's block unwritten (pytorch/pytorch#172439: non-zero on B200). E is small.
+        start = 0
+        for e, stop in enumerate(ends):
+            if stop == start:
+                out[e].zero_()
+            start = stop
+        return out
+    out = a.new_zeros((len(ends), a.shape[1], b.shape[1]))
+    start = 0
+    for e, stop in enumerate(ends):
+        if stop > start:
+            torch.matmul(a[start:stop].t(), b[start:stop], out=out[e])
+        start = stop
+    return out
+
+
+def _forward(x, w13, w2, weights, offs, plan):
+    """(x as the GEMMs read it, gate_up, h, y) of the MLP."""
+    if plan.grouped:
+        x = _mm_operand(x, row_major=True)  # the copy, if any, is what backward reads
+    gate_up = _gmm(x, w13, offs, plan)
+    h = glu_op(gate_up, None, weights, *plan.glu, False)
+    y = _gmm(h, w2, offs, plan)
+    return x, gate_up, h, y
+
+
+# ---------------------------------------------------------------------------
+# Autograd: one node for the whole MLP, so that the modes decide what it keeps
+# ---------------------------------------------------------------------------
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """Keeps x, w13, w2, weights, gate_up and (unless recompute) h: what torch's autograd
+    keeps for the unfused composition (torch._grouped_mm saves its inputs, the activation
+    its input). recompute drops h and recomputes it in backward for w2's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, offs, plan):
+        x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan)
+        if plan.recompute:
+            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up)
+        else:
+            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up, h)
+        del h  # with recompute, freed here: one [T, F] tensor less kept for backward
+        ctx.plan = plan
+        ctx.spent = False
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_CREATE_GRAPH_MSG)
+        if ctx.spent:
+            raise RuntimeError(_SECOND_BACKWARD_MSG)
+        plan = ctx.plan
+        need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
+        saved = ctx.saved_tensors
+        x, w13, w2, weights, offs, gate_up = saved[:6]
+        h = saved[6] if len(saved) > 6 else None
+        del saved
+        if plan.grouped:
+            dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
+        dx = dw13 = dw2 = dweights = None
+        # Order for the smallest peak: w2's gradient first, so that a recomputed h is freed
+        # before dh exists; then dh, the activation's backward (over gate_up if in place),
+        # dh freed, then x's gradient.
+        if need_w2:
+            if h is None:
+                h = glu_op(gate_up, None, weights, *plan.glu, False)
+            dw2 = _gmm_wgrad(h, dy, offs, plan)
+        h = None  # a saved h stays alive in ctx until this backward returns; a recomputed one goes now
+        if need_x or need_w13 or need_w:
+            dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
+            weights_grad = weights is not None and need_w
+            if plan.inplace and (need_x or need_w13):
+                ctx.spent = True
+                gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
+                glu_backward_inplace_op(dh, gate_up, None, weights, gw, *plan.glu)
+                dgate_up, dweights = gate_up, gw
+            else:
+                res = glu_backward_op(dh, gate_up, None, weights, weights_grad, *plan.glu)
+                dgate_up = res[0]
+                dweights = res[-1] if weights_grad else None
+            del dh
+            if need_x:
+                dx = _gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
+            if need_w13:
+                dw13 = _gmm_wgrad(x, dgate_up, offs, plan)
+        return dx, dw13, dw2, dweights, None, None
+
+
+def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: str = "swiglu", *,
+               alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
+               weights: Optional[Tensor] = None, recompute: bool = False,
+               inplace_backward: bool = False) -> Tensor:
+    """The grouped expert MLP over rows sorted by expert (SPEC section 7)::
+
+        gate_up = x[rows of e] @ w13[e]        (grouped GEMM)
+        h       = act(gate_up) * weights       (expertact's fused activation, any packed layout)
+        y       = h[rows of e] @ w2[e]         (grouped GEMM)
+
+    Args:
+        x: [T, D] float32, float16 or bfloat16 (float64 on the CPU, for gradcheck).
+        w13: [E, D, 2F], gate and up along the last dim in ``layout``; x's dtype and device.
+            Any strides (a ``.transpose(-2, -1)`` view of DeepSpeed's [E, 2F, D] is read as is).
+        w2: [E, F, D].
+        offsets: int32 [E], the cumulative end row of each expert (``torch._grouped_mm``'s
+            ``offs``); on x's device or on the CPU. Rows past ``offsets[-1]`` are padding: y
+            and x's gradient are 0 there.
+        activation: ``"swiglu"``, ``"swiglu_clamped"``, ``"swiglu_oai"`` or ``"geglu_tanh"``.
+        alpha, limit: for the forms that read them (default 1.702 and 7.0); others refuse them.
+        layout: ``"halves"`` (gate first), ``"up_first"`` or ``"interleaved"`` (GPT-OSS).
+        weights: optional float32 [T] routing weights multiplying h; differentiable.
+        recompute: keep x, the weights and gate_up only; h is recomputed in backward (one
+            fused forward kernel) for w2's gradient: one [T, F] tensor less kept.
+        inplace_backward: write gate_up's gradient over gate_up (the activation's in-place
+            backward): two [T, F] tensors less at the backward's peak. The graph can then be
+            run backward once only.
+
+    Returns:
+        y [T, D], differentiable in x, w13, w2 and weights.
+
+    The offsets are read on the host once per call (one device-to-host copy of E values
+    when they are on the GPU), to check them and to zero the padding rows.
+    """
+    glu = _glu_args(activation, alpha, limit, layout)
+    T, D, F, ends = _check(x, w13, w2, offsets, weights)
+    grouped = _use_grouped_mm(x, D, F)
+    offs = offsets
+    if grouped and offs.device != x.device:
+        offs = offs.to(x.device)
+    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or w13.requires_grad or w2.requires_grad or (weights is not None and weights.requires_grad))
+    if needs_grad:
+        return _ExpertMLP.apply(x, w13, w2, weights, offs, plan)
+    return _forward(x, w13, w2, weights, offs, plan)[3]
+
+
+# ---------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------
+
+
+def _pack(gate, up, layout, dim):
+    """gate and up [.., F, ..] -> one [.., 2F, ..] tensor along dim, in layout."""
+    if layout == "interleaved":
+        return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+    first, second = (up, gate) if layout in ("up_first", "halves_up_first") else (gate, up)
+    return torch.cat((first, second), dim=dim)
+
+
+def _unpack(packed, layout, dim):
+    """The inverse of _pack: (gate, up) views."""
+    if layout == "interleaved":
+        idx = [slice(None)] * packed.dim()
+        idx[dim] = slice(0, None, 2)
+        gate = packed[tuple(idx)]
+        idx[dim] = slice(1, None, 2)
+        return gate, packed[tuple(idx)]
+    first, second = packed.chunk(2, dim=dim)
+    return (second, first) if layout in ("up_first", "halves_up_first") else (first, second)
+
+
+class GroupedExperts(nn.Module):
+    """E expert MLPs over rows sorted by expert, computed by :func:`expert_mlp`.
+
+    The weights are held as DeepSpeed's and TorchTitan's ``GroupedExperts`` hold them
+    (nn.Linear's [out, in] per expert):
+
+    - ``fused_w13=False`` (default): ``w1`` [E, F, D] (gate), ``w2`` [E, D, F] (down),
+      ``w3`` [E, F, D] (up). The state dict is DeepSpeed's, key for key. Each forward packs
+      w1 and w3 into one [E, 2F, D] tensor (a copy of the weights, as DeepSpeed's
+      ``gate_up_impl="fused"`` does).
+    - ``fused_w13=True``: ``w13`` [E, 2F, D], gate and up along dim 1 in ``layout``, and
+      ``w2`` [E, D, F]: no per-call copy.
+
+    ``load_state_dict`` also takes the other form's state dict, a DeepSpeed ``GroupedExperts``
+    one (``w1``, ``w2``, ``w3``) and a GPT-OSS (HF transformers) experts one: ``gate_up_proj``
+    [E, D, 2F] with gate and up interleaved, ``down_proj`` [E, F, D]. GPT-OSS's
+    ``gate_up_proj_bias`` [E, 2F] and ``down_proj_bias`` [E, D] are not supported
+    (expert_mlp has no bias terms): all-zero biases are accepted and dropped, any other
+    value raises ValueError.
+
+    forward(x [T, D], num_tokens_per_expert [E], weights=None [T]) -> [T, D]; rows past
+    sum(num_tokens_per_expert) are padding and give 0. The weights are cast to x's dtype
+    (as DeepSpeed does), so float32 master weights work with bf16 activations.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "swiglu",
+                 alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
+                 fused_w13: bool = False, recompute: bool = False, inplace_backward: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        _glu_args(activation, alpha, limit, layout)  # an unknown form or layout fails here, not at forward
+        self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
+        self.activation, self.alpha, self.limit, self.layout = activation, alpha, limit, layout
+        self.fused_w13 = bool(fused_w13)
+        self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
+        self.init_std = init_std
+        kw = dict(device=device, dtype=dtype)
+        if self.fused_w13:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
+        else:
+            self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+            self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, self.init_std)
+
+    def _w13(self):
+        """[E, 2F, D] in self.layout."""
+        return self.w13 if self.fused_w13 else _pack(self.w1, self.w3, self.layout, dim=1)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor, weights: Optional[Tensor] = None) -> Tensor:
+        counts = _tensor("num_tokens_per_expert", num_tokens_per_expert)
+        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex:
+            raise ValueError(_err(f"num_tokens_per_expert must be a 1-D integer tensor; got shape "
+                                  f"{_shape(counts)}, dtype {counts.dtype}"))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        dt = x.dtype
+        w13 = self._w13().to(dt).transpose(-2, -1)
+        w2 = self.w2.to(dt).transpose(-2, -1)
+        return expert_mlp(x, w13, w2, offsets, self.activation, alpha=self.alpha, limit=self.limit,
+                          layout=self.layout, weights=weights, recompute=self.recompute,
+                          inplace_backward=self.inplace_backward)
+
+    def extra_repr(self) -> str:
+        s = (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+             f"activation={self.activation!r}, layout={self.layout!r}, fused_w13={self.fused_w13}")
+        for name in ("alpha", "limit"):
+            if getattr(self, name) is not None:
+                s += f", {name}={getattr(self, name)}"
+        if self.recompute:
+            s += ", recompute=True"
+        if self.inplace_backward:
+            s += ", inplace_backward=True"
+        return s
+
+    # State dicts of the other forms -----------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._convert_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _convert_state(self, sd, prefix):
+        """Rewrites, in the (copied) state dict load_state_dict passes down, a DeepSpeed,
+        fused or GPT-OSS form of this module's weights into this module's own form."""
+        k = {name: prefix + name for name in (
+            "w1", "w2", "w3", "w13", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
+        gate = up = None
+        if k["gate_up_proj"] in sd:  # GPT-OSS: [E, D, 2F] interleaved, down [E, F, D]
+            for b in ("gate_up_proj_bias", "down_proj_bias"):
+                if k[b] in sd:
+                    bias = sd.pop(k[b])
+                    if torch.count_nonzero(bias).item():
+                        raise ValueError(_err(
+                            f"{k[b]} has non-zero values: GPT-OSS expert biases are not supported by "
+                            "GroupedExperts (expert_mlp has no bias terms); only all-zero biases load"))
+            gate, up = _unpack(sd.pop(k["gate_up_proj"]).transpose(-2, -1), "interleaved", dim=1)
+            if k["down_proj"] in sd:
+                sd[k["w2"]] = sd.pop(k["down_proj"]).transpose(-2, -1)
+        elif self.fused_w13 and k["w1"] in sd and k["w3"] in sd:  # DeepSpeed's form into a fused module
+            gate, up = sd.pop(k["w1"]), sd.pop(k["w3"])
+        elif not self.fused_w13 and k["w13"] in sd:  # a fused state dict (in this module's layout)
+            gate, up = _unpack(sd.pop(k["w13"]), self.layout, dim=1)
+        if gate is None:
+            return
+        if self.fused_w13:
+            sd[k["w13"]] = _pack(gate, up, self.layout, dim=1).contiguous()
+        else:
+            sd[k["w1"]], sd[k["w3"]] = gate.contiguous(), up.contiguous()
+        if k["w2"] in sd:
+            sd[k["w2"]] = sd[k["w2"]].contiguous()
