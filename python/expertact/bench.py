@@ -19,6 +19,7 @@ the profiler (profile_memory=True), replayed in time order.
     python -m expertact.bench --rows 65536 --ffn 1536 --presets swiglu_oai --impls compile,expertact
     expertact-bench --json out.json --markdown out.md
     python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
+    python -m expertact.bench --mlp                 # the expert MLP (expertact.moe) and its memory modes
                                                     # (expertact/_peers.py; docs/python.md)
 """
 from __future__ import annotations
@@ -433,6 +434,8 @@ def parse_args(argv=None):
     g.add_argument("--host-iters", type=int, default=None,
                    help="calls per timed block of the host-cost table (default 200 on CUDA, 50 on the CPU); "
                         "0: no host-cost table")
+    p.add_argument("--mlp", action="store_true",
+                   help="the expert-MLP table instead (python -m expertact.bench_mlp; its own options follow)")
     return p.parse_args(argv)
 
 
@@ -457,6 +460,11 @@ def device_name(device: torch.device) -> str:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mlp" in argv:  # the expert-MLP table (python/expertact/bench_mlp.py)
+        from .bench_mlp import main as mlp_main
+
+        return mlp_main([x for x in argv if x != "--mlp"])
     a = parse_args(argv)
     if a.peers:
         from . import _peers
