@@ -121,16 +121,23 @@ void run(const char* name, KernelArgs<T> a, int threads, int G, int64_t splits, 
 // int64 offsets; packed halves: gate offset (i / F) * 2F + i % F with F a
 // compile-time constant (Triton's constexpr INTER); kF = 0: separate tensors.
 // The math is the library's (math.h), so only the grid and indexing differ.
-template <bool kNoLimit, int kF>
-__global__ void __launch_bounds__(256) ds_fwd(const T* g, const T* u, T* out, int64_t n, math::Coeffs c0) {
-  const math::Coeffs c = kNoLimit ? unlimited(c0) : c0;
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * 8;
-  if (i >= n) return;
-  int64_t gi = i, ui = i;
+// This thread's first element i (of out / grad_out) and its gate and up offsets.
+template <int kF>
+__device__ __forceinline__ bool ds_index(int64_t n, int64_t& i, int64_t& gi, int64_t& ui) {
+  i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * 8;
+  gi = ui = i;
   if constexpr (kF > 0) {
     gi = (i / kF) * (2 * kF) + i % kF;
     ui = gi + kF;
   }
+  return i < n;
+}
+
+template <bool kNoLimit, int kF>
+__global__ void __launch_bounds__(256) ds_fwd(const T* g, const T* u, T* out, int64_t n, math::Coeffs c0) {
+  const math::Coeffs c = kNoLimit ? unlimited(c0) : c0;
+  int64_t i, gi, ui;
+  if (!ds_index<kF>(n, i, gi, ui)) return;
   const Pack<T, 8> gp = *reinterpret_cast<const Pack<T, 8>*>(g + gi);
   const Pack<T, 8> up = *reinterpret_cast<const Pack<T, 8>*>(u + ui);
   Pack<T, 8> o;
@@ -143,13 +150,8 @@ template <bool kNoLimit, int kF>
 __global__ void __launch_bounds__(256) ds_bwd(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n,
                                               math::Coeffs c0) {
   const math::Coeffs c = kNoLimit ? unlimited(c0) : c0;
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) * 8;
-  if (i >= n) return;
-  int64_t gi = i, ui = i;
-  if constexpr (kF > 0) {
-    gi = (i / kF) * (2 * kF) + i % kF;
-    ui = gi + kF;
-  }
+  int64_t i, gi, ui;
+  if (!ds_index<kF>(n, i, gi, ui)) return;
   const Pack<T, 8> dp = *reinterpret_cast<const Pack<T, 8>*>(dy + i);
   const Pack<T, 8> gp = *reinterpret_cast<const Pack<T, 8>*>(g + gi);
   const Pack<T, 8> up = *reinterpret_cast<const Pack<T, 8>*>(u + ui);
