@@ -2,7 +2,10 @@
 # One call on a GPU machine: build (CUDA on, sm_90), C++ tests, sanitizers,
 # GPU benchmark, Python package tests and benchmark. Logs and results go to
 # $OUT (or ./device-out). Stages: STAGES="build ctest sanitize variants bench python"
-# (variants: the tuning harness bench/kernel_variants.cu, sections in $VARIANTS).
+# (variants: the tuning harness bench/kernel_variants.cu, sections in $VARIANTS;
+# it runs right after the build, before ctest, so its numbers come back first).
+# ctest also runs the CUDA cases under each EXPERTACT_CUDA_KERNEL choice
+# (entries cuda_kernels_rows / _flat / _flat128).
 # Without network: .deps/include/dlpack/dlpack.h and .deps/googletest (git-ignored) stand in
 # for libdlpack-dev and libgtest-dev.
 set -u
@@ -33,6 +36,16 @@ if has build; then
     ninja -C build-dev -j"$JOBS" >> "$OUT/build.log" 2>&1 && log "build ok" || { log "build FAILED"; tail -40 "$OUT/build.log"; exit 1; }
 fi
 
+if has variants; then
+  log "kernel variants (bench/kernel_variants.cu: ${VARIANTS:-all sections})"
+  mkdir -p build-dev && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc -I.deps/include bench/kernel_variants.cu src/core/error.cpp -o build-dev/kernel_variants > "$OUT/variants-build.log" 2>&1 &&
+    timeout ${VARIANTS_TIMEOUT:-240} ./build-dev/kernel_variants ${VARIANTS:-} > "$OUT/variants.txt" 2>&1
+  rc=$?
+  log "variants rc=$rc"
+  [ $rc -eq 0 ] || tail -20 "$OUT/variants-build.log"
+  cat "$OUT/variants.txt"
+fi
+
 if has ctest; then
   log "ctest"
   (cd build-dev && timeout ${CTEST_TIMEOUT:-400} ctest --output-on-failure -j4 > "$OUT/ctest.log" 2>&1)
@@ -50,14 +63,6 @@ if has sanitize; then
       log "$t $(basename $exe) rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitize-$t-$(basename $exe).log" | tr '\n' ' ' | cut -c1-200)"
     done
   done
-fi
-
-if has variants; then
-  log "kernel variants (bench/kernel_variants.cu: ${VARIANTS:-all sections})"
-  mkdir -p build-dev && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc -I.deps/include bench/kernel_variants.cu -o build-dev/kernel_variants > "$OUT/variants-build.log" 2>&1 &&
-    timeout ${VARIANTS_TIMEOUT:-240} ./build-dev/kernel_variants ${VARIANTS:-} > "$OUT/variants.txt" 2>&1
-  log "variants rc=$?"
-  cat "$OUT/variants.txt"
 fi
 
 if has bench; then

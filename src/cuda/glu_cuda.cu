@@ -2,7 +2,10 @@
 // of the device the tensors claim, make that device current, dispatch on dtype.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
+#include <string>
 
 #include "core/error.h"
 #include "core/problem.h"
@@ -90,6 +93,33 @@ Status enter_and_check(int device, cuda::DeviceGuard& guard,
   return Status::kOk;
 }
 
+// EXPERTACT_CUDA_KERNEL (rows | flat | flat128; unset: cuda::kDefaultKernel),
+// read once per process. An unknown value fails every CUDA call, naming it,
+// rather than timing something other than what was asked for.
+Status kernel_choice(cuda::KernelChoice& k) {
+  struct Parsed {
+    bool ok = true;
+    cuda::KernelChoice k = cuda::kDefaultKernel;
+    std::string value;
+  };
+  static const Parsed parsed = [] {
+    Parsed r;
+    const char* env = std::getenv("EXPERTACT_CUDA_KERNEL");
+    if (env == nullptr || env[0] == '\0') return r;
+    r.value = env;
+    if (std::strcmp(env, "rows") == 0) r.k = cuda::KernelChoice::kRows;
+    else if (std::strcmp(env, "flat") == 0) r.k = cuda::KernelChoice::kFlat;
+    else if (std::strcmp(env, "flat128") == 0) r.k = cuda::KernelChoice::kFlat128;
+    else r.ok = false;
+    return r;
+  }();
+  if (!parsed.ok)
+    return fail(Status::kInvalidArgument, "EXPERTACT_CUDA_KERNEL=", parsed.value,
+                " is not one of rows, flat, flat128");
+  k = parsed.k;
+  return Status::kOk;
+}
+
 }  // namespace
 
 Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
@@ -99,11 +129,13 @@ Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
                           {"up", p.u},
                           {"weights", p.w},
                           {"out", o.out}}));
+  cuda::KernelChoice k;
+  EA_TRY(kernel_choice(k));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
-    case DType::kFloat32: return cuda::forward_f32(p, o, st);
-    case DType::kFloat16: return cuda::forward_f16(p, o, st);
-    case DType::kBFloat16: return cuda::forward_bf16(p, o, st);
+    case DType::kFloat32: return cuda::forward_f32(p, o, k, st);
+    case DType::kFloat16: return cuda::forward_f16(p, o, k, st);
+    case DType::kBFloat16: return cuda::forward_bf16(p, o, k, st);
   }
   return fail(Status::kInternal, "cuda_forward: unexpected dtype ", static_cast<int>(p.dtype));
 }
@@ -118,11 +150,13 @@ Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
                           {"grad_gate", io.dg},
                           {"grad_up", io.du},
                           {"grad_weights", io.dw}}));
+  cuda::KernelChoice k;
+  EA_TRY(kernel_choice(k));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (p.dtype) {
-    case DType::kFloat32: return cuda::backward_f32(p, io, st);
-    case DType::kFloat16: return cuda::backward_f16(p, io, st);
-    case DType::kBFloat16: return cuda::backward_bf16(p, io, st);
+    case DType::kFloat32: return cuda::backward_f32(p, io, k, st);
+    case DType::kFloat16: return cuda::backward_f16(p, io, k, st);
+    case DType::kBFloat16: return cuda::backward_bf16(p, io, k, st);
   }
   return fail(Status::kInternal, "cuda_backward: unexpected dtype ", static_cast<int>(p.dtype));
 }

@@ -8,6 +8,8 @@
 
 #include "core/problem.h"
 #include "cuda/common.cuh"
+#include "cuda/entry.h"
+#include "cuda/glu_flat.cuh"
 #include "cuda/glu_kernels.cuh"
 #include "cuda/glu_realign.cuh"
 
@@ -106,14 +108,15 @@ inline bool rows_mergeable(const detail::GluProblem& p, std::initializer_list<in
   return true;
 }
 
-// Merging contiguous rows into one helps when the rows alone only allow a
-// narrower pack (odd F) or are too short to give a warp work (under 64 packs);
-// otherwise rows of their own were faster on the H200 (4.45 ms against 4.53-4.89
-// ms for the seed-size forward).
+// Merging contiguous rows into one helps the row kernels when the rows alone
+// only allow a narrower pack (odd F) or are too short to give a warp work
+// (under 64 packs); otherwise rows of their own were faster on the H200 (4.45 ms
+// against 4.53-4.89 ms for the seed-size forward). The flat kernels merge
+// whenever the merged pack is 16 bytes (flat_wide): one row needs no division.
 inline void merge_if_better(const Operand* ops, int n, int es, int step, int64_t& rows,
-                            int64_t& F, int& V) {
+                            int64_t& F, int& V, bool flat_wide = false) {
   const int Vm = pick_pack(ops, n, rows * F, 1, es, step);
-  if (Vm > V || F / V < 64) {
+  if (Vm > V || F / V < 64 || (flat_wide && Vm == 16 / es / step)) {
     F = rows * F;
     rows = 1;
     V = Vm;
@@ -188,8 +191,55 @@ LaunchShape realign_shape(KernelArgs<T>& a, bool row_sum, int device) {
   return s;
 }
 
+// The flat kernels (glu_flat.cuh) take the calls whose operands all allow
+// 16-byte packs and that want no weight gradient, when chosen (entry.h).
 template <typename T>
-Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cudaStream_t st) {
+bool use_flat(KernelChoice k, int step, int V, bool row_sum) {
+  return k != KernelChoice::kRows && !row_sum && V == static_cast<int>(16 / sizeof(T)) / step;
+}
+
+// Packs per flat thread (1: one 16-byte access per operand, as DeepSpeed's).
+constexpr int kFlatUnroll = 1;
+
+// Fills the flat numbering of rows x packs; false (take the row kernels) when
+// the grid would pass 2^31 - 1 blocks, or several rows hold more packs than the
+// 32-bit division allows.
+template <typename T>
+bool flat_shape(KernelArgs<T>& a, int64_t rows, int64_t packs, KernelChoice k, LaunchShape& s,
+                int U = kFlatUnroll) {
+  s.threads = k == KernelChoice::kFlat128 ? 128 : 256;
+  a.packs = packs;
+  a.total = rows * packs;
+  const int64_t per_block = static_cast<int64_t>(s.threads) * U;
+  s.blocks = (a.total + per_block - 1) / per_block;
+  if (s.blocks > 0x7fffffff || (rows > 1 && a.total > kFlatDiv32Max)) return false;
+  if (rows > 1) a.pdiv = math::div_magic(static_cast<uint32_t>(packs));
+  return true;
+}
+
+template <typename T, bool kFwd>
+Status launch_flat(const detail::GluProblem& p, const KernelArgs<T>& a, const LaunchShape& s,
+                   cudaStream_t st) {
+  return detail::dispatch_act(p.params.act, [&](auto act) {
+    return detail::dispatch_step(p.step, [&](auto step) {
+      return detail::dispatch_bool(!p.has_limit, [&](auto nl) {
+        constexpr Activation A = decltype(act)::value;
+        constexpr int kStep = decltype(step)::value;
+        constexpr bool kNoLimit = decltype(nl)::value;
+        const unsigned blocks = static_cast<unsigned>(s.blocks);
+        if constexpr (kFwd)
+          glu_fwd_flat<T, A, kStep, kNoLimit, kFlatUnroll><<<blocks, s.threads, 0, st>>>(a);
+        else
+          glu_bwd_flat<T, A, kStep, kNoLimit, kFlatUnroll><<<blocks, s.threads, 0, st>>>(a);
+        return Status::kOk;
+      });
+    });
+  });
+}
+
+template <typename T>
+Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, KernelChoice k,
+                   cudaStream_t st) {
   constexpr int es = sizeof(T);
   KernelArgs<T> a = base_args<T>(p);
   a.out = static_cast<T*>(o.out);
@@ -200,12 +250,15 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
                          {p.u, p.u_stride, 1}};
   int V = pick_pack(ops, p.step == 1 ? 3 : 2, F, rows, es, p.step);
   if (rows_mergeable(p, {o.out_stride}, {p.g_stride, p.u_stride}))
-    merge_if_better(ops, p.step == 1 ? 3 : 2, es, p.step, rows, F, V);
+    merge_if_better(ops, p.step == 1 ? 3 : 2, es, p.step, rows, F, V, k != KernelChoice::kRows);
   a.rows = rows;
   a.cols = F;
   const bool weighted = p.w != nullptr;
   Status r = Status::kOk;
-  if (use_realign<T>(p.step, V)) {
+  LaunchShape fs;
+  if (use_flat<T>(k, p.step, V, false) && flat_shape(a, rows, F / V, k, fs)) {
+    r = launch_flat<T, true>(p, a, fs, st);
+  } else if (use_realign<T>(p.step, V)) {
     const LaunchShape s = realign_shape(a, false, p.device_id);
     r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
@@ -233,7 +286,8 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, cuda
 }
 
 template <typename T>
-Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaStream_t st) {
+Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, KernelChoice k,
+                    cudaStream_t st) {
   constexpr int es = sizeof(T);
   KernelArgs<T> a = base_args<T>(p);
   a.dy = static_cast<const T*>(io.dy);
@@ -250,13 +304,16 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, cudaSt
                          {io.du, io.du_stride, 1}};
   int V = pick_pack(ops, p.step == 1 ? 5 : 3, F, rows, es, p.step);
   if (rows_mergeable(p, {io.dy_stride}, {p.g_stride, p.u_stride, io.dg_stride, io.du_stride}))
-    merge_if_better(ops, p.step == 1 ? 5 : 3, es, p.step, rows, F, V);
+    merge_if_better(ops, p.step == 1 ? 5 : 3, es, p.step, rows, F, V, k != KernelChoice::kRows);
   a.rows = rows;
   a.cols = F;
   const bool weighted = p.w != nullptr;
   const bool row_sum = weighted && io.dw != nullptr;
   Status r = Status::kOk;
-  if (use_realign<T>(p.step, V)) {
+  LaunchShape fs;
+  if (use_flat<T>(k, p.step, V, row_sum) && flat_shape(a, rows, F / V, k, fs)) {
+    r = launch_flat<T, false>(p, a, fs, st);
+  } else if (use_realign<T>(p.step, V)) {
     const LaunchShape s = realign_shape(a, row_sum, p.device_id);
     r = detail::dispatch_act(p.params.act, [&](auto act) {
       return detail::dispatch_bool(weighted, [&](auto wt) {
