@@ -503,9 +503,12 @@ def test_grouped_experts_for_loop_path_unchanged(name):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-_GE_DTYPES = [pytest.param("cpu", torch.float32, id="cpu-float32"),
-              pytest.param("cpu", torch.bfloat16, id="cpu-bfloat16"),
-              pytest.param(DEVICES[1].values[0], torch.bfloat16, marks=DEVICES[1].marks, id="cuda-bfloat16")]
+_CUDA = DEVICES[1].values[0], DEVICES[1].marks
+_GE_CASES = [pytest.param("cpu", dt, impl, id=f"cpu-{str(dt)[6:]}-{impl}")
+             for dt in (torch.float32, torch.bfloat16) for impl in ("separate", "fused")]
+# On the GPU also DeepSpeed's Triton grouped GEMM (its default below sm90), forced on here.
+_GE_CASES += [pytest.param(_CUDA[0], torch.bfloat16, impl, marks=_CUDA[1], id=f"cuda-bfloat16-{impl}")
+              for impl in ("separate", "fused", "triton")]
 # Relative (Frobenius) error against the float64 oracle, of the output and of each gradient:
 # expertact's must be within 1.25x of DeepSpeed's eager run at the same dtype plus this floor. A wrong
 # form (alpha 1 for 1.702, a missing +1 or clamp) errs by ~1e-1 on these inputs.
@@ -513,22 +516,27 @@ _GE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 2e-3}
 
 
 @needs_ds
-@pytest.mark.parametrize("impl", ["separate", "fused"])
 @pytest.mark.parametrize("name", FORMS)
-@pytest.mark.parametrize("device,dtype", _GE_DTYPES)
-def test_grouped_experts_grouped_mm(device, dtype, name, impl):
-    """GroupedExperts' torch._grouped_mm path (gate_up_impl "separate" calls apply_expert_activation,
-    "fused" apply_packed_expert_activation, both fused=True): with expertact enabled it matches its eager
-    run (DeepSpeed's fn), output and gradients of x, w1, w2, w3, against a float64 oracle; and the
-    in-place backward gives the same gradients."""
-    sizes = (256, 512, 8) if device == "cuda" else (32, 48, 4)
-    tokens = 2048 if device == "cuda" else 64
-    m = _grouped_experts(name, device, impl, sizes=sizes)
+@pytest.mark.parametrize("device,dtype,impl", _GE_CASES)
+def test_grouped_experts_grouped_mm(device, dtype, impl, name):
+    """GroupedExperts' grouped-GEMM paths (torch._grouped_mm with gate_up_impl "separate", which calls
+    apply_expert_activation, or "fused", apply_packed_expert_activation; on the GPU also the Triton
+    grouped GEMM, separate; all with fused=True): with expertact enabled each matches its eager run
+    (DeepSpeed's fn), output and gradients of x, w1, w2, w3, against a float64 oracle; and the in-place
+    backward gives the same gradients."""
+    if impl == "triton":
+        pytest.importorskip("triton", reason="DeepSpeed's Triton grouped GEMM needs triton")
+    # Token groups of whole 16-row multiples (one empty), as AutoEP's permutation pads them.
+    if device == "cuda":
+        sizes, counts = (256, 512, 8), [256, 0, 384, 208, 256, 0, 512, 432]
+    else:
+        sizes, counts = (32, 48, 4), [16, 0, 32, 16]
+    tokens = sum(counts)
+    counts = torch.tensor(counts, device=device)
+    m = _grouped_experts(name, device, "separate" if impl == "triton" else impl, sizes=sizes)
+    if impl == "triton":
+        m.use_triton_grouped_mm = True  # what GroupedExperts picks by itself below sm90
     x = torch.randn(tokens, sizes[0], generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
-    frac = torch.tensor([0.3, 0.0, 0.45, 0.25] * (sizes[2] // 4))
-    counts = (frac / frac.sum() * tokens).long()
-    counts[0] += tokens - counts.sum()
-    counts = counts.to(device)
     # The oracle: DeepSpeed's for-loop path (matmul and the eager fn) in float64.
     oracle = _grouped_experts(name, device, "separate", grouped_mm=False, sizes=sizes)
     oracle.load_state_dict(m.state_dict())
@@ -539,7 +547,7 @@ def test_grouped_experts_grouped_mm(device, dtype, name, impl):
     xds.enable()
     got, ops = _run(m, x, counts)
     assert ops["expertact::glu"] == 1 and ops["expertact::glu_backward"] == 1, ops
-    assert ops["aten::_grouped_mm"] >= 2, ops
+    assert (ops["aten::_grouped_mm"] == 0) == (impl == "triton"), ops
     xds.enable(inplace_backward=True)
     inplace, ops = _run(m, x, counts)
     assert ops["expertact::glu_backward_"] == 1 and "expertact::glu_backward" not in ops, ops
