@@ -1,7 +1,7 @@
 """The table (markdown) and the loss / memory plot of the DeepSpeed AutoEP runs that
 examples/autoep_train.py wrote, one JSON per run:
 
-    python3 examples/autoep_report.py --in OUT/autoep --md docs/autoep-e2e.md --png docs/autoep-e2e-loss.png
+    python3 examples/autoep_report.py --in OUT/autoep [MORE_DIRS...] --md docs/autoep-e2e.md --png docs/autoep-e2e-loss.png
 
 Each config's runs are compared with its eager run (DeepSpeed's own activation, gate_up_impl fused).
 A run of DeepSpeed's eager activation with gate_up_impl "separate" (two grouped GEMMs instead of one,
@@ -23,9 +23,9 @@ SHORT = {"eager": "eager", "expertact": "expertact", "expertact-inplace": "in-pl
 GIB = 2**30
 
 
-def load(in_dir):
+def load(in_dirs):
     runs = []
-    for path in sorted(glob.glob(os.path.join(in_dir, "*.json"))):
+    for path in sorted(p for d in in_dirs for p in glob.glob(os.path.join(d, "*.json"))):
         with open(path) as f:
             run = json.load(f)
         if "loss" in run and "impl" in run:
@@ -272,14 +272,18 @@ def plot(runs, path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--in", dest="in_dir", default=os.path.join(os.environ.get("OUT", "."), "autoep"),
-                   help="folder of autoep_train.py's JSON files (default $OUT/autoep)")
+    p.add_argument("--in", dest="in_dirs", nargs="+", default=[os.path.join(os.environ.get("OUT", "."), "autoep")],
+                   help="folder(s) of autoep_train.py's JSON files (default $OUT/autoep)")
     p.add_argument("--md", default="docs/autoep-e2e.md")
     p.add_argument("--png", default="docs/autoep-e2e-loss.png")
     args = p.parse_args(argv)
-    runs = load(args.in_dir)
+    runs = load(args.in_dirs)
     if not runs:
-        sys.exit(f"autoep_report.py: no autoep_train.py results in {args.in_dir}")
+        sys.exit(f"autoep_report.py: no autoep_train.py results in {' '.join(args.in_dirs)}")
+    tags = [r["tag"] for r in runs]
+    dup = sorted({t for t in tags if tags.count(t) > 1})
+    if dup:
+        sys.exit(f"autoep_report.py: runs {dup} found more than once in {' '.join(args.in_dirs)}")
     missing = [c for c, rs in by_config(runs).items() if eager_of(rs) is None]
     if missing:
         print(f"autoep_report.py: no eager run for config(s) {missing}: no differences for them", file=sys.stderr)

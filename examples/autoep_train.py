@@ -93,8 +93,9 @@ def load_corpus():
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages"}
     files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    chunks = [p.read_bytes() for p in files]
-    data = b"\0".join(chunks)
+    data = b"\0".join(p.read_bytes() for p in files)
+    if len(data) < 1 << 20:  # CPython's own sources are ~30 MB; a stripped install ships .pyc only
+        raise SystemExit(f"autoep_train.py: only {len(data)} bytes of .py sources under {root}")
     info = dict(root=str(root), files=len(files), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
 

@@ -4,7 +4,8 @@
 #
 #   bash examples/run_autoep_e2e.sh                # small (4 runs) + large (3 runs) + report
 #   bash examples/run_autoep_e2e.sh small          # only some parts, in this order
-#   bash examples/run_autoep_e2e.sh large report   # (split across two calls: the JSONs stay in $OUT/autoep)
+#   bash examples/run_autoep_e2e.sh large report   # split across two calls: REPORT_IN="DIR..." adds the
+#                                                  # JSON folders of an earlier call to the report
 #   bash examples/run_autoep_e2e.sh tiny report    # the CPU smoke test (2 ranks, gloo; no GPU needed)
 #   SMALL_ARGS="--steps 300" LARGE_ARGS="--micro-batch 48" bash examples/run_autoep_e2e.sh
 #
@@ -97,7 +98,8 @@ for part in "${PARTS[@]}"; do
       ;;
     report)
       echo "== report"
-      $PY examples/autoep_report.py --in "$RES" --md "$RES/autoep-e2e.md" --png "$RES/autoep-e2e-loss.png" \
+      # shellcheck disable=SC2086
+      $PY examples/autoep_report.py --in "$RES" ${REPORT_IN:-} --md "$RES/autoep-e2e.md" --png "$RES/autoep-e2e-loss.png" \
         || { status=1; echo "== report FAILED"; }
       ;;
     *) echo "unknown part $part (small, large, tiny, report)"; status=1 ;;
