@@ -77,8 +77,9 @@ run() {  # run TAG ARGS...: one 2-rank training run; its full log goes to $RES/T
   grep -E "^\[$tag\]" "$RES/$tag.log"
   if [ $rc -ne 0 ] || [ ! -s "$RES/$tag.json" ]; then
     status=1
-    echo "== $tag FAILED (rc $rc); the end of $RES/$tag.log:"
-    tail -40 "$RES/$tag.log"
+    echo "== $tag FAILED (rc $rc); its errors, then the end of $RES/$tag.log:"
+    grep -E "Error|error:|autoep_train.py:" "$RES/$tag.log" | grep -v "torch.distributed.elastic" | sort -u | head -20
+    tail -25 "$RES/$tag.log"
   fi
   echo "== $tag: $((SECONDS - t)) s"
 }
