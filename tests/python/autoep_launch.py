@@ -1,6 +1,7 @@
 """Runs examples/autoep_train.py in this process (for torchrun in test_autoep_example.py), first
 giving expertact.deepspeed a LOCAL STAND-IN for enable()/disable() when the installed expertact
-has none yet.
+has none yet, and keeping DeepSpeed's CPU backend from JIT-compiling its shared-memory allreduce
+op (a C++ build of about 100 s on a cold cache; gloo does the same collectives).
 
 STAND-IN: to be removed when expertact.deepspeed.enable()/disable() (branch dsreg) are merged. It
 replaces the fused_fn / packed_fused_fn of DeepSpeed's swiglu_oai entry with expertact's
@@ -37,6 +38,11 @@ if not hasattr(xds, "enable"):  # STAND-IN, see above
 
     xds.enable, xds.disable = enable, disable
     print("autoep_launch.py: STAND-IN expertact.deepspeed.enable()/disable() in use", file=sys.stderr)
+
+import deepspeed.comm.torch  # noqa: E402,F401
+
+# By sys.modules: the attribute deepspeed.comm.torch is the torch module (`from .comm import *`).
+sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

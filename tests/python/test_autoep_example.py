@@ -161,7 +161,7 @@ def _free_port():
 def test_two_rank_autoep_smoke_on_cpu(tmp_path):
     """Tiny MiniMax-M3 model, AutoEP over 2 gloo ranks, 2 steps of expertact with in-place backward
     (torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's fused path calls expertact).
-    About 45 s on a shared 2-core machine, most of it imports and deepspeed.initialize."""
+    About 30 s on a shared 2-core machine, most of it imports and deepspeed.initialize."""
     pytest.importorskip("deepspeed")
     transformers = pytest.importorskip("transformers")
     from packaging.version import Version
