@@ -1,0 +1,302 @@
+"""The table (markdown) and the loss / memory plot of the DeepSpeed AutoEP runs that
+examples/autoep_train.py wrote, one JSON per run:
+
+    python3 examples/autoep_report.py --in OUT/autoep [MORE_DIRS...] --md docs/autoep-e2e.md --png docs/autoep-e2e-loss.png
+
+Each config's runs are compared with its eager run (DeepSpeed's own activation, gate_up_impl fused).
+A run of DeepSpeed's eager activation with gate_up_impl "separate" (two grouped GEMMs instead of one,
+the same function rounded in another order) is shown, when present, as the size of bf16 noise.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+IMPL_ORDER = ("eager", "expertact", "expertact-inplace")
+CONFIG_ORDER = ("small", "large", "tiny")
+IMPL_TEXT = {"eager": "DeepSpeed eager", "expertact": "expertact", "expertact-inplace": "expertact, in-place backward"}
+COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange"}
+SHORT = {"eager": "eager", "expertact": "expertact", "expertact-inplace": "in-place"}
+GIB = 2**30
+
+
+def load(in_dirs):
+    runs = []
+    for path in sorted(p for d in in_dirs for p in glob.glob(os.path.join(d, "*.json"))):
+        with open(path) as f:
+            run = json.load(f)
+        if "loss" in run and "impl" in run:
+            run["_path"] = path
+            runs.append(run)
+    return runs
+
+
+def is_reference(run):
+    """DeepSpeed's eager activation with separate gate/up GEMMs: the noise yardstick."""
+    return run["impl"] == "eager" and run.get("gate_up_impl") != "fused"
+
+
+def label(run):
+    text = IMPL_TEXT.get(run["impl"], run["impl"])
+    if run.get("gate_up_impl") != "fused":
+        text += f" (gate_up {run.get('gate_up_impl')})"
+    return text
+
+
+def sort_key(run):
+    c = run["config"]
+    return (CONFIG_ORDER.index(c) if c in CONFIG_ORDER else len(CONFIG_ORDER), c, is_reference(run),
+            IMPL_ORDER.index(run["impl"]) if run["impl"] in IMPL_ORDER else len(IMPL_ORDER), run["tag"])
+
+
+def by_config(runs):
+    out = {}
+    for run in sorted(runs, key=sort_key):
+        out.setdefault(run["config"], []).append(run)
+    return out
+
+
+def eager_of(runs):
+    for run in runs:
+        if run["impl"] == "eager" and run.get("gate_up_impl") == "fused":
+            return run
+    return None
+
+
+def loss_diff(run, ref):
+    """(max |loss - ref loss| over the common steps, its step)."""
+    n = min(len(run["loss"]), len(ref["loss"]))
+    diffs = [abs(a - b) for a, b in zip(run["loss"][:n], ref["loss"][:n])]
+    step = max(range(n), key=diffs.__getitem__)
+    return diffs[step], step
+
+
+def peak(run):
+    """Per-rank peak allocated bytes (after the warm-up steps), or None off CUDA."""
+    p = run.get("peak_allocated_bytes_per_rank") or []
+    return None if not p or any(v is None for v in p) else p
+
+
+def pct(a, b):
+    return f"{100.0 * (a - b) / b:+.1f}%"
+
+
+def table(groups):
+    head = ("| config | run | steps | final loss | max abs loss diff vs eager (step) | mean step time (ms) "
+            "| vs eager | peak allocated GiB per rank | vs eager (busiest rank) | busiest rank's rows per MoE "
+            "layer and step (mean / max) |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for config, runs in groups.items():
+        ref = eager_of(runs)
+        for run in runs:
+            steps = len(run["loss"])
+            if ref is not None and run is not ref:
+                d, at = loss_diff(run, ref)
+                diff = f"{d:.5f} ({at})"
+                t_vs = pct(run["mean_step_time_s"], ref["mean_step_time_s"])
+            else:
+                diff, t_vs = "—", "—"
+            p, pref = peak(run), peak(ref) if ref is not None else None
+            mem = " / ".join(f"{v / GIB:.2f}" for v in p) if p else "n/a"
+            m_vs = pct(max(p), max(pref)) if p and pref and run is not ref else "—"
+            rows = run["busiest_rank_rows_per_step"]
+            rows_txt = f"{sum(rows) / len(rows):,.0f} / {max(rows):,}"
+            lines.append(f"| {config} | {label(run)} | {steps} | {run['loss'][-1]:.4f} | {diff} | "
+                         f"{run['mean_step_time_s'] * 1e3:.1f} | {t_vs} | {mem} | {m_vs} | {rows_txt} |")
+    return "\n".join(lines)
+
+
+def setup_text(groups):
+    out = []
+    for config, runs in groups.items():
+        r = runs[0]
+        m, s = r["model_config"], r["sizes"]
+        ep = r["ds_config"]["expert_parallel"]
+        out.append(
+            f"- **{config}**: {m['model_type']} (random init, seed {r['seed']}), hidden {m['hidden_size']}, "
+            f"{m['num_hidden_layers']} MoE layers of {m['num_local_experts']} experts (ffn "
+            f"{m['intermediate_size']}, top-{m['num_experts_per_tok']}, sigmoid router, routed scaling "
+            f"{m['routed_scaling_factor']}) plus a shared expert (ffn {m['shared_intermediate_size']}), "
+            f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads of {m['head_dim']}, vocab "
+            f"{m['vocab_size']} (bytes); {r['params_before_autoep']:,} parameters, "
+            f"{r['params_per_rank_after_autoep']:,} per rank after AutoEP. Per rank and step "
+            f"{s['micro_batch']} x {s['seq']} = {r['tokens_per_rank_per_step']:,} tokens. {r['dtype']}, ZeRO "
+            f"stage {r['zero_stage']} ({r['optimizer']}, AdamW lr {s['lr']}, linear warm-up), "
+            f"{r['world_size']} ranks, AutoEP preset `{ep['preset_model']}`, autoep_size {ep['autoep_size']} "
+            f"(experts per rank {r['experts_per_rank']}), comm_backend `{ep['comm_backend']}`, expert GEMMs "
+            f"{r['expert_gemm']}. Step time: the slowest rank's, synchronized, mean of steps "
+            f"{r['timed_from_step']}..{len(r['loss']) - 1}; peak memory: torch.cuda.max_memory_allocated over "
+            "those steps.")
+    return "\n".join(out)
+
+
+def activation_text(runs):
+    out = []
+    seen = set()
+    for run in sorted(runs, key=sort_key):
+        key = (run["impl"], run.get("gate_up_impl"))
+        if key in seen:
+            continue
+        seen.add(key)
+        used = run["registry_in_use"]
+        fn = used["packed_fused_fn"] if run.get("gate_up_impl") == "fused" else used["fused_fn"]
+        ran = ", ".join(f"{k} x{v}" for k, v in run["step0_calls"].items() if v)
+        out.append(f"- {label(run)}: registry['{run['activation']['name']}'] "
+                   f"{'packed_fused_fn' if run.get('gate_up_impl') == 'fused' else 'fused_fn'} = "
+                   f"`{fn}` (DeepSpeed's own: `{run['registry_deepspeed']['packed_fused_fn']}`); calls counted "
+                   f"in step 0: {ran} (alpha {run['activation']['alpha']}, limit {run['activation']['limit']})")
+    return "\n".join(out)
+
+
+def markdown(runs, png_name, report_cmd):
+    groups = by_config(runs)
+    v = runs[0]["versions"]
+    dev = v.get("device", "?")
+    if v.get("device_count"):
+        dev = f"{runs[0]['world_size']} x {dev} (of {v['device_count']} visible)"
+    corpus = runs[0]["corpus"]
+    env = {k: val for k, val in runs[0].get("env", {}).items() if val is not None and k != "PYTHONPATH"}
+    lines = [
+        "# DeepSpeed AutoEP end to end: DeepSpeed's eager swiglu_oai against expertact",
+        "",
+        "A small randomly initialised MiniMax-M3 text model trained with DeepSpeed AutoEP (experts sharded "
+        "over two ranks, tokens exchanged by torch.distributed all-to-all), three ways with the same seed and "
+        "batches: DeepSpeed's own expert activation (its registry has no fused kernel for swiglu_oai, so "
+        "GroupedExperts runs the eager PyTorch form), expertact (`expertact.deepspeed.enable()`), and "
+        "expertact with in-place backward (`enable(inplace_backward=True)`). Written by "
+        "examples/autoep_report.py from the JSON files of examples/autoep_train.py.",
+        "",
+        f"![loss curves and peak memory]({png_name})",
+        "",
+        table(groups),
+        "",
+        "Max abs loss diff: over all steps, against the same config's DeepSpeed eager run; the loss is the "
+        "global mean over both ranks' tokens. A DeepSpeed eager run with `gate_up_impl` \"separate\" (where "
+        "present) computes the same function with the gate and up GEMMs split: its difference is bf16 "
+        "rounding noise carried through training. Rows: routed (token, expert) rows that the experts of "
+        "the busiest rank received in one MoE layer, per step.",
+        "",
+        "## Setup",
+        "",
+        setup_text(groups),
+        f"- Data: the Python standard library's own .py files ({corpus['files']} files, {corpus['bytes']:,} "
+        f"bytes, sha256 {corpus['sha256'][:16]}...), byte-level tokens, windows at offsets drawn from "
+        "(seed, step): every run of a config trains on the same batches.",
+        "",
+        "## What ran",
+        "",
+        activation_text(runs),
+        "",
+        "## Versions and command",
+        "",
+        f"- Device: {dev}; CUDA {v.get('cuda', '-')}, NCCL {v.get('nccl', '-')}; {v.get('platform', '')}",
+        f"- Python {v['python']}, torch {v['torch']}, DeepSpeed {v['deepspeed']}, transformers "
+        f"{v['transformers']}, expertact {v['expertact']} (CUDA path: {v['expertact_cuda']})",
+        f"- Environment: {', '.join(f'{k}={val}' for k, val in env.items()) or '-'}",
+        f"- Date: {min(r['date'] for r in runs)} .. {max(r['date'] for r in runs)}",
+        "- Command: `bash examples/run_autoep_e2e.sh`, which runs for each config and impl:",
+        "",
+    ]
+    lines += [f"      {r['command']}" for r in sorted(runs, key=sort_key)]
+    lines += ["", f"      {report_cmd}", ""]
+    return "\n".join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = by_config(runs)
+    # The loss panels show the config with the most steps (the loss-curve run).
+    main_config = max(groups, key=lambda c: (len(groups[c][0]["loss"]), -sort_key(groups[c][0])[0]))
+    main_runs = groups[main_config]
+    ref = eager_of(main_runs)
+
+    fig, (ax_loss, ax_diff, ax_mem) = plt.subplots(1, 3, figsize=(17, 4.8),
+                                                   gridspec_kw=dict(width_ratios=[1.2, 1.2, 1.0]))
+
+    def mem_label(run):
+        p = peak(run)
+        return "" if not p else f", peak {max(p) / GIB:.2f} GiB"
+
+    for run in main_runs:
+        steps = range(len(run["loss"]))
+        style = dict(color="0.6", lw=1.0, ls="--") if is_reference(run) else dict(color=COLORS.get(
+            run["impl"]), lw=1.3 if run["impl"] == "eager" else 1.0)
+        ax_loss.plot(steps, run["loss"], label=label(run) + mem_label(run), **style)
+        if ref is not None and run is not ref:
+            n = min(len(run["loss"]), len(ref["loss"]))
+            d = [a - b for a, b in zip(run["loss"][:n], ref["loss"][:n])]
+            dmax, _ = loss_diff(run, ref)
+            ax_diff.plot(range(n), d, label=f"{label(run)} (max abs {dmax:.5f})", **style)
+    ax_loss.set(title=f"Training loss, config '{main_config}' (global mean)", xlabel="step", ylabel="loss")
+    ax_loss.legend(fontsize=8)
+    ax_loss.grid(alpha=0.3)
+    ax_diff.axhline(0.0, color="black", lw=0.8)
+    ax_diff.set(title="Loss minus DeepSpeed eager's, same step", xlabel="step", ylabel="loss difference")
+    if ax_diff.lines[1:]:
+        ax_diff.legend(fontsize=8)
+    ax_diff.grid(alpha=0.3)
+
+    # Peak memory: per config, one bar per impl (the busiest rank), each rank's value as a dot.
+    bars = [(c, r) for c, rs in groups.items() for r in rs if peak(r) and not is_reference(r)]
+    if bars:
+        x, labels, prev = 0.0, [], None
+        for config, run in bars:
+            if prev is not None and config != prev:
+                x += 0.6
+            p = [v / GIB for v in peak(run)]
+            ax_mem.bar(x, max(p), color=COLORS.get(run["impl"], "0.5"), width=0.8)
+            ax_mem.plot([x] * len(p), p, "o", color="white", mec="black", ms=4)
+            ax_mem.text(x, max(p), f"{max(p):.1f}", ha="center", va="bottom", fontsize=8)
+            labels.append((x, f"{SHORT.get(run['impl'], run['impl'])}\n{config}"))
+            prev, x = config, x + 1.0
+        ax_mem.set_xticks([t for t, _ in labels], [s for _, s in labels], fontsize=7)
+        ax_mem.set(title="Peak allocated memory per rank", ylabel="GiB (bar: busiest rank, dots: each rank)")
+        ax_mem.grid(alpha=0.3, axis="y")
+    else:
+        ax_mem.text(0.5, 0.5, "no CUDA memory recorded\n(CPU run)", ha="center", va="center",
+                    transform=ax_mem.transAxes)
+        ax_mem.set_axis_off()
+    v = runs[0]["versions"]
+    fig.suptitle(f"DeepSpeed AutoEP, MiniMax-M3-style model, swiglu_oai experts: {runs[0]['world_size']} ranks on "
+                 f"{v.get('device', '?')}; torch {v['torch']}, DeepSpeed {v['deepspeed']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--in", dest="in_dirs", nargs="+", default=[os.path.join(os.environ.get("OUT", "."), "autoep")],
+                   help="folder(s) of autoep_train.py's JSON files (default $OUT/autoep)")
+    p.add_argument("--md", default="docs/autoep-e2e.md")
+    p.add_argument("--png", default="docs/autoep-e2e-loss.png")
+    args = p.parse_args(argv)
+    runs = load(args.in_dirs)
+    if not runs:
+        sys.exit(f"autoep_report.py: no autoep_train.py results in {' '.join(args.in_dirs)}")
+    tags = [r["tag"] for r in runs]
+    dup = sorted({t for t in tags if tags.count(t) > 1})
+    if dup:
+        sys.exit(f"autoep_report.py: runs {dup} found more than once in {' '.join(args.in_dirs)}")
+    missing = [c for c, rs in by_config(runs).items() if eager_of(rs) is None]
+    if missing:
+        print(f"autoep_report.py: no eager run for config(s) {missing}: no differences for them", file=sys.stderr)
+    for path in (args.md, args.png):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    png_rel = os.path.relpath(os.path.abspath(args.png), os.path.dirname(os.path.abspath(args.md)))
+    text = markdown(runs, png_rel, " ".join(["python3", "examples/autoep_report.py"] + sys.argv[1:]))
+    with open(args.md, "w") as f:
+        f.write(text)
+    plot(runs, args.png)
+    print(table(by_config(runs)))
+    print(f"wrote {args.md} and {args.png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""An end-to-end MoE language-model training run with DeepSpeed AutoEP (experts sharded over the
+ranks, token all-to-all over torch.distributed), with DeepSpeed's eager expert activation or expertact's.
+
+One process per rank, launched by torchrun:
+
+    torchrun --nproc_per_node 2 examples/autoep_train.py --impl eager --config small --out OUT/autoep
+
+--impl eager               DeepSpeed's registry as shipped: swiglu_oai has no fused kernel, so its
+                           fused path falls back to the eager fn (checked at step 0, see below)
+--impl expertact           expertact.deepspeed.enable(): expertact's kernels in the registry
+--impl expertact-inplace   expertact.deepspeed.enable(inplace_backward=True)
+
+The model is a randomly initialised MiniMax-M3 text backbone (transformers' minimax_m3_vl_text, built
+from a config, no download), so AutoEP's minimax_m3 preset converts it and its experts compute
+swiglu_oai (alpha 1.702, limit 7). The data are the bytes of the Python standard library's own .py
+files (vocab 256), sampled with a fixed seed: every run of a config sees the same batches.
+
+Rank 0 writes OUT/<config>-<impl>.json: per step the global mean loss, the step time (slowest rank),
+each rank's peak allocated memory and the rows each rank's experts received in each MoE layer;
+plus the configuration, the versions and the command. examples/autoep_report.py turns the files
+into a table and a plot.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+IMPLS = ("eager", "expertact", "expertact-inplace")
+ACTIVATION = "swiglu_oai"  # what the minimax_m3 preset asks of DeepSpeed's registry
+PRESET = "minimax_m3"
+
+# Model and batch sizes. "small": the 200-step loss-curve run (about 8K tokens and 16K routed rows
+# per rank and step). "large": the memory run, sized so that each rank's experts receive a few
+# hundred thousand rows per step and layer (131K tokens x top-2 per rank; expert ffn 3072 is
+# MiniMax-M3's own intermediate_size), a few x 10 GiB per rank. "tiny": the CPU smoke test.
+CONFIGS = {
+    "small": dict(hidden=512, ffn=1024, shared_ffn=512, layers=4, experts=8, top_k=2, heads=8, kv_heads=2,
+                  seq=512, micro_batch=16, steps=200, warmup=10, lr=1e-3),
+    "large": dict(hidden=1024, ffn=3072, shared_ffn=1024, layers=2, experts=8, top_k=2, heads=8, kv_heads=2,
+                  seq=2048, micro_batch=64, steps=20, warmup=5, lr=1e-3),
+    "tiny": dict(hidden=64, ffn=64, shared_ffn=32, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
+                 seq=64, micro_batch=2, steps=3, warmup=1, lr=1e-3),
+}
+SIZE_KEYS = tuple(CONFIGS["small"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=IMPLS, required=True)
+    p.add_argument("--config", choices=tuple(CONFIGS), default="small", help="size preset (default small)")
+    for key in SIZE_KEYS:
+        typ = float if key == "lr" else int
+        p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=f"override the preset's {key}")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--gate-up-impl", choices=("fused", "separate"), default="fused",
+                   help="AutoEP's gate_up_impl: fused = one grouped GEMM into a packed gate_up tensor "
+                   "(DeepSpeed's packed activation path, where in-place backward applies)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "autoep"))
+    p.add_argument("--tag", default=None, help="file name of the result (default <config>-<impl>)")
+    args = p.parse_args(argv)
+    sizes = dict(CONFIGS[args.config])
+    for key in SIZE_KEYS:
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    args.sizes = sizes
+    args.tag = args.tag or f"{args.config}-{args.impl}"
+    if sizes["warmup"] >= sizes["steps"]:
+        p.error(f"--warmup ({sizes['warmup']}) must be below --steps ({sizes['steps']})")
+    return args
+
+
+# ---------------------------------------------------------------------------
+# data: the standard library's .py files as bytes
+# ---------------------------------------------------------------------------
+
+def load_corpus():
+    """All .py files under the standard library (not site-packages), sorted by path, joined by
+    a NUL byte; returns (uint8 tensor, description)."""
+    import torch
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    data = b"\0".join(p.read_bytes() for p in files)
+    if len(data) < 1 << 20:  # CPython's own sources are ~30 MB; a stripped install ships .pyc only
+        raise SystemExit(f"autoep_train.py: only {len(data)} bytes of .py sources under {root}")
+    info = dict(root=str(root), files=len(files), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
+
+
+def make_batch(corpus, step, seed, rank, world, micro_batch, seq):
+    """This rank's [micro_batch, seq] token ids of step `step`: the global batch of world x
+    micro_batch windows at random offsets drawn from (seed, step) alone, so every run and every
+    impl sees the same batches; rank r takes rows r*micro_batch .. (r+1)*micro_batch."""
+    import torch
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, corpus.numel() - seq, (world * micro_batch, ), generator=g)
+    mine = starts[rank * micro_batch:(rank + 1) * micro_batch]
+    return corpus[mine[:, None] + torch.arange(seq)].long()
+
+
+# ---------------------------------------------------------------------------
+# model: a randomly initialised MiniMax-M3 text backbone
+# ---------------------------------------------------------------------------
+
+def build_model(s, seed):
+    import torch
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
+    head_dim = s["hidden"] // s["heads"]
+    cfg = MiniMaxM3VLTextConfig(
+        vocab_size=256, hidden_size=s["hidden"], intermediate_size=s["ffn"],
+        shared_intermediate_size=s["shared_ffn"], dense_intermediate_size=s["ffn"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        head_dim=head_dim, rotary_dim=head_dim // 2,  # MiniMax-M3 rotates half of each head (64 of 128)
+        num_local_experts=s["experts"], num_experts_per_tok=s["top_k"],
+        max_position_embeddings=s["seq"], mlp_layer_types=["sparse"] * s["layers"],
+        layer_types=["full_attention"] * s["layers"],  # the sparse (lightning indexer) attention is not the point
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False, tie_word_embeddings=False,
+        # swiglu_alpha / swiglu_limit stay the defaults 1.702 / 7: AutoEP reads them from this config.
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = MiniMaxM3VLForCausalLM(cfg)  # random init (post_init), identical on every rank
+    return model, cfg
+
+
+def ds_config(args):
+    s = args.sizes
+    cfg = {
+        "train_micro_batch_size_per_gpu": s["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        # torch_adam: torch.optim.AdamW, so that nothing needs DeepSpeed's JIT-built FusedAdam op.
+        "optimizer": {"type": "AdamW", "params": {"lr": s["lr"], "betas": [0.9, 0.95], "eps": 1e-8,
+                                                   "weight_decay": 0.1, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": s["lr"],
+                                                      "warmup_num_steps": max(1, min(20, s["steps"] // 10)),
+                                                      "warmup_type": "linear"}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.zero_stage},
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 2,  # experts sharded over 2 ranks (num_experts / 2 each)
+            "preset_model": PRESET,
+            "comm_backend": "comm",  # torch.distributed all_to_all_single (NCCL on GPUs); no DeepEP
+            "use_grouped_mm": True,
+            "gate_up_impl": args.gate_up_impl,
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# the activation: which functions DeepSpeed's registry holds, and which ones ran
+# ---------------------------------------------------------------------------
+
+ENTRY_FNS = ("fn", "fused_fn", "packed_fused_fn")
+
+
+def describe_entry(entry):
+    def name(f):
+        return None if f is None else f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+
+    return {k: name(getattr(entry, k)) for k in ENTRY_FNS}
+
+
+def count_calls(registry, name):
+    """Put a copy of registry[name] whose fn / fused_fn / packed_fused_fn count their calls; returns
+    (counts, restore). Used for step 0 only, then the very entry object is put back."""
+    entry = registry[name]
+    counts = dict.fromkeys(ENTRY_FNS, 0)
+
+    def counting(key, f):
+        if f is None:
+            return None
+
+        def wrapped(*a, **k):
+            counts[key] += 1
+            return f(*a, **k)
+
+        return wrapped
+
+    registry[name] = dataclasses.replace(entry, **{k: counting(k, getattr(entry, k)) for k in ENTRY_FNS})
+    return counts, lambda: registry.__setitem__(name, entry)
+
+
+def expected_calls(impl, gate_up_impl, n_layers):
+    """What one forward must call: DeepSpeed's fused=True path of GroupedExperts takes
+    packed_fused_fn (gate_up_impl fused) or fused_fn (separate) when the entry has one, else fn."""
+    if impl == "eager":
+        return {"fn": n_layers, "fused_fn": 0, "packed_fused_fn": 0}
+    key = "packed_fused_fn" if gate_up_impl == "fused" else "fused_fn"
+    return {"fn": 0, "fused_fn": 0, "packed_fused_fn": 0, key: n_layers}
+
+
+# ---------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------
+
+def _nccl_version(torch):
+    v = torch.cuda.nccl.version()  # a tuple in recent torch, an int (2.27.5 -> 22705) in old ones
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def versions(device):
+    import torch
+    import deepspeed
+    import transformers
+    import expertact
+    v = dict(python=platform.python_version(), torch=torch.__version__, deepspeed=deepspeed.__version__,
+             transformers=transformers.__version__, expertact=getattr(expertact, "__version__", "?"),
+             expertact_library=str(getattr(expertact, "LIBRARY_PATH", "?")), expertact_cuda=expertact.has_cuda(),
+             platform=platform.platform())
+    if device.type == "cuda":
+        v.update(cuda=torch.version.cuda, device=torch.cuda.get_device_name(device),
+                 nccl=_nccl_version(torch), device_count=torch.cuda.device_count())
+    else:
+        v.update(device="cpu")
+    return v
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    s = args.sizes
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    import torch.distributed as tdist
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.moe import ep_experts
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+    import expertact
+    import expertact.deepspeed as xds
+
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if want_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if want_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2:
+        raise SystemExit(f"autoep_train.py: run it on 2 ranks (autoep_size 2), got world size {world}")
+
+    def log(*a):
+        if rank == 0:
+            print(f"[{args.tag}]", *a, flush=True)
+
+    if device.type == "cuda" and args.impl != "eager" and not expertact.has_cuda():
+        raise SystemExit("autoep_train.py: the installed expertact has no CUDA path "
+                         f"({expertact.LIBRARY_PATH}); build it with nvcc (tests/python/run_device.sh build)")
+
+    registry = ep_experts.EXPERT_ACTIVATIONS
+    ds_entry = describe_entry(registry[ACTIVATION])
+    if args.impl == "eager":
+        enabled = None
+    else:
+        if not hasattr(xds, "enable"):
+            raise SystemExit("autoep_train.py: this expertact has no expertact.deepspeed.enable()")
+        enabled = dict(inplace_backward=args.impl == "expertact-inplace")
+        xds.enable(**enabled)
+    run_entry = describe_entry(registry[ACTIVATION])
+    log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry)
+
+    t = [time.perf_counter()]
+    corpus, corpus_info = load_corpus()
+    t.append(time.perf_counter())
+    model, model_cfg = build_model(s, args.seed)
+    n_params_before = sum(p.numel() for p in model.parameters())
+    t.append(time.perf_counter())
+    config = ds_config(args)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    t.append(time.perf_counter())
+    setup_s = dict(corpus=t[1] - t[0], model=t[2] - t[1], deepspeed_initialize=t[3] - t[2])
+    moe_layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
+    if len(moe_layers) != s["layers"]:
+        raise SystemExit(f"autoep_train.py: AutoEP replaced {len(moe_layers)} MoE layers, expected {s['layers']}")
+    first = moe_layers[0]
+    act = (first.experts.activation, first.experts.activation_alpha, first.experts.activation_limit)
+    if act[0] != ACTIVATION:
+        raise SystemExit(f"autoep_train.py: AutoEP's experts compute {act}, expected {ACTIVATION}")
+    ep_size = first.ep_size
+    owned = [list(autoep_experts_for_rank(first.expert_placement_descriptor, r)) for r in range(ep_size)]
+    grouped = "triton" if first.experts.use_triton_grouped_mm else ("grouped_mm" if first.experts.use_grouped_mm
+                                                                     else "for-loop")
+    log(f"AutoEP: {len(moe_layers)} layers, ep_size {ep_size}, experts per rank {owned}, activation {act}, "
+        f"expert GEMMs {grouped}, gate_up_impl {first.experts.gate_up_impl}; "
+        f"optimizer {type(engine.optimizer).__name__}; setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup_s.items()))
+    engine.train()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def rows_this_step():
+        """[layers, ep ranks]: rows each rank's experts received in each MoE layer in this step
+        (from the per-expert counts AutoEP accumulates in tokens_per_expert, summed over ranks)."""
+        counts = torch.stack([m.tokens_per_expert for m in moe_layers]).double()
+        for m in moe_layers:
+            m.tokens_per_expert.zero_()
+        dist.all_reduce(counts)
+        return [[int(counts[l, owned[r]].sum().item()) for r in range(ep_size)] for l in range(len(moe_layers))]
+
+    for m in moe_layers:
+        m.tokens_per_expert.zero_()
+    losses, times, peaks, rows = [], [], [], []
+    calls = None
+    for step in range(s["steps"]):
+        ids = make_batch(corpus, step, args.seed, rank, world, s["micro_batch"], s["seq"]).to(device)
+        if step == 0:
+            calls, restore = count_calls(registry, ACTIVATION)
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+        peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+        if step == 0:
+            restore()
+            want = expected_calls(args.impl, first.experts.gate_up_impl, len(moe_layers))
+            if calls != want:
+                raise SystemExit(f"autoep_train.py: step 0 called {calls} of registry[{ACTIVATION!r}], "
+                                 f"expected {want} for --impl {args.impl}")
+        loss = out.loss.detach().float().reshape(1)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+        rows.append(rows_this_step())
+        if not math.isfinite(losses[-1]):
+            raise SystemExit(f"autoep_train.py: loss {losses[-1]} at step {step}")
+        if step % max(1, s["steps"] // 10) == 0 or step == s["steps"] - 1:
+            busiest = max(max(r) for r in rows[-1])
+            log(f"step {step:4d} loss {losses[-1]:.4f} time {times[-1] * 1e3:8.1f} ms "
+                f"peak {peaks[-1] / 2**30 if peaks[-1] is not None else float('nan'):.2f} GiB "
+                f"busiest rank rows {busiest}")
+
+    if enabled is not None:
+        xds.disable()
+        if describe_entry(registry[ACTIVATION]) != ds_entry:
+            raise SystemExit("autoep_train.py: expertact.deepspeed.disable() did not restore DeepSpeed's entry")
+
+    # Every rank's times and peaks go to rank 0.
+    gathered = [None] * world
+    tdist.all_gather_object(gathered, dict(rank=rank, times=times, peaks=peaks))
+    if rank == 0:
+        w = s["warmup"]
+        step_time = [max(g["times"][i] for g in gathered) for i in range(s["steps"])]
+        peak_per_rank = [max(g["peaks"][w:]) if device.type == "cuda" else None for g in gathered]
+        busiest = [max(max(r) for r in step_rows) for step_rows in rows]
+        result = dict(
+            tag=args.tag, impl=args.impl, config=args.config, sizes=s, seed=args.seed, zero_stage=args.zero_stage,
+            dtype=args.dtype, gate_up_impl=first.experts.gate_up_impl, world_size=world, ep_size=ep_size,
+            experts_per_rank=owned, activation=dict(name=ACTIVATION, alpha=act[1], limit=act[2]),
+            expert_gemm=grouped, registry_deepspeed=ds_entry, registry_in_use=run_entry, expertact_enable=enabled,
+            step0_calls=calls, optimizer=type(engine.optimizer).__name__, ds_config=config,
+            model_config={k: getattr(model_cfg, k) for k in (
+                "model_type", "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim",
+                "num_local_experts", "num_experts_per_tok", "routed_scaling_factor", "swiglu_alpha",
+                "swiglu_limit")},
+            params_before_autoep=n_params_before,
+            params_per_rank_after_autoep=sum(p.numel() for p in engine.module.parameters()),
+            tokens_per_rank_per_step=s["micro_batch"] * s["seq"], corpus=corpus_info,
+            loss=losses, step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
+            peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
+            peak_allocated_bytes_per_rank=peak_per_rank,
+            mean_step_time_s=sum(step_time[w:]) / len(step_time[w:]),
+            rows_received_per_step=rows, busiest_rank_rows_per_step=busiest,
+            timed_from_step=w, setup_s=setup_s, versions=versions(device),
+            command=" ".join((["torchrun", "--nproc_per_node", str(world)] if "TORCHELASTIC_RUN_ID" in os.environ
+                              else [os.path.basename(sys.executable)]) + sys.argv),
+            env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")},
+            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, args.tag + ".json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in peak_per_rank)
+        log(f"done: final loss {losses[-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
+            f"(steps {w}..{s['steps'] - 1}), peak GiB per rank [{peaks_txt}], busiest rank rows/step/layer "
+            f"max {max(busiest)} -> {path}")
+    dist.barrier()
+    tdist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""examples/autoep_train.py and examples/autoep_report.py on the CPU: the data and call-counting
+helpers, the report on made-up runs (in a temp dir), and a 2-rank AutoEP smoke run (gloo, tiny
+model, 2 steps) when DeepSpeed >= 0.19.8 and transformers >= 5.15 are installed.
+"""
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train = _load("autoep_train")
+report = _load("autoep_report")
+
+
+# ---------------------------------------------------------------------------
+# helpers of autoep_train.py
+# ---------------------------------------------------------------------------
+
+def test_batches_are_a_function_of_seed_and_step_and_split_by_rank():
+    corpus = torch.arange(10_000, dtype=torch.int64) % 251
+    full = [train.make_batch(corpus, 3, 7, r, 2, 4, 16) for r in range(2)]
+    assert all(b.shape == (4, 16) and b.dtype == torch.int64 for b in full)
+    again = train.make_batch(corpus, 3, 7, 1, 2, 4, 16)
+    assert torch.equal(again, full[1])
+    assert not torch.equal(full[0], full[1])
+    assert not torch.equal(train.make_batch(corpus, 4, 7, 0, 2, 4, 16), full[0])
+    # Each row is a contiguous window of the corpus.
+    for b in full:
+        assert torch.equal(b[:, 1:] - b[:, :-1], torch.ones(4, 15, dtype=torch.int64).masked_fill(b[:, 1:] == 0, -250))
+
+
+def test_corpus_is_the_stdlib_sources():
+    corpus, info = train.load_corpus()
+    assert corpus.dtype == torch.uint8 and corpus.numel() == info["bytes"] > 1_000_000
+    assert info["files"] > 100 and len(info["sha256"]) == 64
+    assert b"def " in bytes(corpus[:200_000].tolist())
+
+
+def test_count_calls_counts_and_puts_the_same_entry_back():
+    @dataclasses.dataclass(frozen=True)
+    class Entry:
+        fn: object
+        fused_fn: object = None
+        packed_fused_fn: object = None
+
+    entry = Entry(fn=lambda g, u, a, l: g * u, packed_fused_fn=lambda gu, a, l: gu)
+    reg = {"swiglu_oai": entry}
+    counts, restore = train.count_calls(reg, "swiglu_oai")
+    assert reg["swiglu_oai"] is not entry and reg["swiglu_oai"].fused_fn is None
+    assert reg["swiglu_oai"].fn(2, 3, 1.7, 7.0) == 6
+    reg["swiglu_oai"].packed_fused_fn(5, 1.7, 7.0)
+    reg["swiglu_oai"].packed_fused_fn(5, 1.7, 7.0)
+    assert counts == {"fn": 1, "fused_fn": 0, "packed_fused_fn": 2}
+    restore()
+    assert reg["swiglu_oai"] is entry
+    assert train.expected_calls("eager", "fused", 4) == {"fn": 4, "fused_fn": 0, "packed_fused_fn": 0}
+    assert train.expected_calls("expertact", "fused", 4) == {"fn": 0, "fused_fn": 0, "packed_fused_fn": 4}
+    assert train.expected_calls("expertact-inplace", "separate", 2) == {"fn": 0, "fused_fn": 2, "packed_fused_fn": 0}
+
+
+def test_args_presets_and_overrides():
+    a = train.parse_args(["--impl", "expertact", "--config", "large", "--micro-batch", "8", "--lr", "3e-4"])
+    assert a.sizes["micro_batch"] == 8 and a.sizes["lr"] == 3e-4 and a.sizes["ffn"] == 3072
+    assert a.tag == "large-expertact"
+    cfg = train.ds_config(a)
+    assert cfg["expert_parallel"]["preset_model"] == "minimax_m3" and cfg["expert_parallel"]["comm_backend"] == "comm"
+    assert cfg["bf16"] == {"enabled": True} and cfg["train_micro_batch_size_per_gpu"] == 8
+    with pytest.raises(SystemExit):
+        train.parse_args(["--impl", "expertact", "--steps", "3", "--warmup", "3"])
+
+
+# ---------------------------------------------------------------------------
+# autoep_report.py on made-up runs
+# ---------------------------------------------------------------------------
+
+def _fake_run(config, impl, gate_up="fused", steps=200, shift=0.0, peak_gib=(10.0, 11.0), ms=50.0):
+    """A made-up result in autoep_train.py's format (for the report's test only)."""
+    loss = [5.5 * math.exp(-i / 60) + 1.2 + shift * math.sin(i) for i in range(steps)]
+    return dict(
+        tag=f"{config}-{impl}" + ("" if gate_up == "fused" else "-separate"), impl=impl, config=config,
+        sizes=dict(train.CONFIGS["small"], steps=steps), seed=1, zero_stage=1, dtype="bf16", gate_up_impl=gate_up,
+        world_size=2, ep_size=2, experts_per_rank=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        activation=dict(name="swiglu_oai", alpha=1.702, limit=7.0), expert_gemm="grouped_mm",
+        registry_deepspeed=dict(fn="ds._swiglu_oai", fused_fn=None, packed_fused_fn=None),
+        registry_in_use=dict(fn="ds._swiglu_oai", fused_fn=None if impl == "eager" else "x.fused",
+                             packed_fused_fn=None if impl == "eager" else "x.packed"),
+        step0_calls=train.expected_calls(impl, gate_up, 4), optimizer="DeepSpeedZeroOptimizer",
+        ds_config=dict(expert_parallel=dict(preset_model="minimax_m3", autoep_size=2, comm_backend="comm")),
+        model_config=dict(model_type="minimax_m3_vl_text", vocab_size=256, hidden_size=512, intermediate_size=1024,
+                          shared_intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=64, rotary_dim=32, num_local_experts=8,
+                          num_experts_per_tok=2, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0),
+        params_before_autoep=1000, params_per_rank_after_autoep=700, tokens_per_rank_per_step=8192,
+        corpus=dict(root="/x", files=3, bytes=100, sha256="0" * 64), loss=loss, step_time_s=[ms / 1e3] * steps,
+        mean_step_time_s=ms / 1e3, peak_allocated_bytes_per_rank=[int(g * 2**30) for g in peak_gib],
+        busiest_rank_rows_per_step=[9000 + i for i in range(steps)], timed_from_step=10,
+        versions=dict(python="3.12", torch="2.11", deepspeed="0.19.8", transformers="5.17", expertact="0.1.0",
+                      expertact_cuda=True, device="FAKE GPU", cuda="13.0", nccl="2.27", device_count=2,
+                      platform="test"),
+        command=f"torchrun --nproc_per_node 2 examples/autoep_train.py --impl {impl} --config {config}",
+        env={}, date="2000-01-01T00:00:00Z")
+
+
+def test_report_on_made_up_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [_fake_run("small", "eager"), _fake_run("small", "expertact", shift=0.01, peak_gib=(8.0, 9.0), ms=45),
+            _fake_run("small", "expertact-inplace", shift=0.02, peak_gib=(7.0, 8.25)),
+            _fake_run("small", "eager", gate_up="separate", shift=0.015),
+            _fake_run("large", "eager", steps=20, peak_gib=(50.0, 60.0), ms=400),
+            _fake_run("large", "expertact", steps=20, shift=0.001, peak_gib=(40.0, 45.0), ms=380)]
+    for r in runs:
+        (tmp_path / f"{r['tag']}.json").write_text(json.dumps(r))
+    (tmp_path / "unrelated.json").write_text("{}")
+    md, png = tmp_path / "doc" / "e2e.md", tmp_path / "doc" / "e2e.png"
+    report.main(["--in", str(tmp_path), "--md", str(md), "--png", str(png)])
+    text = md.read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert "![loss curves and peak memory](e2e.png)" in text
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| small |")}
+    assert set(rows) == {"DeepSpeed eager", "expertact", "expertact, in-place backward",
+                         "DeepSpeed eager (gate_up separate)"}
+    # max |sin| over integer steps < 200 is sin(11) ~ 0.99999: 0.02 * that
+    assert "| 0.02000 (11) |" in rows["expertact, in-place backward"]
+    assert "| 45.0 | -10.0% | 8.00 / 9.00 | -18.2% |" in rows["expertact"]
+    assert "| 7.00 / 8.25 | -25.0% |" in rows["expertact, in-place backward"]
+    assert "9,100 / 9,199" in rows["DeepSpeed eager"]
+    large = [line for line in text.splitlines() if line.startswith("| large |")]
+    assert len(large) == 2 and "| 40.00 / 45.00 | -25.0% |" in large[1]
+
+
+# ---------------------------------------------------------------------------
+# the 2-rank CPU smoke run
+# ---------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_rank_autoep_smoke_on_cpu(tmp_path):
+    """Tiny MiniMax-M3 model, AutoEP over 2 gloo ranks, 2 steps of expertact with in-place backward
+    (torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's fused path calls expertact).
+    About 30 s on a shared 2-core machine, most of it imports and deepspeed.initialize."""
+    pytest.importorskip("deepspeed")
+    transformers = pytest.importorskip("transformers")
+    from packaging.version import Version
+    if Version(transformers.__version__) < Version("5.15"):
+        pytest.skip(f"the minimax_m3 AutoEP preset needs transformers >= 5.15 (have {transformers.__version__})")
+    try:
+        from deepspeed.module_inject.auto_ep_presets.registry import available_preset_names
+    except ImportError:
+        pytest.skip("this DeepSpeed has no AutoEP (needs >= 0.19.8)")
+    if "minimax_m3" not in available_preset_names():
+        pytest.skip("this DeepSpeed has no minimax_m3 AutoEP preset")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(Path(__file__).with_name("autoep_launch.py")), str(EXAMPLES / "autoep_train.py"),
+           "--impl", "expertact-inplace", "--config", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    res = json.loads((tmp_path / "tiny-expertact-inplace.json").read_text())
+    s = res["sizes"]
+    assert len(res["loss"]) == 2 and all(4.0 < x < 7.0 for x in res["loss"])  # ln 256 = 5.55 at random init
+    assert res["step0_calls"] == {"fn": 0, "fused_fn": 0, "packed_fused_fn": s["layers"]}
+    assert res["registry_deepspeed"]["packed_fused_fn"] is None  # DeepSpeed has no fused swiglu_oai
+    assert res["registry_in_use"]["packed_fused_fn"] is not None
+    assert res["activation"] == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+    assert res["expert_gemm"] == "grouped_mm" and res["experts_per_rank"] == [[0, 1], [2, 3]]
+    # Every routed row lands on exactly one rank: per layer, the ranks receive all of them.
+    routed = res["world_size"] * res["tokens_per_rank_per_step"] * s["top_k"]
+    for step_rows in res["rows_received_per_step"]:
+        assert [sum(layer) for layer in step_rows] == [routed] * s["layers"]
+    assert res["params_per_rank_after_autoep"] < res["params_before_autoep"]  # experts are sharded
+    print(f"2-rank CPU smoke: {time.perf_counter() - t:.1f} s")
