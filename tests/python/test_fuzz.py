@@ -35,7 +35,7 @@ def test_fuzz_cuda(capsys):
 def _run(count, seed=500):
     """A short CPU run; its failures are returned, not asserted."""
     lines = []
-    st = fuzz.run(device="cpu", seed=seed, count=count, log=lines.append)
+    st = fuzz.run(device="cpu", seed=seed, count=count, kinds=["glu"], log=lines.append)
     return st, "\n".join(lines)
 
 
@@ -113,6 +113,18 @@ def test_draws_reach_every_cuda_path():
     want |= {f"{d} {k} merged split" for d in ("fwd", "bwd") for k in ("pack16B", "realign")}
     missing = sorted(want - got)
     assert not missing, f"never drawn: {missing}; drawn: {sorted(got)}"
+    # EXPERTACT_CUDA_KERNEL=flat (main's launcher): the flat kernels, merged rows or not, and
+    # still the row kernels for weight gradients
+    flat = fuzz.Context(device="cpu", cap=1 << 22, big_fraction=0.0, kernel="flat")
+    torch.set_num_threads(1)
+    try:
+        for s in range(600):
+            fuzz.tally_glu(fuzz.draw_glu(s, flat), flat)
+    finally:
+        torch.set_num_threads(threads)
+    want = {f"{d} flat{m}" for d in ("fwd", "bwd") for m in ("", " merged")} | {"bwd pack16B rows"}
+    missing = sorted(want - set(flat.paths))
+    assert not missing, f"never drawn: {missing}; drawn: {sorted(k for k in flat.paths if k)}"
 
 
 def test_repro_is_deterministic():
