@@ -104,12 +104,19 @@ fi
 # buffers end where its views end) is out of bounds for memcheck and never-written bytes are
 # fresh for initcheck; graph capture and the OOM tests need the caching allocator: a memcheck
 # job of their own. racecheck and synccheck track no global memory: one job each, caching on.
-# Under flat and flat128: the fuzzer under memcheck (test_fuzz_cuda).
+# Under flat and flat128: the fuzzer under memcheck (test_fuzz_cuda). Files: those that run the
+# activation (ACT), and with the kernel filter also expertact's DeepSpeed names and the expert
+# MLP (its GEMMs are torch's, uninstrumented); not the benchmarks, nor DeepSpeed's own Triton
+# kernels (test_deepspeed_registry), nor under initcheck the GEMM libraries' kernels.
 if [[ " $PARTS " == *" pytest "* ]]; then
   export PYTHONPATH=$ROOT/python:$ROOT/tests/python${PYTHONPATH:+:$PYTHONPATH}
   export EXPERTACT_LIBRARY=$LIB
+  ACT=()
+  for f in functional autograd cuda cuda_reliability errors fuzz; do ACT+=(tests/python/test_$f.py); done
+  MORE=("${ACT[@]}")
+  for f in deepspeed moe; do [ -f tests/python/test_$f.py ] && MORE+=(tests/python/test_$f.py); done
   PY=(python3 -m pytest -q -p no:cacheprovider -rfE)
-  K_NOCACHE="cuda and not compile and not graph and not oom and not sync and not reach"
+  K_NOCACHE="cuda and not compile and not graph and not oom and not sync and not reach and not memory"
   K_ALL="cuda and not compile and not reach"
   CSP=("$CS" --error-exitcode 9 --print-limit 100 --target-processes all)
   NOCACHE=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 EXPERTACT_FUZZ_CUDA_SECONDS=${SAN_FUZZ_SECONDS:-60})
@@ -125,15 +132,15 @@ if [[ " $PARTS " == *" pytest "* ]]; then
       case $tool in
         memcheck)
           run "pytest-memcheck" "${NOCACHE[@]}" EXPERTACT_CUDA_KERNEL=rows "${CSP[@]}" --tool memcheck "${filt[@]}" \
-            "${PY[@]}" tests/python -k "$K_NOCACHE"
+            "${PY[@]}" "${MORE[@]}" -k "$K_NOCACHE"
           run "pytest-memcheck-graphs-oom" env EXPERTACT_CUDA_KERNEL=rows "${CSP[@]}" --tool memcheck "${filt[@]}" \
             "${PY[@]}" tests/python/test_cuda.py tests/python/test_cuda_reliability.py -k "graph or oom or sync" ;;
         initcheck)
           run "pytest-initcheck" "${NOCACHE[@]}" EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 \
-            "${CSP[@]}" --tool initcheck "${PY[@]}" tests/python -k "$K_NOCACHE" ;;
+            "${CSP[@]}" --tool initcheck "${PY[@]}" "${ACT[@]}" -k "$K_NOCACHE" ;;
         *)
           run "pytest-$tool" env EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 "${CSP[@]}" --tool "$tool" \
-            "${filt[@]}" "${PY[@]}" tests/python -k "$K_ALL" ;;
+            "${filt[@]}" "${PY[@]}" "${MORE[@]}" -k "$K_ALL" ;;
       esac
     done
   done
