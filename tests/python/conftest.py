@@ -68,6 +68,11 @@ def preset_params(preset, alpha=1.702, limit=7.0):
     }[preset]
 
 
+def params_of(preset):
+    """(activation, alpha, limit, beta): of a preset name, or the general form given as that tuple."""
+    return preset_params(preset) if isinstance(preset, str) else tuple(preset)
+
+
 def preset_kwargs(preset, alpha=1.702, limit=7.0):
     return {"swiglu_oai": dict(alpha=alpha, limit=limit), "swiglu_clamped": dict(limit=limit)}.get(preset, {})
 
@@ -118,13 +123,17 @@ def call(preset, inputs, layout, **kw):
 
 
 def error_scales(preset, inputs, layout, grad_out, weights=None):
-    """The factor magnitudes (see FACTOR_TOL) of the output and of each input's gradient."""
-    beta = preset_params(preset)[3]
+    """The factor magnitudes (see FACTOR_TOL) of the output and of each input's gradient.
+    preset: a preset name or an (activation, alpha, limit, beta) tuple."""
+    beta = abs(params_of(preset)[3])
     xs = [t.detach().double() for t in inputs]
     gate, up = (xs[0], xs[1]) if layout == "separate" else split(xs[0], layout)
     s = (1 + gate.abs()).nan_to_num(posinf=0) * (1 + up.abs() + beta).nan_to_num(posinf=0)
     if weights is not None:
-        s = s * weights.detach().double().abs().reshape(weights.shape + (1,) * (s.dim() - weights.dim()))
+        # nan_to_num as for gate and up: a NaN weight's row is NaN (or, where masked, exactly 0),
+        # and a NaN tolerance would fail even that exact 0.
+        w = weights.detach().double().abs().nan_to_num(posinf=0)
+        s = s * w.reshape(weights.shape + (1,) * (s.dim() - weights.dim()))
     s_grad = s * grad_out.detach().double().abs()
     if layout == "separate":
         return s, [s_grad, s_grad]
@@ -135,13 +144,43 @@ def error_scales(preset, inputs, layout, grad_out, weights=None):
     return s, [packed]
 
 
-def reference_grads(preset, inputs, layout, grad_out, weights=None):
-    """Output and gradients of the float64 eager expression on the same inputs."""
-    act, alpha, limit, beta = preset_params(preset)
-    xs = [t.detach().double().requires_grad_() for t in inputs]
-    w = None if weights is None else weights.detach().double().requires_grad_()
+def reference_grads(preset, inputs, layout, grad_out, weights=None, dtype=torch.float64):
+    """Output and gradients of the float64 eager expression on the same inputs (or of the
+    expression evaluated in `dtype`). preset: a preset name or an (activation, alpha, limit,
+    beta) tuple."""
+    act, alpha, limit, beta = params_of(preset)
+    xs = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    w = None if weights is None else weights.detach().to(dtype).requires_grad_()
     gate, up = (xs[0], xs[1]) if layout == "separate" else split(xs[0], layout)
     out = reference(gate, up, act, alpha, limit, beta, w)
     wanted = xs + ([w] if w is not None else [])
-    grads = torch.autograd.grad(out, wanted, grad_out.double())
+    grads = torch.autograd.grad(out, wanted, grad_out.to(dtype))
     return out.detach(), list(grads)
+
+
+def weight_grad_terms(preset, gate, up, grad_out):
+    """sum over the row of |grad_out * act(gc) * (uc + beta)| (float64): the magnitude that the
+    float32 accumulation of the weights' gradient errs relative to."""
+    act, alpha, limit, beta = params_of(preset)
+    a = reference(gate.detach().double(), up.detach().double(), act, alpha, limit, beta)
+    return (a * grad_out.detach().double()).abs().sum(-1)
+
+
+def assert_weight_grad_matches(got, want, terms):
+    """The float32 weight gradient against the float64 one: same NaN and Inf positions, finite
+    values within 1e-5 of the summed |terms| (+1e-6): a dropped or doubled term of a row fails."""
+    assert got.dtype == torch.float32, got.dtype
+    got = got.detach().double()
+    want = want.detach().double().reshape(got.shape)
+    terms = terms.reshape(got.shape)
+    assert torch.equal(got.isnan(), want.isnan()), "NaN positions of the weight gradient differ"
+    inf = got.isinf() | want.isinf()
+    assert torch.equal(got[inf], want[inf]), "Inf positions of the weight gradient differ"
+    fin = ~(inf | want.isnan())
+    tol = 1e-5 * terms + 1e-6
+    bad = fin & ~((got - want).abs() <= tol)
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(f"{int(bad.sum())} of {got.numel()} weight gradients differ; first at {i}: "
+                             f"got {got[tuple(i)].item()!r}, want {want[tuple(i)].item()!r}, "
+                             f"tolerance {tol[tuple(i)].item():.3g}")

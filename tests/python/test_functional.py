@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import expertact
-from conftest import (DEVICES, DTYPES, LAYOUTS, PRESETS, assert_matches, call, error_scales, make_inputs,
-                      preset_params, reference, reference_grads, split)
+from conftest import (DEVICES, DTYPES, LAYOUTS, PRESETS, assert_matches, assert_weight_grad_matches, call,
+                      error_scales, make_inputs, preset_params, reference, reference_grads, split,
+                      weight_grad_terms)
 
 _check = assert_matches
 
@@ -50,12 +51,9 @@ def test_weights(preset, layout, dtype, device):
     ref_grads = _check_all(preset, inputs, layout, grad_out, out, dtype, weights=w)
     # grad_w: a float32 sum over the row of grad_out * a * (uc + beta); its error is relative
     # to the sum of the absolute terms.
-    act, alpha, limit, beta = preset_params(preset)
     gate, up = (inputs[0], inputs[1]) if layout == "separate" else split(inputs[0], layout)
-    terms = (reference(gate.detach().double(), up.detach().double(), act, alpha, limit, beta)
-             * grad_out.double()).abs().sum(-1)
     assert w.grad.dtype == torch.float32 and w.grad.shape == w.shape
-    assert ((w.grad.double() - ref_grads[-1]).abs() <= 1e-5 * terms + 1e-6).all()
+    assert_weight_grad_matches(w.grad, ref_grads[-1], weight_grad_terms(preset, gate, up, grad_out))
 
 
 @pytest.mark.parametrize("device", DEVICES)
