@@ -48,7 +48,7 @@ fi
 
 if has ctest; then
   log "ctest"
-  (cd build-dev && timeout ${CTEST_TIMEOUT:-400} ctest --output-on-failure -j4 > "$OUT/ctest.log" 2>&1)
+  (cd build-dev && timeout ${CTEST_TIMEOUT:-400} ctest --output-on-failure -j${CTEST_JOBS:-4} > "$OUT/ctest.log" 2>&1)
   log "ctest rc=$? $(grep -E 'tests passed|tests failed' "$OUT/ctest.log")"
   grep -E "FAILED|Failed|SKIPPED" "$OUT/ctest.log" | head -40
 fi

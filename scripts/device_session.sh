@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One call on a 2-GPU machine (no network) that runs several of the project's GPU scripts
+# side by side, one track per GPU, from a binary wheel built elsewhere (scripts/build_wheel.sh),
+# and packs what they wrote into $OUT (at most a few files come back from such a machine).
+#
+#   bash scripts/device_session.sh check   # C++ build + tuning harness + ctest (GPU 0) | the wheel's
+#                                          # pytest suite + GPU fuzz + OOM/graph tests (GPU 1);
+#                                          # first a short AutoEP smoke on both GPUs
+#   bash scripts/device_session.sh bench   # bench --peers (GPU 0) | bench --mlp, sanitizers (GPU 1)
+#   bash scripts/device_session.sh e2e     # the AutoEP end-to-end runs and their report (both GPUs)
+#
+# Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
+# .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
+# Environment: TRACK_TIMEOUT (s, per track, default 500), BENCH_ARGS, MLP_ARGS, VARIANTS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CALL=${1:?usage: device_session.sh check|bench|e2e}
+FINAL=${OUT:-$ROOT/_device_out}
+# Everything is written under a work folder; $OUT gets the session log and one archive of it.
+OUT=/tmp/session-$CALL
+rm -rf "$OUT"
+mkdir -p "$OUT" "$FINAL"
+LOG=$OUT/session.txt
+note() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
+T0=$SECONDS
+
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda
+
+{
+  date -u +%FT%TZ
+  echo "commit $(git rev-parse HEAD 2>/dev/null) ($(git status --porcelain 2>/dev/null | wc -l) changed files)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+  nvcc --version 2>/dev/null | tail -1
+  python3 -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+} 2>&1 | tee -a "$LOG"
+
+# DeepSpeed and the packages the machine lacks, then the expertact wheel, both without building.
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+  > "$OUT/pip-site.log" 2>&1 || { tail "$OUT/pip-site.log"; note "wheels of .whl/ did not install"; }
+whl=$(ls dist/expertact-*.whl 2>/dev/null | head -1)
+[ -n "$whl" ] || { note "no dist/expertact-*.whl"; exit 1; }
+rm -rf /tmp/ea-wheel
+python3 -m pip install -q --no-index --no-deps --only-binary :all: --target /tmp/ea-wheel "$whl" \
+  > "$OUT/pip-wheel.log" 2>&1 || { tail "$OUT/pip-wheel.log"; note "the expertact wheel did not install"; exit 1; }
+export PYTHONPATH=/tmp/ea-wheel:/tmp/site
+(cd /tmp && python3 -c 'import expertact, deepspeed; print("expertact", expertact.__version__, expertact.LIBRARY_PATH, "cuda", expertact.has_cuda(), "| deepspeed", deepspeed.__version__)') 2>&1 | grep -v "^\[" | tee -a "$LOG"
+
+# track NAME GPU CMD...: runs CMD on one GPU with its own timeout, output to $OUT/NAME.log.
+track() {
+  local name=$1 gpu=$2 t=$SECONDS
+  shift 2
+  note "start $name on GPU $gpu: $*"
+  CUDA_VISIBLE_DEVICES=$gpu timeout "${TRACK_TIMEOUT:-500}" bash -c "$*" > "$OUT/$name.log" 2>&1
+  note "end $name rc=$? after $((SECONDS - t)) s"
+}
+
+case $CALL in
+  check)
+    # The C++ build needs no GPU: it runs while a short AutoEP smoke uses both GPUs.
+    (STAGES="build" OUT="$OUT/dev" bash scripts/device_run.sh > "$OUT/build.log" 2>&1; note "C++ build rc=$?") &
+    b=$!
+    track autoep-smoke 0,1 "NOREF=1 SMALL_ARGS='--steps 4' OUT='$OUT/smoke' bash examples/run_autoep_e2e.sh small"
+    wait $b
+    track harness-ctest 0 "STAGES='variants ctest' VARIANTS='${VARIANTS:-ds}' CTEST_TIMEOUT=330 CTEST_JOBS=12 OUT='$OUT/dev' bash scripts/device_run.sh" &
+    a=$!
+    track wheel-pytest 1 "OUT='$OUT' PYTEST_TIMEOUT=330 bash scripts/wheel_check.sh '$whl'; ${RELIAB_CHECK:-true}" &
+    wait $a; wait
+    ;;
+  bench)
+    track peers 0 "cd /tmp && python3 -m expertact.bench --peers ${BENCH_ARGS:---repeat 2} --json '$OUT/peers.json' --markdown '$OUT/peers.md' > '$OUT/peers.out'" &
+    a=$!
+    track mlp-sanitize 1 "OUT='$OUT' STAGES=bench MLP_ARGS='${MLP_ARGS:-}' bash scripts/moe_device.sh; ${SANITIZE_CMD:-true}" &
+    wait $a; wait
+    ;;
+  e2e)
+    track autoep 0,1 "OUT='$OUT' bash examples/run_autoep_e2e.sh ${E2E_PARTS:-small large report}"
+    ;;
+  *) note "unknown call $CALL (check, bench, e2e)"; exit 2 ;;
+esac
+
+note "$CALL done in $((SECONDS - T0)) s"
+# Few files come back from the machine: the session log, and everything in one archive.
+cp "$LOG" "$FINAL/session-$CALL.txt"
+tar czf "$FINAL/$CALL.tgz" -C "$OUT" . 2>/dev/null
+ls -la "$FINAL"
