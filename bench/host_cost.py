@@ -51,14 +51,15 @@ def main(argv=None) -> int:
         "size": [rows, ffn, str(dtype).replace("torch.", "")], "iters": args.iters, "repeats": args.repeats,
         "clock": args.clock, "EXPERTACT_NUM_THREADS": os.environ.get("EXPERTACT_NUM_THREADS"),
     }
-    try:
-        import deepspeed
-        env["deepspeed"] = deepspeed.__version__
+    try:  # the version without importing it (its import logs to stdout)
+        from importlib.metadata import version
+        env["deepspeed"] = version("deepspeed")
     except Exception:
         env["deepspeed"] = None
     names = args.only.split(",") if args.only else None
     print(f"# host cost, us per call (median of {args.repeats} rounds of {args.iters}), {rows} x {ffn} "
-          f"{env['size'][2]} on {env['device']}, torch {env['torch']}, clock {args.clock}", flush=True)
+          f"{env['size'][2]} on {env['device']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
+          f"clock {args.clock}", flush=True)
     print(f"{'case':40s} {'fwd no-grad':>12s} {'fwd':>8s} {'fwd+bwd':>8s}", flush=True)
     results = []
     for row in iter_measure(dev, iters=args.iters, repeats=args.repeats, clock=clock, names=names,

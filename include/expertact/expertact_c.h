@@ -75,11 +75,13 @@ EXPERTACT_API expertact_status expertact_glu_backward(
     DLTensor* grad_weights, void* stream);
 
 /* The same two operations over plain 2-D descriptions, for bindings that pay
- * per field they fill (a Python binding fills one of these in about a third of
- * the time of a DLTensor with its shape and stride arrays). The leading
- * dimensions of a [..., C] tensor are already collapsed into rows and one row
- * stride; everything else is validated exactly as by the DLTensor entry points
- * above, with the same messages (they share the checks). */
+ * per field they fill (expertact's Python binding describes an operand this way
+ * in about half the time it takes to fill a DLTensor and its shape and stride
+ * arrays). The leading dimensions of a [..., C] tensor are already collapsed
+ * into rows and one row stride; everything else is validated exactly as by the
+ * DLTensor entry points above, with the same messages (they share the checks).
+ * Added in expertact 0.1.0 without changing the ABI version: the DLTensor entry
+ * points are unchanged. */
 
 /* A row-strided matrix: element (r, c) at (char*)data + (r * row_stride + c) *
  * element size. row_stride is in elements and is ignored when rows <= 1. */
@@ -103,7 +105,7 @@ typedef struct expertact_vector {
 } expertact_vector;
 
 /* expertact_glu_forward over 2-D descriptions; arguments as there (x is
- * [rows, F] or [rows, 2F], out [rows, F]). Since 0.1.0, ABI version 1. */
+ * [rows, F] or [rows, 2F], out [rows, F]). */
 EXPERTACT_API expertact_status expertact_glu_forward_2d(const expertact_params* params,
                                                         int32_t layout, const expertact_matrix* x,
                                                         const expertact_matrix* up,

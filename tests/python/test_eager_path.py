@@ -378,3 +378,12 @@ def test_torch_compile_fullgraph_of_each_public_function(name):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_profiler_names_the_eager_call():
+    g, u = make_inputs("separate", (4, 8), torch.float32, "cpu")
+    with torch.profiler.profile() as prof:
+        expertact.swiglu(g, u)
+        expertact.swiglu(g.requires_grad_(), u).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("expertact::glu") == 2 and "_GluEagerBackward" in names, names
