@@ -143,6 +143,8 @@ def _row_stride(shape, stride):
     cols = shape[-1]
     if cols > 1 and stride[-1] != 1:
         return None
+    if n == 2:  # the usual view: a column slice of a wider matrix (gate_up.chunk(2, -1))
+        return cols if shape[0] == 1 else stride[0] if stride[0] >= cols else None
     row_stride = -1
     expect = 0
     for i in range(n - 2, -1, -1):
@@ -165,9 +167,12 @@ def rows_view_ok(t) -> bool:
     """Whether the library reads t in place: [..., C] with the last dim contiguous and the
     leading dims collapsing into one row stride that does not overlap rows. Otherwise the
     caller copies t once (.contiguous())."""
-    if t.is_contiguous() or t.dim() == 0 or t.numel() == 0:
-        return True  # 0-dim: the library names the problem
-    return _row_stride(t.shape, t.stride()) is not None
+    if t.is_contiguous():
+        return True
+    shape = t.shape
+    if not shape or 0 in shape:
+        return True  # nothing to read, or 0-dim: the library names the problem
+    return _row_stride(shape, t.stride()) is not None
 
 
 def _vector_stride(shape, stride):
