@@ -533,33 +533,6 @@ TEST(CpuOnlyBuild, CudaTensorsAreUnsupported) {
   EXPECT_FALSE(expertact::has_cuda());
 }
 
-// With the CUDA path and a GPU: host memory passed as a CUDA tensor is refused
-// before any kernel can fault, and leaves no CUDA error behind.
-TEST(CudaBuild, HostMemoryLabelledCudaIsRefused) {
-  EAT_REQUIRE_BACKEND(BackendKind::kCuda);
-  Backend& be = backend(BackendKind::kCuda);
-  DeviceBuffer dev(be, 4096);
-  ASSERT_TRUE(dev.ok());
-  std::vector<float> host(64);
-  auto m = [&](void* data) {
-    MatrixRef r;
-    r.data = data;
-    r.rows = 4;
-    r.cols = 8;
-    r.row_stride = 8;
-    r.device = DeviceType::kCUDA;
-    return r;
-  };
-  const MatrixRef x = m(host.data()), up = m(dev.data()), out = m(dev.data() + 1024);
-  EXPECT_EQ(expertact::glu_forward(preset("swiglu").params, Layout::kSeparate, x, &up, nullptr, out,
-                                   be.stream()),
-            Status::kInvalidArgument);
-  const std::string msg = expertact::last_error();
-  EXPECT_NE(msg.find("gate"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("not CUDA device memory"), std::string::npos) << msg;
-  be.finish("host memory labelled cuda");
-}
-
 // Every operand position is still checked after the CUDA entry stopped asking
 // twice about one pointer (in place) and about up inside a packed gate_up: host
 // memory in any position, in place or not, separate or packed, is refused and
@@ -631,6 +604,33 @@ TEST(CudaBuild, HostMemoryInAnyOperandIsRefused) {
                                            nullptr, be.stream()),
                    "grad_gate_up", "backward packed grad_gate_up");
   }
+}
+
+// With the CUDA path and a GPU: host memory passed as a CUDA tensor is refused
+// before any kernel can fault, and leaves no CUDA error behind.
+TEST(CudaBuild, HostMemoryLabelledCudaIsRefused) {
+  EAT_REQUIRE_BACKEND(BackendKind::kCuda);
+  Backend& be = backend(BackendKind::kCuda);
+  DeviceBuffer dev(be, 4096);
+  ASSERT_TRUE(dev.ok());
+  std::vector<float> host(64);
+  auto m = [&](void* data) {
+    MatrixRef r;
+    r.data = data;
+    r.rows = 4;
+    r.cols = 8;
+    r.row_stride = 8;
+    r.device = DeviceType::kCUDA;
+    return r;
+  };
+  const MatrixRef x = m(host.data()), up = m(dev.data()), out = m(dev.data() + 1024);
+  EXPECT_EQ(expertact::glu_forward(preset("swiglu").params, Layout::kSeparate, x, &up, nullptr, out,
+                                   be.stream()),
+            Status::kInvalidArgument);
+  const std::string msg = expertact::last_error();
+  EXPECT_NE(msg.find("gate"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not CUDA device memory"), std::string::npos) << msg;
+  be.finish("host memory labelled cuda");
 }
 
 }  // namespace
