@@ -244,6 +244,7 @@ Status build_problem(const GluParams& params, Layout layout, const MatrixRef& x,
       return fail(Status::kInvalidArgument, "gate_up's last dimension is ", x.cols,
                   ", which is odd: a packed ", layout, " tensor holds 2 * F columns");
     p.F = x.cols / 2;
+    p.packed = true;
     p.g_stride = p.u_stride = x.row_stride;
     const char* base = static_cast<const char*>(x.data);
     if (layout == Layout::kInterleaved) {

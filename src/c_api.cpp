@@ -1,6 +1,6 @@
-// The C ABI: DLTensor* -> MatrixRef / VectorRef, then the C++ API. Every
-// entry point catches everything; the status is returned and the message kept
-// for expertact_last_error().
+// The C ABI: DLTensor* or the 2-D descriptions -> MatrixRef / VectorRef, then
+// the C++ API. Every entry point catches everything; the status is returned and
+// the message kept for expertact_last_error().
 #include "expertact/expertact_c.h"
 
 #include <cmath>
@@ -115,14 +115,19 @@ Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
   return Status::kOk;
 }
 
+Status check_float32(const char* name, const DLDataType& t) {
+  if (!(t.code == kDLFloat && t.bits == 32 && t.lanes == 1))
+    return fail(Status::kInvalidArgument, name, " must be float32 (got DLPack dtype code ",
+                static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
+                static_cast<int>(t.lanes), ")");
+  return Status::kOk;
+}
+
 Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
   if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
   if (t->ndim > 0 && t->shape == nullptr)
     return fail(Status::kInvalidArgument, name, ".shape is null");
-  if (!(t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1))
-    return fail(Status::kInvalidArgument, name, " must be float32 (got DLPack dtype code ",
-                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits),
-                ", lanes ", static_cast<int>(t->dtype.lanes), ")");
+  EA_TRY(check_float32(name, t->dtype));
   if (Status s = to_device(name, t->device, v.device, v.device_id); s != Status::kOk) return s;
   int64_t n = 1;
   for (int i = 0; i < t->ndim; ++i) {
@@ -155,6 +160,31 @@ Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
   return Status::kOk;
 }
 
+// The 2-D descriptions: only the dtype and device codes need translating; the
+// sizes and strides go to the C++ API's checks as they are. A single row's (or
+// weight's) stride is normalised as the DLTensor path leaves it, since nothing
+// reads it.
+Status to_matrix(const char* name, const expertact_matrix* t, MatrixRef& m) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  EA_TRY(to_dtype(name, t->dtype, m.dtype));
+  EA_TRY(to_device(name, t->device, m.device, m.device_id));
+  m.data = t->data;
+  m.rows = t->rows;
+  m.cols = t->cols;
+  m.row_stride = t->rows > 1 ? t->row_stride : t->cols;
+  return Status::kOk;
+}
+
+Status to_vector(const char* name, const expertact_vector* t, VectorRef& v) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  EA_TRY(check_float32(name, t->dtype));
+  EA_TRY(to_device(name, t->device, v.device, v.device_id));
+  v.data = static_cast<float*>(t->data);
+  v.size = t->size;
+  v.stride = t->size > 1 ? t->stride : 1;
+  return Status::kOk;
+}
+
 Status check_layout(int32_t layout) {
   if (layout < 0 || layout > 3)
     return fail(Status::kInvalidArgument, "layout ", layout,
@@ -169,6 +199,62 @@ Status to_params(const expertact_params* p, GluParams& out) {
   out.limit = p->limit;
   out.beta = p->beta;
   return Status::kOk;
+}
+
+// One body per operation for both descriptions (DLTensor or 2-D): Mat and Vec
+// are the operand types, converted by the to_matrix / to_vector overloads above.
+template <typename Mat, typename Vec>
+Status forward_entry(const expertact_params* params, int32_t layout, const Mat* x, const Mat* up,
+                     const Vec* weights, const Mat* out, void* stream) {
+  GluParams p;
+  EA_TRY(to_params(params, p));
+  EA_TRY(check_layout(layout));
+  const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
+  MatrixRef mx, mup, mout;
+  VectorRef vw;
+  EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+  if (separate) {
+    if (up == nullptr)
+      return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
+    EA_TRY(to_matrix("up", up, mup));
+  } else if (up != nullptr) {
+    return fail(Status::kInvalidArgument, "up must be null for a packed layout (gate_up holds both halves)");
+  }
+  if (weights) EA_TRY(to_vector("weights", weights, vw));
+  EA_TRY(to_matrix("out", out, mout));
+  return glu_forward(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
+                     weights ? &vw : nullptr, mout, stream);
+}
+
+template <typename Mat, typename Vec>
+Status backward_entry(const expertact_params* params, int32_t layout, const Mat* grad_out,
+                      const Mat* x, const Mat* up, const Vec* weights, const Mat* grad_x,
+                      const Mat* grad_up, const Vec* grad_weights, void* stream) {
+  GluParams p;
+  EA_TRY(to_params(params, p));
+  EA_TRY(check_layout(layout));
+  const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
+  MatrixRef mdy, mx, mup, mgx, mgu;
+  VectorRef vw, vgw;
+  EA_TRY(to_matrix("grad_out", grad_out, mdy));
+  EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
+  if (separate) {
+    if (up == nullptr)
+      return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
+    if (grad_up == nullptr)
+      return fail(Status::kInvalidArgument, "grad_up is missing: the separate layout returns two gradients");
+    EA_TRY(to_matrix("up", up, mup));
+    EA_TRY(to_matrix("grad_up", grad_up, mgu));
+  } else if (up != nullptr || grad_up != nullptr) {
+    return fail(Status::kInvalidArgument,
+                "up and grad_up must be null for a packed layout (gate_up holds both halves)");
+  }
+  if (weights) EA_TRY(to_vector("weights", weights, vw));
+  if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+  EA_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
+  return glu_backward(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
+                      weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
+                      grad_weights ? &vgw : nullptr, stream);
 }
 
 template <typename Fn>
@@ -221,26 +307,7 @@ expertact_status expertact_preset(const char* name, float alpha, float limit,
 expertact_status expertact_glu_forward(const expertact_params* params, int32_t layout,
                                        const DLTensor* x, const DLTensor* up,
                                        const DLTensor* weights, DLTensor* out, void* stream) {
-  return guarded([&]() -> Status {
-    GluParams p;
-    EA_TRY(to_params(params, p));
-    EA_TRY(check_layout(layout));
-    const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
-    MatrixRef mx, mup, mout;
-    VectorRef vw;
-    EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
-    if (separate) {
-      if (up == nullptr)
-        return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
-      EA_TRY(to_matrix("up", up, mup));
-    } else if (up != nullptr) {
-      return fail(Status::kInvalidArgument, "up must be null for a packed layout (gate_up holds both halves)");
-    }
-    if (weights) EA_TRY(to_vector("weights", weights, vw));
-    EA_TRY(to_matrix("out", out, mout));
-    return glu_forward(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
-                       weights ? &vw : nullptr, mout, stream);
-  });
+  return guarded([&] { return forward_entry(params, layout, x, up, weights, out, stream); });
 }
 
 expertact_status expertact_glu_backward(const expertact_params* params, int32_t layout,
@@ -248,32 +315,28 @@ expertact_status expertact_glu_backward(const expertact_params* params, int32_t 
                                         const DLTensor* up, const DLTensor* weights,
                                         DLTensor* grad_x, DLTensor* grad_up,
                                         DLTensor* grad_weights, void* stream) {
-  return guarded([&]() -> Status {
-    GluParams p;
-    EA_TRY(to_params(params, p));
-    EA_TRY(check_layout(layout));
-    const bool separate = layout == EXPERTACT_LAYOUT_SEPARATE;
-    MatrixRef mdy, mx, mup, mgx, mgu;
-    VectorRef vw, vgw;
-    EA_TRY(to_matrix("grad_out", grad_out, mdy));
-    EA_TRY(to_matrix(separate ? "gate" : "gate_up", x, mx));
-    if (separate) {
-      if (up == nullptr)
-        return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
-      if (grad_up == nullptr)
-        return fail(Status::kInvalidArgument, "grad_up is missing: the separate layout returns two gradients");
-      EA_TRY(to_matrix("up", up, mup));
-      EA_TRY(to_matrix("grad_up", grad_up, mgu));
-    } else if (up != nullptr || grad_up != nullptr) {
-      return fail(Status::kInvalidArgument,
-                  "up and grad_up must be null for a packed layout (gate_up holds both halves)");
-    }
-    if (weights) EA_TRY(to_vector("weights", weights, vw));
-    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
-    EA_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
-    return glu_backward(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
-                        weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
-                        grad_weights ? &vgw : nullptr, stream);
+  return guarded([&] {
+    return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
+                          stream);
+  });
+}
+
+expertact_status expertact_glu_forward_2d(const expertact_params* params, int32_t layout,
+                                          const expertact_matrix* x, const expertact_matrix* up,
+                                          const expertact_vector* weights, expertact_matrix* out,
+                                          void* stream) {
+  return guarded([&] { return forward_entry(params, layout, x, up, weights, out, stream); });
+}
+
+expertact_status expertact_glu_backward_2d(const expertact_params* params, int32_t layout,
+                                           const expertact_matrix* grad_out,
+                                           const expertact_matrix* x, const expertact_matrix* up,
+                                           const expertact_vector* weights,
+                                           expertact_matrix* grad_x, expertact_matrix* grad_up,
+                                           expertact_vector* grad_weights, void* stream) {
+  return guarded([&] {
+    return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
+                          stream);
   });
 }
 

@@ -74,6 +74,52 @@ EXPERTACT_API expertact_status expertact_glu_backward(
     const DLTensor* up, const DLTensor* weights, DLTensor* grad_x, DLTensor* grad_up,
     DLTensor* grad_weights, void* stream);
 
+/* The same two operations over plain 2-D descriptions, for bindings that pay
+ * per field they fill (expertact's Python binding describes an operand this way
+ * in about half the time it takes to fill a DLTensor and its shape and stride
+ * arrays). The leading dimensions of a [..., C] tensor are already collapsed
+ * into rows and one row stride; everything else is validated exactly as by the
+ * DLTensor entry points above, with the same messages (they share the checks).
+ * Added in expertact 0.1.0 without changing the ABI version: the DLTensor entry
+ * points are unchanged. */
+
+/* A row-strided matrix: element (r, c) at (char*)data + (r * row_stride + c) *
+ * element size. row_stride is in elements and is ignored when rows <= 1. */
+typedef struct expertact_matrix {
+  void* data;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  DLDataType dtype;
+  DLDevice device;
+} expertact_matrix;
+
+/* Per-row weights (float32): element i at (char*)data + i * stride * 4.
+ * stride is in elements and is ignored when size <= 1. */
+typedef struct expertact_vector {
+  void* data;
+  int64_t size;
+  int64_t stride;
+  DLDataType dtype;
+  DLDevice device;
+} expertact_vector;
+
+/* expertact_glu_forward over 2-D descriptions; arguments as there (x is
+ * [rows, F] or [rows, 2F], out [rows, F]). */
+EXPERTACT_API expertact_status expertact_glu_forward_2d(const expertact_params* params,
+                                                        int32_t layout, const expertact_matrix* x,
+                                                        const expertact_matrix* up,
+                                                        const expertact_vector* weights,
+                                                        expertact_matrix* out, void* stream);
+
+/* expertact_glu_backward over 2-D descriptions; arguments as there (grad_x may
+ * describe the same view as x, grad_up as up: in-place backward). */
+EXPERTACT_API expertact_status expertact_glu_backward_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* x, const expertact_matrix* up, const expertact_vector* weights,
+    expertact_matrix* grad_x, expertact_matrix* grad_up, expertact_vector* grad_weights,
+    void* stream);
+
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);
 

@@ -1,23 +1,42 @@
-"""The torch operators: expertact::glu (differentiable), expertact::glu_backward and the
-in-place expertact::glu_backward_, registered through torch.library (define/impl,
-register_fake, and an Autograd kernel around a torch.autograd.Function: what
-register_autograd builds, without its per-call schema walk) so that torch.compile
-traces them with no graph break. Each kernel builds DLTensors straight from the tensors and calls the C ABI
-on the current stream of the tensors' own device; the library validates everything.
+"""The torch operators expertact::glu (differentiable), expertact::glu_backward and the
+in-place expertact::glu_backward_, their kernel bodies, and the eager fast path that
+calls the same bodies without the dispatcher.
 
-Memory (SPEC section 3): the forward saves only its inputs (and weights) for
-backward. With inplace_backward=True the backward writes the gradients over
-those inputs and returns them: a second backward through the same graph raises,
-and the inputs' version counters are bumped so that any other saved user of them
-fails loudly instead of reading gradients.
+Two routes reach one kernel body per operation (glu_forward_body, glu_backward_body,
+glu_backward_inplace_body), each of which describes its tensors to the C ABI and calls
+it on the current stream of the tensors' own device; the library validates everything.
+
+- The operators, registered through torch.library (define/impl, register_fake, an
+  Autograd kernel around a torch.autograd.Function, an ADInplaceOrView kernel that bumps
+  version counters): what torch.compile traces (no graph break) and what runs whenever
+  anything but autograd stands between the caller and the kernel (a TorchDispatchMode,
+  FakeTensors, tensor subclasses, functorch transforms, jit tracing, other devices).
+- The eager path (glu_eager, used by the functional API when eager_ok() and _plain()
+  hold): a torch.autograd.Function that calls the bodies directly, and a no-grad call
+  that goes straight to the body. It skips the dispatcher's two hops into Python
+  kernels (Autograd, then CPU/CUDA) and the redispatch between them: 8.5 us of a 17.9 us
+  no-grad forward on the CPU, 11.5 more with autograd (docs/perf-notes.md, "Python host
+  path").
+
+Memory (SPEC section 3): the forward saves only its inputs (and weights) for backward.
+With inplace_backward=True the backward writes the gradients over those inputs and
+returns them: a second backward through the same graph raises, and the inputs' version
+counters are bumped so that any other saved user of them fails loudly instead of
+reading gradients.
 """
 from __future__ import annotations
+
+import math
+import struct
+from ctypes import c_float, c_void_p
 
 import torch
 
 from . import _capi
 
-__all__ = ["glu_op", "glu_backward_op", "glu_backward_inplace_op"]
+__all__ = ["glu_op", "glu_backward_op", "glu_backward_inplace_op", "glu_forward_body", "glu_backward_body",
+           "glu_backward_inplace_body", "glu_eager", "glu_backward_any", "eager_ok", "rows_view_ok",
+           "vector_ok"]
 
 _LIB = torch.library.Library("expertact", "DEF")
 _LIB.define(
@@ -35,33 +54,29 @@ _LIB.define(
     "Tensor(c!)? grad_weights, int layout, int act, float alpha, float limit, float beta) -> ()"
 )
 
-# torch dtype -> DLPack dtype. Only the first three are accepted by the library; the
-# others are named so that its message says what was passed.
-def _dl_dtype(code, bits):
-    d = _capi.DLDataType()
-    d.code, d.bits, d.lanes = code, bits, 1
-    return d
+# ---------------------------------------------------------------------------
+# Describing tensors to the C ABI
+# ---------------------------------------------------------------------------
 
-
-_DL_DTYPES = {
-    dt: _dl_dtype(code, bits) for dt, (code, bits) in {
-        torch.float32: (_capi.DL_FLOAT, 32),
-        torch.float16: (_capi.DL_FLOAT, 16),
-        torch.bfloat16: (_capi.DL_BFLOAT, 16),
-        torch.float64: (_capi.DL_FLOAT, 64),
-        torch.int8: (_capi.DL_INT, 8),
-        torch.int16: (_capi.DL_INT, 16),
-        torch.int32: (_capi.DL_INT, 32),
-        torch.int64: (_capi.DL_INT, 64),
-        torch.uint8: (_capi.DL_UINT, 8),
-        torch.bool: (_capi.DL_BOOL, 8),
-        torch.complex64: (_capi.DL_COMPLEX, 64),
-        torch.complex128: (_capi.DL_COMPLEX, 128),
-    }.items()
+# torch dtype -> DLPack (code, bits). Only the first four are accepted by the library;
+# the others are named so that its message says what was passed.
+_DL_CODES = {
+    torch.float32: (_capi.DL_FLOAT, 32),
+    torch.float16: (_capi.DL_FLOAT, 16),
+    torch.bfloat16: (_capi.DL_BFLOAT, 16),
+    torch.float64: (_capi.DL_FLOAT, 64),
+    torch.int8: (_capi.DL_INT, 8),
+    torch.int16: (_capi.DL_INT, 16),
+    torch.int32: (_capi.DL_INT, 32),
+    torch.int64: (_capi.DL_INT, 64),
+    torch.uint8: (_capi.DL_UINT, 8),
+    torch.bool: (_capi.DL_BOOL, 8),
+    torch.complex64: (_capi.DL_COMPLEX, 64),
+    torch.complex128: (_capi.DL_COMPLEX, 128),
 }
 _UNKNOWN_DTYPE_CODE = 255
-_MAX_DIMS = _capi._MAX_DIMS
 _DL_CPU, _DL_CUDA = _capi.DL_CPU, _capi.DL_CUDA
+_SEPARATE = _capi.LAYOUT_SEPARATE
 
 try:  # the raw cudaStream_t of a device's current stream, without building a torch.cuda.Stream
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -69,52 +84,83 @@ except ImportError:  # CPU-only torch builds
     _raw_stream = None
 
 _WS = _capi.WORKSPACE
-_fwd = _capi._forward
-_bwd = _capi._backward
 _raise = _capi.raise_for
+_fwd_2d = _capi.forward_2d
+_bwd_2d = _capi.backward_2d
+_pack_params = struct.Struct("=" + _capi.PARAMS_FMT).pack_into
+_pack_matrix = struct.Struct("=" + _capi.MATRIX_FMT).pack_into
+_pack_vector = struct.Struct("=" + _capi.VECTOR_FMT).pack_into
+_O = _capi._OFFSETS
+_OX, _OU, _OW, _OO, _OGU, _OGW, _ODY = (_O[n] for n in ("x", "up", "weights", "out", "grad_up", "grad_weights",
+                                                       "grad_out"))
+
+# (dtype, device) -> the packed dtype + device fields: CPU tensors in _CPU_TAILS, CUDA
+# tensors in _CUDA_TAILS[device index], filled on first use.
+_CPU_TAILS = {dt: _capi.dl_tail(c, b, _DL_CPU, 0) for dt, (c, b) in _DL_CODES.items()}
+_CUDA_TAILS = {}
 
 
-def _dl(slot, t):
-    """Fills a reusable DLTensor from a tensor (its data pointer already includes the storage offset)."""
-    d = slot.t
-    d.data = t.data_ptr()
-    dev = slot.dev
-    idx = t.get_device()  # -1 for CPU tensors
-    if idx < 0:
-        dev.device_type = _DL_CPU if t.is_cpu else 0  # 0: not cpu/cuda, which the library names
-        dev.device_id = 0
-    else:
-        dev.device_type = _DL_CUDA if t.is_cuda else 0
-        dev.device_id = idx
-    dt = _DL_DTYPES.get(t.dtype)
-    d.dtype = dt if dt is not None else _dl_dtype(_UNKNOWN_DTYPE_CODE, t.element_size() * 8)
-    shape = t.shape
-    n = len(shape)
-    d.ndim = n
-    if n > _MAX_DIMS and len(slot.shape) < n:
-        slot.resize(n)
-    slot.shape[:n] = shape
-    slot.strides[:n] = t.stride()
-    return slot.ref
+def _tail(t) -> bytes:
+    """The dtype and device of t as the 2-D descriptions carry them (12 packed bytes)."""
+    if t.is_cpu:
+        tail = _CPU_TAILS.get(t.dtype)
+        if tail is not None:
+            return tail
+    elif t.is_cuda:
+        tails = _CUDA_TAILS.get(t.get_device())
+        tail = None if tails is None else tails.get(t.dtype)
+        if tail is not None:
+            return tail
+    return _new_tail(t)
 
 
-def _stream(t) -> int:
-    """The current stream of the tensor's own device (0 for CPU tensors)."""
+def _new_tail(t) -> bytes:
+    code, bits = _DL_CODES.get(t.dtype, (_UNKNOWN_DTYPE_CODE, t.element_size() * 8))
+    if t.is_cuda:
+        idx = t.get_device()
+        tail = _capi.dl_tail(code, bits, _DL_CUDA, idx)
+        if t.dtype in _DL_CODES:
+            _CUDA_TAILS.setdefault(idx, {})[t.dtype] = tail
+        return tail
+    # 0: neither cpu nor cuda, which the library names
+    return _capi.dl_tail(code, bits, _DL_CPU if t.is_cpu else 0, 0)
+
+
+def _stream(t):
+    """The current stream of the tensor's own device (None, the NULL stream, for CPU tensors)."""
     if not t.is_cuda:
-        return 0
+        return None
     idx = t.get_device()
     if _raw_stream is not None:
-        return _raw_stream(idx)
-    return torch.cuda.current_stream(idx).cuda_stream
+        return c_void_p(_raw_stream(idx))
+    return c_void_p(torch.cuda.current_stream(idx).cuda_stream)
 
 
-def _params(act, alpha, limit, beta):
-    p = _WS.params
-    p.act = act
-    p.alpha = alpha
-    p.limit = limit
-    p.beta = beta
-    return _WS.params_ref
+def _row_stride(shape, stride):
+    """The one row stride of [..., C] read as rows (the last dimension contiguous, the
+    leading ones collapsing into one stride that does not overlap rows), or None."""
+    n = len(shape)
+    cols = shape[-1]
+    if cols > 1 and stride[-1] != 1:
+        return None
+    if n == 2:  # the usual view: a column slice of a wider matrix (gate_up.chunk(2, -1))
+        return cols if shape[0] == 1 else stride[0] if stride[0] >= cols else None
+    row_stride = -1
+    expect = 0
+    for i in range(n - 2, -1, -1):
+        s = shape[i]
+        if s == 1:
+            continue
+        if row_stride < 0:
+            if stride[i] < cols:
+                return None
+            row_stride = stride[i]
+            expect = row_stride * s
+        elif stride[i] != expect:
+            return None
+        else:
+            expect *= s
+    return cols if row_stride < 0 else row_stride
 
 
 def rows_view_ok(t) -> bool:
@@ -124,148 +170,267 @@ def rows_view_ok(t) -> bool:
     if t.is_contiguous():
         return True
     shape = t.shape
-    n = len(shape)
-    if n == 0 or t.numel() == 0:
+    if not shape or 0 in shape:
         return True  # nothing to read, or 0-dim: the library names the problem
-    stride = t.stride()
-    cols = shape[-1]
-    if cols > 1 and stride[-1] != 1:
-        return False
-    expect = -1
-    for i in range(n - 2, -1, -1):
+    return _row_stride(shape, t.stride()) is not None
+
+
+def _vector_stride(shape, stride):
+    """The one stride of a per-row weight tensor's elements, or None."""
+    found = None
+    expect = 0
+    for i in range(len(shape) - 1, -1, -1):
         s = shape[i]
         if s == 1:
             continue
-        if expect < 0:
-            if stride[i] < cols:
-                return False
-            expect = stride[i] * s
+        if found is None:
+            found = stride[i]
+            expect = found * s
         elif stride[i] != expect:
-            return False
+            return None
         else:
             expect *= s
-    return True
+    return 1 if found is None else found
 
 
 def vector_ok(t) -> bool:
     """Whether a per-row weight tensor collapses into one stride (else it is copied)."""
+    return t.is_contiguous() or _vector_stride(t.shape, t.stride()) is not None
+
+
+def _as_rows(t):
+    """(t, rows, cols, row_stride): t read as a row-strided matrix, or its contiguous copy
+    when it cannot be (the leading dims do not collapse). rows is None for a 0-dim tensor,
+    which only the DLTensor description can show to the library (which refuses it)."""
+    shape = t.shape
+    n = len(shape)
+    if n == 2:
+        rows, cols = shape
+        if t.is_contiguous():
+            return t, rows, cols, cols
+    elif n == 0:
+        return t, None, None, None
+    else:
+        cols = shape[-1]
+        rows = math.prod(shape[:-1])
+        if t.is_contiguous():
+            return t, rows, cols, cols
+    if rows == 0 or cols == 0:
+        return t, rows, cols, cols
+    row_stride = _row_stride(shape, t.stride())
+    if row_stride is None:
+        return t.contiguous(), rows, cols, cols
+    return t, rows, cols, row_stride
+
+
+def _as_vector(t):
+    """(t, size, stride) of per-row weights, t copied when its elements do not collapse."""
     if t.is_contiguous():
-        return True
-    expect = None
-    for s, st in zip(reversed(t.shape), reversed(t.stride())):
-        if s == 1:
-            continue
-        if expect is None:
-            expect = st * s
-        elif st != expect:
-            return False
+        return t, t.numel(), 1
+    stride = _vector_stride(t.shape, t.stride())
+    if stride is None:
+        t = t.contiguous()
+        stride = 1
+    return t, t.numel(), stride
+
+
+_INT32 = range(-(1 << 31), 1 << 31)
+
+
+def _int32(v: int) -> int:
+    """v saturated to int32, so that the library names an out-of-range value as out of range
+    (ctypes would truncate 2**32 to 0, a valid code)."""
+    return v if v in _INT32 else (_INT32.stop - 1 if v > 0 else _INT32.start)
+
+
+def _params(buf, act, alpha, limit, beta):
+    try:
+        _pack_params(buf, 0, act, alpha, limit, beta)
+    except (struct.error, OverflowError):
+        # Out of float32 / int32 range: the values the C structs would hold (a float past
+        # float32's range is +-inf, which the library refuses or reads as "no clamp").
+        _pack_params(buf, 0, _int32(int(act)), c_float(alpha).value, c_float(limit).value, c_float(beta).value)
+
+
+def _call_dlpack(entry, layout, act, alpha, limit, beta, operands, stream):
+    """The DLTensor description, for what the 2-D one cannot show (a 0-dim tensor, refused
+    by the library with its message). operands: tensors or None, in the entry's order;
+    the same tensor twice (in place) gets the same DLTensor."""
+    ws = _WS
+    p = ws.params
+    p.act, p.alpha, p.limit, p.beta = _int32(act), alpha, limit, beta
+    refs, seen = [], {}
+    for t in operands:
+        if t is None:
+            refs.append(None)
+        elif id(t) in seen:
+            refs.append(seen[id(t)])
         else:
-            expect *= s
-    return True
+            seen[id(t)] = ref = _dl(ws.slots[len(seen)], t)
+            refs.append(ref)
+    status = entry(ws.params_ref, _int32(layout), *refs, stream)
+    if status:
+        _raise(status)
 
 
-def _rows(t):
-    return t if t is None or rows_view_ok(t) else t.contiguous()
+def _dl(slot, t):
+    """Fills a reusable DLTensor from a tensor (its data pointer already includes the storage offset)."""
+    d = slot.t
+    d.data = t.data_ptr()
+    code, bits = _DL_CODES.get(t.dtype, (_UNKNOWN_DTYPE_CODE, t.element_size() * 8))
+    d.dtype.code, d.dtype.bits = code, bits
+    dev = slot.dev
+    dev.device_type = _DL_CUDA if t.is_cuda else _DL_CPU if t.is_cpu else 0
+    dev.device_id = max(t.get_device(), 0)
+    shape = t.shape
+    n = len(shape)
+    d.ndim = n
+    if len(slot.shape) < n:
+        slot.resize(n)
+    slot.shape[:n] = shape
+    slot.strides[:n] = t.stride()
+    return slot.ref
 
 
-def _vec(t):
-    return t if t is None or vector_ok(t) else t.contiguous()
+# ---------------------------------------------------------------------------
+# Kernel bodies (CPU and CUDA): the operators' kernels and the eager path's calls
+# ---------------------------------------------------------------------------
 
 
-def _out_cols(x, layout):
+def glu_forward_body(x, up, weights, layout, act, alpha, limit, beta, inplace_backward=False):
+    x, rows, cols, xs = _as_rows(x)
+    if up is not None:
+        up, urows, ucols, us = _as_rows(up)
+    if weights is not None:
+        weights, wn, wst = _as_vector(weights)
     shape = x.shape
-    if not shape:
-        return shape  # 0-dim: the library refuses it with a message naming it
-    c = shape[-1]
-    return shape[:-1] + (c if layout == _capi.LAYOUT_SEPARATE else c // 2,)
-
-
-# ---------------------------------------------------------------------------
-# Kernels (CPU and CUDA)
-# ---------------------------------------------------------------------------
-
-
-def _glu_kernel(x, up, weights, layout, act, alpha, limit, beta, inplace_backward=False):
-    x, up, weights = _rows(x), _rows(up), _vec(weights)
-    out = x.new_empty(_out_cols(x, layout))
-    s = _WS.slots
-    status = _fwd(
-        _params(act, alpha, limit, beta), layout, _dl(s[0], x),
-        None if up is None else _dl(s[1], up),
-        None if weights is None else _dl(s[2], weights),
-        _dl(s[3], out), _stream(x))
+    if rows is None or (up is not None and urows is None):  # 0-dim
+        out = x.new_empty(shape)
+        _call_dlpack(_capi._forward, layout, act, alpha, limit, beta, (x, up, weights, out), _stream(x))
+        return out
+    f = cols if layout == _SEPARATE else cols // 2
+    out = x.new_empty(rows, f) if len(shape) == 2 else x.new_empty((*shape[:-1], f))
+    ws = _WS
+    buf = ws.buf
+    _params(buf, act, alpha, limit, beta)
+    tail = _tail(x)
+    _pack_matrix(buf, _OX, x.data_ptr(), rows, cols, xs, tail)
+    r_up = r_w = None
+    if up is not None:
+        _pack_matrix(buf, _OU, up.data_ptr(), urows, ucols, us, _tail(up))
+        r_up = ws.r_up
+    if weights is not None:
+        _pack_vector(buf, _OW, weights.data_ptr(), wn, wst, _tail(weights))
+        r_w = ws.r_w
+    _pack_matrix(buf, _OO, out.data_ptr(), rows, f, f, tail)  # out: x's dtype and device
+    status = _fwd_2d(ws.r_params, _int32(layout), ws.r_x, r_up, r_w, ws.r_out, _stream(x))
     if status:
         _raise(status)
     return out
 
 
-def _glu_backward_kernel(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta):
-    grad_out, x, up, weights = _rows(grad_out), _rows(x), _rows(up), _vec(weights)
-    gx = x.new_empty(x.shape)
-    gu = None if up is None else up.new_empty(up.shape)
+def _backward_2d(grad_out, x, up, weights, grad_x, grad_up, grad_weights, layout, act, alpha, limit, beta):
+    """Describes a backward call in 2-D and makes it. x, up, grad_out: (t, rows, cols, stride)
+    from _as_rows; weights: (t, size, stride) from _as_vector; grad_x / grad_up: the same
+    tuples, or the input's own tuple for in place; grad_weights: a tensor (any single stride,
+    from _as_vector) or None."""
+    ws = _WS
+    buf = ws.buf
+    _params(buf, act, alpha, limit, beta)
+    xt = x[0]
+    tail = _tail(xt)
+    _pack_matrix(buf, _OX, xt.data_ptr(), x[1], x[2], x[3], tail)
+    dy = grad_out[0]
+    _pack_matrix(buf, _ODY, dy.data_ptr(), grad_out[1], grad_out[2], grad_out[3], _tail(dy))
+    r_up = r_gu = r_w = r_gw = None
+    if up is not None:
+        _pack_matrix(buf, _OU, up[0].data_ptr(), up[1], up[2], up[3], _tail(up[0]))
+        r_up = ws.r_up
+    if weights is not None:
+        _pack_vector(buf, _OW, weights[0].data_ptr(), weights[1], weights[2], _tail(weights[0]))
+        r_w = ws.r_w
+    if grad_x is x:  # in place: the input's own description
+        r_gx, r_gu = ws.r_x, r_up
+    else:
+        _pack_matrix(buf, _OO, grad_x[0].data_ptr(), grad_x[1], grad_x[2], grad_x[3], tail)
+        r_gx = ws.r_out
+        if grad_up is not None:
+            _pack_matrix(buf, _OGU, grad_up[0].data_ptr(), grad_up[1], grad_up[2], grad_up[3], _tail(grad_up[0]))
+            r_gu = ws.r_gu
+    if grad_weights is not None:
+        _pack_vector(buf, _OGW, grad_weights[0].data_ptr(), grad_weights[1], grad_weights[2],
+                     _tail(grad_weights[0]))
+        r_gw = ws.r_gw
+    status = _bwd_2d(ws.r_params, _int32(layout), ws.r_dy, ws.r_x, r_up, r_w, r_gx, r_gu, r_gw, _stream(xt))
+    if status:
+        _raise(status)
+
+
+def glu_backward_body(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta):
+    dy, x, up = _as_rows(grad_out), _as_rows(x), None if up is None else _as_rows(up)
+    w = None if weights is None else _as_vector(weights)
+    xt = x[0]
+    # Contiguous, as described below: a collapsible x is contiguous or has gaps between
+    # rows (not dense), and empty_like gives a dense input's strides, else contiguous ones.
+    gx = torch.empty_like(xt)
+    gu = None if up is None else torch.empty_like(up[0])
     gw = None
     if weights_grad:
         # With no weights: a 0-element buffer, which the library refuses with its own message.
-        gw = torch.empty(weights.shape if weights is not None else (0,), dtype=torch.float32,
-                         device=(weights if weights is not None else x).device)
-    s = _WS.slots
-    status = _bwd(
-        _params(act, alpha, limit, beta), layout, _dl(s[0], grad_out), _dl(s[1], x),
-        None if up is None else _dl(s[2], up),
-        None if weights is None else _dl(s[3], weights),
-        _dl(s[4], gx),
-        None if gu is None else _dl(s[5], gu),
-        None if gw is None else _dl(s[6], gw), _stream(x))
-    if status:
-        _raise(status)
-    res = [gx]
-    if gu is not None:
-        res.append(gu)
+        gw = torch.empty_like(w[0]) if w is not None else xt.new_empty(0, dtype=torch.float32)
+    res = [gx] if gu is None else [gx, gu]
     if gw is not None:
         res.append(gw)
+    if dy[1] is None or x[1] is None or (up is not None and up[1] is None):  # 0-dim
+        _call_dlpack(_capi._backward, layout, act, alpha, limit, beta,
+                     (dy[0], xt, None if up is None else up[0], None if w is None else w[0], gx, gu, gw),
+                     _stream(xt))
+        return res
+    gxd = (gx, x[1], x[2], x[2])
+    gud = None if gu is None else (gu, up[1], up[2], up[2])
+    gwd = None if gw is None else (gw, gw.numel(), 1)
+    _backward_2d(dy, x, up, w, gxd, gud, gwd, layout, act, alpha, limit, beta)
     return res
 
 
-def _glu_backward_inplace_kernel(grad_out, x, up, weights, grad_weights, layout, act, alpha, limit, beta):
-    grad_out, weights = _rows(grad_out), _vec(weights)
+def glu_backward_inplace_body(grad_out, x, up, weights, grad_weights, layout, act, alpha, limit, beta):
     # The library writes in place only over a row-strided view; anything else goes
     # through one contiguous copy that is written back.
-    xs = _rows(x)
-    us = _rows(up)
-    gws = _vec(grad_weights)
-    s = _WS.slots
-    xr = _dl(s[1], xs)
-    ur = None if us is None else _dl(s[2], us)
-    status = _bwd(
-        _params(act, alpha, limit, beta), layout, _dl(s[0], grad_out), xr, ur,
-        None if weights is None else _dl(s[3], weights),
-        xr, ur, None if gws is None else _dl(s[6], gws), _stream(x))
-    if status:
-        _raise(status)
-    if xs is not x:
-        x.copy_(xs)
-    if us is not up:
-        up.copy_(us)
-    if gws is not grad_weights:
-        grad_weights.copy_(gws)
+    dy = _as_rows(grad_out)
+    xd = _as_rows(x)
+    ud = None if up is None else _as_rows(up)
+    w = None if weights is None else _as_vector(weights)
+    gw = None if grad_weights is None else _as_vector(grad_weights)
+    if dy[1] is None or xd[1] is None or (ud is not None and ud[1] is None):  # 0-dim
+        _call_dlpack(_capi._backward, layout, act, alpha, limit, beta,
+                     (dy[0], xd[0], None if ud is None else ud[0], None if w is None else w[0], xd[0],
+                      None if ud is None else ud[0], None if gw is None else gw[0]), _stream(xd[0]))
+    else:
+        _backward_2d(dy, xd, ud, w, xd, ud, gw, layout, act, alpha, limit, beta)
+    if xd[0] is not x:
+        x.copy_(xd[0])
+    if ud is not None and ud[0] is not up:
+        up.copy_(ud[0])
+    if gw is not None and gw[0] is not grad_weights:
+        grad_weights.copy_(gw[0])
 
 
 for _key in ("CPU", "CUDA"):
-    _LIB.impl("glu", _glu_kernel, _key)
-    _LIB.impl("glu_backward", _glu_backward_kernel, _key)
-    _LIB.impl("glu_backward_", _glu_backward_inplace_kernel, _key)
+    _LIB.impl("glu", glu_forward_body, _key)
+    _LIB.impl("glu_backward", glu_backward_body, _key)
+    _LIB.impl("glu_backward_", glu_backward_inplace_body, _key)
+
+
+def _bump_versions(x, up, grad_weights):
+    # Bump the version counters of what the in-place backward writes, as built-in in-place
+    # ops do: any autograd node that saved x or up (or a view of them) then fails loudly.
+    for t in (x, up, grad_weights):
+        if t is not None:  # one at a time: older torch takes a single tensor
+            torch.autograd.graph.increment_version(t)
 
 
 def _glu_backward_inplace_adinplaceorview(keyset, grad_out, x, up, weights, grad_weights, *args):
-    # Bump the version counters of what the op writes, as built-in in-place ops do:
-    # any autograd node that saved x or up (or a view of them) then fails loudly.
-    tensors = [x]
-    if up is not None:
-        tensors.append(up)
-    if grad_weights is not None:
-        tensors.append(grad_weights)
-    for t in tensors:  # one at a time: older torch takes a single tensor
-        torch.autograd.graph.increment_version(t)
+    _bump_versions(x, up, grad_weights)
     return glu_backward_inplace_op.redispatch(
         keyset & torch._C._after_ADInplaceOrView_keyset, grad_out, x, up, weights, grad_weights, *args)
 
@@ -280,6 +445,14 @@ glu_backward_inplace_op = torch.ops.expertact.glu_backward_.default
 # ---------------------------------------------------------------------------
 # Fake (meta) kernels: shapes and dtypes only, for torch.compile and meta tensors
 # ---------------------------------------------------------------------------
+
+
+def _out_cols(x, layout):
+    shape = x.shape
+    if not shape:
+        return shape  # 0-dim: the library refuses it with a message naming it
+    c = shape[-1]
+    return shape[:-1] + (c if layout == _SEPARATE else c // 2,)
 
 
 @torch.library.register_fake("expertact::glu", lib=_LIB)
@@ -303,7 +476,92 @@ def _glu_backward_inplace_fake(grad_out, x, up, weights, grad_weights, layout, a
 
 
 # ---------------------------------------------------------------------------
-# Autograd
+# When the eager path applies
+# ---------------------------------------------------------------------------
+
+_grad_enabled = torch.is_grad_enabled
+_profiling = torch.autograd._profiler_enabled
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+try:  # the torch internals eager_ok() and _plain() read; without one of them: the operators only
+    _is_compiling = torch.compiler.is_compiling
+    _dispatch_modes = torch._C._len_torch_dispatch_stack
+    _functorch_active = torch._C._are_functorch_transforms_active
+    _tf_modes_enabled = torch._C._is_torch_function_mode_enabled
+    _jit_tracing = torch._C._get_tracing_state
+    _keys = torch._C._dispatch_keys
+    _keys(torch.empty(0)).raw_repr()
+    _tf_stack_len, _tf_stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    _no_modes = (torch._C.DisableTorchFunction, torch._C._DisableTorchDispatch)
+    _EAGER = True
+except (AttributeError, TypeError):  # pragma: no cover - a torch that lacks one of them
+    _EAGER = False
+
+
+def _only_device_modes() -> bool:
+    # torch.set_default_device / `with torch.device(...)` install a DeviceContext mode, which
+    # rewrites factory calls (torch.empty, ...) and passes everything else through: the
+    # operator would reach the same kernel, and the eager path allocates with new_empty /
+    # empty_like, which it leaves alone.
+    from torch.utils._device import DeviceContext
+    return all(type(_tf_stack_at(i)) is DeviceContext for i in range(_tf_stack_len()))
+
+
+def eager_ok() -> bool:
+    """Whether calling the kernel bodies directly is what the dispatcher would do: not
+    compiling or exporting, no TorchDispatchMode (FakeTensorMode, make_fx, FlopCounterMode,
+    ...), no functorch transform, no jit trace, and no TorchFunctionMode but DeviceContext.
+    Each is one C call: 0.3 us together (measured on the CPU here); with _plain() of each
+    tensor (0.5 us) that is the whole price of the eager path's soundness."""
+    if not _EAGER or _is_compiling() or _dispatch_modes() or _functorch_active() or _jit_tracing() is not None:
+        return False
+    return not _tf_modes_enabled() or _only_device_modes()
+
+
+# Raw dispatch key sets of plain dense tensors (with and without autograd: inference tensors).
+_PLAIN_KEYS = set()
+_cuda_keys_known = False
+
+
+def _learn_keys(device) -> None:
+    # With modes and subclass dispatch off: the key sets of what torch.empty makes by itself.
+    with _no_modes[0](), _no_modes[1]():
+        with torch.inference_mode(False):
+            t = torch.empty(0, device=device)
+        with torch.inference_mode():
+            ti = torch.empty(0, device=device)
+    _PLAIN_KEYS.update((_keys(t).raw_repr(), _keys(ti).raw_repr()))
+
+
+if _EAGER:
+    _learn_keys("cpu")
+
+
+def _plain(t) -> bool:
+    """Whether t is a plain dense CPU or CUDA tensor: torch.Tensor (or nn.Parameter) itself,
+    with exactly the dispatch keys such a tensor has. That one comparison (0.5 us) excludes
+    subclasses with a dispatch key (FakeTensor, DTensor, FunctionalTensor), functorch
+    wrappers, negative or conjugate views, ZeroTensors, sparse, nested, mkldnn and meta
+    tensors and every other device; the type test excludes __torch_function__ subclasses."""
+    tp = type(t)
+    if tp is not _Tensor and tp is not _Parameter:
+        return False
+    return _keys(t).raw_repr() in _PLAIN_KEYS or _learn_cuda_keys(t)
+
+
+def _learn_cuda_keys(t) -> bool:
+    # The CUDA key sets are learned from a fresh tensor the first time a CUDA tensor is
+    # seen (creating one at import would initialise CUDA).
+    global _cuda_keys_known
+    if _cuda_keys_known or not t.is_cuda:
+        return False
+    _learn_keys(t.device)
+    _cuda_keys_known = True
+    return _keys(t).raw_repr() in _PLAIN_KEYS
+
+
+# ---------------------------------------------------------------------------
+# Autograd: one backward for the operator's node and the eager path's
 # ---------------------------------------------------------------------------
 
 _CREATE_GRAPH_MSG = (
@@ -317,8 +575,47 @@ _SECOND_BACKWARD_MSG = (
     "gradients as inputs. Call with inplace_backward=False to backward more than once."
 )
 
-
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _save(ctx, x, up, weights, args, inplace_backward):
+    """What both nodes keep for backward: the inputs themselves, the scalars (layout, act,
+    alpha, limit, beta), the in-place flag, and whether an in-place backward already ran."""
+    ctx.save_for_backward(x, up, weights)
+    ctx.args = args
+    ctx.inplace = inplace_backward
+    ctx.spent = False
+
+
+def _glu_grads(ctx, grad, need_x, need_up, need_w, eager):
+    """(grad_x, grad_up, grad_weights) of a glu node. eager: the node was made by the
+    eager path, whose backward calls the bodies directly unless something now stands in
+    between (a mode entered after the forward, a subclass gradient); else the operators."""
+    if _grad_enabled():
+        raise RuntimeError(_CREATE_GRAPH_MSG)
+    if ctx.spent:
+        raise RuntimeError(_SECOND_BACKWARD_MSG)
+    x, up, weights = ctx.saved_tensors
+    weights_grad = weights is not None and need_w
+    eager = eager and eager_ok() and _plain(grad)
+    # In place only when every tensor it would overwrite wants its gradient: never
+    # destroy an input that is not being differentiated.
+    if ctx.inplace and need_x and (up is None or need_up):
+        ctx.spent = True
+        gw = torch.empty_like(weights, dtype=torch.float32) if weights_grad else None
+        if eager:
+            _bump_versions(x, up, gw)
+            glu_backward_inplace_body(grad, x, up, weights, gw, *ctx.args)
+        else:
+            glu_backward_inplace_op(grad, x, up, weights, gw, *ctx.args)
+        # Fresh aliases of the overwritten inputs: an AccumulateGrad of a leaf can then
+        # take them as .grad without a copy.
+        return x.detach(), None if up is None else up.detach(), gw
+    if eager:
+        res = glu_backward_body(grad, x, up, weights, weights_grad, *ctx.args)
+    else:
+        res = glu_backward_op(grad, x, up, weights, weights_grad, *ctx.args)
+    return res[0], res[1] if up is not None else None, res[-1] if weights_grad else None
 
 
 class _Glu(torch.autograd.Function):
@@ -331,39 +628,13 @@ class _Glu(torch.autograd.Function):
         with torch._C._AutoDispatchBelowAutograd():
             out = glu_op.redispatch(keyset & _BELOW_AUTOGRAD, x, up, weights, layout, act, alpha, limit, beta,
                                     inplace_backward)
-        ctx.save_for_backward(x, up, weights)
-        ctx.args = (layout, act, alpha, limit, beta)
-        ctx.inplace = inplace_backward
-        ctx.spent = False
+        _save(ctx, x, up, weights, (layout, act, alpha, limit, beta), inplace_backward)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_CREATE_GRAPH_MSG)
-        if ctx.spent:
-            raise RuntimeError(_SECOND_BACKWARD_MSG)
         _, need_x, need_up, need_w = ctx.needs_input_grad[:4]
-        x, up, weights = ctx.saved_tensors
-        grad = _rows(grad)
-        weights_grad = weights is not None and need_w
-        # In place only when every tensor it would overwrite wants its gradient: never
-        # destroy an input that is not being differentiated.
-        if ctx.inplace and need_x and (up is None or need_up):
-            ctx.spent = True
-            gw = None
-            if weights_grad:
-                gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
-            glu_backward_inplace_op(grad, x, up, weights, gw, *ctx.args)
-            # Fresh aliases of the overwritten inputs: an AccumulateGrad of a leaf can then
-            # take them as .grad without a copy.
-            gx = x.detach()
-            gu = None if up is None else up.detach()
-            return None, gx, gu, gw, None, None, None, None, None, None
-        res = glu_backward_op(grad, x, up, weights, weights_grad, *ctx.args)
-        gx = res[0]
-        gu = res[1] if up is not None else None
-        gw = res[-1] if weights_grad else None
+        gx, gu, gw = _glu_grads(ctx, grad, need_x, need_up, need_w, eager=False)
         return None, gx, gu, gw, None, None, None, None, None, None
 
 
@@ -377,3 +648,47 @@ def _glu_autograd(keyset, x, up, weights, layout, act, alpha, limit, beta, inpla
 
 
 _LIB.impl("glu", _glu_autograd, "Autograd", with_keyset=True)
+
+
+class _GluEager(torch.autograd.Function):
+    """The eager path's autograd node: the forward body called directly, no dispatcher. The
+    five scalars travel as one tuple: each input of an autograd.Function costs a little in
+    apply and again in backward (a toy Function: 9 inputs 1 us slower than 2 per
+    forward+backward)."""
+
+    @staticmethod
+    def forward(ctx, x, up, weights, args, inplace_backward):
+        out = glu_forward_body(x, up, weights, *args)
+        _save(ctx, x, up, weights, args, inplace_backward)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        need_x, need_up, need_w = ctx.needs_input_grad[:3]
+        gx, gu, gw = _glu_grads(ctx, grad, need_x, need_up, need_w, eager=True)
+        return gx, gu, gw, None, None
+
+
+# autograd.Function.apply's Python wrapper only binds defaults for setup_context forms,
+# routes functorch transforms (excluded by eager_ok) and unwraps dead functorch wrappers
+# (excluded by _plain); the C apply underneath is 1.7 us a call cheaper (measured).
+_eager_apply = super(torch.autograd.Function, _GluEager).apply
+
+
+def glu_eager(x, up, weights, layout, act, alpha, limit, beta, inplace_backward, _named=False):
+    """expertact::glu without the dispatcher: for plain tensors when eager_ok() holds."""
+    if not _named and _profiling():  # a profiler trace names the call as it would the operator
+        with torch.autograd.profiler.record_function("expertact::glu"):
+            return glu_eager(x, up, weights, layout, act, alpha, limit, beta, inplace_backward, True)
+    if _grad_enabled() and (x.requires_grad or (up is not None and up.requires_grad)
+                            or (weights is not None and weights.requires_grad)):
+        return _eager_apply(x, up, weights, (layout, act, alpha, limit, beta), inplace_backward)
+    return glu_forward_body(x, up, weights, layout, act, alpha, limit, beta)
+
+
+def glu_backward_any(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta):
+    """expertact::glu_backward, through the body directly when the eager path applies."""
+    if eager_ok() and _plain(grad_out) and _plain(x) and (up is None or _plain(up)) and (
+            weights is None or _plain(weights)):
+        return glu_backward_body(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta)
+    return glu_backward_op(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta)

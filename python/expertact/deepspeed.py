@@ -24,7 +24,7 @@ from typing import Mapping, Optional, Tuple
 import torch
 
 from . import _capi
-from ._ops import glu_backward_op, rows_view_ok
+from ._ops import glu_backward_any, rows_view_ok
 from .functional import ACTIVATIONS, PRESETS, _call, _float_arg, _tensor_arg
 
 __all__ = [
@@ -89,7 +89,7 @@ def _backward(grad, x, up, layout, params):
     if up is not None and not rows_view_ok(up):
         up = up.contiguous()
     with torch.no_grad():
-        return glu_backward_op(grad, x, up, None, False, layout, *params)
+        return glu_backward_any(grad, x, up, None, False, layout, *params)
 
 
 def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:

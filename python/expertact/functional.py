@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from ._ops import glu_op, rows_view_ok, vector_ok
+from ._ops import _plain, eager_ok, glu_eager, glu_op, rows_view_ok, vector_ok
 
 __all__ = ["glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS"]
 
@@ -75,19 +75,28 @@ def _layout_code(layout, packed: bool) -> int:
 
 def _call(gate, up, layout, act, alpha, limit, beta, weights, inplace_backward):
     packed = up is None
-    _tensor_arg("gate_up" if packed else "gate", gate)
-    _tensor_arg("up", up, optional=True)
-    _tensor_arg("weights", weights, optional=True)
+    if not isinstance(gate, Tensor):
+        _tensor_arg("gate_up" if packed else "gate", gate)
+    if not (packed or isinstance(up, Tensor)):
+        _tensor_arg("up", up, optional=True)
+    if not (weights is None or isinstance(weights, Tensor)):
+        _tensor_arg("weights", weights, optional=True)
     code = _layout_code(layout, packed)
     # The library reads row-strided views in place; other strides are copied once,
-    # here, so that autograd routes the gradient back through the copy.
-    if not rows_view_ok(gate):
+    # here, so that autograd routes the gradient back through the copy (and an in-place
+    # backward overwrites the copy, not the caller's tensor).
+    if not (gate.is_contiguous() or rows_view_ok(gate)):
         gate = gate.contiguous()
-    if up is not None and not rows_view_ok(up):
+    if not (packed or up.is_contiguous() or rows_view_ok(up)):
         up = up.contiguous()
-    if weights is not None and not vector_ok(weights):
+    if not (weights is None or weights.is_contiguous() or vector_ok(weights)):
         weights = weights.contiguous()
-    return glu_op(gate, up, weights, code, act, alpha, limit, beta, bool(inplace_backward))
+    inplace_backward = bool(inplace_backward)
+    # Plain tensors in eager mode: the kernel bodies without the dispatcher (docs/python.md,
+    # "The binding"); otherwise the operator, which torch.compile and modes see.
+    if eager_ok() and _plain(gate) and (packed or _plain(up)) and (weights is None or _plain(weights)):
+        return glu_eager(gate, up, weights, code, act, alpha, limit, beta, inplace_backward)
+    return glu_op(gate, up, weights, code, act, alpha, limit, beta, inplace_backward)
 
 
 def glu(gate: Tensor, up: Optional[Tensor] = None, *, layout: Optional[str] = None,

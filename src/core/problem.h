@@ -21,6 +21,7 @@ struct GluProblem {
   int64_t rows = 0;
   int64_t F = 0;
   int step = 1;
+  bool packed = false;  // one gate_up tensor: u lies inside g's view (halves, up-first, interleaved)
   const void* g = nullptr;
   const void* u = nullptr;
   int64_t g_stride = 0;

@@ -44,19 +44,29 @@ inline Status cuda_check(cudaError_t e, const char* what) {
 }
 
 // Makes `device` current for the scope and restores the caller's device after.
+// Both cudaSetDevice calls are skipped when `device` already is current (the
+// usual case: a framework makes the tensors' device current), so that costs one
+// cudaGetDevice per call.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) status_ = cudaSetDevice(device);
+    if (cudaGetDevice(&prev_) != cudaSuccess) {
+      cudaGetLastError();
+      prev_ = -1;
+    }
+    if (prev_ != device) {
+      status_ = cudaSetDevice(device);
+      restore_ = status_ == cudaSuccess && prev_ >= 0;
+    }
   }
   ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
+    if (restore_) cudaSetDevice(prev_);
   }
   cudaError_t status() const { return status_; }
 
  private:
   int prev_ = -1;
+  bool restore_ = false;
   cudaError_t status_ = cudaSuccess;
 };
 

@@ -66,9 +66,28 @@ Status no_usable_device(cudaError_t e) {
               cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
 }
 
+// The number of visible devices is fixed for the life of the process (the
+// runtime reads CUDA_VISIBLE_DEVICES once, when it initialises): asked once, and
+// asked again only while it fails, so that the failure is reported each time.
+cudaError_t visible_devices(int& count) {
+  static const int cached = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    return n;
+  }();
+  if (cached >= 0) {
+    count = cached;
+    return cudaSuccess;
+  }
+  return cudaGetDeviceCount(&count);
+}
+
 Status enter_device(int device, cuda::DeviceGuard& guard) {
   int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
+  cudaError_t e = visible_devices(count);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return no_usable_device(e);
@@ -85,11 +104,17 @@ struct NamedPointer {
 };
 
 // Makes the problem's device current (for the guard's scope) and checks that
-// every operand is memory of that device.
+// every operand is memory of that device. A pointer equal to an earlier
+// operand's (an in-place gradient is its input's pointer) is not asked again:
+// cudaPointerGetAttributes is the costly part of the host path here.
 Status enter_and_check(int device, cuda::DeviceGuard& guard,
                        std::initializer_list<NamedPointer> operands) {
   EA_TRY(enter_device(device, guard));
-  for (const NamedPointer& o : operands) EA_TRY(check_device_pointer(o.name, o.ptr, device));
+  for (auto it = operands.begin(); it != operands.end(); ++it) {
+    bool seen = false;
+    for (auto prev = operands.begin(); prev != it && !seen; ++prev) seen = prev->ptr == it->ptr;
+    if (!seen) EA_TRY(check_device_pointer(it->name, it->ptr, device));
+  }
   return Status::kOk;
 }
 
@@ -124,9 +149,10 @@ Status kernel_choice(cuda::KernelChoice& k) {
 
 Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
+  // For a packed layout up lies inside gate_up's view, which is checked.
   EA_TRY(enter_and_check(p.device_id, guard,
-                         {{p.step == 2 || p.u == nullptr ? "gate_up" : "gate", p.g},
-                          {"up", p.u},
+                         {{p.packed ? "gate_up" : "gate", p.g},
+                          {"up", p.packed ? nullptr : p.u},
                           {"weights", p.w},
                           {"out", o.out}}));
   cuda::KernelChoice k;
@@ -142,13 +168,14 @@ Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
 
 Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
+  // Packed: up and grad_up lie inside the gate_up and grad_gate_up views.
   EA_TRY(enter_and_check(p.device_id, guard,
-                         {{"gate", p.g},
-                          {"up", p.u},
+                         {{p.packed ? "gate_up" : "gate", p.g},
+                          {"up", p.packed ? nullptr : p.u},
                           {"weights", p.w},
                           {"grad_out", io.dy},
-                          {"grad_gate", io.dg},
-                          {"grad_up", io.du},
+                          {p.packed ? "grad_gate_up" : "grad_gate", io.dg},
+                          {"grad_up", p.packed ? nullptr : io.du},
                           {"grad_weights", io.dw}}));
   cuda::KernelChoice k;
   EA_TRY(kernel_choice(k));

@@ -90,6 +90,20 @@ struct Operand {
   }
 };
 
+// The same view as a 2-D description (expertact_glu_*_2d).
+expertact_matrix as_matrix(const Operand& o) {
+  return expertact_matrix{o.buf->data() + o.byte_offset, o.rows, o.cols, o.row_stride, o.t.dtype, o.t.device};
+}
+expertact_vector as_vector(const Operand& o) {
+  return expertact_vector{o.buf->data() + o.byte_offset, o.rows, o.row_stride, o.t.dtype, o.t.device};
+}
+
+// Bit-identical results (NaN payloads included).
+void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
+}
+
 using AbiParam = std::tuple<BackendKind, Layout, DType>;
 
 std::string abi_name(const testing::TestParamInfo<AbiParam>& info) {
@@ -122,6 +136,7 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     ASSERT_EQ(expertact_preset("swiglu_oai", NAN, NAN, &params), EXPERTACT_OK);
 
     Operand x, up, out, dy, gx, gu, w, gw;
+    Operand x2, up2, out2, gx2, gu2, gw2;  // the same views, for the 2-D entry points
     if (!strided) {
       // Compact N-D tensors, strides NULL.
       x.init(be, dtype, {B, S, C}, {}, R, C, C, 0, 0xFF);
@@ -132,6 +147,12 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
       gu.init(be, dtype, {B, S, F}, {}, R, F, F, 0, kPoisonA);
       w.init(be, DType::kFloat32, {B, S}, {}, R, 1, 1, 0, 0xFF);
       gw.init(be, DType::kFloat32, {R}, {}, R, 1, 1, 0, kPoisonA);
+      x2.init(be, dtype, {B, S, C}, {}, R, C, C, 0, 0xFF);
+      up2.init(be, dtype, {B, S, F}, {}, R, F, F, 0, 0xFF);
+      out2.init(be, dtype, {B, S, F}, {}, R, F, F, 0, kPoisonA);
+      gx2.init(be, dtype, {B, S, C}, {}, R, C, C, 0, kPoisonA);
+      gu2.init(be, dtype, {B, S, F}, {}, R, F, F, 0, kPoisonA);
+      gw2.init(be, DType::kFloat32, {R}, {}, R, 1, 1, 0, kPoisonA);
     } else {
       // Column slices of wider matrices, one element of byte_offset (not
       // 16-byte aligned), size-1 dimensions with arbitrary strides,
@@ -145,12 +166,21 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
       gu.init(be, dtype, {R, F}, {F, 1}, R, F, F, 0, kPoisonA);
       w.init(be, DType::kFloat32, {R}, {2}, R, 1, 2, 4, 0xFF);
       gw.init(be, DType::kFloat32, {B, S}, {9, 3}, R, 1, 3, 0, kPoisonA);
+      x2.init(be, dtype, {B, S, C}, {S * W, W, 1}, R, C, W, es, 0xFF);
+      up2.init(be, dtype, {B, 1, S, F}, {S * (F + 2), 777, F + 2, 1}, R, F, F + 2, 3 * es, 0xFF);
+      out2.init(be, dtype, {R, F}, {F + 3, 1}, R, F, F + 3, es, kPoisonA);
+      gx2.init(be, dtype, {1, R, C}, {999, C + 2, 1}, R, C, C + 2, es, kPoisonA);
+      gu2.init(be, dtype, {R, F}, {F, 1}, R, F, F, 0, kPoisonA);
+      gw2.init(be, DType::kFloat32, {B, S}, {9, 3}, R, 1, 3, 0, kPoisonA);
     }
     x.put(xv);
+    x2.put(xv);
     up.put(in.up);
+    up2.put(in.up);
     dy.put(in.dy);
     w.put(in.w);
-    for (Operand* o : {&x, &up, &out, &dy, &gx, &gu, &w, &gw}) o->upload();
+    for (Operand* o : {&x, &up, &out, &dy, &gx, &gu, &w, &gw, &x2, &up2, &out2, &gx2, &gu2, &gw2})
+      o->upload();
 
     // Forward.
     ASSERT_EQ(expertact_glu_forward(&params, static_cast<int32_t>(layout), &x.t, sep ? &up.t : nullptr,
@@ -179,6 +209,35 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     for (Operand* o : {&x, &up, &dy, &w}) o->get("input");  // inputs unchanged
     expect_verdict(verify(c, in, WMode::kWeights, &f, &b, oracle_params(c.params)),
                    "C ABI vs oracle");
+    // The 2-D entry points on the same views: bit-identical results.
+    {
+      const expertact_matrix mx = as_matrix(x2), mup = as_matrix(up2), mdy = as_matrix(dy);
+      expertact_matrix mout = as_matrix(out2), mgx = as_matrix(gx2), mgu = as_matrix(gu2);
+      const expertact_vector vw = as_vector(w);
+      expertact_vector vgw = as_vector(gw2);
+      ASSERT_EQ(expertact_glu_forward_2d(&params, static_cast<int32_t>(layout), &mx, sep ? &mup : nullptr,
+                                         &vw, &mout, be.stream()),
+                EXPERTACT_OK)
+          << expertact_last_error();
+      ASSERT_EQ(expertact_glu_backward_2d(&params, static_cast<int32_t>(layout), &mdy, &mx,
+                                          sep ? &mup : nullptr, &vw, &mgx, sep ? &mgu : nullptr, &vgw,
+                                          be.stream()),
+                EXPERTACT_OK)
+          << expertact_last_error();
+      be.finish("expertact_glu_*_2d");
+      expect_same_bits(out2.get("out (2-D)"), f.out, "forward_2d vs forward");
+      expect_same_bits(gx2.get("grad_x (2-D)"), gx.get("grad_x"), "backward_2d grad_x");
+      if (sep) expect_same_bits(gu2.get("grad_up (2-D)"), gu.get("grad_up"), "backward_2d grad_up");
+      expect_same_bits(gw2.get("grad_weights (2-D)"), b.dw, "backward_2d grad_weights");
+      // In place: the input's own description as its gradient.
+      ASSERT_EQ(expertact_glu_backward_2d(&params, static_cast<int32_t>(layout), &mdy, &mx,
+                                          sep ? &mup : nullptr, &vw, const_cast<expertact_matrix*>(&mx),
+                                          sep ? const_cast<expertact_matrix*>(&mup) : nullptr, nullptr,
+                                          be.stream()),
+                EXPERTACT_OK)
+          << expertact_last_error();
+      be.finish("expertact_glu_backward_2d in place");
+    }
     // In place: the input tensors themselves as gradients.
     ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &dy.t, &x.t,
                                      sep ? &up.t : nullptr, &w.t, &x.t, sep ? &up.t : nullptr,
@@ -195,6 +254,8 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     }
     expect_verdict(verify(c, in, WMode::kWeightsNoGrad, nullptr, &ip, oracle_params(c.params)),
                    "C ABI in place vs oracle");
+    expect_same_bits(x2.get("x (2-D, in place)"), x.get("x (in place)"), "backward_2d in place");
+    if (sep) expect_same_bits(up2.get("up (2-D, in place)"), up.get("up (in place)"), "backward_2d in place up");
   }
 };
 
@@ -279,6 +340,10 @@ class CAbiErrors : public testing::TestWithParam<BackendKind> {
     const std::string msg = expertact_last_error();
     for (const auto& p : parts)
       EXPECT_NE(msg.find(p), std::string::npos) << what << ": message \"" << msg << "\" lacks \"" << p << "\"";
+  }
+  void expect_ok(expertact_status got, const std::string& what) {
+    be_->finish(what.c_str());
+    EXPECT_EQ(got, EXPERTACT_OK) << what << ": " << expertact_last_error();
   }
   expertact_status fwd(int32_t layout, const DLTensor* x, const DLTensor* up, const DLTensor* w,
                        DLTensor* out, const expertact_params* p = nullptr) {
@@ -474,6 +539,105 @@ TEST_P(CAbiErrors, BackwardArguments) {
   shifted.byte_offset = 4;
   expect_fail(bwd(1, &dy, &x, nullptr, &w, &shifted, nullptr, nullptr), kBad,
               {"grad_gate_up overlaps gate_up"}, "partial in place");
+  be_->finish("errors");
+}
+
+// The 2-D descriptions go through the same checks as DLTensors, with the same messages.
+TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
+  const expertact_status kBad = EXPERTACT_INVALID_ARGUMENT;
+  const DLDataType f32{kDLFloat, 32, 1};
+  const DLDevice dev = be_->dl_device();
+  auto m = [&](int i, int64_t rows, int64_t cols) {
+    return expertact_matrix{buf_->data() + 1024 * i, rows, cols, cols, f32, dev};
+  };
+  expertact_matrix g = m(0, 4, 8), u = m(1, 4, 8), o = m(2, 4, 8), x = m(3, 4, 16);
+  expertact_matrix dy = m(4, 4, 8), gg = m(5, 4, 8), gu = m(6, 4, 8), gx = m(7, 4, 16);
+  expertact_vector w{buf_->data() + 1024 * 8, 4, 1, f32, dev}, gw{buf_->data() + 1024 * 9, 4, 1, f32, dev};
+  auto fwd = [&](int32_t l, const expertact_matrix* xp, const expertact_matrix* up, const expertact_vector* wp,
+                 expertact_matrix* op) {
+    return expertact_glu_forward_2d(&params_, l, xp, up, wp, op, be_->stream());
+  };
+  auto bwd = [&](int32_t l, const expertact_matrix* xp, const expertact_matrix* up, expertact_matrix* gxp,
+                 expertact_matrix* gup, expertact_vector* gwp) {
+    return expertact_glu_backward_2d(&params_, l, &dy, xp, up, &w, gxp, gup, gwp, be_->stream());
+  };
+  ASSERT_EQ(fwd(0, &g, &u, &w, &o), EXPERTACT_OK) << expertact_last_error();
+  ASSERT_EQ(fwd(3, &x, nullptr, &w, &o), EXPERTACT_OK) << expertact_last_error();
+  ASSERT_EQ(bwd(0, &g, &u, &gg, &gu, &gw), EXPERTACT_OK) << expertact_last_error();
+  ASSERT_EQ(bwd(1, &x, nullptr, &gx, nullptr, &gw), EXPERTACT_OK) << expertact_last_error();
+  be_->finish("baseline");
+
+  expect_fail(expertact_glu_forward_2d(nullptr, 0, &g, &u, nullptr, &o, nullptr), kBad, {"params is null"},
+              "null params");
+  expect_fail(fwd(9, &g, &u, nullptr, &o), kBad, {"layout 9"}, "layout");
+  expect_fail(fwd(0, nullptr, &u, nullptr, &o), kBad, {"gate is null"}, "null gate");
+  expect_fail(fwd(0, &g, nullptr, nullptr, &o), kBad, {"up is missing"}, "missing up");
+  expect_fail(fwd(1, &x, &u, nullptr, &o), kBad, {"up must be null"}, "extra up");
+  expect_fail(fwd(0, &g, &u, nullptr, nullptr), kBad, {"out is null"}, "null out");
+  {
+    expertact_matrix t = u;
+    t.dtype = DLDataType{kDLInt, 16, 1};
+    expect_fail(fwd(0, &g, &t, nullptr, &o), kBad, {"up has unsupported DLPack dtype", "code 0, bits 16, lanes 1"},
+                "dtype");
+    t = o;
+    t.device = DLDevice{kDLOpenCL, 2};
+    expect_fail(fwd(0, &g, &u, nullptr, &t), kBad, {"out is on DLPack device type 4", "(id 2)"}, "device");
+    t = g;
+    t.rows = -1;
+    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"gate has a negative size"}, "negative rows");
+    t = g;
+    t.row_stride = 4;
+    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"gate.row_stride 4 is smaller than its row length 8"},
+                "overlapping rows");
+    t = g;
+    t.data = buf_->data() + 2;
+    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"gate.data", "not aligned"}, "misaligned");
+    t = u;
+    t.cols = 9;
+    t.row_stride = 9;
+    expect_fail(fwd(0, &g, &t, nullptr, &o), kBad, {"up has shape [4, 9]", "[4, 8]"}, "shape");
+    t = x;
+    t.cols = 15;
+    t.row_stride = 16;
+    expect_fail(fwd(3, &t, nullptr, nullptr, &o), kBad, {"gate_up's last dimension is 15", "odd"}, "odd");
+  }
+  {  // one row: its stride is never read, so any value is accepted
+    expertact_matrix g1 = g, u1 = u, o1 = o;
+    g1.rows = u1.rows = o1.rows = 1;
+    g1.row_stride = 0;
+    u1.row_stride = -3;
+    expect_ok(fwd(0, &g1, &u1, nullptr, &o1), "one row");
+  }
+  {  // weights
+    expertact_vector t = w;
+    t.dtype = DLDataType{kDLFloat, 16, 1};
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights must be float32", "code 2, bits 16, lanes 1"},
+                "weights dtype");
+    t = w;
+    t.size = 3;
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights has 3 elements", "4 rows"}, "weights size");
+    t = w;
+    t.stride = 0;
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights.stride is 0"}, "weights stride");
+    t = w;
+    t.device = DLDevice{kDLMetal, 0};
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights is on DLPack device type 8"}, "weights device");
+  }
+  // Backward.
+  expect_fail(bwd(0, &g, &u, &gg, nullptr, nullptr), kBad, {"grad_up is missing"}, "grad_up");
+  expect_fail(bwd(2, &x, nullptr, nullptr, nullptr, nullptr), kBad, {"grad_gate_up is null"}, "grad_gate_up");
+  {
+    expertact_vector t = gw;
+    t.dtype = DLDataType{kDLBfloat, 16, 1};
+    expect_fail(bwd(0, &g, &u, &gg, &gu, &t), kBad, {"grad_weights must be float32"}, "gw dtype");
+  }
+  // In place (the input's own description), and a partial overlap that is refused.
+  expect_ok(bwd(0, &g, &u, &g, &u, &gw), "in place separate");
+  expect_ok(bwd(3, &x, nullptr, &x, nullptr, nullptr), "in place packed");
+  expertact_matrix shifted = x;
+  shifted.data = static_cast<char*>(x.data) + 4;
+  expect_fail(bwd(1, &x, nullptr, &shifted, nullptr, nullptr), kBad, {"grad_gate_up overlaps gate_up"},
+              "partial in place");
   be_->finish("errors");
 }
 

@@ -537,6 +537,79 @@ TEST(CpuOnlyBuild, CudaTensorsAreUnsupported) {
   EXPECT_FALSE(expertact::has_cuda());
 }
 
+// Every operand position is still checked after the CUDA entry stopped asking
+// twice about one pointer (in place) and about up inside a packed gate_up: host
+// memory in any position, in place or not, separate or packed, is refused and
+// named.
+TEST(CudaBuild, HostMemoryInAnyOperandIsRefused) {
+  EAT_REQUIRE_BACKEND(BackendKind::kCuda);
+  Backend& be = backend(BackendKind::kCuda);
+  DeviceBuffer dev(be, 16 * 1024);
+  ASSERT_TRUE(dev.ok());
+  std::vector<float> host(16 * 256);
+  auto m = [&](bool on_host, int i, int64_t cols) {
+    MatrixRef r;
+    r.data = on_host ? static_cast<void*>(host.data() + 256 * i) : static_cast<void*>(dev.data() + 1024 * i);
+    r.rows = 4;
+    r.cols = cols;
+    r.row_stride = cols;
+    r.device = DeviceType::kCUDA;
+    return r;
+  };
+  auto v = [&](bool on_host, int i) {
+    VectorRef r;
+    r.data = on_host ? host.data() + 256 * i : reinterpret_cast<float*>(dev.data() + 1024 * i);
+    r.size = 4;
+    r.device = DeviceType::kCUDA;
+    return r;
+  };
+  const GluParams p = preset("swiglu").params;
+  auto expect_refused = [&](Status st, const std::string& name, const std::string& what) {
+    EXPECT_EQ(st, Status::kInvalidArgument) << what;
+    const std::string msg = expertact::last_error();
+    EXPECT_EQ(msg.rfind(name + " (", 0), 0u) << what << ": " << msg;
+    EXPECT_NE(msg.find("not CUDA device memory"), std::string::npos) << what << ": " << msg;
+    be.finish(what.c_str());
+  };
+  // Forward, separate and packed: operand k on the host.
+  for (int k = 0; k < 4; ++k) {
+    const MatrixRef g = m(k == 0, 0, 8), u = m(k == 1, 1, 8), o = m(k == 3, 3, 8);
+    const VectorRef w = v(k == 2, 2);
+    const char* names[] = {"gate", "up", "weights", "out"};
+    expect_refused(expertact::glu_forward(p, Layout::kSeparate, g, &u, &w, o, be.stream()), names[k],
+                   std::string("forward separate ") + names[k]);
+    if (k == 1) continue;
+    const MatrixRef x = m(k == 0, 4, 16);
+    expect_refused(expertact::glu_forward(p, Layout::kHalves, x, nullptr, &w, o, be.stream()),
+                   k == 0 ? "gate_up" : names[k], std::string("forward packed ") + names[k]);
+  }
+  // Backward, separate: each of the seven operands; then in place (the input's
+  // own view as its gradient) with gate or up on the host.
+  const char* bnames[] = {"gate", "up", "weights", "grad_out", "grad_gate", "grad_up", "grad_weights"};
+  for (int k = 0; k < 7; ++k) {
+    const MatrixRef g = m(k == 0, 0, 8), u = m(k == 1, 1, 8), dy = m(k == 3, 3, 8), gg = m(k == 4, 4, 8),
+                    gu = m(k == 5, 5, 8);
+    const VectorRef w = v(k == 2, 2), gw = v(k == 6, 6);
+    expect_refused(expertact::glu_backward(p, Layout::kSeparate, dy, g, &u, &w, gg, &gu, &gw, be.stream()),
+                   bnames[k], std::string("backward separate ") + bnames[k]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const MatrixRef g = m(k == 0, 0, 8), u = m(k == 1, 1, 8), dy = m(false, 3, 8);
+    expect_refused(expertact::glu_backward(p, Layout::kSeparate, dy, g, &u, nullptr, g, &u, nullptr, be.stream()),
+                   bnames[k], std::string("backward in place ") + bnames[k]);
+  }
+  {
+    const MatrixRef x = m(true, 0, 16), dy = m(false, 3, 8);
+    expect_refused(expertact::glu_backward(p, Layout::kInterleaved, dy, x, nullptr, nullptr, x, nullptr, nullptr,
+                                           be.stream()),
+                   "gate_up", "backward packed in place gate_up");
+    const MatrixRef xd = m(false, 0, 16), gx = m(true, 4, 16);
+    expect_refused(expertact::glu_backward(p, Layout::kHalvesUpFirst, dy, xd, nullptr, nullptr, gx, nullptr,
+                                           nullptr, be.stream()),
+                   "grad_gate_up", "backward packed grad_gate_up");
+  }
+}
+
 // With the CUDA path and a GPU: host memory passed as a CUDA tensor is refused
 // before any kernel can fault, and leaves no CUDA error behind.
 TEST(CudaBuild, HostMemoryLabelledCudaIsRefused) {
