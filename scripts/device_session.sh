@@ -11,7 +11,7 @@
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
-# Environment: TRACK_TIMEOUT (s, per track, default 500), BENCH_ARGS, MLP_ARGS, VARIANTS.
+# Environment: BENCH_ARGS, MLP_ARGS, VARIANTS, E2E_PARTS, *_LIMIT (seconds per track).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -48,12 +48,12 @@ python3 -m pip install -q --no-index --no-deps --only-binary :all: --target /tmp
 export PYTHONPATH=/tmp/ea-wheel:/tmp/site
 (cd /tmp && python3 -c 'import expertact, deepspeed; print("expertact", expertact.__version__, expertact.LIBRARY_PATH, "cuda", expertact.has_cuda(), "| deepspeed", deepspeed.__version__)') 2>&1 | grep -v "^\[" | tee -a "$LOG"
 
-# track NAME GPU CMD...: runs CMD on one GPU with its own timeout, output to $OUT/NAME.log.
+# track NAME GPU SECONDS CMD...: runs CMD on one GPU (or "0,1") with a time limit, output to $OUT/NAME.log.
 track() {
-  local name=$1 gpu=$2 t=$SECONDS
-  shift 2
-  note "start $name on GPU $gpu: $*"
-  CUDA_VISIBLE_DEVICES=$gpu timeout "${TRACK_TIMEOUT:-500}" bash -c "$*" > "$OUT/$name.log" 2>&1
+  local name=$1 gpu=$2 limit=$3 t=$SECONDS
+  shift 3
+  note "start $name on GPU $gpu (limit $limit s): $*"
+  CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 "$limit" bash -c "$*" > "$OUT/$name.log" 2>&1
   note "end $name rc=$? after $((SECONDS - t)) s"
 }
 
@@ -62,21 +62,21 @@ case $CALL in
     # The C++ build needs no GPU: it runs while a short AutoEP smoke uses both GPUs.
     (STAGES="build" OUT="$OUT/dev" bash scripts/device_run.sh > "$OUT/build.log" 2>&1; note "C++ build rc=$?") &
     b=$!
-    track autoep-smoke 0,1 "NOREF=1 SMALL_ARGS='--steps 4' OUT='$OUT/smoke' bash examples/run_autoep_e2e.sh small"
+    track autoep-smoke 0,1 150 "NOREF=1 SMALL_ARGS='--steps 4 --warmup 1' OUT='$OUT/smoke' bash examples/run_autoep_e2e.sh small"
     wait $b
-    track harness-ctest 0 "STAGES='variants ctest' VARIANTS='${VARIANTS:-ds}' CTEST_TIMEOUT=330 CTEST_JOBS=12 OUT='$OUT/dev' bash scripts/device_run.sh" &
+    track harness-ctest 0 380 "STAGES='variants ctest' VARIANTS='${VARIANTS:-ds}' CTEST_TIMEOUT=330 CTEST_JOBS=12 OUT='$OUT/dev' bash scripts/device_run.sh" &
     a=$!
-    track wheel-pytest 1 "OUT='$OUT' PYTEST_TIMEOUT=330 bash scripts/wheel_check.sh '$whl'; ${RELIAB_CHECK:-true}" &
+    track wheel-pytest 1 380 "OUT='$OUT' PYTEST_TIMEOUT=360 bash scripts/wheel_check.sh '$whl'; ${RELIAB_CHECK:-true}" &
     wait $a; wait
     ;;
   bench)
-    track peers 0 "cd /tmp && python3 -m expertact.bench --peers ${BENCH_ARGS:---repeat 2} --json '$OUT/peers.json' --markdown '$OUT/peers.md' > '$OUT/peers.out'" &
+    track peers 0 ${PEERS_LIMIT:-480} "cd /tmp && python3 -m expertact.bench --peers ${BENCH_ARGS:---repeat 2} --json '$OUT/peers.json' --markdown '$OUT/peers.md' > '$OUT/peers.out'" &
     a=$!
-    track mlp-sanitize 1 "OUT='$OUT' STAGES=bench MLP_ARGS='${MLP_ARGS:-}' bash scripts/moe_device.sh; ${SANITIZE_CMD:-true}" &
+    track mlp-sanitize 1 ${MLP_LIMIT:-480} "OUT='$OUT' STAGES=bench MLP_ARGS='${MLP_ARGS:-}' bash scripts/moe_device.sh; ${SANITIZE_CMD:-true}" &
     wait $a; wait
     ;;
   e2e)
-    track autoep 0,1 "OUT='$OUT' bash examples/run_autoep_e2e.sh ${E2E_PARTS:-small large report}"
+    track autoep 0,1 ${E2E_LIMIT:-480} "OUT='$OUT' bash examples/run_autoep_e2e.sh ${E2E_PARTS:-small large report}"
     ;;
   *) note "unknown call $CALL (check, bench, e2e)"; exit 2 ;;
 esac
