@@ -173,7 +173,9 @@ def test_two_rank_autoep_smoke_on_cpu(tmp_path):
         pytest.skip("this DeepSpeed has no AutoEP (needs >= 0.19.8)")
     if "minimax_m3" not in available_preset_names():
         pytest.skip("this DeepSpeed has no minimax_m3 AutoEP preset")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # A CPU run on any machine: no GPU visible, and DeepSpeed told so (a DS_ACCELERATOR=cuda
+    # inherited from a GPU machine's environment would make it look for cuda:0).
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(Path(__file__).with_name("autoep_launch.py")), str(EXAMPLES / "autoep_train.py"),
            "--impl", "expertact-inplace", "--config", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
