@@ -70,13 +70,18 @@ case $CALL in
     wait $a; wait
     ;;
   bench)
-    track peers 0 ${PEERS_LIMIT:-480} "cd /tmp && python3 -m expertact.bench --peers ${BENCH_ARGS:---repeat 2} --json '$OUT/peers.json' --markdown '$OUT/peers.md' > '$OUT/peers.out'" &
+    # Cores split between the tracks, so that the host-cost table and the small sizes of
+    # bench --peers (host-bound) do not share cores with the sanitizer processes.
+    track peers 0 ${PEERS_LIMIT:-460} "cd /tmp && taskset -c 0-11 python3 -m expertact.bench --peers ${BENCH_ARGS:---repeat 2} --json '$OUT/peers.json' --markdown '$OUT/peers.md' > '$OUT/peers.out'" &
     a=$!
-    track mlp-sanitize 1 ${MLP_LIMIT:-480} "OUT='$OUT' STAGES=bench MLP_ARGS='${MLP_ARGS:-}' bash scripts/moe_device.sh; ${SANITIZE_CMD:-true}" &
+    track mlp-sanitize 1 ${MLP_LIMIT:-460} "taskset -c 12-31 bash -c \"OUT='$OUT' STAGES=bench MLP_ARGS='${MLP_ARGS:-}' bash scripts/moe_device.sh; OUT='$OUT' SAN_TIMEOUT=${SAN_TIMEOUT:-230} bash scripts/sanitize.sh\"" &
     wait $a; wait
     ;;
   e2e)
-    track autoep 0,1 ${E2E_LIMIT:-480} "OUT='$OUT' bash examples/run_autoep_e2e.sh ${E2E_PARTS:-small large report}"
+    track autoep 0,1 ${E2E_LIMIT:-400} "OUT='$OUT' bash examples/run_autoep_e2e.sh ${E2E_PARTS:-small large report}"
+    # Then the differential fuzzer on the wheel's library (GPU 0) for what time is left.
+    track fuzz 0 ${FUZZ_LIMIT:-90} "OUT='$OUT' FUZZ_LIB=/tmp/ea-wheel/expertact/libexpertact.so STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} bash scripts/reliability_gpu.sh" &
+    wait
     ;;
   *) note "unknown call $CALL (check, bench, e2e)"; exit 2 ;;
 esac

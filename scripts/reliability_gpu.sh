@@ -32,7 +32,7 @@ if has build; then
     { echo "BUILD FAILED"; tail -40 "$L/build.log"; exit 1; }
   rm -rf "$R/build"
 fi
-LIB=$ROOT/build-dev/libexpertact.so
+LIB=${FUZZ_LIB:-$ROOT/build-dev/libexpertact.so}  # FUZZ_LIB: another build of the library (e.g. a wheel's)
 [ -f "$LIB" ] || { echo "missing $LIB: run with the build stage (STAGES=\"build ...\")"; exit 1; }
 export PYTHONPATH=$ROOT/python:$ROOT/tests/python${PYTHONPATH:+:$PYTHONPATH}
 export EXPERTACT_LIBRARY=$LIB

@@ -11,11 +11,28 @@ namespace expertact::cuda {
 // Which kernels serve the calls whose operands all allow 16-byte packs and that
 // want no weight gradient (the others always take the row kernels or the
 // realigning kernels): the row kernels (glu_kernels.cuh), or the flat kernels
-// (glu_flat.cuh) in blocks of 256 or 128 threads. A tuning knob:
-// EXPERTACT_CUDA_KERNEL=rows|flat|flat128, read once per process (glu_cuda.cu).
-enum class KernelChoice { kRows, kFlat, kFlat128 };
-// Without the variable (docs/perf-notes.md, "Fourth session").
-constexpr KernelChoice kDefaultKernel = KernelChoice::kRows;
+// (glu_flat.cuh) in blocks of 256 or 128 threads, or per call (auto, below). A
+// tuning knob: EXPERTACT_CUDA_KERNEL=auto|rows|flat|flat128, read once per process
+// (glu_cuda.cu).
+enum class KernelChoice { kAuto, kRows, kFlat, kFlat128 };
+// Without the variable (docs/perf-notes.md, "Fourth session", run 1).
+constexpr KernelChoice kDefaultKernel = KernelChoice::kAuto;
+
+// What auto takes for one call, from the harness's A/B on the H200 (fourth
+// session, run 1): the flat kernels won everywhere at 16,384 x 1,536 (4-9% in
+// forward) and 65,536 x 1,536, and at the seed size (1,045,081 x 3,072) for the
+// presets without a limit (-1.1 to -1.9% forward, -0.4 to -0.8% backward, both
+// rounds), but (a) the interleaved forward there was 2-8% slower flat, and (b)
+// with a limit (swiglu_clamped, swiglu_oai) the flat kernels moved by up to 5%
+// between rounds at the seed size while the row kernels held 100.3-100.6% of the
+// copy floor: those two keep the row kernels above the sizes measured flat-better.
+inline KernelChoice resolve_auto(KernelChoice k, const detail::GluProblem& p, bool backward) {
+  if (k != KernelChoice::kAuto) return k;
+  const int64_t n = p.rows * p.F;
+  if (!backward && p.step == 2 && n > (int64_t{1} << 25)) return KernelChoice::kRows;
+  if (p.has_limit && n > (int64_t{1} << 28)) return KernelChoice::kRows;
+  return KernelChoice::kFlat;
+}
 
 Status forward_f32(const detail::GluProblem& p, const detail::FwdOutput& o, KernelChoice k,
                    cudaStream_t st);

@@ -118,7 +118,7 @@ Status enter_and_check(int device, cuda::DeviceGuard& guard,
   return Status::kOk;
 }
 
-// EXPERTACT_CUDA_KERNEL (rows | flat | flat128; unset: cuda::kDefaultKernel),
+// EXPERTACT_CUDA_KERNEL (auto | rows | flat | flat128; unset: cuda::kDefaultKernel),
 // read once per process. An unknown value fails every CUDA call, naming it,
 // rather than timing something other than what was asked for.
 Status kernel_choice(cuda::KernelChoice& k) {
@@ -132,7 +132,8 @@ Status kernel_choice(cuda::KernelChoice& k) {
     const char* env = std::getenv("EXPERTACT_CUDA_KERNEL");
     if (env == nullptr || env[0] == '\0') return r;
     r.value = env;
-    if (std::strcmp(env, "rows") == 0) r.k = cuda::KernelChoice::kRows;
+    if (std::strcmp(env, "auto") == 0) r.k = cuda::KernelChoice::kAuto;
+    else if (std::strcmp(env, "rows") == 0) r.k = cuda::KernelChoice::kRows;
     else if (std::strcmp(env, "flat") == 0) r.k = cuda::KernelChoice::kFlat;
     else if (std::strcmp(env, "flat128") == 0) r.k = cuda::KernelChoice::kFlat128;
     else r.ok = false;
@@ -140,7 +141,7 @@ Status kernel_choice(cuda::KernelChoice& k) {
   }();
   if (!parsed.ok)
     return fail(Status::kInvalidArgument, "EXPERTACT_CUDA_KERNEL=", parsed.value,
-                " is not one of rows, flat, flat128");
+                " is not one of auto, rows, flat, flat128");
   k = parsed.k;
   return Status::kOk;
 }

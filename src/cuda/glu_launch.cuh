@@ -241,6 +241,7 @@ template <typename T>
 Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, KernelChoice k,
                    cudaStream_t st) {
   constexpr int es = sizeof(T);
+  k = resolve_auto(k, p, false);
   KernelArgs<T> a = base_args<T>(p);
   a.out = static_cast<T*>(o.out);
   a.out_stride = o.out_stride;
@@ -289,6 +290,7 @@ template <typename T>
 Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, KernelChoice k,
                     cudaStream_t st) {
   constexpr int es = sizeof(T);
+  k = resolve_auto(k, p, true);
   KernelArgs<T> a = base_args<T>(p);
   a.dy = static_cast<const T*>(io.dy);
   a.dy_stride = io.dy_stride;

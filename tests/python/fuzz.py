@@ -829,7 +829,7 @@ def _flat_fits(rows, packs, kernel):
 
 def predict_path(fwd, es, step, F, rows, ops, planar, inputs, weighted, row_sum, sms, kernel="rows"):
     """A label for the kernel and launch shape that glu_launch.cuh picks, or None (no launch).
-    kernel: the EXPERTACT_CUDA_KERNEL choice (rows, flat, flat128)."""
+    kernel: the kernel choice of the call (rows, flat, flat128; auto resolved by Context.choice)."""
     if rows == 0 or F == 0:
         return None
     wide = 16 // es // step
@@ -875,7 +875,7 @@ class Context:
     cap: int  # elements of one [rows, F] operand at most (big draws aside)
     big_fraction: float  # share of problems with enough rows to fill a GPU without column splits
     sms: int = 132
-    kernel: str = field(default_factory=lambda: os.environ.get("EXPERTACT_CUDA_KERNEL") or "rows")
+    kernel: str = field(default_factory=lambda: os.environ.get("EXPERTACT_CUDA_KERNEL") or "auto")
     paths: Counter = field(default_factory=Counter)
     inf_divergent: int = 0  # elements where relax() accepted +-Inf against eager's NaN (or back)
 
@@ -885,7 +885,7 @@ class Context:
         o, os_ = _operand(out)
         ops = [(o, os_, 1), (g, gs, step), (u, us, 1)][:3 if step == 1 else 2]
         self.paths[predict_path(True, es, step, p.F, p.rows, ops, [os_], [gs, us], p.weights is not None,
-                                False, self.sms, self.kernel)] += 1
+                                False, self.sms, self.choice(p, step, True))] += 1
 
     def tally_backward(self, p, dy, x, up, gx, gu, row_sum):
         es = dy.element_size()
@@ -894,7 +894,20 @@ class Context:
         d, ds = _operand(dy)
         ops = [(d, ds, 1), (g, gs, step), (dg, dgs, step), (u, us, 1), (du, dus, 1)][:5 if step == 1 else 3]
         self.paths[predict_path(False, es, step, p.F, p.rows, ops, [ds], [gs, us, dgs, dus],
-                                p.weights is not None, row_sum, self.sms, self.kernel)] += 1
+                                p.weights is not None, row_sum, self.sms, self.choice(p, step, False))] += 1
+
+    def choice(self, p, step, fwd):
+        """The kernel choice a call takes: the variable's, or what src/cuda/entry.h's
+        resolve_auto picks for this call (flat, but rows for a large interleaved forward
+        and for a large problem with a limit)."""
+        if self.kernel != "auto":
+            return self.kernel
+        n = p.rows * p.F
+        if fwd and step == 2 and n > 1 << 25:
+            return "rows"
+        if not math.isinf(p.limit) and n > 1 << 28:
+            return "rows"
+        return "flat"
 
 
 # ---------------------------------------------------------------------------
