@@ -3,8 +3,8 @@ GEMM, at the expert-MLP benchmark's shape: what the epilogue costs, in ms and TF
 
 Rows: the forward GEMM gate_up = x @ w13^T (torch._grouped_mm; then the fused kernel, which also
 writes h), and the backward GEMM dh = dy @ w2^T (torch._grouped_mm writing dh; then the fused
-kernel, which writes dgate_up in place and the weights' gradient instead of dh). CUDA events,
-median of --iters after --warmup.
+kernel, which writes dgate_up in place instead of dh). CUDA events, median of --iters after
+--warmup. The fused kernels' schedule: EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative).
 
     python -m expertact.bench_fused                     # 4 x 261,280 rows, D = F = 3,072, bf16
     python -m expertact.bench_fused --rows 4096 --json out.json
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -80,6 +81,7 @@ def main(argv=None):
     row("dh GEMM -> dgate_up (in place), fused",
         lambda: _fused.backward(dy, w2k, offs, gate_up, None, False, True, act, alpha, limit, beta), bwd_flops)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+                schedule=os.environ.get("EXPERTACT_FUSED_SCHEDULE") or "the build's default",
                 experts=E, rows=R, dim=D, ffn=F, preset=a.preset, iters=a.iters, warmup=a.warmup,
                 command="python -m expertact.bench_fused " + " ".join(sys.argv[1:] if argv is None else argv))
     if a.json:

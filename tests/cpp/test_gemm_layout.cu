@@ -7,10 +7,14 @@
 //   collective hands the callbacks (args.tCcD);
 // - the backward's row-sum registers hold one row each, and the shuffle tree over
 //   row_lanes() leaves each row's full sum in its column-0 lane.
+// For both schedules (pingpong: 128 x 128 tiles, one warpgroup's epilogue; cooperative:
+// 128 x 256, two warpgroups').
 #include <gtest/gtest.h>
 
 #include <map>
 #include <set>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,6 +27,7 @@ using namespace expertact::gemm;
 
 template <class G>
 struct EpilogueLayout {
+  using TileShape = typename G::TileShape;
   using Epi = typename G::CollectiveEpilogue;
   using EpiTile = typename Epi::EpilogueTile;
   static auto tiled_copy() {
@@ -40,8 +45,24 @@ struct EpilogueLayout {
   static constexpr int kThreads = decltype(size(tiled_copy()))::value;
 };
 
-using Fwd = EpilogueLayout<GroupedGemm<GluFwdCallbacks<expertact::Activation::kSilu>, Bf16>>;
-using Bwd = EpilogueLayout<GroupedGemm<GluBwdCallbacks<expertact::Activation::kSilu>, void>>;
+// Both schedules, forward (bf16 D) and backward (void D): the types the kernels are built from.
+template <class Sched>
+struct Kernels {
+  using Fwd = EpilogueLayout<GroupedGemm<GluFwdCallbacks<expertact::Activation::kSilu>, Bf16, Sched>>;
+  using Bwd = EpilogueLayout<GroupedGemm<GluBwdCallbacks<expertact::Activation::kSilu>, void, Sched>>;
+};
+
+template <class Sched>
+class GemmLayout : public testing::Test {};
+using Schedules = testing::Types<Pingpong, Cooperative>;
+class ScheduleNames {
+ public:
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, Pingpong> ? "pingpong" : "cooperative";
+  }
+};
+TYPED_TEST_SUITE(GemmLayout, Schedules, ScheduleNames);
 
 // The fragment size the collective visits with (sm90 builder: epilogue tile / threads).
 template <class L>
@@ -51,6 +72,7 @@ constexpr int fragment_size() {
 
 template <class L>
 void expect_tile_covered_once() {
+  using TileShape = typename L::TileShape;
   std::map<std::pair<int, int>, int> seen;
   for (int t = 0; t < L::kThreads; ++t) {
     Tensor c = L::coords(t);
@@ -60,10 +82,16 @@ void expect_tile_covered_once() {
   for (const auto& kv : seen) ASSERT_EQ(kv.second, 1) << kv.first.first << "," << kv.first.second;
 }
 
-TEST(GemmLayout, ForwardFragmentsCoverTheTileOnce) { expect_tile_covered_once<Fwd>(); }
-TEST(GemmLayout, BackwardFragmentsCoverTheTileOnce) { expect_tile_covered_once<Bwd>(); }
+TYPED_TEST(GemmLayout, ForwardFragmentsCoverTheTileOnce) {
+  expect_tile_covered_once<typename Kernels<TypeParam>::Fwd>();
+}
+TYPED_TEST(GemmLayout, BackwardFragmentsCoverTheTileOnce) {
+  expect_tile_covered_once<typename Kernels<TypeParam>::Bwd>();
+}
 
-TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
+TYPED_TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
+  using Fwd = typename Kernels<TypeParam>::Fwd;
+  using TileShape = typename Fwd::TileShape;
   constexpr int FS = fragment_size<Fwd>();
   static_assert(FS % 2 == 0, "pairs need an even fragment");
   int pairs = 0;
@@ -90,7 +118,8 @@ TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
 
 // The callbacks see make_coord_tensor(layout) (coordinates relative to the thread's first
 // element) and add the first element's coordinate back: the same as the absolute ones.
-TEST(GemmLayout, RelativeCoordinatesPlusFirstAreAbsolute) {
+TYPED_TEST(GemmLayout, RelativeCoordinatesPlusFirstAreAbsolute) {
+  using Fwd = typename Kernels<TypeParam>::Fwd;
   for (int t = 0; t < Fwd::kThreads; ++t) {
     Tensor c = Fwd::coords(t);
     Tensor rel = make_coord_tensor(c.layout());
@@ -106,7 +135,9 @@ TEST(GemmLayout, RelativeCoordinatesPlusFirstAreAbsolute) {
 // must leave in the column-0 lane of each row the sum over the warp's lanes of that row,
 // and the warps' column-0 lanes together must hold every row of the tile with its sum
 // over all N (the kernel adds those with atomicAdd).
-TEST(GemmLayout, BackwardRowSumsReachTheColumnZeroLanes) {
+TYPED_TEST(GemmLayout, BackwardRowSumsReachTheColumnZeroLanes) {
+  using Bwd = typename Kernels<TypeParam>::Bwd;
+  using TileShape = typename Bwd::TileShape;
   auto tc = Bwd::tiled_copy();
   auto lanes = row_lanes<true>(tc);
   const int warps = Bwd::kThreads / 32;

@@ -1,8 +1,15 @@
 // The fused grouped GEMMs' entry behind the C++ API: enter the tensors' device, prove
 // every pointer is its memory and that it is a Hopper GPU (the kernels are sm_90a machine
-// code only), zero the weight gradient the backward accumulates, dispatch on activation.
+// code only), zero the weight gradient the backward accumulates, dispatch on activation
+// and schedule.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "core/dispatch.h"
 #include "core/error.h"
 #include "cuda/common.cuh"
 #include "cuda/device.h"
@@ -31,6 +38,66 @@ Status check_hopper(int device) {
   return Status::kOk;
 }
 
+// The schedules this build has (CMake's EXPERTACT_CUTLASS_SCHEDULES; the first is the
+// default).
+#ifndef EXPERTACT_FUSED_PINGPONG
+#define EXPERTACT_FUSED_PINGPONG 0
+#endif
+#ifndef EXPERTACT_FUSED_COOPERATIVE
+#define EXPERTACT_FUSED_COOPERATIVE 0
+#endif
+#ifndef EXPERTACT_FUSED_DEFAULT
+#define EXPERTACT_FUSED_DEFAULT 0
+#endif
+
+// EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative; unset: the build's default), read once
+// per process. A value that names no built schedule fails every call, naming it, rather
+// than timing another kernel than the one asked for.
+Status schedule_choice(Schedule& out) {
+  struct Parsed {
+    bool ok = true;
+    Schedule s = static_cast<Schedule>(EXPERTACT_FUSED_DEFAULT);
+    std::string value;
+  };
+  static const Parsed parsed = [] {
+    Parsed r;
+    const char* env = std::getenv("EXPERTACT_FUSED_SCHEDULE");
+    if (env == nullptr || env[0] == '\0') return r;
+    r.value = env;
+    if (EXPERTACT_FUSED_PINGPONG && std::strcmp(env, "pingpong") == 0) r.s = Schedule::kPingpong;
+    else if (EXPERTACT_FUSED_COOPERATIVE && std::strcmp(env, "cooperative") == 0) r.s = Schedule::kCooperative;
+    else r.ok = false;
+    return r;
+  }();
+  if (!parsed.ok)
+    return ::expertact::detail::fail(
+        Status::kInvalidArgument, "EXPERTACT_FUSED_SCHEDULE=", parsed.value,
+        " is not a schedule of this build (built:", EXPERTACT_FUSED_PINGPONG ? " pingpong" : "",
+        EXPERTACT_FUSED_COOPERATIVE ? " cooperative" : "", ")");
+  out = parsed.s;
+  return Status::kOk;
+}
+
+template <Schedule S>
+using SchedTag = std::integral_constant<Schedule, S>;
+
+// run(ActTag, SchedTag) for the call's activation and the chosen schedule.
+template <class Run>
+Status dispatch(Activation act, Run&& run) {
+  Schedule sch;
+  EA_TRY(schedule_choice(sch));
+  return ::expertact::detail::dispatch_act(act, [&](auto a) -> Status {
+#if EXPERTACT_FUSED_PINGPONG
+    if (sch == Schedule::kPingpong) return run(a, SchedTag<Schedule::kPingpong>{});
+#endif
+#if EXPERTACT_FUSED_COOPERATIVE
+    if (sch == Schedule::kCooperative) return run(a, SchedTag<Schedule::kCooperative>{});
+#endif
+    return ::expertact::detail::fail(Status::kInternal, "fused GEMM: schedule ",
+                                     static_cast<int>(sch), " is not built");
+  });
+}
+
 }  // namespace
 
 Status fused_forward(Activation act, const GroupedShape& s, const FwdEpilogueParams& p,
@@ -41,12 +108,9 @@ Status fused_forward(Activation act, const GroupedShape& s, const FwdEpiloguePar
       {{"x", s.a}, {"w13", s.b}, {"offsets", p.offsets}, {"weights", p.w}, {"gate_up", s.d},
        {"h", p.h}}));
   EA_TRY(check_hopper(s.device));
-  switch (act) {
-    case Activation::kSilu: return detail::fwd_silu(s, p, stream);
-    case Activation::kGeluTanh: return detail::fwd_gelu(s, p, stream);
-  }
-  return ::expertact::detail::fail(Status::kInternal, "fused_forward: activation ",
-                                   static_cast<int>(act));
+  return dispatch(act, [&](auto a, auto sch) {
+    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+  });
 }
 
 Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
@@ -70,12 +134,9 @@ Status fused_backward(Activation act, const GroupedShape& s, const BwdEpiloguePa
     }
   }
   if (s.N == 0) return Status::kOk;  // F == 0: the zeroed weight gradient is the whole answer
-  switch (act) {
-    case Activation::kSilu: return detail::bwd_silu(s, p, stream);
-    case Activation::kGeluTanh: return detail::bwd_gelu(s, p, stream);
-  }
-  return ::expertact::detail::fail(Status::kInternal, "fused_backward: activation ",
-                                   static_cast<int>(act));
+  return dispatch(act, [&](auto a, auto sch) {
+    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+  });
 }
 
 }  // namespace expertact::gemm

@@ -62,12 +62,17 @@ Status fused_forward(Activation act, const GroupedShape& s, const FwdEpiloguePar
 Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
                       void* stream);
 
-// One kernel per activation and direction (src/cuda/gemm/moe_{fwd,bwd}_{silu,gelu}.cu).
+// The kernels' schedules (src/cuda/gemm/moe_gemm_sm90.cuh): which are built is a CMake
+// list (EXPERTACT_CUTLASS_SCHEDULES); EXPERTACT_FUSED_SCHEDULE picks one at run time.
+enum class Schedule : int { kPingpong = 0, kCooperative = 1 };
+
+// One kernel per direction x activation x schedule, each explicitly instantiated in its
+// own translation unit (generated from src/cuda/gemm/moe_kernel.cu.in).
 namespace detail {
-Status fwd_silu(const GroupedShape& s, const FwdEpilogueParams& p, void* stream);
-Status fwd_gelu(const GroupedShape& s, const FwdEpilogueParams& p, void* stream);
-Status bwd_silu(const GroupedShape& s, const BwdEpilogueParams& p, void* stream);
-Status bwd_gelu(const GroupedShape& s, const BwdEpilogueParams& p, void* stream);
+template <Activation A, Schedule S>
+Status fwd(const GroupedShape& s, const FwdEpilogueParams& p, void* stream);
+template <Activation A, Schedule S>
+Status bwd(const GroupedShape& s, const BwdEpilogueParams& p, void* stream);
 }  // namespace detail
 
 }  // namespace expertact::gemm

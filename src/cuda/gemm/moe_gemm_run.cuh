@@ -25,6 +25,40 @@ inline int sm_count(int device) {
 
 constexpr size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
 
+// How many clusters of the kernel fit on the device at once, with its real shared-memory
+// size (CUTLASS's own query passes 0 bytes and so over-counts). The persistent grid is
+// sized to it: on a GPU whose SMs do not all pair into clusters, a grid of one CTA per SM
+// would leave clusters waiting for others to finish. Queried once per device; 0 (unknown)
+// leaves CUTLASS's default of one CTA per SM.
+template <class Kernel>
+int max_active_clusters(int device) {
+  static int cache[64] = {};  // per device; -1: the query failed
+  if (device < 0 || device >= 64) return 0;
+  if (cache[device] == 0) {
+    const void* k = reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>);
+    const int smem = static_cast<int>(Kernel::SharedStorageSize);
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = size<0>(typename Kernel::ClusterShape{});
+    attr.val.clusterDim.y = size<1>(typename Kernel::ClusterShape{});
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(attr.val.clusterDim.x, attr.val.clusterDim.y, 1);
+    cfg.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, k, &cfg) != cudaSuccess || n <= 0) {
+      cudaGetLastError();  // not sticky: clear it
+      n = -1;
+    }
+    cache[device] = n;
+  }
+  return cache[device] > 0 ? cache[device] : 0;
+}
+
 // Expert e's rows [start, end) from the cumulative offsets, clamped to [0, T] and
 // non-decreasing, so that offsets that break the contract give wrong rows, never
 // accesses outside the tensors (the Python layer checks them on the host first).
@@ -57,12 +91,12 @@ inline Status cutlass_fail(const char* what, cutlass::Status st) {
 
 }  // namespace detail_run
 
-// Runs GroupedGemm<Callbacks, ElementD> over s with the epilogue's parameters.
+// Runs GroupedGemm<Callbacks, ElementD, Sched> over s with the epilogue's parameters.
 // ElementD = Bf16: D is stored (gate_up); void: no D (backward).
-template <class Callbacks, class ElementD>
+template <class Callbacks, class ElementD, class Sched>
 Status run_grouped(const GroupedShape& s, const typename Callbacks::Params& ep,
                    const int32_t* offsets, cudaStream_t stream) {
-  using G = GroupedGemm<Callbacks, ElementD>;
+  using G = GroupedGemm<Callbacks, ElementD, Sched>;
   using Gemm = typename G::Gemm;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
   using DPtr = cute::conditional_t<cute::is_void_v<ElementD>, void*, ElementD*>;
@@ -73,6 +107,7 @@ Status run_grouped(const GroupedShape& s, const typename Callbacks::Params& ep,
   cutlass::KernelHardwareInfo hw;
   hw.device_id = s.device;
   hw.sm_count = sms;
+  hw.max_active_clusters = dr::max_active_clusters<typename G::Kernel>(s.device);
 
   const size_t E = static_cast<size_t>(s.E);
   // One block of device memory: the per-group arrays, then CUTLASS's workspace (its
@@ -142,5 +177,18 @@ Status run_grouped(const GroupedShape& s, const typename Callbacks::Params& ep,
   const Status freed = cuda::cuda_check(cudaFreeAsync(base, stream), "cudaFreeAsync");
   return result != Status::kOk ? result : freed;
 }
+
+namespace detail {
+template <Activation A, Schedule S>
+Status fwd(const GroupedShape& s, const FwdEpilogueParams& p, void* stream) {
+  return run_grouped<GluFwdCallbacks<A>, Bf16, ScheduleOf<S>>(s, p, p.offsets,
+                                                             static_cast<cudaStream_t>(stream));
+}
+template <Activation A, Schedule S>
+Status bwd(const GroupedShape& s, const BwdEpilogueParams& p, void* stream) {
+  return run_grouped<GluBwdCallbacks<A>, void, ScheduleOf<S>>(s, p, p.offsets,
+                                                              static_cast<cudaStream_t>(stream));
+}
+}  // namespace detail
 
 }  // namespace expertact::gemm

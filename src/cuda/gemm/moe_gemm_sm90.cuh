@@ -3,7 +3,8 @@
 //   forward:  gate_up = x[rows of e] @ w13[e]^T   and   h = act(gate_up) * w   in one kernel;
 //   backward: dh = dy[rows of e] @ w2[e]^T is never stored: the epilogue turns it into
 //             dgate_up (optionally over gate_up) and the weights' gradient.
-// Included by one .cu per activation (CUTLASS kernels compile for about a minute each).
+// Included by one generated .cu per kernel (src/cuda/gemm/moe_kernel.cu.in; CUTLASS
+// kernels compile for 1.5-3 minutes each).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -246,7 +247,7 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
                                   p.coeffs, dg, du, term);
           *reinterpret_cast<__nv_bfloat162*>(dgu + m * p.ld_dgu + 2 * n) =
               __floats2bfloat162_rn(dg, du);
-          rsum(epi_v * FragmentSize + i) += term;
+          if (dw != nullptr) rsum(epi_v * FragmentSize + i) += term;
         }
       }
       return acc;
@@ -308,32 +309,52 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
 // ---------------------------------------------------------------------------
 // The grouped GEMM: A [M_e, K] row-major (x or dy rows of expert e), B [N, K] per expert
 // with K contiguous (w13 as [E, 2F, D], w2 as [E, F, D]), D [M_e, N] row-major bf16 or
-// void, float32 accumulation. 128 x 256 x 64 tiles, two consumer warpgroups
-// (cooperative), clusters of 2 along M (the shape torch._grouped_mm's sm90 kernel uses
-// for large groups).
+// void, float32 accumulation, in one of two schedules (EXPERTACT_FUSED_SCHEDULE picks):
+// - Pingpong: two consumer warpgroups on two 128 x 128 tiles, one's epilogue running while
+//   the other's mainloop does: the activation math of an epilogue hides behind the tensor
+//   cores' work, which is what the fusion needs (the default).
+// - Cooperative: both warpgroups on one 128 x 256 tile (torch._grouped_mm's sm90 shape for
+//   large groups); its epilogue runs with the tensor cores idle.
+// Both with clusters of 2 along M, which share (multicast) the expert's B tile.
 // ---------------------------------------------------------------------------
 
+struct Pingpong {
+  using TileShape = Shape<_128, _128, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+struct Cooperative {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <Schedule S>
+using ScheduleOf = cute::conditional_t<S == Schedule::kPingpong, Pingpong, Cooperative>;
+
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_2, _1, _1>;
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::ColumnMajor;
 using LayoutD = cutlass::layout::RowMajor;
 constexpr int kAlign = 8;  // 16 bytes of bf16: TMA's alignment of every leading stride
 
-template <class Callbacks, class ElementD>
+template <class Callbacks, class ElementD, class Sched>
 struct GroupedGemm {
+  using TileShape = typename Sched::TileShape;
+  using ClusterShape = typename Sched::ClusterShape;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign,
-      ElementD, LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      Callbacks>::CollectiveOp;
+      ElementD, LayoutD*, kAlign, typename Sched::EpilogueSchedule, Callbacks>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlign, Bf16, LayoutB*,
       kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Sched::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
