@@ -33,6 +33,8 @@ if [ "${1:-}" = "pack" ]; then
   cmake --build "$BUILD" -j "${JOBS:-2}"
   rm -rf "$PACK" && mkdir -p "$PACK"
   cp "$BUILD/libexpertact.so" "$BUILD/tests/cpp/expertact_tests" "$BUILD/tests/cpp/expertact_gemm_layout_tests" "$PACK/"
+  # The test binaries use the shared CUDA runtime (the library links it statically): carried too.
+  cp -L "$(ldd "$PACK/expertact_tests" | awk '/libcudart/ {print $3}')" "$PACK/"
   { echo "commit $(git rev-parse HEAD)"; echo "uncommitted files: $(git status --porcelain -- src include CMakeLists.txt | wc -l)";
     echo "built $(date -u +%FT%TZ) on $(hostname) with $(nvcc --version | tail -1)"; } > "$PACK/BUILD_INFO"
   du -sh "$PACK"

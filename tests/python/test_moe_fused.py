@@ -59,6 +59,23 @@ def test_why_not_names_the_reason():
         assert "cpu" in reason
 
 
+def test_binding_reaches_the_library_checks():
+    """The ctypes signatures of expertact_moe_fused_forward / _backward: the library's own
+    refusals come back naming the argument in the slot it was passed in (on the CPU, where
+    the offsets are refused first), in any build."""
+    inf = float("inf")
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w13i, w2k = torch.zeros(1, 8, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="offsets is on DLPack device type 1"):
+        _fused.forward(x, w13i, offs, None, 0, 1.0, inf, 0.0)
+    with pytest.raises(TypeError, match="offsets must be int32"):
+        _fused.forward(x, w13i, offs.long(), None, 0, 1.0, inf, 0.0)
+    gate_up = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="offsets is on DLPack device type 1"):
+        _fused.backward(x, w2k, offs, gate_up, torch.ones(4), True, False, 0, 1.0, inf, 0.0)
+
+
 @pytest.mark.parametrize("layout", PACKED)
 def test_w13_reordering_round_trips(layout):
     """_w13_interleaved puts expert e's gate column j at row 2j and its up column at 2j + 1 of a
@@ -163,9 +180,11 @@ def test_fused_node_partial_gradients_and_second_backward(standin):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_cuda_matches_reference(preset, layout, weighted, mode):
     c = make_case(**ODD, dtype=torch.bfloat16, device="cuda", layout=layout, weighted=weighted)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the fused path must be taken, not fall back
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         y, grads = check_case(c, preset, torch.bfloat16, mode, fused=True)
+    fallbacks = [str(w.message) for w in caught if "falls back" in str(w.message)]
+    assert not fallbacks, fallbacks  # the fused path must be taken, not the unfused one
     # And beside the unfused path on the same inputs (both within bf16 rounding of the reference).
     y0, grads0 = run(c, preset, mode)
     assert_close("y vs unfused", y, y0, torch.bfloat16)
@@ -224,7 +243,9 @@ def test_cuda_kernels_against_unfused_kernels(preset):
         "dgate_up differs from the unfused activation backward on torch's dh"
     # The rare rest: dh itself rounded the other way (one bf16 ulp of dh, 2^-8 relative).
     assert ((dgu.float() - ref_dgu.float()).abs() <= ref_dgu.float().abs() * 2.0 ** -5 + 1e-30).all()
-    torch.testing.assert_close(dw, ref_dw, rtol=2e-2, atol=1e-3)
+    # A row sum of F terms: a term whose dh rounded the other way moves it by 2^-8 of that term,
+    # so the bound scales with the sum's magnitude, not with the (possibly cancelling) result.
+    torch.testing.assert_close(dw, ref_dw, rtol=2e-2, atol=2e-2 * ref_dw.abs().mean().item())
     # In place: the same values over gate_up.
     gu2 = gate_up.clone()
     dgu2, _ = _fused.backward(dy, w2k, offs, gu2, w, False, True, act, alpha, limit, beta)
