@@ -84,6 +84,18 @@ Status check_weight(const char* name, const MatrixRef& w, int32_t E, int64_t row
   return check_tma(name, w);
 }
 
+// gate_up [T, 2F], interleaved: F from its width, its rows those of the A operand.
+Status check_gate_up(const MatrixRef& gu, int64_t T, const char* a_name, int64_t& F) {
+  if (gu.cols % 2 != 0)
+    return fail(Status::kInvalidArgument, "gate_up's last dimension is ", gu.cols,
+                ", which is odd: it holds 2 * F interleaved columns");
+  F = gu.cols / 2;
+  if (gu.rows != T)
+    return fail(Status::kInvalidArgument, "gate_up has ", gu.rows, " rows but ", a_name, " has ",
+                T, " (gate_up is [T, 2F])");
+  return Status::kOk;
+}
+
 math::Coeffs coeffs_of(const GluParams& p) {
   return math::Coeffs{p.alpha, p.limit, p.beta, std::isfinite(p.limit)};
 }
@@ -114,11 +126,8 @@ Status forward_body(const void* ctx) {
   EA_TRY(check_operand("gate_up", gu));
   EA_TRY(check_operand("h", h));
   const int64_t T = x.rows, D = x.cols;
-  if (gu.cols % 2 != 0)
-    return fail(Status::kInvalidArgument, "gate_up's last dimension is ", gu.cols,
-                ", which is odd: it holds 2 * F interleaved columns");
-  const int64_t F = gu.cols / 2;
-  EA_TRY(check_shape("gate_up", gu, T, 2 * F, DType::kBFloat16, "gate_up is [T, 2F], T = x's rows"));
+  int64_t F = 0;
+  EA_TRY(check_gate_up(gu, T, "x", F));
   EA_TRY(check_shape("h", h, T, F, DType::kBFloat16, "h is [T, F]"));
   EA_TRY(check_weight("w13", *c.w13, c.E, 2 * F, D, "w13 is [num_experts * 2F, D]"));
   for (auto [name, m] : {std::pair{"w13", c.w13}, std::pair{"gate_up", c.gate_up}, std::pair{"h", c.h}})
@@ -194,11 +203,8 @@ Status backward_body(const void* ctx) {
   EA_TRY(check_operand("gate_up", gu));
   EA_TRY(check_operand("grad_gate_up", dgu));
   const int64_t T = dy.rows, D = dy.cols;
-  if (gu.cols % 2 != 0)
-    return fail(Status::kInvalidArgument, "gate_up's last dimension is ", gu.cols,
-                ", which is odd: it holds 2 * F interleaved columns");
-  const int64_t F = gu.cols / 2;
-  EA_TRY(check_shape("gate_up", gu, T, 2 * F, DType::kBFloat16, "gate_up is [T, 2F], T = grad_y's rows"));
+  int64_t F = 0;
+  EA_TRY(check_gate_up(gu, T, "grad_y", F));
   EA_TRY(check_shape("grad_gate_up", dgu, T, 2 * F, DType::kBFloat16, "a gradient matches its input"));
   EA_TRY(check_weight("w2", *c.w2, c.E, F, D, "w2 is [num_experts * F, D]"));
   for (auto [name, m] : {std::pair{"w2", c.w2}, std::pair{"gate_up", c.gate_up},

@@ -206,6 +206,13 @@ Status to_expert_weight(const char* name, const DLTensor* t, int32_t E, MatrixRe
   return to_matrix(name, t, m);
 }
 
+// The fused GEMMs' first two arguments.
+Status to_params_offsets(const expertact_params* params, const DLTensor* offsets, GluParams& p,
+                         const int32_t*& offs, int32_t& E) {
+  EA_TRY(to_params(params, p));
+  return to_offsets(offsets, offs, E);
+}
+
 template <typename Fn>
 expertact_status guarded(Fn&& fn) {
   try {
@@ -318,10 +325,9 @@ expertact_status expertact_moe_fused_forward(const expertact_params* params, con
                                              DLTensor* h, void* stream) {
   return guarded([&]() -> Status {
     GluParams p;
-    EA_TRY(to_params(params, p));
     const int32_t* offs = nullptr;
     int32_t E = 0;
-    EA_TRY(to_offsets(offsets, offs, E));
+    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
     MatrixRef mx, mw, mgu, mh;
     VectorRef vw;
     EA_TRY(to_matrix("x", x, mx));
@@ -340,10 +346,9 @@ expertact_status expertact_moe_fused_backward(const expertact_params* params,
                                               DLTensor* grad_weights, void* stream) {
   return guarded([&]() -> Status {
     GluParams p;
-    EA_TRY(to_params(params, p));
     const int32_t* offs = nullptr;
     int32_t E = 0;
-    EA_TRY(to_offsets(offsets, offs, E));
+    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
     MatrixRef mdy, mw, mgu, mdgu;
     VectorRef vw, vgw;
     EA_TRY(to_matrix("grad_y", grad_y, mdy));

@@ -264,6 +264,24 @@ def _forward(x, w13, w2, weights, offs, plan):
 # ---------------------------------------------------------------------------
 
 
+def _keep(ctx, plan, tensors, h):
+    """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, and h unless
+    recompute (then h is freed when the caller drops it)."""
+    ctx.save_for_backward(*tensors, *(() if plan.recompute else (h,)))
+    ctx.plan = plan
+    ctx.spent = False
+
+
+def _kept(ctx):
+    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, h or None)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(_CREATE_GRAPH_MSG)
+    if ctx.spent:
+        raise RuntimeError(_SECOND_BACKWARD_MSG)
+    saved = ctx.saved_tensors
+    return (*saved[:6], saved[6] if len(saved) > 6 else None)
+
+
 class _ExpertMLP(torch.autograd.Function):
     """Keeps x, w13, w2, weights, gate_up and (unless recompute) h: what torch's autograd
     keeps for the unfused composition (torch._grouped_mm saves its inputs, the activation
@@ -272,27 +290,15 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan):
         x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan)
-        if plan.recompute:
-            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up)
-        else:
-            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up, h)
+        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up), h)
         del h  # with recompute, freed here: one [T, F] tensor less kept for backward
-        ctx.plan = plan
-        ctx.spent = False
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_CREATE_GRAPH_MSG)
-        if ctx.spent:
-            raise RuntimeError(_SECOND_BACKWARD_MSG)
+        x, w13, w2, weights, offs, gate_up, h = _kept(ctx)
         plan = ctx.plan
         need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        saved = ctx.saved_tensors
-        x, w13, w2, weights, offs, gate_up = saved[:6]
-        h = saved[6] if len(saved) > 6 else None
-        del saved
         if plan.grouped:
             dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
         dx = dw13 = dw2 = dweights = None
@@ -376,27 +382,14 @@ class _FusedExpertMLP(torch.autograd.Function):
             gate_up[end:].zero_()
             h[end:].zero_()
         y = _gmm(h, w2, offs, plan)
-        if plan.recompute:
-            ctx.save_for_backward(x, w13i, w2, weights, offs, gate_up)
-        else:
-            ctx.save_for_backward(x, w13i, w2, weights, offs, gate_up, h)
-        del h
-        ctx.plan = plan
-        ctx.spent = False
+        _keep(ctx, plan, (x, w13i, w2, weights, offs, gate_up), h)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_CREATE_GRAPH_MSG)
-        if ctx.spent:
-            raise RuntimeError(_SECOND_BACKWARD_MSG)
+        x, w13i, w2, weights, offs, gate_up, h = _kept(ctx)
         plan = ctx.plan
         need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        saved = ctx.saved_tensors
-        x, w13i, w2, weights, offs, gate_up = saved[:6]
-        h = saved[6] if len(saved) > 6 else None
-        del saved
         act, alpha, limit, beta = plan.glu[1:]
         dy = _mm_operand(dy, row_major=True)
         dx = dw13 = dw2 = dweights = None

@@ -20,6 +20,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/harness.h"
@@ -116,6 +117,17 @@ TEST_P(MoeFused, MatchesFloat64References) {
   int64_t end = 0;
   for (int e = 0; e < E; ++e) offsets[e] = static_cast<int32_t>(end += mc.counts[e]);
   const int64_t T = end + mc.pad;
+  // The exact dot product of two D-vectors (float64 holds every bf16 product exactly) and
+  // the sum of its terms' magnitudes (the scale of a float32 accumulation's error).
+  auto dot = [&](const float* a, const float* b) {
+    double s = 0, sa = 0;
+    for (int64_t k = 0; k < D; ++k) {
+      const double p = double(a[k]) * b[k];
+      s += p;
+      sa += std::fabs(p);
+    }
+    return std::pair<double, double>(s, sa);
+  };
   auto expert_of = [&](int64_t r) {
     int e = 0;
     while (offsets[e] <= r) ++e;
@@ -170,12 +182,7 @@ TEST_P(MoeFused, MatchesFloat64References) {
   for (int64_t r = 0; r < end; ++r) {
     const int e = expert_of(r);
     for (int64_t j = 0; j < N2; ++j) {
-      double s = 0, sa = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double p = double(x[r * D + k]) * w13[(e * N2 + j) * D + k];
-        s += p;
-        sa += std::fabs(p);
-      }
+      const auto [s, sa] = dot(&x[r * D], &w13[(e * N2 + j) * D]);
       t_gu.check(r, j, bgu.bf16(r * N2 + j), Ref{s, D * std::ldexp(sa, -22)});
     }
     for (int64_t f = 0; f < F; ++f) {
@@ -212,12 +219,8 @@ TEST_P(MoeFused, MatchesFloat64References) {
     const double wt = mc.weights ? wts[r] : 1.0;
     double dw_v = 0, dw_e = 0;
     for (int64_t f = 0; f < F; ++f) {
-      double s = 0, sa = 0;
-      for (int64_t k = 0; k < D; ++k) {
-        const double p = double(dy[r * D + k]) * w2[(e * F + f) * D + k];
-        s += p;
-        sa += std::fabs(p);
-      }
+      const std::pair<double, double> d = dot(&dy[r * D], &w2[(e * F + f) * D]);
+      const double s = d.first, sa = d.second;  // named: the lambda below captures them
       // The kernel's dh: s rounded to bfloat16 after a float32 accumulation.
       const double dh_err = 0.5 * ulp_of(kBf16, s) + D * std::ldexp(sa, -22);
       const float g = static_cast<float>(gu_host[r * N2 + 2 * f]);

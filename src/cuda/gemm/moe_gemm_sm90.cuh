@@ -83,12 +83,25 @@ struct CallbacksBase {
   }
 };
 
-// First row of group l: 0, or the previous expert's cumulative end (clamped as the
-// setup kernel clamps it, so that bad offsets can never move a store out of [0, T)).
-__device__ __forceinline__ int64_t group_start(const int32_t* offsets, int l, int64_t T) {
-  if (l == 0) return 0;
-  int64_t s = offsets[l - 1];
-  return s < 0 ? 0 : (s > T ? T : s);
+// Where a thread's part of a tile sits: row0, the first row of the tile's group (expert)
+// in the [T, ...] tensors (0, or the previous expert's cumulative end, clamped as the setup
+// kernel clamps it, so that bad offsets can never move an access out of [0, T)); (m0, n0),
+// the thread's first element in the group's (M, N) problem.
+struct TileOrigin {
+  int64_t row0, m0, n0;
+};
+
+template <class Args>
+CUTLASS_DEVICE TileOrigin tile_origin(Args const& args, const int32_t* offsets, int64_t T) {
+  auto [M, N, K, L] = args.problem_shape_mnkl;
+  const int l = static_cast<int>(get<3>(args.tile_coord_mnkl));
+  int64_t row0 = 0;
+  if (l > 0) {
+    row0 = offsets[l - 1];
+    row0 = row0 < 0 ? 0 : (row0 > T ? T : row0);
+  }
+  return {row0, static_cast<int64_t>(M) - get<0>(args.residue_tCcD),
+          static_cast<int64_t>(N) - get<1>(args.residue_tCcD)};
 }
 
 // Forward: D = gate_up (the collective stores it with TMA); h = act(gate_up) * w is
@@ -142,15 +155,11 @@ struct GluFwdCallbacks : CallbacksBase<GluFwdCallbacks<A>, FwdEpilogueParams> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    const int l = static_cast<int>(get<3>(args.tile_coord_mnkl));
-    const int64_t row0 = group_start(params.offsets, l, params.T);
-    const int64_t m0 = static_cast<int64_t>(M) - get<0>(args.residue_tCcD);
-    const int64_t n0 = static_cast<int64_t>(N) - get<1>(args.residue_tCcD);
-    __nv_bfloat16* h = params.h + row0 * params.ldh;
-    const float* w = params.w != nullptr ? params.w + row0 * params.w_stride : nullptr;
+    const TileOrigin o = tile_origin(args, params.offsets, params.T);
+    __nv_bfloat16* h = params.h + o.row0 * params.ldh;
+    const float* w = params.w != nullptr ? params.w + o.row0 * params.w_stride : nullptr;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, m0, n0, h, w, params);
+        args.tCcD, args.residue_tCcD, o.m0, o.n0, h, w, params);
   }
 };
 
@@ -279,12 +288,8 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(
       cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    auto [M, N, K, L] = args.problem_shape_mnkl;
-    const int l = static_cast<int>(get<3>(args.tile_coord_mnkl));
-    const int64_t row0 = group_start(params.offsets, l, params.T);
-    const int64_t m0 = static_cast<int64_t>(M) - get<0>(args.residue_tCcD);
-    const int64_t n0 = static_cast<int64_t>(N) - get<1>(args.residue_tCcD);
-
+    const TileOrigin o = tile_origin(args, params.offsets, params.T);
+    const int64_t row0 = o.row0;
     Tensor tCrDw = row_sum_registers<ReferenceSrc>(args.tile_shape_mnk, args.epi_tile,
                                                    args.tiled_copy, args.thread_idx);
     // The relative coordinates of those registers (same shape, tCcD's strides): in
@@ -300,9 +305,9 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
     float* dw = params.dw != nullptr ? params.dw + row0 * params.dw_stride : nullptr;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD),
                                   decltype(tCrDw), decltype(tCcDw), decltype(lane_layout_mn),
-                                  decltype(lane_mn)>(args.tCcD, args.residue_tCcD, m0, n0, gu, dgu,
-                                                     w, dw, tCrDw, tCcDw, lane_layout_mn, lane_mn,
-                                                     params);
+                                  decltype(lane_mn)>(args.tCcD, args.residue_tCcD, o.m0, o.n0, gu,
+                                                     dgu, w, dw, tCrDw, tCcDw, lane_layout_mn,
+                                                     lane_mn, params);
   }
 };
 
