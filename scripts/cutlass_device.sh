@@ -5,8 +5,8 @@
 #
 #   here, no GPU needed:  bash scripts/cutlass_device.sh pack
 #       builds libexpertact.so (CUDA sm_90 + the CUTLASS kernels, sm_90a) and the C++ test
-#       binaries, and copies them to .deps/cutlass-dev/ (git-ignored: carry it). A CUTLASS TU
-#       takes 1.5-3 minutes on 2 busy cores: the device never compiles.
+#       binaries, and copies them to .deps/cutlass-dev/ (git-ignored: carry it). The 8 CUTLASS
+#       kernels take 4-5 minutes at -j2 here: the device never compiles.
 #   on the GPU machine:   bash scripts/cutlass_device.sh        (carry: .deps/cutlass-dev)
 #       stages env gtest pytest kernels mlp (STAGES="..." to pick), for the schedules in
 #       $SCHEDULES (default "pingpong cooperative"); results in $OUT/cutlass: summary.txt,

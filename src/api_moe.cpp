@@ -96,9 +96,11 @@ Status check_gate_up(const MatrixRef& gu, int64_t T, const char* a_name, int64_t
   return Status::kOk;
 }
 
+#if EXPERTACT_WITH_CUTLASS
 math::Coeffs coeffs_of(const GluParams& p) {
   return math::Coeffs{p.alpha, p.limit, p.beta, std::isfinite(p.limit)};
 }
+#endif
 
 Status check_weights_vector(const char* name, const VectorRef* v, int64_t T, const MatrixRef& x,
                             const char* xname) {

@@ -3,8 +3,8 @@
 //   forward:  gate_up = x[rows of e] @ w13[e]^T   and   h = act(gate_up) * w   in one kernel;
 //   backward: dh = dy[rows of e] @ w2[e]^T is never stored: the epilogue turns it into
 //             dgate_up (optionally over gate_up) and the weights' gradient.
-// Included by one generated .cu per kernel (src/cuda/gemm/moe_kernel.cu.in; CUTLASS
-// kernels compile for 1.5-3 minutes each).
+// Included by one generated .cu per kernel (src/cuda/gemm/moe_kernel.cu.in; a CUTLASS
+// kernel compiles for 40-170 s).
 #pragma once
 
 #include <cuda_runtime.h>
