@@ -338,8 +338,8 @@ class _ExpertMLP(torch.autograd.Function):
 def _w13_interleaved(w13, layout):
     """w13 [E, D, 2F] in layout -> [E, 2F, D], D contiguous, gate and up interleaved along 2F: the
     B operand of the fused forward (and of dx). No copy for an interleaved w13 stored as [E, 2F, D]
-    (GPT-OSS's gate_up_proj transposed, GroupedExperts with fused_w13 and layout interleaved);
-    one copy of the weights otherwise, as DeepSpeed's fused gate_up packing makes."""
+    (GroupedExperts with fused_w13 and layout interleaved); one copy of the weights otherwise, as
+    DeepSpeed's fused gate_up packing makes."""
     wt = w13.transpose(-2, -1)
     if layout == "interleaved":
         return _expert_kmajor(wt)
@@ -457,9 +457,10 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
             written beside gate_up and dh is never stored. Taken when the problem qualifies
             (a build with CUTLASS, bf16 CUDA tensors on a Hopper GPU, D % 8 == 0, F % 4 == 0;
             any layout: w13's columns are reordered to interleaved, one copy unless w13 is
-            already interleaved with D contiguous); otherwise the unfused path runs, with a
-            warning once per reason. Same numerics: h from gate_up rounded to bf16, rounded
-            once; dgate_up from dh rounded to bf16, as the unfused path stores them.
+            already interleaved with D contiguous, [E, 2F, D] storage); otherwise the unfused
+            path runs, with a warning once per reason. Same numerics: h from gate_up rounded
+            to bf16, rounded once; dgate_up from dh rounded to bf16, as the unfused path
+            stores them.
 
     Returns:
         y [T, D], differentiable in x, w13, w2 and weights.
