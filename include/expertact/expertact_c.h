@@ -74,6 +74,16 @@ EXPERTACT_API expertact_status expertact_glu_backward(
     const DLTensor* up, const DLTensor* weights, DLTensor* grad_x, DLTensor* grad_up,
     DLTensor* grad_weights, void* stream);
 
+/* Message of the last failed call on this thread ("" if the last call succeeded). */
+EXPERTACT_API const char* expertact_last_error(void);
+
+/* 1 if built with CUDA, else 0. */
+EXPERTACT_API int32_t expertact_has_cuda(void);
+EXPERTACT_API int32_t expertact_abi_version(void);
+/* CPU worker threads: get, and set (0 = default). */
+EXPERTACT_API int32_t expertact_cpu_threads(void);
+EXPERTACT_API void expertact_set_cpu_threads(int32_t n);
+
 /* The expert MLP's grouped GEMMs with the activation fused into their epilogues
  * (expertact.hpp: moe_fused_forward / moe_fused_backward): Hopper GPUs, bfloat16, built
  * when CUTLASS was found (expertact_has_fused_gemm()); otherwise EXPERTACT_UNSUPPORTED.
@@ -99,16 +109,6 @@ EXPERTACT_API expertact_status expertact_moe_fused_backward(
 
 /* 1 if this build has the fused grouped GEMMs, else 0. */
 EXPERTACT_API int32_t expertact_has_fused_gemm(void);
-
-/* Message of the last failed call on this thread ("" if the last call succeeded). */
-EXPERTACT_API const char* expertact_last_error(void);
-
-/* 1 if built with CUDA, else 0. */
-EXPERTACT_API int32_t expertact_has_cuda(void);
-EXPERTACT_API int32_t expertact_abi_version(void);
-/* CPU worker threads: get, and set (0 = default). */
-EXPERTACT_API int32_t expertact_cpu_threads(void);
-EXPERTACT_API void expertact_set_cpu_threads(int32_t n);
 
 #ifdef __cplusplus
 }
