@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from ._ops import _dl, _params, _stream
+from ._ops import _dl, _stream
 
 __all__ = ["why_not", "forward", "backward"]
 
@@ -37,6 +37,13 @@ def why_not(x: torch.Tensor, D: int, F: int) -> Optional[str]:
     if D % 8 or F % 4:
         return f"D = {D} and F = {F}: the fused GEMMs need D % 8 == 0 and F % 4 == 0"
     return None
+
+
+def _params(act, alpha, limit, beta):
+    """The per-thread expertact_params struct, filled (a byref for the call)."""
+    p = _WS.params
+    p.act, p.alpha, p.limit, p.beta = act, alpha, limit, beta
+    return _WS.params_ref
 
 
 def _call(fn, *args):
