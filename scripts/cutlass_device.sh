@@ -23,6 +23,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PACK=${PACK:-$ROOT/.deps/cutlass-dev}
+# What the library is built from: a hash of the sources (the device's copy of the tree may
+# have no .git), so that a library packed from another tree is refused, not tested.
+sources_hash() { find src include CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16; }
 
 if [ "${1:-}" = "pack" ]; then
   BUILD=${BUILD_DIR:-$ROOT/build/cutlass-pack}
@@ -35,7 +38,8 @@ if [ "${1:-}" = "pack" ]; then
   cp "$BUILD/libexpertact.so" "$BUILD/tests/cpp/expertact_tests" "$BUILD/tests/cpp/expertact_gemm_layout_tests" "$PACK/"
   # The test binaries use the shared CUDA runtime (the library links it statically): carried too.
   cp -L "$(ldd "$PACK/expertact_tests" | awk '/libcudart/ {print $3}')" "$PACK/"
-  { echo "commit $(git rev-parse HEAD)"; echo "uncommitted files: $(git status --porcelain -- src include CMakeLists.txt | wc -l)";
+  { echo "sources $(sources_hash)"; echo "commit $(git rev-parse HEAD)";
+    echo "uncommitted files: $(git status --porcelain -- src include CMakeLists.txt | wc -l)";
     echo "built $(date -u +%FT%TZ) on $(hostname) with $(nvcc --version | tail -1)"; } > "$PACK/BUILD_INFO"
   du -sh "$PACK"
   cat "$PACK/BUILD_INFO"
@@ -76,6 +80,11 @@ export LD_LIBRARY_PATH="$PACK${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 if has env; then
   note "environment"
+  packed=$(awk '/^sources / {print $2}' "$PACK/BUILD_INFO" 2>/dev/null)
+  if [ "$packed" != "$(sources_hash)" ] && [ "${FORCE_PACK:-0}" != 1 ]; then
+    note "THE CARRIED LIBRARY WAS BUILT FROM OTHER SOURCES (packed $packed, tree $(sources_hash)): run 'bash scripts/cutlass_device.sh pack' on this tree"
+    exit 1
+  fi
   {
     cat "$PACK/BUILD_INFO" 2>/dev/null
     echo "tree: commit $(git rev-parse HEAD 2>/dev/null)"
