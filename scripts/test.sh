@@ -28,7 +28,7 @@ BUILD=${BUILD_DIR:-build/test}
 echo "== configuring (CUDA: ${EXPERTACT_CUDA:-AUTO})"
 mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${EXPERTACT_CUDA:-AUTO}" \
-  -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD/configure.log" 2>&1 || {
+  -DEXPERTACT_CUTLASS="${EXPERTACT_CUTLASS:-AUTO}" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD/configure.log" 2>&1 || {
   cat "$BUILD/configure.log"; exit 1; }
 grep "expertact:" "$BUILD/configure.log" || true
 echo "== building"

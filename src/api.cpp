@@ -7,6 +7,7 @@
 #include <exception>
 #include <new>
 
+#include "core/checks.h"
 #include "core/error.h"
 #include "core/problem.h"
 #include "cpu/parallel.h"
@@ -38,8 +39,9 @@ int cpu_threads() { return cpu::threads(); }
 void set_cpu_threads(int n) { cpu::set_threads(n); }
 
 namespace detail {
-namespace {
 
+// The checks below are shared with the fused grouped GEMMs' boundary (src/api_moe.cpp)
+// through core/checks.h.
 int64_t dtype_size(DType d) { return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : 2; }
 
 bool valid_dtype(DType d) {
@@ -132,13 +134,6 @@ Status check_shape(const char* name, const MatrixRef& m, int64_t rows, int64_t c
   return Status::kOk;
 }
 
-// Byte extent of a row-strided view, for overlap checks.
-struct Extent {
-  uintptr_t begin = 0, end = 0;  // [begin, end)
-  int64_t stride = 0, row_bytes = 0;
-  bool empty = true;
-};
-
 Extent extent_of(const MatrixRef& m) {
   Extent e;
   if (m.rows == 0 || m.cols == 0) return e;
@@ -196,6 +191,20 @@ Status check_no_overlap(const char* out_name, const Extent& out, const char* in_
                 "passes the input itself, same pointer and strides, as its gradient)");
   return Status::kOk;
 }
+
+Status run_guarded(const char* what, Status (*body)(const void*), const void* ctx) {
+  try {
+    return body(ctx);
+  } catch (const std::bad_alloc&) {
+    return fail(Status::kInternal, what, ": out of host memory");
+  } catch (const std::exception& e) {
+    return fail(Status::kInternal, what, ": ", e.what());
+  } catch (...) {
+    return fail(Status::kInternal, what, ": unknown exception");
+  }
+}
+
+namespace {
 
 // float64 exists for gradient checking on the CPU; no kernel computes it on a GPU.
 Status check_float64_device(const GluProblem& p, const char* xname) {
@@ -292,18 +301,6 @@ void gradient_pointers(Layout layout, const GluProblem& p, const MatrixRef& grad
       io.dg = base;
       io.du = base + es;
       break;
-  }
-}
-
-Status run_guarded(const char* what, Status (*body)(const void*), const void* ctx) {
-  try {
-    return body(ctx);
-  } catch (const std::bad_alloc&) {
-    return fail(Status::kInternal, what, ": out of host memory");
-  } catch (const std::exception& e) {
-    return fail(Status::kInternal, what, ": ", e.what());
-  } catch (...) {
-    return fail(Status::kInternal, what, ": unknown exception");
   }
 }
 

@@ -347,3 +347,102 @@ int32_t expertact_cpu_threads(void) { return expertact::cpu_threads(); }
 void expertact_set_cpu_threads(int32_t n) { expertact::set_cpu_threads(n); }
 
 }  // extern "C"
+
+// The fused grouped GEMMs (expertact.hpp: moe_fused_forward / moe_fused_backward): their
+// own conversions (the offsets, the experts' dimension of a weight), then the C++ API.
+namespace expertact::detail {
+namespace {
+
+// offsets of the fused grouped GEMMs: int32 [E], contiguous, in CUDA memory (its device
+// is checked against the tensors' by the launcher, from the pointer itself).
+Status to_offsets(const DLTensor* t, const int32_t*& ptr, int32_t& E) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, "offsets is null");
+  if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
+    return fail(Status::kInvalidArgument, "offsets must be int32 (got DLPack dtype code ",
+                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
+  if (t->ndim != 1 || t->shape == nullptr)
+    return fail(Status::kInvalidArgument, "offsets must be 1-D [E] (got ", t->ndim, " dims)");
+  if (t->shape[0] < 1 || t->shape[0] > 2147483647)
+    return fail(Status::kInvalidArgument, "offsets has ", t->shape[0],
+                " elements; expected 1 to 2^31 - 1 experts");
+  if (t->strides != nullptr && t->shape[0] > 1 && t->strides[0] != 1)
+    return fail(Status::kInvalidArgument, "offsets must be contiguous (stride ", t->strides[0], ")");
+  if (t->device.device_type != kDLCUDA)
+    return fail(Status::kInvalidArgument, "offsets is on DLPack device type ",
+                static_cast<int>(t->device.device_type),
+                "; the fused GEMM reads it on the GPU: pass a CUDA tensor (cuda = 2)");
+  ptr = reinterpret_cast<const int32_t*>(static_cast<const char*>(t->data) + t->byte_offset);
+  E = static_cast<int32_t>(t->shape[0]);
+  return Status::kOk;
+}
+
+// An expert weight [E, rows, D] (D contiguous, collapsible) as [E * rows, D]; E must match
+// the offsets'.
+Status to_expert_weight(const char* name, const DLTensor* t, int32_t E, MatrixRef& m) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  if (t->ndim != 3 || t->shape == nullptr)
+    return fail(Status::kInvalidArgument, name, " must be 3-D [E, rows, D] (got ", t->ndim, " dims)");
+  if (t->shape[0] != E)
+    return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), ": ", t->shape[0],
+                " experts but offsets has ", E);
+  return to_matrix(name, t, m);
+}
+
+// The fused GEMMs' first two arguments.
+Status to_params_offsets(const expertact_params* params, const DLTensor* offsets, GluParams& p,
+                         const int32_t*& offs, int32_t& E) {
+  EA_TRY(to_params(params, p));
+  return to_offsets(offsets, offs, E);
+}
+
+}  // namespace
+}  // namespace expertact::detail
+
+extern "C" {
+
+expertact_status expertact_moe_fused_forward(const expertact_params* params, const DLTensor* x,
+                                             const DLTensor* w13, const DLTensor* offsets,
+                                             const DLTensor* weights, DLTensor* gate_up,
+                                             DLTensor* h, void* stream) {
+  return guarded([&]() -> Status {
+    GluParams p;
+    const int32_t* offs = nullptr;
+    int32_t E = 0;
+    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
+    MatrixRef mx, mw, mgu, mh;
+    VectorRef vw;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_expert_weight("w13", w13, E, mw));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    EA_TRY(to_matrix("gate_up", gate_up, mgu));
+    EA_TRY(to_matrix("h", h, mh));
+    return moe_fused_forward(p, mx, mw, E, offs, weights ? &vw : nullptr, mgu, mh, stream);
+  });
+}
+
+expertact_status expertact_moe_fused_backward(const expertact_params* params,
+                                              const DLTensor* grad_y, const DLTensor* w2,
+                                              const DLTensor* offsets, const DLTensor* gate_up,
+                                              const DLTensor* weights, DLTensor* grad_gate_up,
+                                              DLTensor* grad_weights, void* stream) {
+  return guarded([&]() -> Status {
+    GluParams p;
+    const int32_t* offs = nullptr;
+    int32_t E = 0;
+    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
+    MatrixRef mdy, mw, mgu, mdgu;
+    VectorRef vw, vgw;
+    EA_TRY(to_matrix("grad_y", grad_y, mdy));
+    EA_TRY(to_expert_weight("w2", w2, E, mw));
+    EA_TRY(to_matrix("gate_up", gate_up, mgu));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mdgu));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    return moe_fused_backward(p, mdy, mw, E, offs, mgu, weights ? &vw : nullptr, mdgu,
+                              grad_weights ? &vgw : nullptr, stream);
+  });
+}
+
+int32_t expertact_has_fused_gemm(void) { return expertact::has_fused_gemm() ? 1 : 0; }
+
+}  // extern "C"

@@ -10,12 +10,13 @@ GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights a
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import _capi
+from . import _capi, _fused
 from ._ops import (
     _CREATE_GRAPH_MSG,
     _SECOND_BACKWARD_MSG,
@@ -167,6 +168,7 @@ class _Plan(NamedTuple):
     glu: tuple          # (layout, act, alpha, limit, beta) for the glu operators
     recompute: bool
     inplace: bool
+    layout: str = "halves"   # gate and up along w13's last dim (the fused path reorders them)
 
 
 def _use_grouped_mm(x, D, F) -> bool:
@@ -262,6 +264,24 @@ def _forward(x, w13, w2, weights, offs, plan):
 # ---------------------------------------------------------------------------
 
 
+def _keep(ctx, plan, tensors, h):
+    """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, and h unless
+    recompute (then h is freed when the caller drops it)."""
+    ctx.save_for_backward(*tensors, *(() if plan.recompute else (h,)))
+    ctx.plan = plan
+    ctx.spent = False
+
+
+def _kept(ctx):
+    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, h or None)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(_CREATE_GRAPH_MSG)
+    if ctx.spent:
+        raise RuntimeError(_SECOND_BACKWARD_MSG)
+    saved = ctx.saved_tensors
+    return (*saved[:6], saved[6] if len(saved) > 6 else None)
+
+
 class _ExpertMLP(torch.autograd.Function):
     """Keeps x, w13, w2, weights, gate_up and (unless recompute) h: what torch's autograd
     keeps for the unfused composition (torch._grouped_mm saves its inputs, the activation
@@ -270,27 +290,15 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan):
         x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan)
-        if plan.recompute:
-            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up)
-        else:
-            ctx.save_for_backward(x, w13, w2, weights, offs, gate_up, h)
+        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up), h)
         del h  # with recompute, freed here: one [T, F] tensor less kept for backward
-        ctx.plan = plan
-        ctx.spent = False
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_CREATE_GRAPH_MSG)
-        if ctx.spent:
-            raise RuntimeError(_SECOND_BACKWARD_MSG)
+        x, w13, w2, weights, offs, gate_up, h = _kept(ctx)
         plan = ctx.plan
         need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        saved = ctx.saved_tensors
-        x, w13, w2, weights, offs, gate_up = saved[:6]
-        h = saved[6] if len(saved) > 6 else None
-        del saved
         if plan.grouped:
             dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
         dx = dw13 = dw2 = dweights = None
@@ -322,10 +330,105 @@ class _ExpertMLP(torch.autograd.Function):
         return dx, dw13, dw2, dweights, None, None
 
 
+# ---------------------------------------------------------------------------
+# The fused path: the activation in the grouped GEMMs' epilogues (docs/fused-gemm.md)
+# ---------------------------------------------------------------------------
+
+
+def _w13_interleaved(w13, layout):
+    """w13 [E, D, 2F] in layout -> [E, 2F, D], D contiguous, gate and up interleaved along 2F: the
+    B operand of the fused forward (and of dx). No copy for an interleaved w13 stored as [E, 2F, D]
+    (GroupedExperts with fused_w13 and layout interleaved); one copy of the weights otherwise, as
+    DeepSpeed's fused gate_up packing makes."""
+    wt = w13.transpose(-2, -1)
+    if layout == "interleaved":
+        return _expert_kmajor(wt)
+    return _pack(*_unpack(wt, layout, dim=1), "interleaved", dim=1).contiguous()
+
+
+def _expert_kmajor(t):
+    """t [E, N, K] as the fused GEMMs read their B operand: K contiguous, a 16-byte aligned start,
+    a row stride that is a multiple of 16 bytes, and experts one after another at N row strides
+    (the C ABI collapses [E, N] into rows); otherwise a contiguous copy."""
+    E, N, K = t.shape
+    st = t.stride()
+    if (t.data_ptr() % 16 == 0 and st[2] == 1 and st[1] >= K and st[1] % 8 == 0
+            and (E <= 1 or st[0] == N * st[1])):
+        return t
+    return t.contiguous()
+
+
+def _from_interleaved(dw13i, layout):
+    """The gradient of _w13_interleaved's input: [E, D, 2F] interleaved -> layout."""
+    if layout == "interleaved":
+        return dw13i
+    return _pack(*_unpack(dw13i, "interleaved", dim=2), layout, dim=2)
+
+
+class _FusedExpertMLP(torch.autograd.Function):
+    """The MLP with the fused grouped GEMMs: forward writes gate_up (interleaved) and h in one
+    kernel; backward's dh GEMM writes dgate_up (and the weights' gradient) instead of dh. y, dx and
+    the weight gradients stay torch._grouped_mm. Keeps what _ExpertMLP keeps, with gate_up in the
+    interleaved order and w13 as the kernel reads it (the same tensor when no copy was needed)."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, offs, plan):
+        x = _mm_operand(x, row_major=True)
+        w13i = _w13_interleaved(w13, plan.layout)
+        act, alpha, limit, beta = plan.glu[1:]
+        gate_up, h = _fused.forward(x, w13i, offs, weights, act, alpha, limit, beta)
+        end = plan.ends[-1] if plan.ends else 0
+        if end < x.shape[0]:  # padding rows: the kernels neither read nor write them
+            gate_up[end:].zero_()
+            h[end:].zero_()
+        y = _gmm(h, w2, offs, plan)
+        _keep(ctx, plan, (x, w13i, w2, weights, offs, gate_up), h)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13i, w2, weights, offs, gate_up, h = _kept(ctx)
+        plan = ctx.plan
+        need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
+        act, alpha, limit, beta = plan.glu[1:]
+        dy = _mm_operand(dy, row_major=True)
+        dx = dw13 = dw2 = dweights = None
+        if need_w2:
+            if h is None:
+                h = glu_op(gate_up, None, weights, _capi.LAYOUT_INTERLEAVED, act, alpha, limit, beta, False)
+            dw2 = _gmm_wgrad(h, dy, offs, plan)
+        h = None
+        if need_x or need_w13 or need_w:
+            w2k = _expert_kmajor(w2)  # [E, F, D], D contiguous: the dh GEMM's B
+            weights_grad = weights is not None and need_w
+            inplace = plan.inplace and (need_x or need_w13)
+            if inplace:
+                ctx.spent = True
+            dgate_up, dweights = _fused.backward(dy, w2k, offs, gate_up, weights, weights_grad, inplace,
+                                                 act, alpha, limit, beta)
+            end = plan.ends[-1] if plan.ends else 0
+            if end < dgate_up.shape[0]:
+                dgate_up[end:].zero_()
+            if need_x:
+                dx = _gmm(dgate_up, w13i, offs, plan)
+            if need_w13:
+                dw13 = _from_interleaved(_gmm_wgrad(x, dgate_up, offs, plan), plan.layout)
+        return dx, dw13, dw2, dweights, None, None
+
+
+_WARNED = set()
+
+
+def _fused_fallback(reason):
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"expertact.moe: fused=True falls back to the unfused path: {reason}", stacklevel=3)
+
+
 def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: str = "swiglu", *,
                alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                weights: Optional[Tensor] = None, recompute: bool = False,
-               inplace_backward: bool = False) -> Tensor:
+               inplace_backward: bool = False, fused: bool = False) -> Tensor:
     """The grouped expert MLP over rows sorted by expert (SPEC section 7)::
 
         gate_up = x[rows of e] @ w13[e]        (grouped GEMM)
@@ -349,6 +452,15 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
         inplace_backward: write gate_up's gradient over gate_up (the activation's in-place
             backward): two [T, F] tensors less at the backward's peak. The graph can then be
             run backward once only.
+        fused: compute the activation in the gate/up GEMM's epilogue and its gradient in the
+            epilogue of the GEMM that gives dh (CUTLASS kernels, docs/fused-gemm.md): h is
+            written beside gate_up and dh is never stored. Taken when the problem qualifies
+            (a build with CUTLASS, bf16 CUDA tensors on a Hopper GPU, D % 8 == 0, F % 4 == 0;
+            any layout: w13's columns are reordered to interleaved, one copy unless w13 is
+            already interleaved with D contiguous, [E, 2F, D] storage); otherwise the unfused
+            path runs, with a warning once per reason. Same numerics: h from gate_up rounded
+            to bf16, rounded once; dgate_up from dh rounded to bf16, as the unfused path
+            stores them.
 
     Returns:
         y [T, D], differentiable in x, w13, w2 and weights.
@@ -362,12 +474,32 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     offs = offsets
     if grouped and offs.device != x.device:
         offs = offs.to(x.device)
-    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward))
+    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout)
+    use_fused = False
+    if fused:
+        reason = _fused.why_not(x, D, F)
+        if reason is None and offs.device != x.device:
+            offs = offs.to(x.device)  # the fused kernels read the offsets on the GPU
+        use_fused = reason is None
+        if not use_fused:
+            _fused_fallback(reason)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or w13.requires_grad or w2.requires_grad or (weights is not None and weights.requires_grad))
+    if use_fused:
+        if needs_grad:
+            return _FusedExpertMLP.apply(x, w13, w2, weights, offs, plan)
+        with torch.no_grad():
+            return _FusedExpertMLP.forward(_NoCtx(), x, w13, w2, weights, offs, plan)
     if needs_grad:
         return _ExpertMLP.apply(x, w13, w2, weights, offs, plan)
     return _forward(x, w13, w2, weights, offs, plan)[3]
+
+
+class _NoCtx:
+    """A stand-in autograd context for a forward that no backward follows (nothing is kept)."""
+
+    def save_for_backward(self, *tensors):
+        pass
 
 
 # ---------------------------------------------------------------------------
@@ -423,13 +555,14 @@ class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "swiglu",
                  alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                  fused_w13: bool = False, recompute: bool = False, inplace_backward: bool = False,
-                 init_std: float = 0.02, device=None, dtype=None):
+                 fused: bool = False, init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
         _glu_args(activation, alpha, limit, layout)  # an unknown form or layout fails here, not at forward
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.activation, self.alpha, self.limit, self.layout = activation, alpha, limit, layout
         self.fused_w13 = bool(fused_w13)
         self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
+        self.fused = bool(fused)
         self.init_std = init_std
         kw = dict(device=device, dtype=dtype)
         if self.fused_w13:
@@ -460,7 +593,7 @@ class GroupedExperts(nn.Module):
         w2 = self.w2.to(dt).transpose(-2, -1)
         return expert_mlp(x, w13, w2, offsets, self.activation, alpha=self.alpha, limit=self.limit,
                           layout=self.layout, weights=weights, recompute=self.recompute,
-                          inplace_backward=self.inplace_backward)
+                          inplace_backward=self.inplace_backward, fused=self.fused)
 
     def extra_repr(self) -> str:
         s = (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
@@ -472,6 +605,8 @@ class GroupedExperts(nn.Module):
             s += ", recompute=True"
         if self.inplace_backward:
             s += ", inplace_backward=True"
+        if self.fused:
+            s += ", fused=True"
         return s
 
     # State dicts of the other forms -----------------------------------------------------

@@ -11,6 +11,7 @@
 #include "core/problem.h"
 #include "cuda/common.cuh"
 #include "cuda/entry.h"
+#include "cuda/device.h"
 
 namespace expertact::detail {
 namespace {
@@ -197,6 +198,14 @@ Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride,
   fill_zero_kernel<<<static_cast<unsigned>(blocks), threads, 0,
                            static_cast<cudaStream_t>(stream)>>>(dw, n, stride);
   return cuda::cuda_check(cudaGetLastError(), "fill_zero kernel launch");
+}
+
+// The same entry for the other CUDA entry points (src/cuda/device.h).
+Status enter_operands(int device, cuda::DeviceGuard& guard,
+                      std::initializer_list<DevicePointer> operands) {
+  EA_TRY(enter_device(device, guard));
+  for (const DevicePointer& o : operands) EA_TRY(check_device_pointer(o.name, o.ptr, device));
+  return Status::kOk;
 }
 
 }  // namespace expertact::detail

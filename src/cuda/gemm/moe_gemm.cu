@@ -1,0 +1,142 @@
+// The fused grouped GEMMs' entry behind the C++ API: enter the tensors' device, prove
+// every pointer is its memory and that it is a Hopper GPU (the kernels are sm_90a machine
+// code only), zero the weight gradient the backward accumulates, dispatch on activation
+// and schedule.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "core/dispatch.h"
+#include "core/error.h"
+#include "cuda/common.cuh"
+#include "cuda/device.h"
+#include "cuda/gemm/moe_gemm.h"
+
+namespace expertact::gemm {
+namespace {
+
+__global__ void zero_strided(float* x, int64_t n, int64_t stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i * stride] = 0.0f;
+}
+
+// wgmma and setmaxnreg exist on sm_90a only: another GPU would fail the launch with
+// "no kernel image", after the caller's tensors were allocated; say so up front.
+Status check_hopper(int device) {
+  int major = 0, minor = 0;
+  EA_TRY(cuda::cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                          "cudaDeviceGetAttribute"));
+  EA_TRY(cuda::cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                          "cudaDeviceGetAttribute"));
+  if (major != 9 || minor != 0)
+    return ::expertact::detail::fail(
+        Status::kUnsupported, "the fused grouped GEMM runs on Hopper (sm_90) GPUs only; cuda:",
+        device, " is sm_", major, minor, " (use the unfused path there)");
+  return Status::kOk;
+}
+
+// The schedules this build has (CMake's EXPERTACT_CUTLASS_SCHEDULES; the first is the
+// default).
+#ifndef EXPERTACT_FUSED_PINGPONG
+#define EXPERTACT_FUSED_PINGPONG 0
+#endif
+#ifndef EXPERTACT_FUSED_COOPERATIVE
+#define EXPERTACT_FUSED_COOPERATIVE 0
+#endif
+#ifndef EXPERTACT_FUSED_DEFAULT
+#define EXPERTACT_FUSED_DEFAULT 0
+#endif
+
+// EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative; unset: the build's default), read once
+// per process. A value that names no built schedule fails every call, naming it, rather
+// than timing another kernel than the one asked for.
+Status schedule_choice(Schedule& out) {
+  struct Parsed {
+    bool ok = true;
+    Schedule s = static_cast<Schedule>(EXPERTACT_FUSED_DEFAULT);
+    std::string value;
+  };
+  static const Parsed parsed = [] {
+    Parsed r;
+    const char* env = std::getenv("EXPERTACT_FUSED_SCHEDULE");
+    if (env == nullptr || env[0] == '\0') return r;
+    r.value = env;
+    if (EXPERTACT_FUSED_PINGPONG && std::strcmp(env, "pingpong") == 0) r.s = Schedule::kPingpong;
+    else if (EXPERTACT_FUSED_COOPERATIVE && std::strcmp(env, "cooperative") == 0) r.s = Schedule::kCooperative;
+    else r.ok = false;
+    return r;
+  }();
+  if (!parsed.ok)
+    return ::expertact::detail::fail(
+        Status::kInvalidArgument, "EXPERTACT_FUSED_SCHEDULE=", parsed.value,
+        " is not a schedule of this build (built:", EXPERTACT_FUSED_PINGPONG ? " pingpong" : "",
+        EXPERTACT_FUSED_COOPERATIVE ? " cooperative" : "", ")");
+  out = parsed.s;
+  return Status::kOk;
+}
+
+template <Schedule S>
+using SchedTag = std::integral_constant<Schedule, S>;
+
+// run(ActTag, SchedTag) for the call's activation and the chosen schedule.
+template <class Run>
+Status dispatch(Activation act, Run&& run) {
+  Schedule sch;
+  EA_TRY(schedule_choice(sch));
+  return ::expertact::detail::dispatch_act(act, [&](auto a) -> Status {
+#if EXPERTACT_FUSED_PINGPONG
+    if (sch == Schedule::kPingpong) return run(a, SchedTag<Schedule::kPingpong>{});
+#endif
+#if EXPERTACT_FUSED_COOPERATIVE
+    if (sch == Schedule::kCooperative) return run(a, SchedTag<Schedule::kCooperative>{});
+#endif
+    return ::expertact::detail::fail(Status::kInternal, "fused GEMM: schedule ",
+                                     static_cast<int>(sch), " is not built");
+  });
+}
+
+}  // namespace
+
+Status fused_forward(Activation act, const GroupedShape& s, const FwdEpilogueParams& p,
+                     void* stream) {
+  cuda::DeviceGuard guard(s.device);
+  EA_TRY(::expertact::detail::enter_operands(
+      s.device, guard,
+      {{"x", s.a}, {"w13", s.b}, {"offsets", p.offsets}, {"weights", p.w}, {"gate_up", s.d},
+       {"h", p.h}}));
+  EA_TRY(check_hopper(s.device));
+  return dispatch(act, [&](auto a, auto sch) {
+    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+  });
+}
+
+Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
+                      void* stream) {
+  cuda::DeviceGuard guard(s.device);
+  EA_TRY(::expertact::detail::enter_operands(
+      s.device, guard,
+      {{"grad_y", s.a}, {"w2", s.b}, {"offsets", p.offsets}, {"gate_up", p.gate_up},
+       {"weights", p.w}, {"grad_gate_up", p.dgate_up}, {"grad_weights", p.dw}}));
+  EA_TRY(check_hopper(s.device));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.dw != nullptr) {  // the epilogue adds each tile's row sums into it
+    if (p.dw_stride == 1) {
+      EA_TRY(cuda::cuda_check(cudaMemsetAsync(p.dw, 0, static_cast<size_t>(s.T) * sizeof(float), st),
+                              "cudaMemsetAsync (grad_weights)"));
+    } else {
+      const int threads = 256;
+      zero_strided<<<static_cast<unsigned>((s.T + threads - 1) / threads), threads, 0, st>>>(
+          p.dw, s.T, p.dw_stride);
+      EA_TRY(cuda::cuda_check(cudaGetLastError(), "zero grad_weights kernel launch"));
+    }
+  }
+  if (s.N == 0) return Status::kOk;  // F == 0: the zeroed weight gradient is the whole answer
+  return dispatch(act, [&](auto a, auto sch) {
+    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+  });
+}
+
+}  // namespace expertact::gemm

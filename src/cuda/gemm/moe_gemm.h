@@ -1,0 +1,78 @@
+// The fused grouped GEMMs' parameters and launchers (src/cuda/gemm/*.cu, built when
+// CUTLASS is found: EXPERTACT_WITH_CUTLASS), with no CUTLASS type in sight, so that
+// the API boundary (src/api_moe.cpp) includes it as plain C++.
+#pragma once
+
+#include <cstdint>
+
+#include "core/math.h"
+#include "expertact/expertact.hpp"
+
+struct __nv_bfloat16;  // cuda_bf16.h's type; only pointers to it cross this header
+
+namespace expertact::gemm {
+
+// What the forward epilogue needs beyond the GEMM: where h goes and the activation.
+struct FwdEpilogueParams {
+  __nv_bfloat16* h = nullptr;  // [T, F] row-major, row stride ldh
+  int64_t ldh = 0;
+  const int32_t* offsets = nullptr;  // device, [E] cumulative end rows
+  int64_t T = 0;
+  const float* w = nullptr;  // [T] routing weights, or nullptr
+  int64_t w_stride = 1;
+  math::Coeffs coeffs{};
+};
+
+struct BwdEpilogueParams {
+  const __nv_bfloat16* gate_up = nullptr;  // [T, 2F], interleaved
+  int64_t ld_gu = 0;
+  __nv_bfloat16* dgate_up = nullptr;  // [T, 2F]; may equal gate_up (in place)
+  int64_t ld_dgu = 0;
+  const int32_t* offsets = nullptr;
+  int64_t T = 0;
+  const float* w = nullptr;
+  int64_t w_stride = 1;
+  float* dw = nullptr;  // [T] weight gradient (accumulated: zeroed by the launcher), or nullptr
+  int64_t dw_stride = 1;
+  math::Coeffs coeffs{};
+};
+
+// One grouped GEMM over E experts: A [T, K] row-major (row stride lda), B [E, N, K]
+// with K contiguous (expert stride ldb_e, row stride ldb), D [T, N] row-major (or none).
+struct GroupedShape {
+  int32_t E = 0;
+  int64_t T = 0;
+  int64_t N = 0;
+  int64_t K = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  int64_t ldb_e = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  int device = 0;
+};
+
+// Launchers: validated, non-empty problems only (E >= 1, N, K >= 1). The forward
+// stores gate_up (s.d) and h; the backward stores dgate_up (never dh) and, when
+// p.dw is set, zeroes and accumulates the weight gradient.
+Status fused_forward(Activation act, const GroupedShape& s, const FwdEpilogueParams& p,
+                     void* stream);
+Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
+                      void* stream);
+
+// The kernels' schedules (src/cuda/gemm/moe_gemm_sm90.cuh): which are built is a CMake
+// list (EXPERTACT_CUTLASS_SCHEDULES); EXPERTACT_FUSED_SCHEDULE picks one at run time.
+enum class Schedule : int { kPingpong = 0, kCooperative = 1 };
+
+// One kernel per direction x activation x schedule, each explicitly instantiated in its
+// own translation unit (generated from src/cuda/gemm/moe_kernel.cu.in).
+namespace detail {
+template <Activation A, Schedule S>
+Status fwd(const GroupedShape& s, const FwdEpilogueParams& p, void* stream);
+template <Activation A, Schedule S>
+Status bwd(const GroupedShape& s, const BwdEpilogueParams& p, void* stream);
+}  // namespace detail
+
+}  // namespace expertact::gemm
