@@ -7,7 +7,10 @@
 #                                          # pytest suite + GPU fuzz + OOM/graph tests (GPU 1);
 #                                          # first a short AutoEP smoke on both GPUs
 #   bash scripts/device_session.sh bench   # bench --peers (GPU 0) | bench --mlp, sanitizers (GPU 1)
-#   bash scripts/device_session.sh e2e     # the AutoEP end-to-end runs and their report (both GPUs)
+#   bash scripts/device_session.sh e2e     # the AutoEP end-to-end runs and their report (both GPUs),
+#                                          # then the GPU fuzzer
+#   bash scripts/device_session.sh extra   # the fused grouped GEMMs (GPU 0) | the host-cost table alone,
+#                                          # then the sanitizers over pytest (GPU 1)
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
@@ -15,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CALL=${1:?usage: device_session.sh check|bench|e2e}
+CALL=${1:?usage: device_session.sh check|bench|e2e|extra}
 FINAL=${OUT:-$ROOT/_device_out}
 # Everything is written under a work folder; $OUT gets the session log and one archive of it.
 OUT=/tmp/session-$CALL
@@ -83,7 +86,15 @@ case $CALL in
     track fuzz 0 ${FUZZ_LIMIT:-90} "OUT='$OUT' FUZZ_LIB=/tmp/ea-wheel/expertact/libexpertact.so STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} bash scripts/reliability_gpu.sh" &
     wait
     ;;
-  *) note "unknown call $CALL (check, bench, e2e)"; exit 2 ;;
+  extra)
+    # The fused grouped GEMMs (a library packed elsewhere: .deps/cutlass-dev) on GPU 0; on GPU 1
+    # first the host-cost table alone on a quiet machine, then the sanitizers over pytest.
+    track cutlass 0 ${CUTLASS_LIMIT:-300} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
+    a=$!
+    track host-sanitize 1 ${SAN_LIMIT:-300} "taskset -c 16-31 bash -c \"cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY=/tmp/ea-wheel/expertact/libexpertact.so python3 -m expertact.bench --peers --host-only --repeat 3 --json '$OUT/host.json' --markdown '$OUT/host.md' > '$OUT/host.out'; cd '$ROOT' && OUT='$OUT' SAN_PARTS=pytest SAN_TIMEOUT=${SAN_TIMEOUT:-170} bash scripts/sanitize.sh\"" &
+    wait $a; wait
+    ;;
+  *) note "unknown call $CALL (check, bench, e2e, extra)"; exit 2 ;;
 esac
 
 note "$CALL done in $((SECONDS - T0)) s"

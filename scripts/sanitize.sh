@@ -116,8 +116,18 @@ if [[ " $PARTS " == *" pytest "* ]]; then
   MORE=("${ACT[@]}")
   for f in deepspeed moe; do [ -f tests/python/test_$f.py ] && MORE+=(tests/python/test_$f.py); done
   PY=(python3 -m pytest -q -p no:cacheprovider -rfE)
-  K_NOCACHE="cuda and not compile and not graph and not oom and not sync and not reach and not memory"
-  K_ALL="cuda and not compile and not reach"
+  # Left out under every tool: tests of allocation behaviour rather than of results, which
+  # failed under compute-sanitizer in the first sweep (2026-11-30) and pass without it: the
+  # in-place gradient of a leaf aliasing its input (AccumulateGrad copied it under the tool;
+  # cause not found), the OOM case that sizes a memory cap to fit one backward but not the
+  # other, and the kept-memory counts of the expert MLP (memory_allocated).
+  NOT_ALLOC="not leaf_gradient_needs_no_copy and not oom_inplace_backward_fits and not kept_memory"
+  K_NOCACHE="cuda and not compile and not graph and not oom and not sync and not reach and not memory and $NOT_ALLOC"
+  K_ALL="cuda and not compile and not reach and $NOT_ALLOC"
+  # racecheck and initcheck: the fuzzer's activation problems only. Its expert-MLP problems run
+  # torch._grouped_mm (CUTLASS, TMA): racecheck failed on it with "failed to handle a hardware
+  # exception" and initcheck reported uninitialized reads inside it; both are torch's kernel.
+  GLU_ONLY=(EXPERTACT_FUZZ_KINDS=glu)
   CSP=("$CS" --error-exitcode 9 --print-limit 100 --target-processes all)
   NOCACHE=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 EXPERTACT_FUZZ_CUDA_SECONDS=${SAN_FUZZ_SECONDS:-60})
   for k in $KERNELS; do
@@ -134,13 +144,14 @@ if [[ " $PARTS " == *" pytest "* ]]; then
           run "pytest-memcheck" "${NOCACHE[@]}" EXPERTACT_CUDA_KERNEL=rows "${CSP[@]}" --tool memcheck "${filt[@]}" \
             "${PY[@]}" "${MORE[@]}" -k "$K_NOCACHE"
           run "pytest-memcheck-graphs-oom" env EXPERTACT_CUDA_KERNEL=rows "${CSP[@]}" --tool memcheck "${filt[@]}" \
-            "${PY[@]}" tests/python/test_cuda.py tests/python/test_cuda_reliability.py -k "graph or oom or sync" ;;
+            "${PY[@]}" tests/python/test_cuda.py tests/python/test_cuda_reliability.py -k "(graph or oom or sync) and $NOT_ALLOC" ;;
         initcheck)
-          run "pytest-initcheck" "${NOCACHE[@]}" EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 \
+          run "pytest-initcheck" "${NOCACHE[@]}" "${GLU_ONLY[@]}" EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 \
             "${CSP[@]}" --tool initcheck "${PY[@]}" "${ACT[@]}" -k "$K_NOCACHE" ;;
         *)
-          run "pytest-$tool" env EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 "${CSP[@]}" --tool "$tool" \
-            "${filt[@]}" "${PY[@]}" "${MORE[@]}" -k "$K_ALL" ;;
+          if [ "$tool" = racecheck ]; then files=("${ACT[@]}"); kinds=("${GLU_ONLY[@]}"); else files=("${MORE[@]}"); kinds=(); fi
+          run "pytest-$tool" env "${kinds[@]}" EXPERTACT_CUDA_KERNEL=rows EXPERTACT_FUZZ_CUDA_SECONDS=30 "${CSP[@]}" --tool "$tool" \
+            "${filt[@]}" "${PY[@]}" "${files[@]}" -k "$K_ALL" ;;
       esac
     done
   done

@@ -27,6 +27,7 @@ import torch
 import expertact
 
 from . import bench
+from ._hostcost import host_cost_us
 from .bench import GiB, LAYOUTS, PRESETS, log
 
 #: Issue 9's sizes: the seed (MiniMax-M3's busiest expert-parallel rank), a quarter of it, two
@@ -258,40 +259,57 @@ def _host_fn(impl, layout, weights, ds, alpha, limit):
 
 
 def host_table(rows, ffn, dtype, device, impls, ds, iters, repeat, alpha, limit):
-    """Microseconds per call (bench.host_cost_us) of forward alone and of forward+backward."""
-    out = []
+    """Microseconds per call (_hostcost.host_cost_us: fresh leaves for every call, the garbage
+    collector off while timing, the median of its rounds) of forward alone and of forward+backward.
+    The rows are measured in interleaved rounds (every row once per round, at least 3 rounds), so
+    that a slow start of the process or a busy moment of the machine falls on every row alike
+    rather than on the first one: the value is the median over the rounds, the spread their range."""
+    out, todo = [], []
     for label, impl, layout, weights in host_rows(impls):
         r = dict(label=label, impl=impl, layout=layout, weights=weights)
         out.append(r)
         if impl == "deepspeed" and ds.fn("swiglu", layout) is None:
             r["error"] = ds.why_not("swiglu", layout)
             continue
-        log(f"host cost: {label} {layout}")
         try:
             fn = _host_fn(impl, layout, weights, ds, alpha, limit)
-            shapes = [(rows, ffn)] * 2 if layout == "separate" else [(rows, 2 * ffn)]
-
-            def make_args():
-                gen = torch.Generator(device=device).manual_seed(0)
-                leaves = [torch.randn(s, generator=gen, dtype=torch.float32, device=device).mul_(6).to(dtype)
-                          .requires_grad_() for s in shapes]
-                if weights:
-                    leaves.append(torch.rand(rows, generator=gen, device=device).requires_grad_())
-                return leaves
-
-            grad = torch.randn(rows, ffn, dtype=dtype, device=device)
-
-            def step(*leaves):
-                for t in leaves:
-                    t.grad = None
-                fn(*leaves).backward(grad)
-
-            fwd = [bench.host_cost_us(fn, make_args, iters, device) for _ in range(repeat)]
-            both = [bench.host_cost_us(step, make_args, iters, device) for _ in range(repeat)]
-            r.update(fwd_us=statistics.median(fwd), fwd_us_spread=_spread(fwd),
-                     fwd_bwd_us=statistics.median(both), fwd_bwd_us_spread=_spread(both))
         except Exception as e:  # one failing row does not end the table
             r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        shapes = [(rows, ffn)] * 2 if layout == "separate" else [(rows, 2 * ffn)]
+        gen = torch.Generator(device=device).manual_seed(0)
+        base = [torch.randn(s, generator=gen, dtype=torch.float32, device=device).mul_(6).to(dtype) for s in shapes]
+        wbase = torch.rand(rows, generator=gen, device=device) if weights else None
+
+        def make_args(base=base, wbase=wbase):
+            leaves = [b.clone().requires_grad_() for b in base]
+            if wbase is not None:
+                leaves.append(wbase.clone().requires_grad_())
+            return leaves
+
+        grad = torch.randn(rows, ffn, dtype=dtype, device=device)
+
+        def step(*leaves, fn=fn, grad=grad):
+            fn(*leaves).backward(grad)
+
+        todo.append((r, fn, step, make_args))
+    fwd = {id(r): [] for r, *_ in todo}
+    both = {id(r): [] for r, *_ in todo}
+    for k in range(max(repeat, 3)):
+        for r, fn, step, make_args in todo:
+            if "error" in r:
+                continue
+            log(f"host cost (round {k + 1}): {r['label']} {r['layout']}")
+            try:
+                fwd[id(r)].append(host_cost_us(fn, make_args, iters, device, repeats=5))
+                both[id(r)].append(host_cost_us(step, make_args, iters, device, repeats=5))
+            except Exception as e:  # one failing row does not end the table
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for r, *_ in todo:
+        if "error" not in r:
+            f, b = fwd[id(r)], both[id(r)]
+            r.update(fwd_us=statistics.median(f), fwd_us_spread=_spread(f),
+                     fwd_bwd_us=statistics.median(b), fwd_bwd_us_spread=_spread(b), rounds=len(f))
     return out
 
 
@@ -389,16 +407,18 @@ def markdown(meta, sizes, cells, summary, host):
     if host:
         hs = meta["host"]
         lines += ["", f"### host cost per call at {_size(hs['rows'], hs['ffn'])} {meta['dtype']} (swiglu)", "",
-                  f"Microseconds per call: {hs['iters']} calls back to back timed with time.perf_counter, then one "
-                  "synchronize; the median of 5 such blocks" + (f", and of {R} runs [min-max]" if R > 1 else "")
-                  + ". The device work is negligible at this size: this is the calling thread's time.", "",
+                  f"Microseconds per call: {hs['iters']} calls on fresh leaf tensors, back to back, timed with "
+                  "time.perf_counter up to one synchronize, the garbage collector off; the median of 5 such blocks; "
+                  "the rows measured in interleaved rounds, the value the median over the rounds [min-max]. The "
+                  "device work is negligible at this size: this is the calling thread's time.", "",
                   "| call | layout | forward us | forward+backward us |", "|---|---|---:|---:|"]
         for r in host:
             if "error" in r:
                 lines.append(f"| {r['label']} | {r['layout']} | {r['error']} | |")
             else:
-                lines.append(f"| {r['label']} | {r['layout']} | {_with_spread(r['fwd_us'], r['fwd_us_spread'], R, 1)} "
-                             f"| {_with_spread(r['fwd_bwd_us'], r['fwd_bwd_us_spread'], R, 1)} |")
+                n = r.get("rounds", R)
+                lines.append(f"| {r['label']} | {r['layout']} | {_with_spread(r['fwd_us'], r['fwd_us_spread'], n, 1)} "
+                             f"| {_with_spread(r['fwd_bwd_us'], r['fwd_bwd_us_spread'], n, 1)} |")
     lines += ["", "Peers: eager PyTorch and torch.compile of the same expression (every form and layout), "
               "DeepSpeed's Triton kernels deepspeed.ops.triton_ops.swiglu_triton.swiglu (swiglu, separate) and "
               "swiglu_packed (swiglu, halves); DeepSpeed has no fused kernel for the other forms and layouts (n/a). "
@@ -518,6 +538,9 @@ def main(a, argv=None):
             meta["host_s"] = time.time() - t_start
         meta["host"] = dict(rows=host_rows_, ffn=host_ffn, iters=host_iters)
         cells, rc = {}, 0
+        if a.host_only:  # the host-cost table alone
+            meta["wall_s"], meta["complete"] = time.time() - t_start, True
+            return report(a, meta, size_info, cells, host, [], sizes, impls, ds, final=True)
         for n, (preset, layout) in enumerate(forms):
             cells.update(measure_form(preset, layout, sizes, impls, ds, dtype, device, a, iters, warmup, repeat))
             done = forms[:n + 1]

@@ -299,27 +299,6 @@ def copy_bandwidth(nbytes, device):
     return 2 * n * 2 / min(ts)
 
 
-def host_cost_us(fn, make_args, iters, device):
-    """Microseconds of the calling thread per call of fn(*make_args()), at a size where the
-    device work is negligible (the --peers host-cost table uses 256 x 128): `iters` calls back
-    to back timed with perf_counter, then one synchronize on CUDA (no CUDA graphs: the host
-    path is what is measured); the median of 5 such blocks after a warm-up block."""
-    cuda = torch.device(device).type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    args = make_args()
-    for _ in range(max(iters // 4, 10)):  # the first calls compile (torch.compile, Triton's JIT)
-        fn(*args)
-    sync()
-    per_call = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(*args)
-        sync()
-        per_call.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(per_call)
-
-
 # ---------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------
@@ -431,6 +410,7 @@ def parse_args(argv=None):
     g.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="repeat each measurement N times; the table shows the spread (min-max) of the N medians")
     g.add_argument("--host-size", default="256x128", metavar="RxF", help="size of the host-cost table")
+    g.add_argument("--host-only", action="store_true", help="the host-cost table alone (no sizes)")
     g.add_argument("--host-iters", type=int, default=None,
                    help="calls per timed block of the host-cost table (default 200 on CUDA, 50 on the CPU); "
                         "0: no host-cost table")
@@ -470,7 +450,7 @@ def main(argv=None):
         from . import _peers
 
         return _peers.main(a, argv)
-    peers_only = [o for o, v in (("--sizes", a.sizes), ("--quick", a.quick), ("--repeat", a.repeat != 1)) if v]
+    peers_only = [o for o, v in (("--sizes", a.sizes), ("--quick", a.quick), ("--repeat", a.repeat != 1), ("--host-only", a.host_only)) if v]
     if peers_only:
         raise SystemExit(f"expertact-bench: {', '.join(peers_only)} need --peers")
     device = resolve_device(a.device)

@@ -27,8 +27,11 @@ def test_fuzz_cpu(capsys):
 
 @requires_cuda
 def test_fuzz_cuda(capsys):
+    # EXPERTACT_FUZZ_KINDS (comma-separated, e.g. "glu"): only those problem kinds (scripts/sanitize.sh
+    # leaves out the expert MLP under the tools that trip over torch's grouped-GEMM kernels).
+    kinds = [k for k in os.environ.get("EXPERTACT_FUZZ_KINDS", "").split(",") if k] or None
     st = fuzz.run(device="cuda", seed=1_000_000, seconds=float(os.environ.get("EXPERTACT_FUZZ_CUDA_SECONDS", "20")),
-                  log=print)
+                  kinds=kinds, log=print)
     _report(capsys, st)
     assert st.failed == 0 and not st.aborted, st.summary()
 
