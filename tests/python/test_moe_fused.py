@@ -282,7 +282,7 @@ def test_cuda_grouped_experts_fused():
 def test_cuda_fallback_for_float32():
     c = make_case(**dict(counts=[5, 0, 9], pad=2, D=16, F=8), dtype=torch.float32, device="cuda")
     moe._WARNED.clear()
-    with pytest.warns(UserWarning, match="takes bfloat16"):
+    with pytest.warns(UserWarning, match="take bfloat16"):
         y, _ = run(c, "swiglu", fused=True)
     y0, _ = run(c, "swiglu")
     assert torch.equal(y, y0)
