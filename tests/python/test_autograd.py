@@ -106,7 +106,11 @@ def _opcheck_samples(device):
     yield "glu_backward packed", ops.glu_backward.default, (t(15, 8), t(15, 16), None, None, False, 3, 1, 1.0,
                                                            math.inf, 0.0)
     yield "glu_backward_ separate", ops.glu_backward_.default, (
-        t(15, 8), t(15, 8), t(15, 8), w.reshape(15), torch.empty(15, device=device), 0, 0, 1.702, 7.0, 1.0)
+        # grad_weights is an output buffer, but opcheck copies every argument before the call: an
+        # initialised one, so that copy reads defined memory (compute-sanitizer's initcheck
+        # reported the copy of a torch.empty buffer here). That the kernels write every element
+        # is the fuzzer's poisoned-output check.
+        t(15, 8), t(15, 8), t(15, 8), w.reshape(15), torch.zeros(15, device=device), 0, 0, 1.702, 7.0, 1.0)
     yield "glu_backward_ packed", ops.glu_backward_.default, (
         t(15, 8), t(15, 16), None, None, None, 1, 0, 1.0, 7.0, 0.0)
 
