@@ -85,33 +85,40 @@ def _deepspeed():
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout
             mod = importlib.import_module(_DS_MODULE)
     except Exception:
-        mod = _deepspeed_file_alone()
+        try:
+            mod = load_deepspeed_kernel_file()
+        except Exception:
+            mod = None
     if mod is None or not getattr(mod, "_TRITON_AVAILABLE", True):
         return None
     return mod.swiglu, mod.swiglu_packed
 
 
-def _deepspeed_file_alone():
-    spec = importlib.util.find_spec("deepspeed")  # finds the folder without importing it
+def load_deepspeed_kernel_file():
+    """deepspeed/ops/triton_ops/swiglu_triton.py (and the _triton.py it imports) without running
+    deepspeed/__init__.py, which imports einops, msgpack, psutil, tqdm, hjson, pydantic and the
+    accelerator probes: the kernels themselves need torch and triton only. The parent packages
+    are stand-ins with the real folders as their __path__, removed again once the file is loaded.
+    Raises ImportError (or what the file raises) when it cannot be loaded."""
+    spec = importlib.util.find_spec("deepspeed")  # locates the package without importing it
     if spec is None or not spec.origin:
-        return None
-    folder = os.path.dirname(spec.origin)
-    stand_ins = {"deepspeed": folder, "deepspeed.ops": os.path.join(folder, "ops"),
-                 "deepspeed.ops.triton_ops": os.path.join(folder, "ops", "triton_ops")}
-    before = {name: sys.modules.get(name) for name in stand_ins}
+        raise ImportError("deepspeed is not on sys.path")
+    root = os.path.dirname(spec.origin)
+    parents = {"deepspeed": root, "deepspeed.ops": os.path.join(root, "ops"),
+               "deepspeed.ops.triton_ops": os.path.join(root, "ops", "triton_ops")}
+    saved = {name: sys.modules.get(name) for name in parents}
     try:
-        for name, path in stand_ins.items():
-            sys.modules[name] = types.ModuleType(name)
-            sys.modules[name].__path__ = [path]
+        for name, path in parents.items():
+            stand_in = types.ModuleType(name)
+            stand_in.__path__ = [path]
+            sys.modules[name] = stand_in
         return importlib.import_module(_DS_MODULE)
-    except Exception:
-        return None
     finally:
-        for name, mod in before.items():
-            if mod is None:
+        for name, module in saved.items():
+            if module is None:
                 sys.modules.pop(name, None)
             else:
-                sys.modules[name] = mod
+                sys.modules[name] = module
 
 
 def cases(device="cpu", rows: Optional[int] = None, ffn: Optional[int] = None, dtype=None,

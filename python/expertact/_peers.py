@@ -12,7 +12,6 @@ import datetime
 import functools
 import importlib
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -20,14 +19,13 @@ import platform
 import statistics
 import sys
 import time
-import types
 
 import torch
 
 import expertact
 
 from . import bench
-from ._hostcost import host_cost_us
+from ._hostcost import host_cost_us, load_deepspeed_kernel_file
 from .bench import GiB, LAYOUTS, PRESETS, log
 
 #: Issue 9's sizes: the seed (MiniMax-M3's busiest expert-parallel rank), a quarter of it, two
@@ -64,30 +62,8 @@ def _dist_version(name):
         return None
 
 
-def _load_kernel_file_alone():
-    """deepspeed/ops/triton_ops/swiglu_triton.py (and the _triton.py it imports) without running
-    deepspeed/__init__.py, which imports einops, msgpack, psutil, tqdm, hjson, pydantic and the
-    accelerator probes: the kernels themselves need torch and triton only. The parent packages
-    are stand-ins with the real folders as their __path__, removed again once the file is loaded."""
-    spec = importlib.util.find_spec("deepspeed")  # locates the package without importing it
-    if spec is None or not spec.origin:
-        raise ImportError("deepspeed is not on sys.path")
-    root = os.path.dirname(spec.origin)
-    parents = {"deepspeed": root, "deepspeed.ops": os.path.join(root, "ops"),
-               "deepspeed.ops.triton_ops": os.path.join(root, "ops", "triton_ops")}
-    saved = {name: sys.modules.get(name) for name in parents}
-    try:
-        for name, path in parents.items():
-            stand_in = types.ModuleType(name)
-            stand_in.__path__ = [path]
-            sys.modules[name] = stand_in
-        return importlib.import_module("deepspeed.ops.triton_ops.swiglu_triton")
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+# The kernel file alone, when `import deepspeed` fails (one loader, shared with the host-cost tool).
+_load_kernel_file_alone = load_deepspeed_kernel_file
 
 
 class DeepSpeedKernels:
