@@ -218,7 +218,7 @@ def markdown(meta, results, checks):
               "before); kept: allocated after forward minus before, minus y; y diff: max |y - y_eager| / "
               "max |y_eager| against the eager composition (gemms computes another function)."]
     if checks:
-        lines += ["", "Issue 11 targets:", ""]
+        lines += ["", "Targets (issue 11; the fused rows: issue 12):", ""]
         for text, ok in checks:
             lines.append(f"- {'PASS' if ok else 'FAIL' if ok is not None else 'measured'}: {text}")
     return "\n".join(lines) + "\n"
