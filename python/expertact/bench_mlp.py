@@ -42,7 +42,7 @@ import torch
 import expertact
 from expertact import _fused, moe
 from expertact.bench import (
-    GiB, CpuClock, CudaClock, _csv, _fmt, _mem, cpu_memory, cuda_memory, eager_form, log, measure, split,
+    GiB, CpuClock, CudaClock, _csv, _mem, cpu_memory, cuda_memory, eager_form, log, measure, split,
 )
 
 IMPLS = ("gemms", "eager", "compile", "deepspeed", "expertact-op", "expertact", "expertact-inplace",

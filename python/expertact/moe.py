@@ -9,7 +9,6 @@ GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights a
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import NamedTuple, Optional, Tuple
 
@@ -306,9 +305,7 @@ class _ExpertMLP(torch.autograd.Function):
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
         # dh freed, then x's gradient.
         if need_w2:
-            if h is None:
-                h = glu_op(gate_up, None, weights, *plan.glu, False)
-            dw2 = _gmm_wgrad(h, dy, offs, plan)
+            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan)
         h = None  # a saved h stays alive in ctx until this backward returns; a recomputed one goes now
         if need_x or need_w13 or need_w:
             dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
@@ -365,6 +362,14 @@ def _from_interleaved(dw13i, layout):
     return _pack(*_unpack(dw13i, "interleaved", dim=2), layout, dim=2)
 
 
+def _w2_grad(h, gate_up, weights, glu, dy, offs, plan):
+    """w2's gradient h^T dy per expert, h recomputed by the fused forward kernel from gate_up
+    (glu: layout, act, alpha, limit, beta) when the forward did not keep it (recompute=True)."""
+    if h is None:
+        h = glu_op(gate_up, None, weights, *glu, False)
+    return _gmm_wgrad(h, dy, offs, plan)
+
+
 class _FusedExpertMLP(torch.autograd.Function):
     """The MLP with the fused grouped GEMMs: forward writes gate_up (interleaved) and h in one
     kernel; backward's dh GEMM writes dgate_up (and the weights' gradient) instead of dh. y, dx and
@@ -394,9 +399,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         dy = _mm_operand(dy, row_major=True)
         dx = dw13 = dw2 = dweights = None
         if need_w2:
-            if h is None:
-                h = glu_op(gate_up, None, weights, _capi.LAYOUT_INTERLEAVED, act, alpha, limit, beta, False)
-            dw2 = _gmm_wgrad(h, dy, offs, plan)
+            dw2 = _w2_grad(h, gate_up, weights, (_capi.LAYOUT_INTERLEAVED, act, alpha, limit, beta), dy, offs, plan)
         h = None
         if need_x or need_w13 or need_w:
             w2k = _expert_kmajor(w2)  # [E, F, D], D contiguous: the dh GEMM's B
