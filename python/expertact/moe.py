@@ -263,22 +263,51 @@ def _forward(x, w13, w2, weights, offs, plan):
 # ---------------------------------------------------------------------------
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved tensors go through hooks (torch.autograd.graph.saved_tensors_hooks:
+    activation offloading, non-reentrant checkpointing) or a compiler traces the node: then
+    everything kept goes through save_for_backward, as those mechanisms expect."""
+    if torch.compiler.is_compiling():
+        return True
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: the safe choice
+    try:
+        return top(False) is not None
+    except Exception:  # a signature this torch does not have: the safe choice
+        return True
+
+
 def _keep(ctx, plan, tensors, h):
     """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, and h unless
-    recompute (then h is freed when the caller drops it)."""
-    ctx.save_for_backward(*tensors, *(() if plan.recompute else (h,)))
+    recompute (then h is freed when the caller drops it).
+
+    h is kept as a plain attribute, not through save_for_backward, so that backward can drop
+    it as soon as w2's gradient is computed: a saved tensor lives until its node's backward
+    returns, and then h ([T, F], 6 GiB at the seed size) would still be alive when dh and
+    dgate_up are, raising the step's peak by one [T, F] tensor (measured on the H200: 42.07
+    against 35.95 GiB, and 4.6 ms slower backward). h is an intermediate the caller never
+    sees, so the attribute makes no reference cycle. With saved-tensor hooks active (or under
+    a compiler), h goes through save_for_backward as before."""
+    hooked = not plan.recompute and _saved_tensor_hooks_active()
+    ctx.save_for_backward(*tensors, *((h,) if hooked else ()))
+    ctx.h = None if plan.recompute or hooked else h
     ctx.plan = plan
     ctx.spent = False
 
 
 def _kept(ctx):
-    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, h or None)."""
+    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, h or None).
+    An h kept as an attribute is handed over once: the caller drops it after w2's gradient,
+    and a second backward (retain_graph=True) finds None and recomputes it (_w2_grad)."""
     if torch.is_grad_enabled():
         raise RuntimeError(_CREATE_GRAPH_MSG)
     if ctx.spent:
         raise RuntimeError(_SECOND_BACKWARD_MSG)
     saved = ctx.saved_tensors
-    return (*saved[:6], saved[6] if len(saved) > 6 else None)
+    h = saved[6] if len(saved) > 6 else ctx.h
+    ctx.h = None
+    return (*saved[:6], h)
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -306,7 +335,7 @@ class _ExpertMLP(torch.autograd.Function):
         # dh freed, then x's gradient.
         if need_w2:
             dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan)
-        h = None  # a saved h stays alive in ctx until this backward returns; a recomputed one goes now
+        h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
         if need_x or need_w13 or need_w:
             dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
             weights_grad = weights is not None and need_w
