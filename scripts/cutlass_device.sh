@@ -31,7 +31,7 @@ if [ "${1:-}" = "pack" ]; then
   BUILD=${BUILD_DIR:-$ROOT/build/cutlass-pack}
   set -e
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON -DEXPERTACT_CUTLASS=ON \
-    -DEXPERTACT_CUTLASS_SCHEDULES="pingpong;cooperative" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=OFF \
+    -DEXPERTACT_CUTLASS_SCHEDULES="pingpong;cooperative" -DEXPERTACT_FUSED_PROBES=ON -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=OFF \
     ${PACK_CMAKE_ARGS:-} | grep "expertact:"
   cmake --build "$BUILD" -j "${JOBS:-2}"
   rm -rf "$PACK" && mkdir -p "$PACK"
@@ -49,7 +49,7 @@ fi
 OUT=${OUT:-$ROOT/device-out}
 R="$OUT/cutlass"
 mkdir -p "$R"
-STAGES=${STAGES:-"env gtest pytest kernels mlp"}
+STAGES=${STAGES:-"env gtest pytest kernels ncu mlp"}
 # The schedules to test and time (the carried library must have them; the first is its default).
 SCHEDULES=${SCHEDULES:-"pingpong cooperative"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -140,12 +140,36 @@ if [ $correct -eq 0 ] && [ "${FORCE_BENCH:-0}" != 1 ]; then
   STAGES=""
 fi
 
+# PROBES: the epilogue parts left out (a library packed with EXPERTACT_FUSED_PROBES, as
+# 'pack' builds it): none (the real kernels), gemm (no epilogue work: the GEMM's own cost),
+# nostore (loads and math, no stores). Differences between them place the epilogue's time.
+PROBES=${PROBES:-"none gemm nostore"}
 if has kernels; then
   for sched in $SCHEDULES; do
-    note "kernels alone ($sched): python -m expertact.bench_fused (fused vs torch._grouped_mm on the same GEMM)"
-    (cd /tmp && EXPERTACT_FUSED_SCHEDULE=$sched timeout ${KERNELS_TIMEOUT:-120} python3 -m expertact.bench_fused \
-        --json "$R/kernels-$sched.json") > "$R/kernels-$sched.log" 2>&1 || { status=1; note "KERNEL BENCH FAILED ($sched)"; }
-    tail -4 "$R/kernels-$sched.log" | tee -a "$R/summary.txt"
+    for probe in $PROBES; do
+      note "kernels alone ($sched, probe $probe): python -m expertact.bench_fused (fused vs torch._grouped_mm)"
+      pe=$probe; [ "$probe" = none ] && pe=""
+      (cd /tmp && EXPERTACT_FUSED_PROBE=$pe EXPERTACT_FUSED_SCHEDULE=$sched timeout ${KERNELS_TIMEOUT:-120} \
+          python3 -m expertact.bench_fused --json "$R/kernels-$sched-$probe.json") > "$R/kernels-$sched-$probe.log" 2>&1 ||
+        { status=1; note "KERNEL BENCH FAILED ($sched, $probe)"; }
+      tail -4 "$R/kernels-$sched-$probe.log" | tee -a "$R/summary.txt"
+    done
+  done
+fi
+
+# Nsight Compute on the fused kernels and torch's on a smaller problem (--rows NCU_ROWS):
+# throughput, warp stalls, issue slots (clocks left alone: --clock-control none).
+if has ncu; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for sched in $SCHEDULES; do
+    note "ncu ($sched) on bench_fused --rows ${NCU_ROWS:-32768}"
+    (cd /tmp && EXPERTACT_FUSED_SCHEDULE=$sched timeout ${NCU_TIMEOUT:-150} "$NCU" --clock-control none \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        --section MemoryWorkloadAnalysis -k regex:device_kernel --launch-count 4 \
+        python3 -m expertact.bench_fused --rows "${NCU_ROWS:-32768}" --iters 1 --warmup 0) > "$R/ncu-$sched.log" 2>&1 ||
+      note "ncu failed ($sched, rc $?)"
+    grep -E "device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Stall|Issued Ipc|No Eligible|Registers Per" \
+      "$R/ncu-$sched.log" | cut -c1-150 | head -60 >> "$R/summary.txt"
   done
 fi
 

@@ -11,6 +11,8 @@
 #                                          # then the GPU fuzzer
 #   bash scripts/device_session.sh extra   # the fused grouped GEMMs (GPU 0) | the host-cost table alone,
 #                                          # then the sanitizers over pytest (GPU 1)
+#   bash scripts/device_session.sh fused   # the fused grouped GEMMs with epilogue probes and ncu (GPU 0) |
+#                                          # the whole sanitizer sweep, then bench_mlp's unfused rows (GPU 1)
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
@@ -18,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CALL=${1:?usage: device_session.sh check|bench|e2e|extra}
+CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused}
 FINAL=${OUT:-$ROOT/_device_out}
 # Everything is written under a work folder; $OUT gets the session log and one archive of it.
 OUT=/tmp/session-$CALL
@@ -94,7 +96,16 @@ case $CALL in
     track host-sanitize 1 ${SAN_LIMIT:-300} "taskset -c 16-31 bash -c \"cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY=/tmp/ea-wheel/expertact/libexpertact.so python3 -m expertact.bench --peers --host-only --repeat 3 --json '$OUT/host.json' --markdown '$OUT/host.md' > '$OUT/host.out'; cd '$ROOT' && OUT='$OUT' SAN_PARTS=pytest SAN_TIMEOUT=${SAN_TIMEOUT:-170} bash scripts/sanitize.sh\"" &
     wait $a; wait
     ;;
-  *) note "unknown call $CALL (check, bench, e2e, extra)"; exit 2 ;;
+  fused)
+    # The fused grouped GEMMs with the epilogue probes and ncu (GPU 0, the library packed
+    # elsewhere: .deps/cutlass-dev) | the whole sanitizer sweep, then the expert-MLP table of
+    # the unfused rows from the source tree over that packed library (GPU 1).
+    track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
+    a=$!
+    track sanitize-mlp 1 ${SAN_LIMIT:-540} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd '$ROOT' && OUT='$OUT' SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${MLP_TIMEOUT:-200} python3 -m expertact.bench_mlp --impls ${MLP_IMPLS:-gemms,eager,compile,deepspeed,expertact-op,expertact,expertact-inplace,expertact-recompute,expertact-recompute-inplace} ${MLP_ARGS:-} --json '$OUT/mlp.json' --markdown '$OUT/mlp.md' > '$OUT/mlp.out' 2> '$OUT/mlp.progress'\"" &
+    wait $a; wait
+    ;;
+  *) note "unknown call $CALL (check, bench, e2e, extra, fused)"; exit 2 ;;
 esac
 
 note "$CALL done in $((SECONDS - T0)) s"

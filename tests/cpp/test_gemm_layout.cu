@@ -2,7 +2,9 @@
 // assume about CUTLASS's register layouts, for the instantiated tiles. CuTe layouts are
 // plain host arithmetic, so these run on any machine (CI too), no GPU needed:
 // - each thread's accumulator fragment holds (gate, up) pairs of an interleaved gate_up
-//   as adjacent elements (2j, 2j + 1) at columns (n, n + 1), n even (the forward's h);
+//   as adjacent elements (2j, 2j + 1) at columns (n, n + 1), n even (the forward's h; the
+//   backward's 8-byte accesses);
+// - the forward's quad transpose hands each lane 4 contiguous h values of one row;
 // - an element's coordinate is the thread's first one plus the relative coordinate the
 //   collective hands the callbacks (args.tCcD);
 // - the backward's row-sum registers hold one row each, and the shuffle tree over
@@ -89,8 +91,8 @@ TYPED_TEST(GemmLayout, BackwardFragmentsCoverTheTileOnce) {
   expect_tile_covered_once<typename Kernels<TypeParam>::Bwd>();
 }
 
-TYPED_TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
-  using Fwd = typename Kernels<TypeParam>::Fwd;
+template <class Fwd>
+void expect_adjacent_pairs() {
   using TileShape = typename Fwd::TileShape;
   constexpr int FS = fragment_size<Fwd>();
   static_assert(FS % 2 == 0, "pairs need an even fragment");
@@ -114,6 +116,76 @@ TYPED_TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
     }
   }
   EXPECT_EQ(pairs, size<0>(TileShape{}) * size<1>(TileShape{}) / 2);
+}
+
+TYPED_TEST(GemmLayout, ForwardFragmentsHoldGateUpPairs) {
+  expect_adjacent_pairs<typename Kernels<TypeParam>::Fwd>();
+}
+// The backward reads and writes elements (2k, 2k + 1) as one 8-byte access: the same property.
+TYPED_TEST(GemmLayout, BackwardFragmentsHoldAdjacentColumnPairs) {
+  expect_adjacent_pairs<typename Kernels<TypeParam>::Bwd>();
+}
+
+// The forward's 8-byte h stores: the kernel's quad transpose (quad_send1 / quad_send2 /
+// quad_final, the same functions) run for every warp and fragment with the shuffles
+// emulated, each lane's h value standing for its coordinates. Every lane must end with
+// 4 h values of one row at h columns c .. c + 3, c where the kernel stores them (the
+// chunk's gate_up column n + 6t of its row-r element, halved), and the stores must cover
+// each (row, h column) of the tile exactly once.
+TYPED_TEST(GemmLayout, ForwardQuadTransposeGivesContiguousHRows) {
+  using Fwd = typename Kernels<TypeParam>::Fwd;
+  using TileShape = typename Fwd::TileShape;
+  constexpr int FS = fragment_size<Fwd>();
+  static_assert(FS == 16, "the kernel's 8-byte path is written for fragments of 16");
+  const int TM = size<0>(TileShape{}), TN = size<1>(TileShape{});
+  // A value names its (row, h column) in 16 bits: row < 128, h column < 128.
+  ASSERT_LE(TM, 128);
+  ASSERT_LE(TN / 2, 128);
+  auto code = [](int m, int hc) { return static_cast<uint16_t>(m * 128 + hc); };
+  std::map<std::pair<int, int>, int> stored;
+  for (int w = 0; w < Fwd::kThreads / 32; ++w) {
+    Tensor c0 = Fwd::coords(w * 32);
+    for (int em = 0; em < size<3>(c0); ++em) {
+      for (int en = 0; en < size<4>(c0); ++en) {
+        for (int v = 0; v < size(c0(_, _, _, em, en)) / FS; ++v) {
+          for (int r = 0; r < 2; ++r) {
+            uint16_t a[32][4];
+            int row[32], col0[32];  // the row-r element (group 0) of each lane
+            for (int lane = 0; lane < 32; ++lane) {
+              Tensor s = Fwd::coords(w * 32 + lane)(_, _, _, em, en);
+              for (int g = 0; g < 4; ++g) {  // pair j = r + 2g: elements 2j, 2j + 1
+                auto e = s(v * FS + 2 * (r + 2 * g));
+                a[lane][g] = code(get<0>(e), get<1>(e) / 2);
+              }
+              row[lane] = get<0>(s(v * FS + 2 * r));
+              col0[lane] = get<1>(s(v * FS + 2 * r));
+            }
+            uint32_t send1[32], recv1[32], send2[32], own[32];
+            for (int lane = 0; lane < 32; ++lane) send1[lane] = quad_send1(a[lane], lane & 3);
+            for (int lane = 0; lane < 32; ++lane) recv1[lane] = send1[lane ^ 1];
+            for (int lane = 0; lane < 32; ++lane)
+              send2[lane] = quad_send2(a[lane], lane & 3, recv1[lane], &own[lane]);
+            for (int lane = 0; lane < 32; ++lane) {
+              const int t = lane & 3;
+              uint32_t lo, hi;
+              quad_final(t, own[lane], send2[lane ^ 2], &lo, &hi);
+              const uint16_t got[4] = {static_cast<uint16_t>(lo & 0xffff), static_cast<uint16_t>(lo >> 16),
+                                       static_cast<uint16_t>(hi & 0xffff), static_cast<uint16_t>(hi >> 16)};
+              const int hc = col0[lane] / 2 + 3 * t;  // where the kernel stores the 8 bytes
+              ASSERT_EQ((col0[lane] + 6 * t) % 8, 0) << "chunk not on 8 gate_up columns";
+              for (int k = 0; k < 4; ++k) {
+                ASSERT_EQ(got[k], code(row[lane], hc + k))
+                    << "warp " << w << " lane " << lane << " fragment " << v << " row " << r << " value " << k;
+                ++stored[{row[lane], hc + k}];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  ASSERT_EQ(stored.size(), static_cast<size_t>(TM * TN / 2));
+  for (const auto& kv : stored) ASSERT_EQ(kv.second, 1) << kv.first.first << "," << kv.first.second;
 }
 
 // The callbacks see make_coord_tensor(layout) (coordinates relative to the thread's first

@@ -4,6 +4,7 @@
 // and schedule.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -78,6 +79,27 @@ Status schedule_choice(Schedule& out) {
   return Status::kOk;
 }
 
+// EXPERTACT_FUSED_PROBE (diagnostic builds only, EXPERTACT_FUSED_PROBES): gemm | nostore |
+// unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
+int probe_choice() {
+#if EXPERTACT_FUSED_PROBES
+  static const int p = [] {
+    const char* env = std::getenv("EXPERTACT_FUSED_PROBE");
+    if (env == nullptr) return 0;
+    if (std::strcmp(env, "gemm") == 0) return 1;
+    if (std::strcmp(env, "nostore") == 0) return 2;
+    return 0;
+  }();
+  return p;
+#else
+  return 0;
+#endif
+}
+
+bool aligned(const void* ptr, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
 template <Schedule S>
 using SchedTag = std::integral_constant<Schedule, S>;
 
@@ -108,8 +130,11 @@ Status fused_forward(Activation act, const GroupedShape& s, const FwdEpiloguePar
       {{"x", s.a}, {"w13", s.b}, {"offsets", p.offsets}, {"weights", p.w}, {"gate_up", s.d},
        {"h", p.h}}));
   EA_TRY(check_hopper(s.device));
+  FwdEpilogueParams q = p;
+  q.h_vec8 = aligned(p.h, 8) && p.ldh % 4 == 0;
+  q.probe = probe_choice();
   return dispatch(act, [&](auto a, auto sch) {
-    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, q, stream);
   });
 }
 
@@ -134,8 +159,12 @@ Status fused_backward(Activation act, const GroupedShape& s, const BwdEpiloguePa
     }
   }
   if (s.N == 0) return Status::kOk;  // F == 0: the zeroed weight gradient is the whole answer
+  BwdEpilogueParams q = p;
+  q.vec8 = aligned(p.gate_up, 8) && aligned(p.dgate_up, 8) && p.ld_gu % 4 == 0 && p.ld_dgu % 4 == 0;
+  q.gu_prefetch = aligned(p.gate_up, 16) && p.ld_gu % 8 == 0;
+  q.probe = probe_choice();
   return dispatch(act, [&](auto a, auto sch) {
-    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
+    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, q, stream);
   });
 }
 

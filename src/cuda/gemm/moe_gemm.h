@@ -21,6 +21,10 @@ struct FwdEpilogueParams {
   const float* w = nullptr;  // [T] routing weights, or nullptr
   int64_t w_stride = 1;
   math::Coeffs coeffs{};
+  // Set by the launcher: h 8-byte aligned with ldh % 4 == 0, so that the four lanes that
+  // share a row write it as one 8-byte store each (else one 2-byte store per element).
+  bool h_vec8 = false;
+  int probe = 0;  // diagnostic builds only (EXPERTACT_FUSED_PROBES): see probe_choice()
 };
 
 struct BwdEpilogueParams {
@@ -35,6 +39,13 @@ struct BwdEpilogueParams {
   float* dw = nullptr;  // [T] weight gradient (accumulated: zeroed by the launcher), or nullptr
   int64_t dw_stride = 1;
   math::Coeffs coeffs{};
+  // Set by the launcher: gate_up and dgate_up 8-byte aligned with row strides
+  // multiples of 4 elements, so that two adjacent elements' (gate, up) pairs move as one
+  // 8-byte load and store (else 4 bytes each); gu_prefetch: gate_up 16-byte aligned with
+  // ld_gu % 8 == 0, so that a tile's gate_up rows can be prefetched to L2 in bulk.
+  bool vec8 = false;
+  bool gu_prefetch = false;
+  int probe = 0;
 };
 
 // One grouped GEMM over E experts: A [T, K] row-major (row stride lda), B [E, N, K]

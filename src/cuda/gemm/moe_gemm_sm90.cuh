@@ -36,6 +36,60 @@ __device__ __forceinline__ float round_bf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
+// Diagnostic builds (CMake EXPERTACT_FUSED_PROBES=ON, scripts/cutlass_device.sh pack) time the
+// kernels with parts of the epilogue left out (EXPERTACT_FUSED_PROBE, read by the launcher):
+// kGemm does no epilogue work at all (h / dgate_up are not written: the GEMM's own cost),
+// kNoStore does the loads and the math but stores nothing. Other builds compile them out.
+enum Probe : int { kProbeNone = 0, kProbeGemm = 1, kProbeNoStore = 2 };
+CUTLASS_HOST_DEVICE int probe_of(int p) {
+#if EXPERTACT_FUSED_PROBES
+  return p;
+#else
+  (void)p;
+  return kProbeNone;
+#endif
+}
+// A store kept under kNoStore only for a value no input gives, so that the math stays.
+CUTLASS_DEVICE bool store_wanted(int probe, uint32_t bits) {
+  return probe != kProbeNoStore || bits == 0x7fc0dead;
+}
+
+// The forward's h stores as 8 bytes. A row of a 64 or 128 x 32 epilogue subtile is spread
+// over the 4 lanes of a quad (lane % 4 = t): lane t holds the row's pairs at gate_up columns
+// base + 8g + 2t (g = 0..3), so its 4 h values sit at h columns H + 4g + t (H = base / 2),
+// 2 bytes apart from its neighbours' (tests/cpp/test_gemm_layout.cu proves it for the
+// instantiated tiles). A 4 x 4 transpose over the quad, two 32-bit shuffles, gives lane t
+// the h columns H + 4t .. H + 4t + 3: one 8-byte store. The three steps are separate
+// functions so that the host test runs this code with the shuffles emulated.
+struct QuadStep1 {
+  uint32_t send;  // to lane ^ 1: this lane's values at g = (t & 1) ^ 1 and that + 2
+};
+CUTLASS_HOST_DEVICE uint32_t pack_u16(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+CUTLASS_HOST_DEVICE uint32_t quad_send1(const uint16_t a[4], int t) {
+  // g0 = t & 1; send a[g0 ^ 1], a[(g0 ^ 1) + 2], chosen by selects (no dynamic indexing)
+  return (t & 1) ? pack_u16(a[0], a[2]) : pack_u16(a[1], a[3]);
+}
+// From the partner's reply: this lane's pairs P[g] = (even lane's a[g], odd lane's a[g]) for
+// g = g0 and g0 + 2; returns the one this lane keeps in *own and the one for lane ^ 2.
+CUTLASS_HOST_DEVICE uint32_t quad_send2(const uint16_t a[4], int t, uint32_t recv1, uint32_t* own) {
+  const bool odd = t & 1;
+  const uint16_t p0 = static_cast<uint16_t>(recv1 & 0xffffu), p2 = static_cast<uint16_t>(recv1 >> 16);
+  const uint16_t m0 = odd ? a[1] : a[0], m2 = odd ? a[3] : a[2];  // a[g0], a[g0 + 2]
+  const uint32_t pa = odd ? pack_u16(p0, m0) : pack_u16(m0, p0);  // g = g0
+  const uint32_t pb = odd ? pack_u16(p2, m2) : pack_u16(m2, p2);  // g = g0 + 2
+  const bool q = t & 2;
+  *own = q ? pb : pa;  // g = t
+  return q ? pa : pb;
+}
+// (lo, hi) 32-bit words of lane t's 8 bytes: h columns H + 4t + (0, 1) and (2, 3).
+CUTLASS_HOST_DEVICE void quad_final(int t, uint32_t own, uint32_t recv2, uint32_t* lo, uint32_t* hi) {
+  const bool q = t & 2;
+  *lo = q ? recv2 : own;
+  *hi = q ? own : recv2;
+}
+
 // ---------------------------------------------------------------------------
 // Epilogue callbacks. Both are complete FusionCallbacks types (the collective
 // builder takes them as they are): no smem, no producer loads, plain global
@@ -132,20 +186,62 @@ struct GluFwdCallbacks : CallbacksBase<GluFwdCallbacks<A>, FwdEpilogueParams> {
     const float* w;    // weights of the group's first row, or nullptr
     Params const& p;
 
+    // Loads (the routing weights) first, then the math, then the stores: nothing
+    // stored waits on a load issued after it.
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementAccumulator, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
       static_assert(FragmentSize % 2 == 0, "a fragment must hold whole (gate, up) pairs");
+      constexpr int P = FragmentSize / 2;
+      const int probe = probe_of(p.probe);
+      if (probe == kProbeGemm) return acc;
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
+      const int base = epi_v * FragmentSize;
+      float wt[P];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; i += 2) {
-        auto rc = c(epi_v * FragmentSize + i);
-        if (elem_less(rc, residue)) {
+      for (int j = 0; j < P; ++j) {
+        auto rc = c(base + 2 * j);
+        wt[j] = (w != nullptr && elem_less(rc, residue)) ? w[(m0 + get<0>(rc)) * p.w_stride] : 1.0f;
+      }
+      uint16_t hv[P];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < P; ++j) {
+        const float g = round_bf16(acc[2 * j]), u = round_bf16(acc[2 * j + 1]);
+        hv[j] = __bfloat16_as_ushort(__float2bfloat16_rn(math::glu_fwd<A, float>(g, u, wt[j], p.coeffs)));
+      }
+      if constexpr (P == 8) {
+        // The quad layout (pair j = row r + 2 * group g, rows 8 apart): 8-byte stores.
+        if (p.h_vec8) {
+          const int t = static_cast<int>(threadIdx.x & 3);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            const uint16_t a[4] = {hv[r], hv[r + 2], hv[r + 4], hv[r + 6]};
+            const uint32_t recv1 = __shfl_xor_sync(0xffffffffu, quad_send1(a, t), 1);
+            uint32_t own;
+            const uint32_t send2 = quad_send2(a, t, recv1, &own);
+            const uint32_t recv2 = __shfl_xor_sync(0xffffffffu, send2, 2);
+            uint2 out;
+            quad_final(t, own, recv2, &out.x, &out.y);
+            auto rc = c(base + 2 * r);  // this lane's element of row r, group 0
+            // The chunk starts at gate_up column n + 6t (h column n / 2 + 3t); N % 8 == 0,
+            // so a chunk is inside the problem or wholly past it.
+            const auto chunk = make_coord(get<0>(rc), get<1>(rc) + 6 * t);
+            if (elem_less(chunk, residue) && store_wanted(probe, out.x)) {
+              const int64_t m = m0 + get<0>(rc);
+              const int64_t hc = ((n0 + get<1>(rc)) >> 1) + 3 * t;
+              *reinterpret_cast<uint2*>(h + m * p.ldh + hc) = out;
+            }
+          }
+          return acc;
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < P; ++j) {
+        auto rc = c(base + 2 * j);
+        if (elem_less(rc, residue) && store_wanted(probe, hv[j])) {
           const int64_t m = m0 + get<0>(rc);
           const int64_t n = n0 + get<1>(rc);  // even: the gate's column
-          const float g = round_bf16(acc[i]), u = round_bf16(acc[i + 1]);
-          const float wt = w != nullptr ? w[m * p.w_stride] : 1.0f;
-          h[m * p.ldh + (n >> 1)] = __float2bfloat16_rn(math::glu_fwd<A, float>(g, u, wt, p.coeffs));
+          h[m * p.ldh + (n >> 1)] = __ushort_as_bfloat16(hv[j]);
         }
       }
       return acc;
@@ -237,26 +333,67 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
     LaneCoord lane_mn;
     Params const& p;
 
+    // All of the fragment's loads first, then the math and the stores. Written element by
+    // element, each load waited for the store before it (in place, gate_up and dgate_up may
+    // be one tensor, so the compiler may not move a load above a store): one memory latency
+    // per element. Elements (2k, 2k + 1) are adjacent columns (n, n + 1), n even (the host
+    // test proves it), so their two (gate, up) pairs are 8 contiguous bytes: one load and
+    // one store when aligned (vec8).
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementAccumulator, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
+      static_assert(FragmentSize % 2 == 0, "elements come in adjacent column pairs");
+      constexpr int P = FragmentSize / 2;
+      const int probe = probe_of(p.probe);
+      if (probe == kProbeGemm) return acc;
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
       Tensor rsum = tCrDw(_, _, _, epi_m, epi_n);
+      const int base = epi_v * FragmentSize;
+      uint32_t in[FragmentSize];  // (gate, up) pairs as bf16x2 bits
+      float wt[P];
+      bool ok[P];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
-        auto rc = c(epi_v * FragmentSize + i);
-        if (elem_less(rc, residue)) {
-          const int64_t m = m0 + get<0>(rc);
-          const int64_t n = n0 + get<1>(rc);
-          const int64_t at = m * p.ld_gu + 2 * n;
-          const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(gu + at);
-          const float wt = w != nullptr ? w[m * p.w_stride] : 1.0f;
+      for (int k = 0; k < P; ++k) {
+        auto rc = c(base + 2 * k);
+        ok[k] = elem_less(rc, residue);  // then n + 1 is too: N is even
+        const int64_t m = m0 + get<0>(rc);
+        const int64_t n = n0 + get<1>(rc);
+        in[2 * k] = in[2 * k + 1] = 0;
+        if (ok[k]) {
+          const __nv_bfloat16* src = gu + m * p.ld_gu + 2 * n;
+          if (p.vec8) {
+            const uint2 v = *reinterpret_cast<const uint2*>(src);
+            in[2 * k] = v.x;
+            in[2 * k + 1] = v.y;
+          } else {
+            in[2 * k] = *reinterpret_cast<const uint32_t*>(src);
+            in[2 * k + 1] = *reinterpret_cast<const uint32_t*>(src + 2);
+          }
+        }
+        wt[k] = (w != nullptr && ok[k]) ? w[m * p.w_stride] : 1.0f;
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < P; ++k) {
+        uint32_t out[2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * k + e;
+          const float g = __uint_as_float(in[i] << 16), u = __uint_as_float(in[i] & 0xffff0000u);
           float dg, du, term;
-          math::glu_bwd<A, float>(__low2float(pair), __high2float(pair), round_bf16(acc[i]), wt,
-                                  p.coeffs, dg, du, term);
-          *reinterpret_cast<__nv_bfloat162*>(dgu + m * p.ld_dgu + 2 * n) =
-              __floats2bfloat162_rn(dg, du);
-          if (dw != nullptr) rsum(epi_v * FragmentSize + i) += term;
+          math::glu_bwd<A, float>(g, u, round_bf16(acc[i]), wt[k], p.coeffs, dg, du, term);
+          const __nv_bfloat162 d2 = __floats2bfloat162_rn(dg, du);
+          out[e] = *reinterpret_cast<const uint32_t*>(&d2);
+          if (dw != nullptr && ok[k]) rsum(base + i) += term;
+        }
+        if (ok[k] && store_wanted(probe, out[0])) {
+          auto rc = c(base + 2 * k);
+          __nv_bfloat16* dst = dgu + (m0 + get<0>(rc)) * p.ld_dgu + 2 * (n0 + get<1>(rc));
+          if (p.vec8) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(out[0], out[1]);
+          } else {
+            reinterpret_cast<uint32_t*>(dst)[0] = out[0];
+            reinterpret_cast<uint32_t*>(dst)[1] = out[1];
+          }
         }
       }
       return acc;
@@ -301,6 +438,22 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
 
     const __nv_bfloat16* gu = params.gate_up + row0 * params.ld_gu;
     __nv_bfloat16* dgu = params.dgate_up + row0 * params.ld_dgu;
+    // The tile's gate_up rows ([tile M] x 2 * [tile N] bf16: 128 KB for 128 x 256) to L2 in
+    // bulk, one row per thread, as the epilogue starts: the subtiles' loads then wait on L2,
+    // not HBM. Only when every row's slice is 16-byte aligned (gu_prefetch).
+    if (params.gu_prefetch && probe_of(params.probe) != kProbeGemm) {
+      auto [M, N, K, L] = args.problem_shape_mnkl;
+      const int TM = size<0>(args.tile_shape_mnk), TN = size<1>(args.tile_shape_mnk);
+      const int64_t tm = static_cast<int64_t>(get<0>(args.tile_coord_mnkl)) * TM + args.thread_idx;
+      const int64_t tn = static_cast<int64_t>(get<1>(args.tile_coord_mnkl)) * TN;
+      if (args.thread_idx < TM && tm < M && tn < N) {
+        const int64_t cols = (N - tn < TN ? N - tn : TN);  // N % 4 == 0: 16-byte multiples
+        const __nv_bfloat16* src = gu + tm * params.ld_gu + 2 * tn;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src),
+                     "r"(static_cast<uint32_t>(4 * cols))
+                     : "memory");
+      }
+    }
     const float* w = params.w != nullptr ? params.w + row0 * params.w_stride : nullptr;
     float* dw = params.dw != nullptr ? params.dw + row0 * params.dw_stride : nullptr;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD),
