@@ -40,13 +40,17 @@ struct MoeCase {
   int64_t D = 0, F = 0;
   bool weights = false, inplace = false;
   bool specials = false;  // NaN and +inf in a few rows of x and dy
+  // h and grad_gate_up with 2 more elements per row: row strides not multiples of 4, so the
+  // epilogues take their 2- and 4-byte paths instead of the 8-byte ones (the gap columns
+  // must stay untouched).
+  bool padded = false;
 };
 
 std::string case_name(const testing::TestParamInfo<MoeCase>& info) {
   const MoeCase& c = info.param;
   std::string s = c.preset + "_E" + std::to_string(c.counts.size()) + "_D" + std::to_string(c.D) +
                   "_F" + std::to_string(c.F) + (c.weights ? "_w" : "") + (c.inplace ? "_inplace" : "") +
-                  (c.specials ? "_nan" : "");
+                  (c.specials ? "_nan" : "") + (c.padded ? "_padded" : "");
   return s + "_" + std::to_string(info.index);
 }
 
@@ -81,12 +85,12 @@ struct Buf {
   uint16_t bits16(size_t i) const { return static_cast<uint16_t>(b.image[2 * i] | (b.image[2 * i + 1] << 8)); }
 };
 
-MatrixRef mat(Buf& b, int64_t rows, int64_t cols, DType d = kBf16) {
+MatrixRef mat(Buf& b, int64_t rows, int64_t cols, DType d = kBf16, int64_t row_stride = 0) {
   MatrixRef m;
   m.data = b.b.data();
   m.rows = rows;
   m.cols = cols;
-  m.row_stride = cols;
+  m.row_stride = row_stride > 0 ? row_stride : cols;
   m.dtype = d;
   m.device = expertact::DeviceType::kCUDA;
   m.device_id = b.b.backend().device_id();
@@ -150,8 +154,10 @@ TEST_P(MoeFused, MatchesFloat64References) {
   std::vector<float> wts(T);
   for (auto& v : wts) v = static_cast<float>(std::uniform_real_distribution<double>(0.1, 1.0)(rng));
 
-  Buf bx(be, T * D * 2), bw13(be, E * N2 * D * 2), bgu(be, T * N2 * 2), bh(be, T * F * 2);
-  Buf bdy(be, T * D * 2), bw2(be, E * F * D * 2), bdgu(be, T * N2 * 2), bw(be, T * 4),
+  const int64_t ldh = mc.padded ? F + 2 : F;
+  const int64_t ldo = mc.padded && !mc.inplace ? N2 + 2 : N2;  // grad_gate_up's row stride
+  Buf bx(be, T * D * 2), bw13(be, E * N2 * D * 2), bgu(be, T * N2 * 2), bh(be, T * ldh * 2);
+  Buf bdy(be, T * D * 2), bw2(be, E * F * D * 2), bdgu(be, T * ldo * 2), bw(be, T * 4),
       bdw(be, T * 4), boff(be, E * 4);
   bx.put(to_bf16_image(x));
   bw13.put(to_bf16_image(w13));
@@ -170,7 +176,7 @@ TEST_P(MoeFused, MatchesFloat64References) {
   const int32_t* offs = reinterpret_cast<const int32_t*>(boff.b.data());
   Status st = expertact::moe_fused_forward(params, mat(bx, T, D), mat(bw13, E * N2, D), E, offs,
                                            mc.weights ? &vw : nullptr, mat(bgu, T, N2),
-                                           mat(bh, T, F), be.stream());
+                                           mat(bh, T, F, kBf16, ldh), be.stream());
   be.finish("moe_fused_forward");
   if (st == Status::kUnsupported) GTEST_SKIP() << expertact::last_error();
   ASSERT_EQ(st, Status::kOk) << expertact::last_error();
@@ -190,7 +196,7 @@ TEST_P(MoeFused, MatchesFloat64References) {
       const float u = static_cast<float>(bgu.bf16(r * N2 + 2 * f + 1));
       Ref want;
       oracle_forward_row(op, &g, &u, mc.weights ? wts[r] : 1.0, 1, &want);
-      t_h.check(r, f, bh.bf16(r * F + f), want);
+      t_h.check(r, f, bh.bf16(r * ldh + f), want);
     }
   }
   EXPECT_TRUE(t_gu.ok()) << t_gu.report();
@@ -198,15 +204,18 @@ TEST_P(MoeFused, MatchesFloat64References) {
   // Padding rows are neither read nor written: still the poison.
   int64_t touched = 0;
   for (int64_t i = end * N2; i < T * N2; ++i) touched += bgu.bits16(i) != 0xFFFF;
-  for (int64_t i = end * F; i < T * F; ++i) touched += bh.bits16(i) != 0xFFFF;
+  for (int64_t i = end * ldh; i < T * ldh; ++i) touched += bh.bits16(i) != 0xFFFF;
   EXPECT_EQ(touched, 0) << "padding rows past the last offset were written";
+  for (int64_t r = 0; r < end; ++r)
+    for (int64_t f = F; f < ldh; ++f) EXPECT_EQ(bh.bits16(r * ldh + f), 0xFFFF) << "h gap, row " << r;
 
   // Backward. gate_up as the forward left it (in place: overwritten by its gradient).
   std::vector<double> gu_host(T * N2);
   for (int64_t i = 0; i < T * N2; ++i) gu_host[i] = bgu.bf16(i);
   Buf& out = mc.inplace ? bgu : bdgu;
+  const int64_t ld_out = mc.inplace ? N2 : ldo;
   st = expertact::moe_fused_backward(params, mat(bdy, T, D), mat(bw2, E * F, D), E, offs,
-                                     mat(bgu, T, N2), mc.weights ? &vw : nullptr, mat(out, T, N2),
+                                     mat(bgu, T, N2), mc.weights ? &vw : nullptr, mat(out, T, N2, kBf16, ld_out),
                                      mc.weights ? &vdw : nullptr, be.stream());
   be.finish("moe_fused_backward");
   ASSERT_EQ(st, Status::kOk) << expertact::last_error();
@@ -235,8 +244,8 @@ TEST_P(MoeFused, MatchesFloat64References) {
       };
       widen(dg, dg1);
       widen(du, du1);
-      t_dg.check(r, f, out.bf16(r * N2 + 2 * f), dg);
-      t_du.check(r, f, out.bf16(r * N2 + 2 * f + 1), du);
+      t_dg.check(r, f, out.bf16(r * ld_out + 2 * f), dg);
+      t_du.check(r, f, out.bf16(r * ld_out + 2 * f + 1), du);
       dw_v += term.v;
       dw_e += term.e + std::fabs(term1.v) * (dh_err + std::ldexp(std::fabs(s), -24)) +
               F * std::ldexp(std::fabs(term.v), -24);
@@ -247,8 +256,11 @@ TEST_P(MoeFused, MatchesFloat64References) {
   EXPECT_TRUE(t_du.ok()) << t_du.report();
   EXPECT_TRUE(t_dw.ok()) << t_dw.report();
   touched = 0;
-  for (int64_t i = end * N2; i < T * N2; ++i) touched += out.bits16(i) != 0xFFFF;
+  for (int64_t i = end * ld_out; i < T * ld_out; ++i) touched += out.bits16(i) != 0xFFFF;
   EXPECT_EQ(touched, 0) << "padding rows of grad_gate_up were written";
+  for (int64_t r = 0; r < end; ++r)
+    for (int64_t j = N2; j < ld_out; ++j)
+      EXPECT_EQ(out.bits16(r * ld_out + j), 0xFFFF) << "grad_gate_up gap, row " << r;
   if (mc.weights) {
     for (int64_t r = end; r < T; ++r) EXPECT_EQ(bdw.f32(r), 0.0f) << "grad_weights row " << r;
   }
@@ -267,6 +279,8 @@ std::vector<MoeCase> moe_cases() {
   v.push_back({"geglu_tanh", {0, 300, 0}, 5, 64, 256, false, true});
   v.push_back({"swiglu_oai", {1}, 0, 8, 4, true, true});
   v.push_back({"swiglu", {0, 0}, 4, 16, 8, true, false});  // every expert empty
+  v.push_back({"swiglu_oai", odd, 3, 200, 180, true, false, true, true});  // 2- and 4-byte paths
+  v.push_back({"swiglu_clamped7", odd, 3, 64, 256, false, false, false, true});
   return v;
 }
 
