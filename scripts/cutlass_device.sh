@@ -31,7 +31,7 @@ if [ "${1:-}" = "pack" ]; then
   BUILD=${BUILD_DIR:-$ROOT/build/cutlass-pack}
   set -e
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON -DEXPERTACT_CUTLASS=ON \
-    -DEXPERTACT_CUTLASS_SCHEDULES="pingpong;cooperative" -DEXPERTACT_FUSED_PROBES=ON -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=OFF \
+    -DEXPERTACT_CUTLASS_SCHEDULES="${PACK_SCHEDULES:-cooperative;pingpong64}" -DEXPERTACT_FUSED_PROBES=ON -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=OFF \
     ${PACK_CMAKE_ARGS:-} | grep "expertact:"
   cmake --build "$BUILD" -j "${JOBS:-2}"
   rm -rf "$PACK" && mkdir -p "$PACK"
@@ -51,7 +51,7 @@ R="$OUT/cutlass"
 mkdir -p "$R"
 STAGES=${STAGES:-"env gtest pytest kernels ncu mlp"}
 # The schedules to test and time (the carried library must have them; the first is its default).
-SCHEDULES=${SCHEDULES:-"pingpong cooperative"}
+SCHEDULES=${SCHEDULES:-"cooperative pingpong64"}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 note() { echo "== $(date +%T) $*" | tee -a "$R/summary.txt"; }
 status=0
@@ -157,15 +157,17 @@ if has kernels; then
   done
 fi
 
-# Nsight Compute on the fused kernels and torch's on a smaller problem (--rows NCU_ROWS):
-# throughput, warp stalls, issue slots (clocks left alone: --clock-control none).
+# Nsight Compute on the fused kernels (NCU_KERNELS: a regex over demangled names; "Glu": the
+# fused forward twice, then the backward) on a smaller problem (--rows NCU_ROWS): throughput,
+# warp stalls, issue slots, the SASS lines stalled most (clocks left alone: --clock-control none).
 if has ncu; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for sched in $SCHEDULES; do
     note "ncu ($sched) on bench_fused --rows ${NCU_ROWS:-32768}"
     (cd /tmp && EXPERTACT_FUSED_SCHEDULE=$sched timeout ${NCU_TIMEOUT:-150} "$NCU" --clock-control none \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats \
-        --section MemoryWorkloadAnalysis -k regex:device_kernel --launch-count 4 \
+        --section MemoryWorkloadAnalysis ${NCU_EXTRA:---section SourceCounters} \
+        --kernel-name-base demangled -k regex:"${NCU_KERNELS:-Glu}" --launch-count "${NCU_COUNT:-3}" \
         python3 -m expertact.bench_fused --rows "${NCU_ROWS:-32768}" --iters 1 --warmup 0) > "$R/ncu-$sched.log" 2>&1 ||
       note "ncu failed ($sched, rc $?)"
     grep -E "device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Stall|Issued Ipc|No Eligible|Registers Per" \

@@ -13,6 +13,8 @@
 #                                          # then the sanitizers over pytest (GPU 1)
 #   bash scripts/device_session.sh fused   # the fused grouped GEMMs with epilogue probes and ncu (GPU 0) |
 #                                          # the whole sanitizer sweep, then bench_mlp's unfused rows (GPU 1)
+#   bash scripts/device_session.sh fused2  # the fused GEMMs again (GPU 0) | san_diag, then the whole pytest
+#                                          # suite from the source tree over the packed library (GPU 1)
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
@@ -20,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused}
+CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused|fused2}
 FINAL=${OUT:-$ROOT/_device_out}
 # Everything is written under a work folder; $OUT gets the session log and one archive of it.
 OUT=/tmp/session-$CALL
@@ -105,7 +107,15 @@ case $CALL in
     track sanitize-mlp 1 ${SAN_LIMIT:-540} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd '$ROOT' && OUT='$OUT' SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${MLP_TIMEOUT:-200} python3 -m expertact.bench_mlp --impls ${MLP_IMPLS:-gemms,eager,compile,deepspeed,expertact-op,expertact,expertact-inplace,expertact-recompute,expertact-recompute-inplace} ${MLP_ARGS:-} --json '$OUT/mlp.json' --markdown '$OUT/mlp.md' > '$OUT/mlp.out' 2> '$OUT/mlp.progress'\"" &
     wait $a; wait
     ;;
-  *) note "unknown call $CALL (check, bench, e2e, extra, fused)"; exit 2 ;;
+  fused2)
+    # The fused GEMMs again (GPU 0) | san_diag, then the whole pytest suite from the source
+    # tree over the packed library (GPU 1).
+    track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
+    a=$!
+    track diag-pytest 1 ${PYTEST_LIMIT:-480} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rfE --junitxml='$OUT/pytest-gpu.xml' > '$OUT/pytest-gpu.log' 2>&1; tail -5 '$OUT/pytest-gpu.log'\"" &
+    wait $a; wait
+    ;;
+  *) note "unknown call $CALL (check, bench, e2e, extra, fused, fused2)"; exit 2 ;;
 esac
 
 note "$CALL done in $((SECONDS - T0)) s"

@@ -8,6 +8,7 @@ holds the tensors. Run it once plainly and once under a sanitizer tool; compare 
 import gc
 import os
 import sys
+import types
 import weakref
 
 import torch
@@ -62,4 +63,33 @@ if h is not None:
     for r in gc.get_referrers(h):
         print("  referrer:", type(r).__name__, str(r)[:200].replace("\n", " "))
     print("  refcount", sys.getrefcount(h))
+    # Who holds the frames that hold h: referrers up to 4 levels, skipping this script's own
+    # bookkeeping (the lists and frames made here).
+    mine = set()
+
+    def walk(obj, depth, seen):
+        if depth > 4:
+            return
+        refs = [r for r in gc.get_referrers(obj) if id(r) not in seen and id(r) not in mine]
+        for r in refs[:6]:
+            seen.add(id(r))
+            desc = type(r).__name__
+            if isinstance(r, types.FrameType):
+                desc += f" {r.f_code.co_filename}:{r.f_lineno} {r.f_code.co_name}"
+            elif isinstance(r, types.TracebackType):
+                desc += f" tb of {r.tb_frame.f_code.co_name}"
+            elif isinstance(r, types.ModuleType):
+                desc += f" {r.__name__}"
+            else:
+                desc += " " + repr(r)[:160].replace("\n", " ")
+            print("  " + "  " * depth + "<- " + desc)
+            if not isinstance(r, types.ModuleType):
+                walk(r, depth + 1, seen)
+
+    frames = [r for r in gc.get_referrers(h) if isinstance(r, types.FrameType)]
+    mine.update(id(x) for x in (frames, refs))
+    mine.add(id(sys._getframe()))
+    for f in frames:
+        print("  frame", f.f_code.co_name, "held by:")
+        walk(f, 1, {id(f)})
 moe.glu_op = orig

@@ -172,6 +172,15 @@ for name in "${names[@]}"; do
   state=ok
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then state=TIMEOUT; fi
   if [ "$rc" != 0 ] && [ $state = ok ]; then state="rc=$rc"; fi
+  # racecheck prints "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)" instead
+  # (pytest's process: one per target process; every one must say 0 errors)
+  if [ -z "$errs" ] && grep -q 'RACECHECK SUMMARY' "$log"; then
+    if grep -E 'RACECHECK SUMMARY' "$log" | grep -vq '(0 errors, 0 warnings)'; then
+      errs="RACECHECK: hazards reported"
+    else
+      errs="RACECHECK SUMMARY: 0 errors"
+    fi
+  fi
   [ -z "$errs" ] && errs="ERROR SUMMARY: (none printed)"
   [ "$state" != ok ] || [[ "$errs" != *" 0 errors"* ]] && bad=$((bad + 1))
   printf '%-26s %-8s %-28s %s\n' "$name" "$state" "$errs" "$tests" >> "$SUM"

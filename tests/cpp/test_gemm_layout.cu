@@ -56,12 +56,12 @@ struct Kernels {
 
 template <class Sched>
 class GemmLayout : public testing::Test {};
-using Schedules = testing::Types<Pingpong, Cooperative>;
+using Schedules = testing::Types<Pingpong, Cooperative, Pingpong64>;
 class ScheduleNames {
  public:
   template <class T>
   static std::string GetName(int) {
-    return std::is_same_v<T, Pingpong> ? "pingpong" : "cooperative";
+    return std::is_same_v<T, Pingpong> ? "pingpong" : std::is_same_v<T, Pingpong64> ? "pingpong64" : "cooperative";
   }
 };
 TYPED_TEST_SUITE(GemmLayout, Schedules, ScheduleNames);

@@ -47,11 +47,14 @@ Status check_hopper(int device) {
 #ifndef EXPERTACT_FUSED_COOPERATIVE
 #define EXPERTACT_FUSED_COOPERATIVE 0
 #endif
+#ifndef EXPERTACT_FUSED_PINGPONG64
+#define EXPERTACT_FUSED_PINGPONG64 0
+#endif
 #ifndef EXPERTACT_FUSED_DEFAULT
 #define EXPERTACT_FUSED_DEFAULT 0
 #endif
 
-// EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative; unset: the build's default), read once
+// EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative | pingpong64; unset: the build's default), read once
 // per process. A value that names no built schedule fails every call, naming it, rather
 // than timing another kernel than the one asked for.
 Status schedule_choice(Schedule& out) {
@@ -67,6 +70,7 @@ Status schedule_choice(Schedule& out) {
     r.value = env;
     if (EXPERTACT_FUSED_PINGPONG && std::strcmp(env, "pingpong") == 0) r.s = Schedule::kPingpong;
     else if (EXPERTACT_FUSED_COOPERATIVE && std::strcmp(env, "cooperative") == 0) r.s = Schedule::kCooperative;
+    else if (EXPERTACT_FUSED_PINGPONG64 && std::strcmp(env, "pingpong64") == 0) r.s = Schedule::kPingpong64;
     else r.ok = false;
     return r;
   }();
@@ -74,7 +78,8 @@ Status schedule_choice(Schedule& out) {
     return ::expertact::detail::fail(
         Status::kInvalidArgument, "EXPERTACT_FUSED_SCHEDULE=", parsed.value,
         " is not a schedule of this build (built:", EXPERTACT_FUSED_PINGPONG ? " pingpong" : "",
-        EXPERTACT_FUSED_COOPERATIVE ? " cooperative" : "", ")");
+        EXPERTACT_FUSED_COOPERATIVE ? " cooperative" : "", EXPERTACT_FUSED_PINGPONG64 ? " pingpong64" : "",
+        ")");
   out = parsed.s;
   return Status::kOk;
 }
@@ -114,6 +119,9 @@ Status dispatch(Activation act, Run&& run) {
 #endif
 #if EXPERTACT_FUSED_COOPERATIVE
     if (sch == Schedule::kCooperative) return run(a, SchedTag<Schedule::kCooperative>{});
+#endif
+#if EXPERTACT_FUSED_PINGPONG64
+    if (sch == Schedule::kPingpong64) return run(a, SchedTag<Schedule::kPingpong64>{});
 #endif
     return ::expertact::detail::fail(Status::kInternal, "fused GEMM: schedule ",
                                      static_cast<int>(sch), " is not built");

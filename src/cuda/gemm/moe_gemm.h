@@ -75,7 +75,7 @@ Status fused_backward(Activation act, const GroupedShape& s, const BwdEpiloguePa
 
 // The kernels' schedules (src/cuda/gemm/moe_gemm_sm90.cuh): which are built is a CMake
 // list (EXPERTACT_CUTLASS_SCHEDULES); EXPERTACT_FUSED_SCHEDULE picks one at run time.
-enum class Schedule : int { kPingpong = 0, kCooperative = 1 };
+enum class Schedule : int { kPingpong = 0, kCooperative = 1, kPingpong64 = 2 };
 
 // One kernel per direction x activation x schedule, each explicitly instantiated in its
 // own translation unit (generated from src/cuda/gemm/moe_kernel.cu.in).

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -333,44 +334,73 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
     LaneCoord lane_mn;
     Params const& p;
 
-    // All of the fragment's loads first, then the math and the stores. Written element by
-    // element, each load waited for the store before it (in place, gate_up and dgate_up may
-    // be one tensor, so the compiler may not move a load above a store): one memory latency
-    // per element. Elements (2k, 2k + 1) are adjacent columns (n, n + 1), n even (the host
-    // test proves it), so their two (gate, up) pairs are 8 contiguous bytes: one load and
-    // one store when aligned (vec8).
+    // gate_up is read one epilogue subtile ahead: begin_loop() of subtile i issues the loads
+    // of subtile i + 1 (in the collective's order: epi_m inner, epi_n outer) into `nxt`,
+    // and visit() computes subtile i from `cur`, loaded one subtile earlier, so a load's
+    // latency runs under the previous subtile's math. (Element by element, each load waited
+    // for the store before it, since in place gate_up and dgate_up may be one tensor and
+    // the compiler may not move a load above a store: one memory latency per element.) The
+    // loads of i + 1 touch other rows or columns than the stores of i, so in place is safe.
+    // Elements (2k, 2k + 1) are adjacent columns (n, n + 1), n even (the host test proves
+    // it): their two (gate, up) pairs are 8 contiguous bytes, one load and one store when
+    // aligned (vec8).
+    static constexpr int kSub = decltype(size<0>(std::declval<CTensor>()) * size<1>(std::declval<CTensor>()) *
+                                         size<2>(std::declval<CTensor>()))::value;  // per thread
+    static constexpr int kEpiM = decltype(size<3>(std::declval<CTensor>()))::value;
+    static constexpr int kEpiN = decltype(size<4>(std::declval<CTensor>()))::value;
+    static_assert(kSub % 2 == 0, "elements come in adjacent column pairs");
+    uint32_t cur[kSub], nxt[kSub];  // (gate, up) pairs as bf16x2 bits
+
+    CUTLASS_DEVICE void load_subtile(int epi_m, int epi_n, uint32_t (&dst)[kSub]) const {
+      Tensor c = tCcD(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kSub / 2; ++k) {
+        auto rc = c(2 * k);
+        dst[2 * k] = dst[2 * k + 1] = 0;
+        if (elem_less(rc, residue)) {  // then n + 1 is in too: N is even
+          const __nv_bfloat16* src = gu + (m0 + get<0>(rc)) * p.ld_gu + 2 * (n0 + get<1>(rc));
+          if (p.vec8) {
+            const uint2 v = *reinterpret_cast<const uint2*>(src);
+            dst[2 * k] = v.x;
+            dst[2 * k + 1] = v.y;
+          } else {
+            dst[2 * k] = *reinterpret_cast<const uint32_t*>(src);
+            dst[2 * k + 1] = *reinterpret_cast<const uint32_t*>(src + 2);
+          }
+        }
+      }
+    }
+
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      if (probe_of(p.probe) == kProbeGemm) return;
+      if (epi_m == 0 && epi_n == 0) load_subtile(0, 0, nxt);  // the first subtile: no lookahead
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kSub; ++i) cur[i] = nxt[i];
+      int m = epi_m + 1, n = epi_n;
+      if (m == kEpiM) {
+        m = 0;
+        ++n;
+      }
+      if (n < kEpiN) load_subtile(m, n, nxt);
+    }
+
     template <typename ElementAccumulator, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementAccumulator, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
-      static_assert(FragmentSize % 2 == 0, "elements come in adjacent column pairs");
+      static_assert(FragmentSize % 2 == 0 && kSub % FragmentSize == 0, "whole pairs per fragment");
       constexpr int P = FragmentSize / 2;
       const int probe = probe_of(p.probe);
       if (probe == kProbeGemm) return acc;
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
       Tensor rsum = tCrDw(_, _, _, epi_m, epi_n);
       const int base = epi_v * FragmentSize;
-      uint32_t in[FragmentSize];  // (gate, up) pairs as bf16x2 bits
       float wt[P];
       bool ok[P];
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < P; ++k) {
         auto rc = c(base + 2 * k);
-        ok[k] = elem_less(rc, residue);  // then n + 1 is too: N is even
-        const int64_t m = m0 + get<0>(rc);
-        const int64_t n = n0 + get<1>(rc);
-        in[2 * k] = in[2 * k + 1] = 0;
-        if (ok[k]) {
-          const __nv_bfloat16* src = gu + m * p.ld_gu + 2 * n;
-          if (p.vec8) {
-            const uint2 v = *reinterpret_cast<const uint2*>(src);
-            in[2 * k] = v.x;
-            in[2 * k + 1] = v.y;
-          } else {
-            in[2 * k] = *reinterpret_cast<const uint32_t*>(src);
-            in[2 * k + 1] = *reinterpret_cast<const uint32_t*>(src + 2);
-          }
-        }
-        wt[k] = (w != nullptr && ok[k]) ? w[m * p.w_stride] : 1.0f;
+        ok[k] = elem_less(rc, residue);
+        wt[k] = (w != nullptr && ok[k]) ? w[(m0 + get<0>(rc)) * p.w_stride] : 1.0f;
       }
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < P; ++k) {
@@ -378,7 +408,8 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
         CUTLASS_PRAGMA_UNROLL
         for (int e = 0; e < 2; ++e) {
           const int i = 2 * k + e;
-          const float g = __uint_as_float(in[i] << 16), u = __uint_as_float(in[i] & 0xffff0000u);
+          const uint32_t pair = cur[base + i];
+          const float g = __uint_as_float(pair << 16), u = __uint_as_float(pair & 0xffff0000u);
           float dg, du, term;
           math::glu_bwd<A, float>(g, u, round_bf16(acc[i]), wt[k], p.coeffs, dg, du, term);
           const __nv_bfloat162 d2 = __floats2bfloat162_rn(dg, du);
@@ -490,8 +521,21 @@ struct Cooperative {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
+// Pingpong on 64 x 256 tiles: each warpgroup's wgmma is 64 x 256 x 16, as each of the
+// cooperative schedule's two, so the shared-memory bytes read per MMA are the cooperative
+// kernel's (128 x 128 pingpong reads A and B for 64 x 128 each, 20% more per flop), while
+// one warpgroup's epilogue still runs beside the other's mainloop.
+struct Pingpong64 {
+  using TileShape = Shape<_64, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 template <Schedule S>
-using ScheduleOf = cute::conditional_t<S == Schedule::kPingpong, Pingpong, Cooperative>;
+using ScheduleOf = cute::conditional_t<
+    S == Schedule::kPingpong, Pingpong,
+    cute::conditional_t<S == Schedule::kPingpong64, Pingpong64, Cooperative>>;
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using LayoutA = cutlass::layout::RowMajor;
