@@ -142,8 +142,9 @@ fi
 
 # PROBES: the epilogue parts left out (a library packed with EXPERTACT_FUSED_PROBES, as
 # 'pack' builds it): none (the real kernels), gemm (no epilogue work: the GEMM's own cost),
-# nostore (loads and math, no stores). Differences between them place the epilogue's time.
-PROBES=${PROBES:-"none gemm nostore"}
+# nostore (loads and math, no stores), noprefetch (the backward without its L2 prefetch of the
+# tile's gate_up). Differences between them place the epilogue's time.
+PROBES=${PROBES:-"none gemm nostore noprefetch"}
 if has kernels; then
   for sched in $SCHEDULES; do
     for probe in $PROBES; do
@@ -162,12 +163,12 @@ fi
 # warp stalls, issue slots, the SASS lines stalled most (clocks left alone: --clock-control none).
 if has ncu; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for sched in $SCHEDULES; do
+  for sched in ${NCU_SCHEDULES:-$SCHEDULES}; do
     note "ncu ($sched) on bench_fused --rows ${NCU_ROWS:-32768}"
     (cd /tmp && EXPERTACT_FUSED_SCHEDULE=$sched timeout ${NCU_TIMEOUT:-150} "$NCU" --clock-control none \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section LaunchStats \
         --section MemoryWorkloadAnalysis ${NCU_EXTRA:---section SourceCounters} \
-        --kernel-name-base demangled -k regex:"${NCU_KERNELS:-Glu}" --launch-count "${NCU_COUNT:-3}" \
+        --kernel-name-base demangled -k regex:"${NCU_KERNELS:-device_kernel.*Glu}" --launch-count "${NCU_COUNT:-3}" \
         python3 -m expertact.bench_fused --rows "${NCU_ROWS:-32768}" --iters 1 --warmup 0) > "$R/ncu-$sched.log" 2>&1 ||
       note "ncu failed ($sched, rc $?)"
     grep -E "device_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Stall|Issued Ipc|No Eligible|Registers Per" \

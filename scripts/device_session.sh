@@ -15,6 +15,8 @@
 #                                          # the whole sanitizer sweep, then bench_mlp's unfused rows (GPU 1)
 #   bash scripts/device_session.sh fused2  # the fused GEMMs again (GPU 0) | san_diag, then the whole pytest
 #                                          # suite from the source tree over the packed library (GPU 1)
+#   bash scripts/device_session.sh fused3  # the fused GEMMs again (GPU 0) | san_diag, then the sanitizer
+#                                          # sweep under racecheck only (GPU 1)
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
@@ -22,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused|fused2}
+CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused|fused2|fused3}
 FINAL=${OUT:-$ROOT/_device_out}
 # Everything is written under a work folder; $OUT gets the session log and one archive of it.
 OUT=/tmp/session-$CALL
@@ -115,7 +117,15 @@ case $CALL in
     track diag-pytest 1 ${PYTEST_LIMIT:-480} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rfE --junitxml='$OUT/pytest-gpu.xml' > '$OUT/pytest-gpu.log' 2>&1; tail -5 '$OUT/pytest-gpu.log'\"" &
     wait $a; wait
     ;;
-  *) note "unknown call $CALL (check, bench, e2e, extra, fused, fused2)"; exit 2 ;;
+  fused3)
+    # The fused GEMMs again (GPU 0) | san_diag, then the sanitizer sweep under racecheck only
+    # (its summary line, read anew) (GPU 1).
+    track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
+    a=$!
+    track diag-racecheck 1 ${SAN_LIMIT:-480} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; OUT='$OUT' SAN_TOOLS=racecheck SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh\"" &
+    wait $a; wait
+    ;;
+  *) note "unknown call $CALL (check, bench, e2e, extra, fused, fused2, fused3)"; exit 2 ;;
 esac
 
 note "$CALL done in $((SECONDS - T0)) s"

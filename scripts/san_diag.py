@@ -60,36 +60,40 @@ gc.collect()
 h = refs[0]() if refs else None
 print("recompute: h alive after forward:", h is not None)
 if h is not None:
-    for r in gc.get_referrers(h):
-        print("  referrer:", type(r).__name__, str(r)[:200].replace("\n", " "))
-    print("  refcount", sys.getrefcount(h))
-    # Who holds the frames that hold h: referrers up to 4 levels, skipping this script's own
-    # bookkeeping (the lists and frames made here).
-    mine = set()
+    # Take the frames first: printing (repr) would run code and make new ones.
+    frames = [r for r in gc.get_referrers(h) if isinstance(r, types.FrameType)]
+    print("  refcount", sys.getrefcount(h), "| frames holding h:",
+          [(f.f_code.co_name, f.f_lineno) for f in frames])
+
+    def name(r):
+        if isinstance(r, types.FrameType):
+            return f"frame {r.f_code.co_filename}:{r.f_lineno} {r.f_code.co_name}"
+        if isinstance(r, types.TracebackType):
+            return f"traceback of {r.tb_frame.f_code.co_name}"
+        if isinstance(r, BaseException):
+            return f"exception {type(r).__name__}"
+        if isinstance(r, types.ModuleType):
+            return f"module {r.__name__}"
+        if isinstance(r, (list, tuple, dict, set)):
+            return f"{type(r).__name__} of {len(r)}"
+        return type(r).__name__
 
     def walk(obj, depth, seen):
-        if depth > 4:
+        # referrers up to 5 levels, not the ones this script made (its frame and lists)
+        if depth > 5:
             return
-        refs = [r for r in gc.get_referrers(obj) if id(r) not in seen and id(r) not in mine]
-        for r in refs[:6]:
+        for r in gc.get_referrers(obj):
+            if id(r) in seen or isinstance(r, types.FrameType) and r.f_code.co_filename == __file__:
+                continue
             seen.add(id(r))
-            desc = type(r).__name__
-            if isinstance(r, types.FrameType):
-                desc += f" {r.f_code.co_filename}:{r.f_lineno} {r.f_code.co_name}"
-            elif isinstance(r, types.TracebackType):
-                desc += f" tb of {r.tb_frame.f_code.co_name}"
-            elif isinstance(r, types.ModuleType):
-                desc += f" {r.__name__}"
-            else:
-                desc += " " + repr(r)[:160].replace("\n", " ")
-            print("  " + "  " * depth + "<- " + desc)
-            if not isinstance(r, types.ModuleType):
-                walk(r, depth + 1, seen)
+            print("  " + "  " * depth + "<- " + name(r))
+            walk(r, depth + 1, seen)
 
-    frames = [r for r in gc.get_referrers(h) if isinstance(r, types.FrameType)]
-    mine.update(id(x) for x in (frames, refs))
-    mine.add(id(sys._getframe()))
-    for f in frames:
-        print("  frame", f.f_code.co_name, "held by:")
-        walk(f, 1, {id(f)})
+    def report(frames):
+        skip = {id(frames), id(globals()), id(refs)}
+        for f in frames:
+            print("  frame", f.f_code.co_name, "held by:")
+            walk(f, 1, skip | {id(f)})
+
+    report(frames)
 moe.glu_op = orig

@@ -4,7 +4,8 @@ GEMM, at the expert-MLP benchmark's shape: what the epilogue costs, in ms and TF
 Rows: the forward GEMM gate_up = x @ w13^T (torch._grouped_mm; then the fused kernel, which also
 writes h), and the backward GEMM dh = dy @ w2^T (torch._grouped_mm writing dh; then the fused
 kernel, which writes dgate_up in place instead of dh). CUDA events, median of --iters after
---warmup. The fused kernels' schedule: EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative).
+--warmup. The fused kernels' schedule: EXPERTACT_FUSED_SCHEDULE (cooperative | pingpong | pingpong64, those
+the library was built with).
 
     python -m expertact.bench_fused                     # 4 x 261,280 rows, D = F = 3,072, bf16
     python -m expertact.bench_fused --rows 4096 --json out.json

@@ -24,7 +24,9 @@ def test_bench_mlp_cpu_table(tmp_path, capsys):
     assert res["expertact"]["kept_gib"] == pytest.approx(3 * tf)  # gate_up and h
     assert res["expertact-recompute"]["kept_gib"] == pytest.approx(2 * tf)  # gate_up
     assert res["expertact"]["extra_peak_gib"] - res["expertact-inplace"]["extra_peak_gib"] == pytest.approx(2 * tf)
-    assert res["expertact-recompute-inplace"]["extra_peak_gib"] < res["expertact-inplace"]["extra_peak_gib"]
+    # h is dropped right after w2's gradient whether kept or recomputed: the peaks match
+    assert res["expertact-recompute-inplace"]["extra_peak_gib"] == pytest.approx(res["expertact-inplace"]["extra_peak_gib"])
+    assert res["expertact-recompute"]["extra_peak_gib"] == pytest.approx(res["expertact"]["extra_peak_gib"])
     for name, r in res.items():
         assert r["ms"] > 0 and r["tflops"] > 0
         if name != "gemms":

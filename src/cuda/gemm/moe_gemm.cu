@@ -85,7 +85,7 @@ Status schedule_choice(Schedule& out) {
 }
 
 // EXPERTACT_FUSED_PROBE (diagnostic builds only, EXPERTACT_FUSED_PROBES): gemm | nostore |
-// unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
+// noprefetch | unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
 int probe_choice() {
 #if EXPERTACT_FUSED_PROBES
   static const int p = [] {
@@ -93,6 +93,7 @@ int probe_choice() {
     if (env == nullptr) return 0;
     if (std::strcmp(env, "gemm") == 0) return 1;
     if (std::strcmp(env, "nostore") == 0) return 2;
+    if (std::strcmp(env, "noprefetch") == 0) return 3;
     return 0;
   }();
   return p;
