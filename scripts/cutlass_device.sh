@@ -142,9 +142,8 @@ fi
 
 # PROBES: the epilogue parts left out (a library packed with EXPERTACT_FUSED_PROBES, as
 # 'pack' builds it): none (the real kernels), gemm (no epilogue work: the GEMM's own cost),
-# nostore (loads and math, no stores), noprefetch (the backward without its L2 prefetch of the
-# tile's gate_up). Differences between them place the epilogue's time.
-PROBES=${PROBES:-"none gemm nostore noprefetch"}
+# nostore (loads and math, no stores). Differences between them place the epilogue's time.
+PROBES=${PROBES:-"none gemm nostore"}
 if has kernels; then
   for sched in $SCHEDULES; do
     for probe in $PROBES; do

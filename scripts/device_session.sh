@@ -17,6 +17,8 @@
 #                                          # suite from the source tree over the packed library (GPU 1)
 #   bash scripts/device_session.sh fused3  # the fused GEMMs again (GPU 0) | san_diag, then the sanitizer
 #                                          # sweep under racecheck only (GPU 1)
+#   bash scripts/device_session.sh final   # the fused GEMMs' checks and timings (GPU 0) | the whole sanitizer
+#                                          # sweep, then the whole pytest suite (GPU 1)
 #
 # Needs in the tree: dist/expertact-*.whl, .whl/ (deepspeed 0.19.8 and the packages it lacks there),
 # .deps/ (dlpack.h, googletest sources). Each part's own script says what it measures.
@@ -24,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused|fused2|fused3}
+CALL=${1:?usage: device_session.sh check|bench|e2e|extra|fused|fused2|fused3|final}
 FINAL=${OUT:-$ROOT/_device_out}
 # Everything is written under a work folder; $OUT gets the session log and one archive of it.
 OUT=/tmp/session-$CALL
@@ -100,32 +102,31 @@ case $CALL in
     track host-sanitize 1 ${SAN_LIMIT:-300} "taskset -c 16-31 bash -c \"cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY=/tmp/ea-wheel/expertact/libexpertact.so python3 -m expertact.bench --peers --host-only --repeat 3 --json '$OUT/host.json' --markdown '$OUT/host.md' > '$OUT/host.out'; cd '$ROOT' && OUT='$OUT' SAN_PARTS=pytest SAN_TIMEOUT=${SAN_TIMEOUT:-170} bash scripts/sanitize.sh\"" &
     wait $a; wait
     ;;
-  fused)
-    # The fused grouped GEMMs with the epilogue probes and ncu (GPU 0, the library packed
-    # elsewhere: .deps/cutlass-dev) | the whole sanitizer sweep, then the expert-MLP table of
-    # the unfused rows from the source tree over that packed library (GPU 1).
+  fused | fused2 | fused3 | final)
+    # GPU 0: the fused grouped GEMMs (the library packed elsewhere: .deps/cutlass-dev), checks,
+    # timings with the epilogue probes and (but for final) ncu. GPU 1, by call:
+    #   fused   san_diag, the whole sanitizer sweep, then bench_mlp's unfused rows
+    #   fused2  san_diag, then the whole pytest suite
+    #   fused3  san_diag, then the sanitizer sweep under racecheck only
+    #   final   the whole sanitizer sweep, then the whole pytest suite
+    # The Python package comes from the source tree, over the packed library.
+    PACKED="PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so'"
+    DIAG="OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh"
+    SAN="cd '$ROOT' && OUT='$OUT' SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh"
+    PYT="cd /tmp && $PACKED timeout ${PYTEST_TIMEOUT:-270} python3 -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rfE --junitxml='$OUT/pytest-gpu.xml' > '$OUT/pytest-gpu.log' 2>&1; tail -5 '$OUT/pytest-gpu.log'"
+    MLP="cd /tmp && $PACKED timeout ${MLP_TIMEOUT:-200} python3 -m expertact.bench_mlp --impls ${MLP_IMPLS:-gemms,eager,compile,deepspeed,expertact-op,expertact,expertact-inplace,expertact-recompute,expertact-recompute-inplace} ${MLP_ARGS:-} --json '$OUT/mlp.json' --markdown '$OUT/mlp.md' > '$OUT/mlp.out' 2> '$OUT/mlp.progress'"
+    case $CALL in
+      fused) GPU1="$DIAG; $SAN; $MLP" ;;
+      fused2) GPU1="$DIAG; $PYT" ;;
+      fused3) GPU1="$DIAG; $SAN"; export SAN_TOOLS=racecheck ;;
+      final) GPU1="$SAN; $PYT"; export STAGES=${STAGES:-"env gtest pytest kernels mlp"} ;;
+    esac
     track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
     a=$!
-    track sanitize-mlp 1 ${SAN_LIMIT:-540} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd '$ROOT' && OUT='$OUT' SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${MLP_TIMEOUT:-200} python3 -m expertact.bench_mlp --impls ${MLP_IMPLS:-gemms,eager,compile,deepspeed,expertact-op,expertact,expertact-inplace,expertact-recompute,expertact-recompute-inplace} ${MLP_ARGS:-} --json '$OUT/mlp.json' --markdown '$OUT/mlp.md' > '$OUT/mlp.out' 2> '$OUT/mlp.progress'\"" &
+    track gpu1 1 ${GPU1_LIMIT:-540} "taskset -c 16-31 bash -c \"$GPU1\"" &
     wait $a; wait
     ;;
-  fused2)
-    # The fused GEMMs again (GPU 0) | san_diag, then the whole pytest suite from the source
-    # tree over the packed library (GPU 1).
-    track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
-    a=$!
-    track diag-pytest 1 ${PYTEST_LIMIT:-480} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; cd /tmp && PYTHONPATH='$ROOT/python:/tmp/site' EXPERTACT_LIBRARY='$ROOT/.deps/cutlass-dev/libexpertact.so' timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest '$ROOT/tests/python' -q -p no:cacheprovider -rfE --junitxml='$OUT/pytest-gpu.xml' > '$OUT/pytest-gpu.log' 2>&1; tail -5 '$OUT/pytest-gpu.log'\"" &
-    wait $a; wait
-    ;;
-  fused3)
-    # The fused GEMMs again (GPU 0) | san_diag, then the sanitizer sweep under racecheck only
-    # (its summary line, read anew) (GPU 1).
-    track cutlass 0 ${CUTLASS_LIMIT:-480} "taskset -c 0-15 bash -c \"OUT='$OUT' bash scripts/cutlass_device.sh\"" &
-    a=$!
-    track diag-racecheck 1 ${SAN_LIMIT:-480} "taskset -c 16-31 bash -c \"OUT='$OUT' LIB='$ROOT/.deps/cutlass-dev/libexpertact.so' bash scripts/san_diag.sh; OUT='$OUT' SAN_TOOLS=racecheck SAN_TIMEOUT=${SAN_TIMEOUT:-240} bash scripts/sanitize.sh\"" &
-    wait $a; wait
-    ;;
-  *) note "unknown call $CALL (check, bench, e2e, extra, fused, fused2, fused3)"; exit 2 ;;
+  *) note "unknown call $CALL (check, bench, e2e, extra, fused, fused2, fused3, final)"; exit 2 ;;
 esac
 
 note "$CALL done in $((SECONDS - T0)) s"

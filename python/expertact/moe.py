@@ -330,7 +330,7 @@ class _ExpertMLP(torch.autograd.Function):
         if plan.grouped:
             dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
         dx = dw13 = dw2 = dweights = None
-        # Order for the smallest peak: w2's gradient first, so that a recomputed h is freed
+        # Order for the smallest peak: w2's gradient first, so that h (kept or recomputed) is freed
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
         # dh freed, then x's gradient.
         if need_w2:

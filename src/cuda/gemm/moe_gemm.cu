@@ -85,7 +85,7 @@ Status schedule_choice(Schedule& out) {
 }
 
 // EXPERTACT_FUSED_PROBE (diagnostic builds only, EXPERTACT_FUSED_PROBES): gemm | nostore |
-// noprefetch | unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
+// unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
 int probe_choice() {
 #if EXPERTACT_FUSED_PROBES
   static const int p = [] {
@@ -93,7 +93,6 @@ int probe_choice() {
     if (env == nullptr) return 0;
     if (std::strcmp(env, "gemm") == 0) return 1;
     if (std::strcmp(env, "nostore") == 0) return 2;
-    if (std::strcmp(env, "noprefetch") == 0) return 3;
     return 0;
   }();
   return p;
@@ -170,7 +169,6 @@ Status fused_backward(Activation act, const GroupedShape& s, const BwdEpiloguePa
   if (s.N == 0) return Status::kOk;  // F == 0: the zeroed weight gradient is the whole answer
   BwdEpilogueParams q = p;
   q.vec8 = aligned(p.gate_up, 8) && aligned(p.dgate_up, 8) && p.ld_gu % 4 == 0 && p.ld_dgu % 4 == 0;
-  q.gu_prefetch = aligned(p.gate_up, 16) && p.ld_gu % 8 == 0;
   q.probe = probe_choice();
   return dispatch(act, [&](auto a, auto sch) {
     return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, q, stream);

@@ -41,10 +41,8 @@ struct BwdEpilogueParams {
   math::Coeffs coeffs{};
   // Set by the launcher: gate_up and dgate_up 8-byte aligned with row strides
   // multiples of 4 elements, so that two adjacent elements' (gate, up) pairs move as one
-  // 8-byte load and store (else 4 bytes each); gu_prefetch: gate_up 16-byte aligned with
-  // ld_gu % 8 == 0, so that a tile's gate_up rows can be prefetched to L2 in bulk.
+  // 8-byte load and store (else 4 bytes each).
   bool vec8 = false;
-  bool gu_prefetch = false;
   int probe = 0;
 };
 

@@ -40,9 +40,8 @@ __device__ __forceinline__ float round_bf16(float v) {
 // Diagnostic builds (CMake EXPERTACT_FUSED_PROBES=ON, scripts/cutlass_device.sh pack) time the
 // kernels with parts of the epilogue left out (EXPERTACT_FUSED_PROBE, read by the launcher):
 // kGemm does no epilogue work at all (h / dgate_up are not written: the GEMM's own cost),
-// kNoStore does the loads and the math but stores nothing, kNoPrefetch leaves out the
-// backward's L2 prefetch of the tile's gate_up. Other builds compile them out.
-enum Probe : int { kProbeNone = 0, kProbeGemm = 1, kProbeNoStore = 2, kProbeNoPrefetch = 3 };
+// kNoStore does the loads and the math but stores nothing. Other builds compile them out.
+enum Probe : int { kProbeNone = 0, kProbeGemm = 1, kProbeNoStore = 2 };
 CUTLASS_HOST_DEVICE int probe_of(int p) {
 #if EXPERTACT_FUSED_PROBES
   return p;
@@ -470,23 +469,6 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
 
     const __nv_bfloat16* gu = params.gate_up + row0 * params.ld_gu;
     __nv_bfloat16* dgu = params.dgate_up + row0 * params.ld_dgu;
-    // The tile's gate_up rows ([tile M] x 2 * [tile N] bf16: 128 KB for 128 x 256) to L2 in
-    // bulk, one row per thread, as the epilogue starts: the subtiles' loads then wait on L2,
-    // not HBM. Only when every row's slice is 16-byte aligned (gu_prefetch).
-    if (params.gu_prefetch && probe_of(params.probe) != kProbeGemm &&
-        probe_of(params.probe) != kProbeNoPrefetch) {
-      auto [M, N, K, L] = args.problem_shape_mnkl;
-      const int TM = size<0>(args.tile_shape_mnk), TN = size<1>(args.tile_shape_mnk);
-      const int64_t tm = static_cast<int64_t>(get<0>(args.tile_coord_mnkl)) * TM + args.thread_idx;
-      const int64_t tn = static_cast<int64_t>(get<1>(args.tile_coord_mnkl)) * TN;
-      if (args.thread_idx < TM && tm < M && tn < N) {
-        const int64_t cols = (N - tn < TN ? N - tn : TN);  // N % 4 == 0: 16-byte multiples
-        const __nv_bfloat16* src = gu + tm * params.ld_gu + 2 * tn;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src),
-                     "r"(static_cast<uint32_t>(4 * cols))
-                     : "memory");
-      }
-    }
     const float* w = params.w != nullptr ? params.w + row0 * params.w_stride : nullptr;
     float* dw = params.dw != nullptr ? params.dw + row0 * params.dw_stride : nullptr;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD),
