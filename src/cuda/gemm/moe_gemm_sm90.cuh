@@ -62,14 +62,12 @@ CUTLASS_DEVICE bool store_wanted(int probe, uint32_t bits) {
 // instantiated tiles). A 4 x 4 transpose over the quad, two 32-bit shuffles, gives lane t
 // the h columns H + 4t .. H + 4t + 3: one 8-byte store. The three steps are separate
 // functions so that the host test runs this code with the shuffles emulated.
-struct QuadStep1 {
-  uint32_t send;  // to lane ^ 1: this lane's values at g = (t & 1) ^ 1 and that + 2
-};
 CUTLASS_HOST_DEVICE uint32_t pack_u16(uint16_t lo, uint16_t hi) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
+// What lane t sends to lane t ^ 1: its values at g = g0 ^ 1 and g0 ^ 1 + 2 (g0 = t & 1), the
+// ones the partner keeps; chosen by selects (no dynamic indexing of registers).
 CUTLASS_HOST_DEVICE uint32_t quad_send1(const uint16_t a[4], int t) {
-  // g0 = t & 1; send a[g0 ^ 1], a[(g0 ^ 1) + 2], chosen by selects (no dynamic indexing)
   return (t & 1) ? pack_u16(a[0], a[2]) : pack_u16(a[1], a[3]);
 }
 // From the partner's reply: this lane's pairs P[g] = (even lane's a[g], odd lane's a[g]) for
