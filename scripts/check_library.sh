@@ -2,7 +2,7 @@
 # Checks a built libexpertact.so: its NEEDED libraries (no libcudart: the CUDA runtime
 # is linked in), its exported symbols (the C ABI and the public C++ API only), the
 # glibc / libstdc++ symbol versions it needs, and with --cuda its device code (sm_80
-# and sm_90 machine code, compute_90 PTX). Prints what it found; exits 1 on a violation.
+# and sm_90 machine code, compute_90 PTX; sm_90a only for the fused grouped GEMMs). Prints what it found; exits 1 on a violation.
 #   bash scripts/check_library.sh path/to/libexpertact.so [--cuda] [--list]
 # ctest runs it on every build (tests/cpp/CMakeLists.txt); the wheel scripts with --cuda.
 set -uo pipefail
@@ -45,7 +45,8 @@ echo "$exports" | grep -q '^expertact_glu_forward$' || die "expertact_glu_forwar
 vers=$("$READELF" --dyn-syms -W "$lib" | grep -o '@GLIBC[A-Z]*_[0-9.]*' | sort -u -V)
 echo "needs: $(echo "$vers" | grep '@GLIBC_' | tail -1 | tr -d @) $(echo "$vers" | grep '@GLIBCXX_' | tail -1 | tr -d @) $(echo "$vers" | grep '@CXXABI_' | tail -1 | tr -d @)"
 
-# 4. Device code: machine code for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT it).
+# 4. Device code: machine code for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT it);
+#    sm_90a for the fused grouped GEMMs when the build has them.
 if [ $want_cuda = 1 ]; then
   # cuobjdump: $CUOBJDUMP, on PATH, beside nvcc, in /usr/local/cuda*/bin (or pip's nvidia-cuda-cuobjdump).
   CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || ls "$(dirname "$(command -v nvcc || echo .)")/cuobjdump" \
@@ -62,8 +63,13 @@ if [ $want_cuda = 1 ]; then
     [ $list = 1 ] && printf '%s\n%s\n' "$elf" "$ptx"
     for a in sm_80 sm_90; do echo "$elf" | grep -q "\.$a\.cubin" || die "no $a machine code"; done
     echo "$ptx" | grep -q '\.sm_90\.ptx' || die "no compute_90 PTX"
-    extra_arch=$(echo "$elf" | grep -o 'sm_[0-9]*[a-z]*' | sort -u | grep -v -x -E 'sm_80|sm_90')
+    # sm_90a (wgmma, setmaxnreg) only for the fused grouped GEMMs of src/cuda/gemm/ (moe_*),
+    # in a build that found the CUTLASS headers: the library checks for Hopper before using them.
+    extra_arch=$(echo "$elf" | grep -v -E 'moe_[a-z0-9_]*\.sm_90a\.cubin' | grep -o 'sm_[0-9]*[a-z]*' | sort -u |
+      grep -v -x -E 'sm_80|sm_90')
     [ -z "$extra_arch" ] || die "unexpected machine code: $extra_arch"
+    n_gemm=$(echo "$elf" | grep -c -E 'moe_[a-z0-9_]*\.sm_90a\.cubin')
+    [ "$n_gemm" = 0 ] || echo "fused grouped GEMMs: $n_gemm sm_90a objects"
   fi
 fi
 [ $bad = 0 ] && echo "check_library: ok ($lib)"
