@@ -54,9 +54,21 @@ Status check_hopper(int device) {
 #define EXPERTACT_FUSED_DEFAULT 0
 #endif
 
-// EXPERTACT_FUSED_SCHEDULE (pingpong | cooperative | pingpong64; unset: the build's default), read once
-// per process. A value that names no built schedule fails every call, naming it, rather
-// than timing another kernel than the one asked for.
+// Every schedule by its EXPERTACT_FUSED_SCHEDULE name, and whether this build has it.
+struct ScheduleName {
+  const char* name;
+  Schedule s;
+  bool built;
+};
+constexpr ScheduleName kSchedules[] = {
+    {"pingpong", Schedule::kPingpong, EXPERTACT_FUSED_PINGPONG != 0},
+    {"cooperative", Schedule::kCooperative, EXPERTACT_FUSED_COOPERATIVE != 0},
+    {"pingpong64", Schedule::kPingpong64, EXPERTACT_FUSED_PINGPONG64 != 0},
+};
+
+// EXPERTACT_FUSED_SCHEDULE (a name above; unset: the build's default), read once per
+// process. A value that names no built schedule fails every call, naming it, rather than
+// timing another kernel than the one asked for.
 Status schedule_choice(Schedule& out) {
   struct Parsed {
     bool ok = true;
@@ -68,18 +80,23 @@ Status schedule_choice(Schedule& out) {
     const char* env = std::getenv("EXPERTACT_FUSED_SCHEDULE");
     if (env == nullptr || env[0] == '\0') return r;
     r.value = env;
-    if (EXPERTACT_FUSED_PINGPONG && std::strcmp(env, "pingpong") == 0) r.s = Schedule::kPingpong;
-    else if (EXPERTACT_FUSED_COOPERATIVE && std::strcmp(env, "cooperative") == 0) r.s = Schedule::kCooperative;
-    else if (EXPERTACT_FUSED_PINGPONG64 && std::strcmp(env, "pingpong64") == 0) r.s = Schedule::kPingpong64;
-    else r.ok = false;
+    r.ok = false;
+    for (const ScheduleName& k : kSchedules) {
+      if (k.built && std::strcmp(env, k.name) == 0) {
+        r.s = k.s;
+        r.ok = true;
+      }
+    }
     return r;
   }();
-  if (!parsed.ok)
-    return ::expertact::detail::fail(
-        Status::kInvalidArgument, "EXPERTACT_FUSED_SCHEDULE=", parsed.value,
-        " is not a schedule of this build (built:", EXPERTACT_FUSED_PINGPONG ? " pingpong" : "",
-        EXPERTACT_FUSED_COOPERATIVE ? " cooperative" : "", EXPERTACT_FUSED_PINGPONG64 ? " pingpong64" : "",
-        ")");
+  if (!parsed.ok) {
+    std::string built;
+    for (const ScheduleName& k : kSchedules)
+      if (k.built) built += std::string(" ") + k.name;
+    return ::expertact::detail::fail(Status::kInvalidArgument, "EXPERTACT_FUSED_SCHEDULE=",
+                                     parsed.value, " is not a schedule of this build (built:",
+                                     built, ")");
+  }
   out = parsed.s;
   return Status::kOk;
 }
