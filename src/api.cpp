@@ -65,7 +65,7 @@ Status check_params(const GluParams& p) {
 // Shape, dtype, device, stride and alignment of one matrix operand.
 Status check_matrix(const char* name, const MatrixRef& m) {
   if (!valid_dtype(m.dtype))
-    return fail(Status::kInvalidArgument, name, ".dtype ", static_cast<int>(m.dtype),
+    return fail(Status::kInvalidDtype, name, ".dtype ", static_cast<int>(m.dtype),
                 " is not supported (expected float32, float16 or bfloat16; float64 on the CPU)");
   if (m.device != DeviceType::kCPU && m.device != DeviceType::kCUDA)
     return fail(Status::kInvalidArgument, name, ".device ", static_cast<int>(m.device),
@@ -129,7 +129,7 @@ Status check_shape(const char* name, const MatrixRef& m, int64_t rows, int64_t c
     return fail(Status::kInvalidArgument, name, " has shape [", m.rows, ", ", m.cols,
                 "] but [", rows, ", ", cols, "] is expected (", why, ")");
   if (m.dtype != dtype)
-    return fail(Status::kInvalidArgument, name, ".dtype is ", m.dtype, " but ", dtype,
+    return fail(Status::kInvalidDtype, name, ".dtype is ", m.dtype, " but ", dtype,
                 " is expected (", why, ")");
   return Status::kOk;
 }

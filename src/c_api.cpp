@@ -24,7 +24,7 @@ Status to_dtype(const char* name, const DLDataType& t, DType& out) {
   } else if (t.lanes == 1 && t.code == kDLFloat && t.bits == 64) {
     out = DType::kFloat64;
   } else {
-    return fail(Status::kInvalidArgument, name, " has unsupported DLPack dtype (code ",
+    return fail(Status::kInvalidDtype, name, " has unsupported DLPack dtype (code ",
                 static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
                 static_cast<int>(t.lanes), "); expected float32, float16 or bfloat16 (float64 on the CPU)");
   }
@@ -117,7 +117,7 @@ Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
 
 Status check_float32(const char* name, const DLDataType& t) {
   if (!(t.code == kDLFloat && t.bits == 32 && t.lanes == 1))
-    return fail(Status::kInvalidArgument, name, " must be float32 (got DLPack dtype code ",
+    return fail(Status::kInvalidDtype, name, " must be float32 (got DLPack dtype code ",
                 static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
                 static_cast<int>(t.lanes), ")");
   return Status::kOk;
@@ -358,7 +358,7 @@ namespace {
 Status to_offsets(const DLTensor* t, const int32_t*& ptr, int32_t& E) {
   if (t == nullptr) return fail(Status::kInvalidArgument, "offsets is null");
   if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
-    return fail(Status::kInvalidArgument, "offsets must be int32 (got DLPack dtype code ",
+    return fail(Status::kInvalidDtype, "offsets must be int32 (got DLPack dtype code ",
                 static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
   if (t->ndim != 1 || t->shape == nullptr)
     return fail(Status::kInvalidArgument, "offsets must be 1-D [E] (got ", t->ndim, " dims)");

@@ -13,10 +13,11 @@ namespace expertact {
 
 enum class Status : int32_t {
   kOk = 0,
-  kInvalidArgument = 1,  // shape, dtype, device, stride, alias or parameter error
+  kInvalidArgument = 1,  // shape, device, stride, alias or parameter error
   kUnsupported = 2,      // well-formed but not built in (e.g. CUDA tensor, CPU-only build)
   kCudaError = 3,        // a CUDA runtime call failed
   kInternal = 4,         // a bug in expertact: please report it
+  kInvalidDtype = 5,     // an operand's dtype is not accepted, or differs from its partner's
 };
 
 enum class Activation : int32_t {

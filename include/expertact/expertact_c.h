@@ -34,6 +34,7 @@ typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_UNSUPPORTED 2
 #define EXPERTACT_CUDA_ERROR 3
 #define EXPERTACT_INTERNAL 4
+#define EXPERTACT_INVALID_DTYPE 5 /* a dtype error: unsupported, or different from its partner's */
 
 /* layout: 0 separate, 1 halves, 2 halves up-first, 3 interleaved */
 #define EXPERTACT_LAYOUT_SEPARATE 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ._capi import (
     LIBRARY_PATH,
+    DTypeError,
     ExpertactError,
     abi_version,
     cpu_threads,
@@ -50,6 +51,6 @@ else:
 
 
 __all__ = [
-    "LIBRARY_PATH", "ExpertactError", "abi_version", "cpu_threads", "has_cuda", "set_cpu_threads",
+    "LIBRARY_PATH", "DTypeError", "ExpertactError", "abi_version", "cpu_threads", "has_cuda", "set_cpu_threads",
     "__version__", *_TORCH_NAMES,
 ]

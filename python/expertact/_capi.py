@@ -20,7 +20,7 @@ from ctypes import POINTER, byref, c_char_p, c_float, c_int32, c_int64, c_uint8,
 ABI_VERSION = 1
 
 # expertact_status values
-OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL = 0, 1, 2, 3, 4
+OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL, INVALID_DTYPE = 0, 1, 2, 3, 4, 5
 
 # DLPack codes (dlpack.h)
 DL_CPU, DL_CUDA = 1, 2
@@ -72,6 +72,12 @@ class Params(ctypes.Structure):
 
 class ExpertactError(RuntimeError):
     """An internal error of the library (EXPERTACT_INTERNAL): please report it."""
+
+
+class DTypeError(TypeError, ValueError):
+    """A dtype the library does not take, or one that differs from its partner's
+    (EXPERTACT_INVALID_DTYPE). Both a TypeError (torch's convention) and a ValueError
+    (DeepSpeed's kernels raise ValueError for gate and up of different dtypes)."""
 
 
 def _library_path() -> str:
@@ -139,18 +145,20 @@ def last_error() -> str:
 def raise_for(status: int) -> None:
     """Maps a failed status to the Python exception for it, with the library's message.
 
-    INVALID_ARGUMENT -> ValueError (TypeError when the message is about a dtype),
-    UNSUPPORTED -> NotImplementedError (a RuntimeError), CUDA_ERROR -> RuntimeError,
-    INTERNAL -> ExpertactError (a RuntimeError).
+    The class follows the status code alone, never the message: INVALID_ARGUMENT ->
+    ValueError, INVALID_DTYPE -> DTypeError (a TypeError and a ValueError), UNSUPPORTED ->
+    NotImplementedError (a RuntimeError), CUDA_ERROR -> RuntimeError, anything else ->
+    ExpertactError (a RuntimeError).
     """
     msg = "expertact: " + (last_error() or f"call failed with status {status}")
-    if status == INVALID_ARGUMENT:
-        raise (TypeError if "dtype" in msg or "must be float32" in msg else ValueError)(msg)
-    if status == UNSUPPORTED:
-        raise NotImplementedError(msg)
-    if status == CUDA_ERROR:
-        raise RuntimeError(msg)
-    raise ExpertactError(msg + " (internal error: please report it)")
+    cls = _STATUS_ERRORS.get(status)
+    if cls is None:
+        raise ExpertactError(msg + " (internal error: please report it)")
+    raise cls(msg)
+
+
+_STATUS_ERRORS = {INVALID_ARGUMENT: ValueError, INVALID_DTYPE: DTypeError, UNSUPPORTED: NotImplementedError,
+                  CUDA_ERROR: RuntimeError}
 
 
 def has_cuda() -> bool:

@@ -399,7 +399,7 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
   for (const auto& bd : bad_dtypes) {
     DLTensor t = u;
     t.dtype = bd.dt;
-    expect_fail(fwd(0, &g, &t, nullptr, &o), kBad, {"up has unsupported DLPack dtype", bd.text}, bd.text);
+    expect_fail(fwd(0, &g, &t, nullptr, &o), EXPERTACT_INVALID_DTYPE, {"up has unsupported DLPack dtype", bd.text}, bd.text);
   }
   {  // device type
     DLTensor t = o;
@@ -458,7 +458,7 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
   {
     DLTensor t = w;
     t.dtype = DLDataType{kDLFloat, 16, 1};
-    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights must be float32", "code 2, bits 16, lanes 1"},
+    expect_fail(fwd(0, &g, &u, &t, &o), EXPERTACT_INVALID_DTYPE, {"weights must be float32", "code 2, bits 16, lanes 1"},
                 "weights dtype");
     int64_t sh[2] = {2, 2}, st[2] = {5, 1};
     DLTensor v = w;
@@ -527,10 +527,10 @@ TEST_P(CAbiErrors, BackwardArguments) {
               "grad_weights without weights");
   DLTensor bad = gw;
   bad.dtype = DLDataType{kDLBfloat, 16, 1};
-  expect_fail(bwd(0, &dy, &g, &u, &w, &gg, &gu, &bad), kBad, {"grad_weights must be float32"}, "gw dtype");
+  expect_fail(bwd(0, &dy, &g, &u, &w, &gg, &gu, &bad), EXPERTACT_INVALID_DTYPE, {"grad_weights must be float32"}, "gw dtype");
   DLTensor bad2 = gu;
   bad2.dtype = DLDataType{kDLFloat, 16, 1};
-  expect_fail(bwd(0, &dy, &g, &u, &w, &gg, &bad2, nullptr), kBad, {"grad_up.dtype is float16"}, "gu dtype");
+  expect_fail(bwd(0, &dy, &g, &u, &w, &gg, &bad2, nullptr), EXPERTACT_INVALID_DTYPE, {"grad_up.dtype is float16"}, "gu dtype");
   // In place through the C ABI: the same DLTensor as input and gradient.
   EXPECT_EQ(bwd(0, &dy, &g, &u, &w, &g, &u, &gw), EXPERTACT_OK) << expertact_last_error();
   EXPECT_EQ(bwd(1, &dy, &x, nullptr, &w, &x, nullptr, nullptr), EXPERTACT_OK) << expertact_last_error();
@@ -577,7 +577,7 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   {
     expertact_matrix t = u;
     t.dtype = DLDataType{kDLInt, 16, 1};
-    expect_fail(fwd(0, &g, &t, nullptr, &o), kBad, {"up has unsupported DLPack dtype", "code 0, bits 16, lanes 1"},
+    expect_fail(fwd(0, &g, &t, nullptr, &o), EXPERTACT_INVALID_DTYPE, {"up has unsupported DLPack dtype", "code 0, bits 16, lanes 1"},
                 "dtype");
     t = o;
     t.device = DLDevice{kDLOpenCL, 2};
@@ -611,7 +611,7 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   {  // weights
     expertact_vector t = w;
     t.dtype = DLDataType{kDLFloat, 16, 1};
-    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights must be float32", "code 2, bits 16, lanes 1"},
+    expect_fail(fwd(0, &g, &u, &t, &o), EXPERTACT_INVALID_DTYPE, {"weights must be float32", "code 2, bits 16, lanes 1"},
                 "weights dtype");
     t = w;
     t.size = 3;
@@ -629,7 +629,7 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   {
     expertact_vector t = gw;
     t.dtype = DLDataType{kDLBfloat, 16, 1};
-    expect_fail(bwd(0, &g, &u, &gg, &gu, &t), kBad, {"grad_weights must be float32"}, "gw dtype");
+    expect_fail(bwd(0, &g, &u, &gg, &gu, &t), EXPERTACT_INVALID_DTYPE, {"grad_weights must be float32"}, "gw dtype");
   }
   // In place (the input's own description), and a partial overlap that is refused.
   expect_ok(bwd(0, &g, &u, &g, &u, &gw), "in place separate");

@@ -170,7 +170,7 @@ TEST(Float64Refusals, MixedWithFloat32) {
   mu = mg, mu.data = u, mu.dtype = DType::kFloat32;
   mo = mg, mo.data = o;
   EXPECT_EQ(glu_forward(preset_swiglu(), Layout::kSeparate, mg, &mu, nullptr, mo),
-            Status::kInvalidArgument);
+            Status::kInvalidDtype);
   EXPECT_NE(std::string(last_error()).find("float64"), std::string::npos) << last_error();
 }
 
