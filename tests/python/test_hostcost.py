@@ -1,4 +1,4 @@
-"""The host-cost measurement (expertact._hostcost) and its CLI (bench/host_cost.py) run end
+"""The host-cost measurement (expertact.bench.hostcost) and its CLI (bench/host_cost.py) run end
 to end on the CPU and time what they claim to."""
 import json
 import os
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from expertact import _hostcost
+from expertact.bench import hostcost as _hostcost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
