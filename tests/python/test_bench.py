@@ -211,3 +211,14 @@ def test_bench_peers_cuda_deepspeed(tmp_path):
     assert len(ds) == 2 and all(c["check_ok"] and c["ms"] > 0 for c in ds)
     assert all(s["fastest_peer"] == "deepspeed" for s in data["summary"])
     assert all(r["fwd_us"] > 0 for r in data["host"] if r["impl"] == "deepspeed")
+
+
+def test_python_m_expertact_bench_and_the_console_script_entry():
+    """python -m expertact.bench runs expertact.bench.cli.main, the console script's entry point."""
+    r = subprocess.run([sys.executable, "-m", "expertact.bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd="/tmp")
+    assert r.returncode == 0 and "--peers" in r.stdout and "--mlp" in r.stdout, r.stderr
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert 'expertact-bench = "expertact.bench.cli:main"' in f.read()
+    assert callable(cli.main)

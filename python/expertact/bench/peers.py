@@ -422,7 +422,7 @@ def _driver_version():
 
 @contextlib.contextmanager
 def _compile_settings():
-    """torch.compile settings of the run, restored afterwards (the tests call main in-process).
+    """torch.compile settings of the run, restored afterwards (the tests run the benchmark in-process).
 
     - fail_on_recompile_limit_hit: a compiled cell never quietly falls back to eager.
     - compile_threads = 1: inductor compiles in this process. Otherwise the first compile starts
