@@ -17,7 +17,6 @@ import importlib.metadata
 import math
 import os
 import statistics
-import sys
 import time
 import types
 
