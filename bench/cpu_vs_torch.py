@@ -10,7 +10,7 @@ halves: views of one [rows, 2F] tensor, interleaved: its strided views for torch
 Both use the same number of threads. Medians of --iters runs after --warmup.
 
 It also checks expertact against the expression evaluated in float64 and rounded
-once (SPEC section 1): the largest difference in units in the last place of the
+once (docs/spec.md section 1): the largest difference in units in the last place of the
 dtype, and that NaN and infinity positions match.
 
     python3 bench/cpu_vs_torch.py [--lib build-bench/libexpertact.so] [--threads 2]

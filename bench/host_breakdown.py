@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import expertact
-from expertact import _ops, functional
+from expertact import _autograd, _describe, _eager, _library, _route
 
 INF = math.inf
 
@@ -62,34 +62,34 @@ def main(argv=None):
 
     print("## forward, separate, no autograd")
     show("expertact.swiglu(g, u)", lambda: expertact.swiglu(g, u))
-    show("  functional._call", lambda: functional._call(g, u, None, 0, 1.0, INF, 0.0, None, False))
-    show("  _ops.eager_ok()", _ops.eager_ok)
-    show("  _ops._plain(g)", lambda: _ops._plain(g))
-    show("  _ops.glu_eager", lambda: _ops.glu_eager(g, u, None, *args5, False))
-    show("  _ops.glu_forward_body", lambda: _ops.glu_forward_body(g, u, None, *args5))
-    show("    _as_rows(g)", lambda: _ops._as_rows(g))
-    show("    _tail(g)", lambda: _ops._tail(g))
-    show("    _stream(g)", lambda: _ops._stream(g))
-    ws = _ops._WS
-    show("    _params (pack_into)", lambda: _ops._params(ws.buf, 0, 1.0, INF, 0.0))
-    tail = _ops._tail(g)
-    show("    _pack_matrix (pack_into)", lambda: _ops._pack_matrix(ws.buf, _ops._OX, 0, r, f, f, tail))
+    show("  _route.glu_call", lambda: _route.glu_call(g, u, None, 0, 1.0, INF, 0.0, None, False))
+    show("  _eager.eager_ok()", _eager.eager_ok)
+    show("  _eager.plain(g)", lambda: _eager.plain(g))
+    show("  _autograd.glu_eager", lambda: _autograd.glu_eager(g, u, None, *args5, False))
+    show("  _describe.glu_forward_body", lambda: _describe.glu_forward_body(g, u, None, *args5))
+    show("    _as_rows(g)", lambda: _describe._as_rows(g))
+    show("    _tail(g)", lambda: _describe._tail(g))
+    show("    _stream(g)", lambda: _describe._stream(g))
+    ws = _describe._WS
+    show("    _params (pack_into)", lambda: _describe._params(ws.buf, 0, 1.0, INF, 0.0))
+    tail = _describe._tail(g)
+    show("    _pack_matrix (pack_into)", lambda: _describe._pack_matrix(ws.buf, _describe._OX, 0, r, f, f, tail))
     show("    g.new_empty(rows, F)", lambda: g.new_empty(r, f))
-    keep = _ops.glu_forward_body(g, u, None, *args5)  # noqa: F841 - the buffer the C call below writes
-    stream = _ops._stream(g)
+    keep = _describe.glu_forward_body(g, u, None, *args5)  # noqa: F841 - the buffer the C call below writes
+    stream = _describe._stream(g)
     show("    C call expertact_glu_forward_2d (with the kernel)",
-         lambda: _ops._fwd_2d(ws.r_params, 0, ws.r_x, ws.r_up, None, ws.r_out, stream))
-    show("  operator: torch.ops.expertact.glu (dispatcher)", lambda: _ops.glu_op(g, u, None, *args5, False))
+         lambda: _describe._fwd_2d(ws.r_params, 0, ws.r_x, ws.r_up, None, ws.r_out, stream))
+    show("  operator: torch.ops.expertact.glu (dispatcher)", lambda: _library.glu_op(g, u, None, *args5, False))
     show("expertact.swiglu(gate_up, layout='halves')", lambda: expertact.swiglu(gu, layout="halves"))
     show("expertact.swiglu(g, u, weights=w)", lambda: expertact.swiglu(g, u, weights=w))
 
     print("## with autograd (inputs require grad)")
     gr, ur = leaves(g, u)
     show("expertact.swiglu(g, u) forward", lambda: expertact.swiglu(gr, ur))
-    show("  _ops._eager_apply (autograd.Function, C apply)",
-         lambda: _ops._eager_apply(gr, ur, None, args5, False))
+    show("  _autograd._eager_apply (autograd.Function, C apply)",
+         lambda: _autograd._eager_apply(gr, ur, None, args5, False))
     show("expertact.swiglu(g, u).backward(dy)", lambda: expertact.swiglu(*leaves(g, u)).backward(dy), n // 4)
-    show("  glu_backward_body alone", lambda: _ops.glu_backward_body(dy, g, u, None, False, *args5))
+    show("  glu_backward_body alone", lambda: _describe.glu_backward_body(dy, g, u, None, False, *args5))
     show("expertact.swiglu(g, u, inplace_backward=True).backward(dy)",
          lambda: expertact.swiglu(*leaves(g, u), inplace_backward=True).backward(dy), n // 4)
     show("expertact.swiglu(g, u, weights=w).backward(dy)",

@@ -1,6 +1,6 @@
 """Host cost per call of expertact (every layout, weights, in place) beside DeepSpeed's Triton
 SwiGLU (when importable) and eager PyTorch, at a tiny size where the host is the bottleneck.
-A thin CLI over expertact._hostcost (the measurement lives in the package).
+A thin CLI over expertact.bench.hostcost (the measurement lives in the package).
 
     python bench/host_cost.py --device cuda            # 256 x 128 bf16
     python bench/host_cost.py --device cpu --clock thread
@@ -18,7 +18,7 @@ import time
 import torch
 
 import expertact
-from expertact._hostcost import DEFAULT_SIZE, iter_measure
+from expertact.bench.hostcost import DEFAULT_SIZE, iter_measure
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -32,6 +32,7 @@ import platform
 import sys
 import sysconfig
 import time
+import typing
 from pathlib import Path
 
 IMPLS = ("eager", "expertact", "expertact-inplace")
@@ -235,20 +236,12 @@ def versions(device):
     return v
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    s = args.sizes
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def init_distributed(args):
+    """(device, rank, world): this rank's device, and the process group (NCCL on GPUs, gloo on
+    the CPU) over exactly 2 ranks."""
     import torch
-    import torch.distributed as tdist
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.moe import ep_experts
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
-    import expertact
-    import expertact.deepspeed as xds
 
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -261,16 +254,25 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != 2:
         raise SystemExit(f"autoep_train.py: run it on 2 ranks (autoep_size 2), got world size {world}")
+    return device, rank, world
 
+
+def rank0_logger(rank, tag):
     def log(*a):
         if rank == 0:
-            print(f"[{args.tag}]", *a, flush=True)
+            print(f"[{tag}]", *a, flush=True)
+    return log
+
+
+def select_activation(args, registry, device):
+    """Put expertact's kernels in DeepSpeed's registry for --impl expertact*; returns
+    (DeepSpeed's entry, the entry in use, the enable() arguments or None), entries described."""
+    import expertact
+    import expertact.deepspeed as xds
 
     if device.type == "cuda" and args.impl != "eager" and not expertact.has_cuda():
         raise SystemExit("autoep_train.py: the installed expertact has no CUDA path "
-                         f"({expertact.LIBRARY_PATH}); build it with nvcc (tests/python/run_device.sh build)")
-
-    registry = ep_experts.EXPERT_ACTIVATIONS
+                         f"({expertact.LIBRARY_PATH}); build it with nvcc (bash scripts/gpu_check.sh)")
     ds_entry = describe_entry(registry[ACTIVATION])
     if args.impl == "eager":
         enabled = None
@@ -279,19 +281,45 @@ def main(argv=None):
             raise SystemExit("autoep_train.py: this expertact has no expertact.deepspeed.enable()")
         enabled = dict(inplace_backward=args.impl == "expertact-inplace")
         xds.enable(**enabled)
-    run_entry = describe_entry(registry[ACTIVATION])
-    log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry)
+    return ds_entry, describe_entry(registry[ACTIVATION]), enabled
+
+
+def build_engine(args):
+    """The corpus, the model and DeepSpeed's engine (AutoEP converts the model's MoE layers).
+    Returns (engine, setup) with setup: the corpus, its description, the model config, the
+    parameter count before AutoEP, the DeepSpeed config and the seconds each part took."""
+    import deepspeed
 
     t = [time.perf_counter()]
     corpus, corpus_info = load_corpus()
     t.append(time.perf_counter())
-    model, model_cfg = build_model(s, args.seed)
+    model, model_cfg = build_model(args.sizes, args.seed)
     n_params_before = sum(p.numel() for p in model.parameters())
     t.append(time.perf_counter())
     config = ds_config(args)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     t.append(time.perf_counter())
-    setup_s = dict(corpus=t[1] - t[0], model=t[2] - t[1], deepspeed_initialize=t[3] - t[2])
+    setup = dict(corpus=corpus, corpus_info=corpus_info, model_cfg=model_cfg, n_params_before=n_params_before,
+                 config=config, seconds=dict(corpus=t[1] - t[0], model=t[2] - t[1], deepspeed_initialize=t[3] - t[2]))
+    return engine, setup
+
+
+class AutoEPLayout(typing.NamedTuple):
+    moe_layers: list  # the AutoEPMoELayer modules, in model order
+    first: object  # moe_layers[0]
+    act: tuple  # (activation name, alpha, limit) of its experts
+    ep_size: int
+    owned: list  # owned[r]: the experts of rank r
+    grouped: str  # the expert GEMMs: triton, grouped_mm or for-loop
+
+
+def autoep_layout(engine, s):
+    """What AutoEP made of the model, checked: the MoE layers, the first one, its activation
+    (name, alpha, limit), the expert-parallel size, the experts each rank owns and the expert
+    GEMM implementation."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
     moe_layers = [m for m in engine.module.modules() if isinstance(m, AutoEPMoELayer)]
     if len(moe_layers) != s["layers"]:
         raise SystemExit(f"autoep_train.py: AutoEP replaced {len(moe_layers)} MoE layers, expected {s['layers']}")
@@ -303,10 +331,18 @@ def main(argv=None):
     owned = [list(autoep_experts_for_rank(first.expert_placement_descriptor, r)) for r in range(ep_size)]
     grouped = "triton" if first.experts.use_triton_grouped_mm else ("grouped_mm" if first.experts.use_grouped_mm
                                                                      else "for-loop")
-    log(f"AutoEP: {len(moe_layers)} layers, ep_size {ep_size}, experts per rank {owned}, activation {act}, "
-        f"expert GEMMs {grouped}, gate_up_impl {first.experts.gate_up_impl}; "
-        f"optimizer {type(engine.optimizer).__name__}; setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup_s.items()))
-    engine.train()
+    return AutoEPLayout(moe_layers, first, act, ep_size, owned, grouped)
+
+
+def train(args, engine, corpus, layout, registry, device, rank, world, log):
+    """The training steps: per step the global mean loss, this rank's step time and peak
+    allocated memory, and the rows each rank's experts received per MoE layer; plus the calls
+    step 0 made into registry[ACTIVATION], checked against expected_calls."""
+    import torch
+    import deepspeed.comm as dist
+
+    s = args.sizes
+    moe_layers, owned, ep_size = layout.moe_layers, layout.owned, layout.ep_size
 
     def sync():
         if device.type == "cuda":
@@ -341,7 +377,7 @@ def main(argv=None):
         peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
         if step == 0:
             restore()
-            want = expected_calls(args.impl, first.experts.gate_up_impl, len(moe_layers))
+            want = expected_calls(args.impl, layout.first.experts.gate_up_impl, len(moe_layers))
             if calls != want:
                 raise SystemExit(f"autoep_train.py: step 0 called {calls} of registry[{ACTIVATION!r}], "
                                  f"expected {want} for --impl {args.impl}")
@@ -356,6 +392,70 @@ def main(argv=None):
             log(f"step {step:4d} loss {losses[-1]:.4f} time {times[-1] * 1e3:8.1f} ms "
                 f"peak {peaks[-1] / 2**30 if peaks[-1] is not None else float('nan'):.2f} GiB "
                 f"busiest rank rows {busiest}")
+    return dict(losses=losses, times=times, peaks=peaks, rows=rows, calls=calls)
+
+
+def result_record(args, engine, setup, layout, run, gathered, activation, device, world):
+    """Rank 0's JSON record of the run (the format examples/autoep_report.py reads)."""
+    s, w = args.sizes, args.sizes["warmup"]
+    ds_entry, run_entry, enabled = activation
+    step_time = [max(g["times"][i] for g in gathered) for i in range(s["steps"])]
+    peak_per_rank = [max(g["peaks"][w:]) if device.type == "cuda" else None for g in gathered]
+    busiest = [max(max(r) for r in step_rows) for step_rows in run["rows"]]
+    model_cfg, act = setup["model_cfg"], layout.act
+    return dict(
+        tag=args.tag, impl=args.impl, config=args.config, sizes=s, seed=args.seed, zero_stage=args.zero_stage,
+        dtype=args.dtype, gate_up_impl=layout.first.experts.gate_up_impl, world_size=world, ep_size=layout.ep_size,
+        experts_per_rank=layout.owned, activation=dict(name=ACTIVATION, alpha=act[1], limit=act[2]),
+        expert_gemm=layout.grouped, registry_deepspeed=ds_entry, registry_in_use=run_entry, expertact_enable=enabled,
+        step0_calls=run["calls"], optimizer=type(engine.optimizer).__name__, ds_config=setup["config"],
+        model_config={k: getattr(model_cfg, k) for k in (
+            "model_type", "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim",
+            "num_local_experts", "num_experts_per_tok", "routed_scaling_factor", "swiglu_alpha",
+            "swiglu_limit")},
+        params_before_autoep=setup["n_params_before"],
+        params_per_rank_after_autoep=sum(p.numel() for p in engine.module.parameters()),
+        tokens_per_rank_per_step=s["micro_batch"] * s["seq"], corpus=setup["corpus_info"],
+        loss=run["losses"], step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
+        peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
+        peak_allocated_bytes_per_rank=peak_per_rank,
+        mean_step_time_s=sum(step_time[w:]) / len(step_time[w:]),
+        rows_received_per_step=run["rows"], busiest_rank_rows_per_step=busiest,
+        timed_from_step=w, setup_s=setup["seconds"], versions=versions(device),
+        command=" ".join((["torchrun", "--nproc_per_node", str(world)] if "TORCHELASTIC_RUN_ID" in os.environ
+                          else [os.path.basename(sys.executable)]) + sys.argv),
+        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                            "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")},
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    s = args.sizes
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch.distributed as tdist
+    import deepspeed.comm as dist
+    from deepspeed.moe import ep_experts
+    import expertact.deepspeed as xds
+
+    device, rank, world = init_distributed(args)
+    log = rank0_logger(rank, args.tag)
+    registry = ep_experts.EXPERT_ACTIVATIONS
+    activation = select_activation(args, registry, device)
+    ds_entry, run_entry, enabled = activation
+    log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry)
+
+    engine, setup = build_engine(args)
+    layout = autoep_layout(engine, s)
+    log(f"AutoEP: {len(layout.moe_layers)} layers, ep_size {layout.ep_size}, experts per rank {layout.owned}, "
+        f"activation {layout.act}, expert GEMMs {layout.grouped}, gate_up_impl {layout.first.experts.gate_up_impl}; "
+        f"optimizer {type(engine.optimizer).__name__}; setup s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
+    engine.train()
+    run = train(args, engine, setup["corpus"], layout, registry, device, rank, world, log)
 
     if enabled is not None:
         xds.disable()
@@ -364,46 +464,17 @@ def main(argv=None):
 
     # Every rank's times and peaks go to rank 0.
     gathered = [None] * world
-    tdist.all_gather_object(gathered, dict(rank=rank, times=times, peaks=peaks))
+    tdist.all_gather_object(gathered, dict(rank=rank, times=run["times"], peaks=run["peaks"]))
     if rank == 0:
-        w = s["warmup"]
-        step_time = [max(g["times"][i] for g in gathered) for i in range(s["steps"])]
-        peak_per_rank = [max(g["peaks"][w:]) if device.type == "cuda" else None for g in gathered]
-        busiest = [max(max(r) for r in step_rows) for step_rows in rows]
-        result = dict(
-            tag=args.tag, impl=args.impl, config=args.config, sizes=s, seed=args.seed, zero_stage=args.zero_stage,
-            dtype=args.dtype, gate_up_impl=first.experts.gate_up_impl, world_size=world, ep_size=ep_size,
-            experts_per_rank=owned, activation=dict(name=ACTIVATION, alpha=act[1], limit=act[2]),
-            expert_gemm=grouped, registry_deepspeed=ds_entry, registry_in_use=run_entry, expertact_enable=enabled,
-            step0_calls=calls, optimizer=type(engine.optimizer).__name__, ds_config=config,
-            model_config={k: getattr(model_cfg, k) for k in (
-                "model_type", "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim",
-                "num_local_experts", "num_experts_per_tok", "routed_scaling_factor", "swiglu_alpha",
-                "swiglu_limit")},
-            params_before_autoep=n_params_before,
-            params_per_rank_after_autoep=sum(p.numel() for p in engine.module.parameters()),
-            tokens_per_rank_per_step=s["micro_batch"] * s["seq"], corpus=corpus_info,
-            loss=losses, step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
-            peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
-            peak_allocated_bytes_per_rank=peak_per_rank,
-            mean_step_time_s=sum(step_time[w:]) / len(step_time[w:]),
-            rows_received_per_step=rows, busiest_rank_rows_per_step=busiest,
-            timed_from_step=w, setup_s=setup_s, versions=versions(device),
-            command=" ".join((["torchrun", "--nproc_per_node", str(world)] if "TORCHELASTIC_RUN_ID" in os.environ
-                              else [os.path.basename(sys.executable)]) + sys.argv),
-            env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")},
-            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        )
+        result = result_record(args, engine, setup, layout, run, gathered, activation, device, world)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, args.tag + ".json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-        peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in peak_per_rank)
-        log(f"done: final loss {losses[-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
-            f"(steps {w}..{s['steps'] - 1}), peak GiB per rank [{peaks_txt}], busiest rank rows/step/layer "
-            f"max {max(busiest)} -> {path}")
+        peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in result["peak_allocated_bytes_per_rank"])
+        log(f"done: final loss {run['losses'][-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
+            f"(steps {s['warmup']}..{s['steps'] - 1}), peak GiB per rank [{peaks_txt}], busiest rank rows/step/layer "
+            f"max {max(result['busiest_rank_rows_per_step'])} -> {path}")
     dist.barrier()
     tdist.destroy_process_group()
 

@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
-OUT=${OUT:-$ROOT/_device_out}
+OUT=${OUT:-$ROOT/out}  # the one output folder of scripts/ and examples/, git-ignored
 RES=$OUT/autoep
 mkdir -p "$RES"
 PARTS=("$@")
@@ -52,7 +52,7 @@ expertact_ok() {
   (cd /tmp && $PY -c "
 import sys, torch, expertact, expertact.deepspeed as x
 print('expertact', expertact.__version__, 'from', expertact.LIBRARY_PATH, '| CUDA path:', expertact.has_cuda())
-assert hasattr(x, 'enable') and hasattr(x, 'disable'), 'expertact.deepspeed has no enable()/disable() (branch dsreg)'
+assert hasattr(x, 'enable') and hasattr(x, 'disable'), 'expertact.deepspeed has no enable()/disable() (an older expertact)'
 assert expertact.has_cuda() or sys.argv[1] == '0', 'no CUDA path'
 " "$needs_gpu")
 }

@@ -1,5 +1,5 @@
 """The benchmark runs end to end (a tiny CPU table) and its memory columns show what
-SPEC section 3 promises: expertact keeps nothing and peaks at 3 tensors, 1 in place;
+docs/spec.md section 3 promises: expertact keeps nothing and peaks at 3 tensors, 1 in place;
 its --peers mode, likewise, with DeepSpeed's column and the host-cost table."""
 import importlib.util
 import json
@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from expertact import _peers as bench_peers
-from expertact import bench
+from expertact.bench import activation, cli, common, peers
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_bench_cpu_table(tmp_path, capsys):
     rows, ffn = 256, 64
     js, md = tmp_path / "b.json", tmp_path / "b.md"
-    rc = bench.main(["--device", "cpu", "--rows", str(rows), "--ffn", str(ffn), "--presets", "swiglu_oai",
+    rc = cli.main(["--device", "cpu", "--rows", str(rows), "--ffn", str(ffn), "--presets", "swiglu_oai",
                      "--layouts", "separate,interleaved", "--impls", "eager,compile,expertact,expertact-inplace",
                      "--iters", "2", "--warmup", "1", "--json", str(js), "--markdown", str(md)])
     assert rc == 0
@@ -45,11 +44,11 @@ def test_bench_cpu_table(tmp_path, capsys):
 
 def test_bench_rejects_unknown_names():
     with pytest.raises(SystemExit):
-        bench.main(["--device", "cpu", "--presets", "relu"])
+        cli.main(["--device", "cpu", "--presets", "relu"])
 
 
 # ---------------------------------------------------------------------------
-# --peers mode (expertact/_peers.py)
+# --peers mode (expertact/bench/peers.py)
 # ---------------------------------------------------------------------------
 
 PEERS_ARGS = ["--peers", "--rows", "96", "--ffn", "40", "--presets", "swiglu", "--layouts", "separate,halves",
@@ -63,7 +62,7 @@ def _ds_expected_status():
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_bench_peers_cpu(tmp_path, capfd):
     js, md = tmp_path / "p.json", tmp_path / "p.md"
-    rc = bench.main(["--device", "cpu", *PEERS_ARGS, "--impls", "eager,deepspeed,expertact,expertact-inplace",
+    rc = cli.main(["--device", "cpu", *PEERS_ARGS, "--impls", "eager,deepspeed,expertact,expertact-inplace",
                      "--json", str(js), "--markdown", str(md)])
     assert rc == 0
     out, err = capfd.readouterr()
@@ -122,15 +121,15 @@ class _FakeDeepSpeed:
         self.kernels = {("swiglu", "separate"): lambda g, u: torch.nn.functional.silu(g) * u,
                         ("swiglu", "halves"): lambda gu: torch.nn.functional.silu(gu[..., 40:]) * gu[..., :40]}
 
-    fn = bench_peers.DeepSpeedKernels.fn
-    why_not = bench_peers.DeepSpeedKernels.why_not
+    fn = peers.DeepSpeedKernels.fn
+    why_not = peers.DeepSpeedKernels.why_not
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_bench_peers_deepspeed_column(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bench_peers, "DeepSpeedKernels", _FakeDeepSpeed)
+    monkeypatch.setattr(peers, "DeepSpeedKernels", _FakeDeepSpeed)
     js = tmp_path / "p.json"
-    rc = bench.main(["--device", "cpu", *PEERS_ARGS, "--layouts", "separate,halves,interleaved", "--repeat", "1",
+    rc = cli.main(["--device", "cpu", *PEERS_ARGS, "--layouts", "separate,halves,interleaved", "--repeat", "1",
                      "--impls", "deepspeed,expertact", "--host-iters", "0", "--json", str(js)])
     assert rc == 1  # a peer that computes the wrong function fails the run
     data = json.loads(js.read_text())
@@ -146,22 +145,24 @@ def test_bench_peers_deepspeed_column(tmp_path, monkeypatch, capsys):
 
 
 def test_kineto_markers_dropped_other_lines_kept(capfd):
-    with bench._without_kineto_markers():
+    with common.without_kineto_markers():
         os.write(2, b"USDT:2026-11-30 09:26:16 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
                     b"ERROR: a real message\n"
                     b"USDT:2026-11-30 09:26:16 1:1 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
     err = capfd.readouterr().err
     assert "profiler_st" not in err and "ERROR: a real message" in err
     # The profiler behind the CPU memory columns (kineto prints the markers on every profile).
-    inp = bench.Inputs("separate", 8, 16, torch.float32, torch.device("cpu"), 6.0)
-    peak, kept = bench.cpu_memory(bench.make_fn("eager", "swiglu", "separate", 1.702, 7.0), inp)
+    inp = common.Inputs("separate", 8, 16, torch.float32, torch.device("cpu"), 6.0)
+    peak, kept = common.cpu_memory(activation.make_fn("eager", "swiglu", "separate", 1.702, 7.0), inp)
     assert peak > 0 and kept > 0
     assert "USDT" not in capfd.readouterr().err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_deepspeed_kernel_file_loads_without_deepspeeds_dependencies():
-    """The fallback for a machine that has deepspeed but not everything its __init__ imports."""
+    """The fallback for a machine that has deepspeed but not everything its __init__ imports:
+    the kernel file is loaded alone, and the process is left as it was (no deepspeed entry in
+    sys.modules, os.environ unchanged)."""
     script = r"""
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -169,13 +170,27 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("einops", "psutil", "msgpack", "hjson", "pydantic"):
             raise ImportError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
+import os
 import torch
-from expertact import _peers
-ds = _peers.DeepSpeedKernels(torch.device("cuda"))  # never touches a GPU: loading only
+from expertact.bench import hostcost, peers
+import contextlib
+try:  # what DeepSpeed's own __init__ does to os.environ before it fails is DeepSpeed's, not ours
+    with contextlib.redirect_stdout(sys.stderr):  # its logger writes to stdout
+        import deepspeed
+except ImportError:
+    pass
+env = dict(os.environ)
+ds = peers.DeepSpeedKernels(torch.device("cuda"))  # never touches a GPU: loading only
 assert ds.loaded.startswith("swiglu_triton.py loaded alone"), ds.loaded
-mod = sys.modules["deepspeed.ops.triton_ops.swiglu_triton"]
+mod = ds.module
 assert callable(mod.swiglu) and callable(mod.swiglu_packed)
-assert "deepspeed" not in sys.modules  # the stand-in parents are gone again
+assert "deepspeed" not in sys.modules and not [m for m in sys.modules if "triton_ops" in m or "_ds_" in m]
+assert dict(os.environ) == env  # DS_ACCELERATOR only during the import
+# The fallback alone (its imports of torch and triton done above) enters nothing in sys.modules.
+before = dict(sys.modules)
+again = hostcost.load_deepspeed_kernel_file()
+assert callable(again.swiglu) and again is not mod
+assert dict(sys.modules) == before
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -187,7 +202,7 @@ print("ok")
 def test_bench_peers_cuda_deepspeed(tmp_path):
     """DeepSpeed's Triton kernels pass the check and get timed (no torch.compile: seconds, not minutes)."""
     js = tmp_path / "p.json"
-    rc = bench.main(["--device", "cuda", "--peers", "--sizes", "512x256", "--presets", "swiglu",
+    rc = cli.main(["--device", "cuda", "--peers", "--sizes", "512x256", "--presets", "swiglu",
                      "--layouts", "separate,halves", "--impls", "deepspeed,expertact,expertact-inplace",
                      "--iters", "3", "--host-iters", "20", "--json", str(js)])
     data = json.loads(js.read_text())
@@ -196,3 +211,14 @@ def test_bench_peers_cuda_deepspeed(tmp_path):
     assert len(ds) == 2 and all(c["check_ok"] and c["ms"] > 0 for c in ds)
     assert all(s["fastest_peer"] == "deepspeed" for s in data["summary"])
     assert all(r["fwd_us"] > 0 for r in data["host"] if r["impl"] == "deepspeed")
+
+
+def test_python_m_expertact_bench_and_the_console_script_entry():
+    """python -m expertact.bench runs expertact.bench.cli.main, the console script's entry point."""
+    r = subprocess.run([sys.executable, "-m", "expertact.bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd="/tmp")
+    assert r.returncode == 0 and "--peers" in r.stdout and "--mlp" in r.stdout, r.stderr
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        assert 'expertact-bench = "expertact.bench.cli:main"' in f.read()
+    assert callable(cli.main)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from expertact import bench_mlp
+from expertact.bench import mlp
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -13,7 +13,7 @@ def test_bench_mlp_cpu_table(tmp_path, capsys):
     E, rows, D, F = 2, 128, 32, 32
     js, md = tmp_path / "m.json", tmp_path / "m.md"
     impls = "gemms,eager,expertact-op,expertact,expertact-inplace,expertact-recompute,expertact-recompute-inplace"
-    rc = bench_mlp.main(["--device", "cpu", "--experts", str(E), "--rows", str(rows), "--dim", str(D), "--ffn", str(F),
+    rc = mlp.main(["--device", "cpu", "--experts", str(E), "--rows", str(rows), "--dim", str(D), "--ffn", str(F),
                          "--layout", "interleaved", "--impls", impls, "--iters", "2", "--warmup", "1",
                          "--json", str(js), "--markdown", str(md)])
     assert rc == 0
@@ -32,24 +32,37 @@ def test_bench_mlp_cpu_table(tmp_path, capsys):
         if name != "gemms":
             assert r["y_rel_diff"] < 1e-5, (name, r["y_rel_diff"])  # the same function as the eager composition
     text = md.read_text()
-    assert "| expertact-recompute-inplace |" in text and "Targets (issue 11" in text
+    assert "| expertact-recompute-inplace |" in text and "Targets (memory modes" in text
     assert "PASS: recompute keeps" in text
     assert "[7/7]" in capsys.readouterr().err
 
 
 def test_bench_mlp_rejects_unknown_rows():
     with pytest.raises(SystemExit):
-        bench_mlp.main(["--device", "cpu", "--impls", "expertact,fused-bogus"])
+        mlp.main(["--device", "cpu", "--impls", "expertact,fused-bogus"])
 
 
 def test_bench_mlp_fused_rows_skip_where_the_fused_path_cannot_run(tmp_path):
     """On the CPU (or a build without CUTLASS) a fused row would time the unfused fallback:
     it is reported as skipped, with the reason, and the table still succeeds."""
     js = tmp_path / "m.json"
-    rc = bench_mlp.main(["--device", "cpu", "--experts", "2", "--rows", "16", "--dim", "16", "--ffn", "16",
+    rc = mlp.main(["--device", "cpu", "--experts", "2", "--rows", "16", "--dim", "16", "--ffn", "16",
                          "--impls", "gemms,fused,fused-recompute-inplace", "--iters", "1", "--warmup", "0",
                          "--json", str(js)])
     assert rc == 0
     res = {r["impl"]: r for r in json.loads(js.read_text())["results"]}
     for name in ("fused", "fused-recompute-inplace"):
         assert res[name]["error"].startswith("skipped: ") and res[name]["skipped"], res[name]
+
+
+def test_bench_mlp_through_expertact_bench(tmp_path):
+    """python -m expertact.bench --mlp (and expertact-bench --mlp) runs this table."""
+    from expertact.bench import cli
+
+    js = tmp_path / "m.json"
+    rc = cli.main(["--mlp", "--device", "cpu", "--experts", "2", "--rows", "16", "--dim", "16", "--ffn", "16",
+                   "--impls", "gemms,expertact", "--iters", "1", "--warmup", "0", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert [r["impl"] for r in data["results"]] == ["gemms", "expertact"]
+    assert data["meta"]["command"].startswith("python -m expertact.bench --mlp --device cpu")

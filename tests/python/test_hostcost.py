@@ -1,4 +1,4 @@
-"""The host-cost measurement (expertact._hostcost) and its CLI (bench/host_cost.py) run end
+"""The host-cost measurement (expertact.bench.hostcost) and its CLI (bench/host_cost.py) run end
 to end on the CPU and time what they claim to."""
 import json
 import os
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from expertact import _hostcost
+from expertact.bench import hostcost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,14 +23,14 @@ def test_host_cost_us_times_the_calls():
             pass
 
     made = []
-    us = _hostcost.host_cost_us(fn, lambda: (made.append(1) or len(made),), iters=20, device="cpu", repeats=3,
+    us = hostcost.host_cost_us(fn, lambda: (made.append(1) or len(made),), iters=20, device="cpu", repeats=3,
                                 warmup=2)
     assert 190 <= us <= 2000, us
     assert len(calls) == 2 + 3 * 20 and len(made) == len(calls)  # fresh arguments for every call
 
 
 def test_measure_every_case_on_the_cpu():
-    rows = _hostcost.measure("cpu", iters=3, repeats=1, names=["expertact", "eager"])
+    rows = hostcost.measure("cpu", iters=3, repeats=1, names=["expertact", "eager"])
     names = [r["case"] for r in rows]
     assert len([n for n in names if n.startswith("expertact")]) == 16  # 4 layouts x weights x in place
     assert any(n.startswith("eager") for n in names)

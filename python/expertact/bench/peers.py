@@ -2,6 +2,9 @@
 torch.compile (eager PyTorch on request) at several sizes in one run, the winner of each
 (form, layout, size) with its margin, the spread over --repeat runs, and a host-cost table.
 
+Every cell is checked against eager float32 before it is timed; a cell that computes another
+function fails the run (exit status 1).
+
     python -m expertact.bench --peers --json peers.json --markdown peers.md
     python -m expertact.bench --peers --quick --repeat 3
 """
@@ -10,28 +13,28 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import importlib
 import importlib.metadata
-import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
+import types
 
 import torch
 
 import expertact
 
-from . import bench
-from ._hostcost import host_cost_us, load_deepspeed_kernel_file
-from .bench import GiB, LAYOUTS, PRESETS, log
+from . import activation
+from .common import (
+    DTYPES, GiB, LAYOUTS, OOM, PRESETS, Inputs, clock_and_memory, copy_bandwidth, device_name, element_size,
+    fmt_bandwidth, log, measure, method, parse_list, resolve_device, versions, write_outputs,
+)
+from .hostcost import host_cost_us, import_deepspeed_kernels
 
-#: Issue 9's sizes: the seed (MiniMax-M3's busiest expert-parallel rank), a quarter of it, two
+#: The sizes: the seed (MiniMax-M3's busiest expert-parallel rank), a quarter of it, two
 #: rank sizes of smaller models, and an odd F (no 16-byte packs in the packed layouts).
 PEER_SIZES = ((1_045_081, 3072), (262_144, 3072), (65_536, 1536), (16_384, 1536), (65_536, 2881))
-#: --quick: the forms and sizes of issue 9's first table (8 cells per implementation).
+#: --quick: two forms, two layouts, two sizes (8 cells per implementation).
 QUICK = dict(presets=("swiglu", "swiglu_oai"), layouts=("separate", "halves"),
              sizes=((1_045_081, 3072), (65_536, 1536)))
 IMPLS = ("eager", "compile", "deepspeed", "expertact", "expertact-inplace")
@@ -62,10 +65,6 @@ def _dist_version(name):
         return None
 
 
-# The kernel file alone, when `import deepspeed` fails (one loader, shared with the host-cost tool).
-_load_kernel_file_alone = load_deepspeed_kernel_file
-
-
 class DeepSpeedKernels:
     """DeepSpeed's Triton SwiGLU kernels, imported when first needed, or why they cannot run.
 
@@ -76,6 +75,8 @@ class DeepSpeedKernels:
     def __init__(self, device):
         self.version = _dist_version("deepspeed")
         self.loaded = None  # how the module was loaded
+        self.module = None  # DeepSpeed's swiglu_triton module, once loaded
+        self.accelerator = None  # DS_ACCELERATOR during that import (hostcost.import_deepspeed_kernels)
         self.reason = None  # why no DeepSpeed cell can run here (None: they can)
         self.kernels = {}
         if self.version is None:
@@ -86,21 +87,13 @@ class DeepSpeedKernels:
             self._load()
 
     def _load(self):
-        # Without it DeepSpeed probes for Intel, Ascend, Habana, ... accelerators before CUDA.
-        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+        self.accelerator = os.environ.get("DS_ACCELERATOR") or "cuda"
         try:
-            # DeepSpeed's logger writes to stdout, made at import: keep the tables alone there.
-            with contextlib.redirect_stdout(sys.stderr):
-                mod = importlib.import_module("deepspeed.ops.triton_ops.swiglu_triton")
-            self.loaded = "import deepspeed.ops.triton_ops.swiglu_triton"
-        except Exception as e:  # typically a dependency of deepspeed/__init__.py that is missing
-            first = f"{type(e).__name__}: {e}"
-            try:
-                mod = _load_kernel_file_alone()
-            except Exception as e2:
-                self.reason = f"not importable ({first}; alone: {type(e2).__name__}: {e2})"
-                return
-            self.loaded = f"swiglu_triton.py loaded alone (import deepspeed: {first})"
+            mod, self.loaded = import_deepspeed_kernels()
+        except ImportError as e:
+            self.reason = f"not importable ({e})"
+            return
+        self.module = mod
         log(f"DeepSpeed {self.version}: {self.loaded}")
         if not getattr(mod, "_TRITON_AVAILABLE", False):
             self.reason = "needs CUDA/Triton (DeepSpeed found no active Triton backend)"
@@ -121,7 +114,7 @@ class DeepSpeedKernels:
 def make_fn(impl, preset, layout, alpha, limit, ds):
     if impl == "deepspeed":
         return ds.fn(preset, layout)
-    return bench.make_fn(impl, preset, layout, alpha, limit)
+    return activation.make_fn(impl, preset, layout, alpha, limit)
 
 
 # ---------------------------------------------------------------------------
@@ -135,7 +128,7 @@ def check(fn, inp, preset, layout, alpha, limit):
     inf when anything is not finite: a NaN never passes."""
     k = min(CHECK_ROWS, inp.args[0].shape[0])
     xs = [a[:k].detach().float().requires_grad_() for a in inp.args]
-    want_out = bench.make_fn("eager", preset, layout, alpha, limit)(*xs)
+    want_out = activation.make_fn("eager", preset, layout, alpha, limit)(*xs)
     want_grads = torch.autograd.grad(want_out, xs, inp.grad[:k].float())
     inp.clear()
     out = fn(*inp.args)
@@ -173,7 +166,7 @@ def aggregate(cell, floor_ms):
 
 
 def verdict(ours, peer, repeat):
-    """Issue 9's target for one cell: expertact's fwd+bwd at or below the fastest peer's."""
+    """The target of one cell: expertact's fwd+bwd at or below the fastest peer's."""
     if ours is None or peer is None:
         return "n/a"
     margin = (ours["ms"] / peer["ms"] - 1) * 100
@@ -235,7 +228,7 @@ def _host_fn(impl, layout, weights, ds, alpha, limit):
 
 
 def host_table(rows, ffn, dtype, device, impls, ds, iters, repeat, alpha, limit):
-    """Microseconds per call (_hostcost.host_cost_us: fresh leaves for every call, the garbage
+    """Microseconds per call (hostcost.host_cost_us: fresh leaves for every call, the garbage
     collector off while timing, the median of its rounds) of forward alone and of forward+backward.
     The rows are measured in interleaved rounds (every row once per round, at least 3 rounds), so
     that a slow start of the process or a busy moment of the machine falls on every row alike
@@ -340,7 +333,7 @@ def markdown(meta, sizes, cells, summary, host):
     ]
     for s in sizes:
         lines.append(f"| {_size(s['rows'], s['ffn'])} | {s['tensor_bytes'] / 2**20:,.1f} MiB | "
-                     f"{bench._bw(s['copy_tbs'])} | {s['floor_ms']:.3f} |")
+                     f"{fmt_bandwidth(s['copy_tbs'])} | {s['floor_ms']:.3f} |")
 
     peer_cols = [i for i in PEERS if i in impls]
     our_cols = [i for i in OURS if i in impls]
@@ -398,7 +391,7 @@ def markdown(meta, sizes, cells, summary, host):
     lines += ["", "Peers: eager PyTorch and torch.compile of the same expression (every form and layout), "
               "DeepSpeed's Triton kernels deepspeed.ops.triton_ops.swiglu_triton.swiglu (swiglu, separate) and "
               "swiglu_packed (swiglu, halves); DeepSpeed has no fused kernel for the other forms and layouts (n/a). "
-              "target: issue 9's, expertact (not in place) at or below the fastest peer."]
+              "target: expertact (not in place) at or below the fastest peer."]
     return "\n".join(lines) + "\n"
 
 
@@ -428,7 +421,7 @@ def _driver_version():
 
 @contextlib.contextmanager
 def _compile_settings():
-    """torch.compile settings of the run, restored afterwards (the tests call main in-process).
+    """torch.compile settings of the run, restored afterwards (the tests run the benchmark in-process).
 
     - fail_on_recompile_limit_hit: a compiled cell never quietly falls back to eager.
     - compile_threads = 1: inductor compiles in this process. Otherwise the first compile starts
@@ -450,75 +443,93 @@ def _compile_settings():
             setattr(mod, key, value)
 
 
-def main(a, argv=None):
-    device = bench.resolve_device(a.device)
+def settings(a, device) -> types.SimpleNamespace:
+    """The options resolved against this device's defaults."""
     cuda = device.type == "cuda"
-    d = bench.CUDA_DEFAULT if cuda else bench.CPU_DEFAULT
+    d = activation.defaults(device)
     if a.sizes:
         sizes = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
     elif a.rows is not None or a.ffn is not None or not cuda:
         sizes = [(a.rows if a.rows is not None else d["rows"], a.ffn if a.ffn is not None else d["ffn"])]
     else:
         sizes = list(QUICK["sizes"] if a.quick else PEER_SIZES)
-    presets = bench._csv(a.presets or ",".join(QUICK["presets"] if a.quick else PRESETS), PRESETS, "presets")
-    layouts = bench._csv(a.layouts or ",".join(QUICK["layouts"] if a.quick else LAYOUTS), LAYOUTS, "layouts")
-    impls = bench._csv(a.impls or ",".join(DEFAULT_IMPLS), IMPLS, "impls")
     dtype_name = a.dtype or d["dtype"]
-    dtype = bench._DTYPES[dtype_name]
-    iters = a.iters if a.iters is not None else (20 if cuda else 5)
-    warmup = a.warmup if a.warmup is not None else (3 if cuda else 1)
-    repeat = max(a.repeat, 1)
-    host_iters = a.host_iters if a.host_iters is not None else (200 if cuda else 50)
     host_rows_, host_ffn = _parse_size(a.host_size)
-    esize = torch.empty((), dtype=dtype).element_size()
+    return types.SimpleNamespace(
+        sizes=sizes,
+        presets=parse_list(a.presets or ",".join(QUICK["presets"] if a.quick else PRESETS), PRESETS, "presets"),
+        layouts=parse_list(a.layouts or ",".join(QUICK["layouts"] if a.quick else LAYOUTS), LAYOUTS, "layouts"),
+        impls=parse_list(a.impls or ",".join(DEFAULT_IMPLS), IMPLS, "impls"),
+        dtype_name=dtype_name, dtype=DTYPES[dtype_name], esize=element_size(DTYPES[dtype_name]),
+        iters=a.iters if a.iters is not None else (20 if cuda else 5),
+        warmup=a.warmup if a.warmup is not None else (3 if cuda else 1),
+        repeat=max(a.repeat, 1),
+        host_iters=a.host_iters if a.host_iters is not None else (200 if cuda else 50),
+        host_rows=host_rows_, host_ffn=host_ffn,
+    )
 
-    name = bench.device_name(device)
-    ds = DeepSpeedKernels(device) if "deepspeed" in impls else None
-    forms = [(p, lay) for p in presets for lay in layouts]
-    n_compiles = len(forms) * len(sizes) if "compile" in impls else 0
-    log(f"expertact-bench --peers on {name}: {len(forms)} forms x layouts, sizes "
-        f"{', '.join(_size(*s) for s in sizes)}, {dtype_name}, impls {','.join(impls)}, x{repeat}; "
-        f"{n_compiles} torch.compile compilations")
 
-    size_info = []
+def size_table(sizes, esize, device):
+    """Per size: one [rows, F] tensor's bytes, the copy bandwidth measured at that size and the
+    8-pass bytes floor."""
+    out = []
     for rows, ffn in sizes:
         tb = rows * ffn * esize
-        bw = bench.copy_bandwidth(tb, device)
-        size_info.append(dict(rows=rows, ffn=ffn, tensor_bytes=tb, copy_tbs=bw / 1e12, floor_ms=8 * tb / bw * 1e3))
-        log(f"{_size(rows, ffn)}: copy bandwidth {bench._bw(bw / 1e12)}, 8-pass floor {8 * tb / bw * 1e3:.3f} ms")
+        bw = copy_bandwidth(tb, device)
+        out.append(dict(rows=rows, ffn=ffn, tensor_bytes=tb, copy_tbs=bw / 1e12, floor_ms=8 * tb / bw * 1e3))
+        log(f"{_size(rows, ffn)}: copy bandwidth {fmt_bandwidth(bw / 1e12)}, 8-pass floor {8 * tb / bw * 1e3:.3f} ms")
+    return out
 
-    prog = "python -m expertact.bench" if argv is None and sys.argv[0].endswith("bench.py") else "expertact-bench"
-    meta = dict(
+
+def run_meta(a, argv, s, device, name, ds) -> dict:
+    """The header of the tables and the JSON's meta: versions, settings, command."""
+    cuda = device.type == "cuda"
+    v = versions(device)
+    return dict(
         mode="peers", date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        command=" ".join([prog] + list(sys.argv[1:] if argv is None else argv)),
+        command=" ".join(["expertact-bench"] + list(argv)),
         device=str(device), device_name=name, driver=_driver_version() if cuda else None,
-        torch=torch.__version__, triton=_dist_version("triton"), cuda=torch.version.cuda if cuda else None,
+        torch=v["torch"], triton=_dist_version("triton"), cuda=v["cuda"],
         deepspeed=_dist_version("deepspeed"),
         deepspeed_status=("not measured (not in --impls)" if ds is None else
                           ds.reason or f"{ds.loaded}; swiglu separate and halves, n/a elsewhere"),
-        ds_accelerator=os.environ.get("DS_ACCELERATOR"),
-        expertact=expertact.__version__, expertact_cuda=expertact.has_cuda(), python=platform.python_version(),
-        dtype=dtype_name, dtype_bytes=esize, scale=a.scale, alpha=a.alpha, limit=a.limit, impls=impls,
-        presets=presets, layouts=layouts, iters=iters, warmup=warmup, repeat=repeat,
-        timer="CUDA events" if cuda else "time.perf_counter",
-        memory_source=("torch.cuda.max_memory_allocated / memory_allocated" if cuda else
-                       "torch CPU allocator events recorded by torch.profiler (profile_memory=True)"),
+        ds_accelerator=getattr(ds, "accelerator", None) or os.environ.get("DS_ACCELERATOR"),
+        expertact=v["expertact"], expertact_cuda=v["expertact_cuda"], python=v["python"],
+        dtype=s.dtype_name, dtype_bytes=s.esize, scale=a.scale, alpha=a.alpha, limit=a.limit, impls=s.impls,
+        presets=s.presets, layouts=s.layouts, iters=s.iters, warmup=s.warmup, repeat=s.repeat, **method(device),
     )
+
+
+def run(a, argv) -> int:
+    """The --peers tables for the parsed options a (argv: the command line, for the header);
+    exit status 1 when a cell failed its correctness check."""
+    device = resolve_device(a.device)
+    s = settings(a, device)
+    name = device_name(device)
+    ds = DeepSpeedKernels(device) if "deepspeed" in s.impls else None
+    forms = [(p, lay) for p in s.presets for lay in s.layouts]
+    n_compiles = len(forms) * len(s.sizes) if "compile" in s.impls else 0
+    log(f"expertact-bench --peers on {name}: {len(forms)} forms x layouts, sizes "
+        f"{', '.join(_size(*z) for z in s.sizes)}, {s.dtype_name}, impls {','.join(s.impls)}, x{s.repeat}; "
+        f"{n_compiles} torch.compile compilations")
+    size_info = size_table(s.sizes, s.esize, device)
+    meta = run_meta(a, argv, s, device, name, ds)
 
     t_start = time.time()
     with _compile_settings():
         # The host-cost table first: a run cut short by a time limit still has it.
         host = []
-        if host_iters > 0:
-            host = host_table(host_rows_, host_ffn, dtype, device, impls, ds, host_iters, repeat, a.alpha, a.limit)
+        if s.host_iters > 0:
+            host = host_table(s.host_rows, s.host_ffn, s.dtype, device, s.impls, ds, s.host_iters, s.repeat,
+                              a.alpha, a.limit)
             meta["host_s"] = time.time() - t_start
-        meta["host"] = dict(rows=host_rows_, ffn=host_ffn, iters=host_iters)
+        meta["host"] = dict(rows=s.host_rows, ffn=s.host_ffn, iters=s.host_iters)
         cells, rc = {}, 0
         if a.host_only:  # the host-cost table alone
             meta["wall_s"], meta["complete"] = time.time() - t_start, True
-            return report(a, meta, size_info, cells, host, [], sizes, impls, ds, final=True)
+            return report(a, meta, size_info, cells, host, [], s.sizes, s.impls, ds, final=True)
         for n, (preset, layout) in enumerate(forms):
-            cells.update(measure_form(preset, layout, sizes, impls, ds, dtype, device, a, iters, warmup, repeat))
+            cells.update(measure_form(preset, layout, s, ds, device, a))
             done = forms[:n + 1]
             left = (time.time() - t_start - meta.get("host_s", 0)) / len(done) * (len(forms) - len(done))
             log(f"== {len(done)}/{len(forms)} forms x layouts done, {time.time() - t_start:.0f} s so far, "
@@ -526,33 +537,32 @@ def main(a, argv=None):
             meta["wall_s"] = time.time() - t_start
             meta["complete"] = len(done) == len(forms)
             # Rewritten after each form: a run stopped by a time limit keeps what it measured.
-            rc = report(a, meta, size_info, cells, host, done, sizes, impls, ds, final=meta["complete"])
+            rc = report(a, meta, size_info, cells, host, done, s.sizes, s.impls, ds, final=meta["complete"])
     return rc
 
 
-def measure_form(preset, layout, sizes, impls, ds, dtype, device, a, iters, warmup, repeat):
+def measure_form(preset, layout, s, ds, device, a):
     """Every size and implementation of one (form, layout), --repeat times; returns the cells."""
     cuda = device.type == "cuda"
-    clock = bench.CudaClock() if cuda else bench.CpuClock()
-    memory = bench.cuda_memory if cuda else bench.cpu_memory
+    clock, memory = clock_and_memory(device)
     cells = {(preset, layout, rows, ffn, impl): dict(preset=preset, layout=layout, rows=rows, ffn=ffn, impl=impl,
                                                       reps=[])
-             for rows, ffn in sizes for impl in impls}
+             for rows, ffn in s.sizes for impl in s.impls}
     fns = {}
-    for impl in impls:
+    for impl in s.impls:
         if impl == "deepspeed" and ds.fn(preset, layout) is None:
-            for rows, ffn in sizes:
+            for rows, ffn in s.sizes:
                 cells[(preset, layout, rows, ffn, impl)]["skipped"] = ds.why_not(preset, layout)
             continue
         # compile: a fresh dynamo cache per form and layout (5 sizes, 5 entries: under the
         # recompile limit of 8), kept across the repeats.
         fns[impl] = make_fn(impl, preset, layout, a.alpha, a.limit, ds)
-    for rep in range(repeat):
-        for rows, ffn in sizes:
-            log(f"{preset} {layout} {_size(rows, ffn)}, repeat {rep + 1}/{repeat}")
+    for rep in range(s.repeat):
+        for rows, ffn in s.sizes:
+            log(f"{preset} {layout} {_size(rows, ffn)}, repeat {rep + 1}/{s.repeat}")
             try:
-                inp = bench.Inputs(layout, rows, ffn, dtype, device, a.scale)
-            except bench._OOM:
+                inp = Inputs(layout, rows, ffn, s.dtype, device, a.scale)
+            except OOM:
                 for impl in fns:
                     cells[(preset, layout, rows, ffn, impl)].setdefault("error", "OOM (inputs)")
                 continue
@@ -564,13 +574,13 @@ def measure_form(preset, layout, sizes, impls, ds, dtype, device, a, iters, warm
                     inp.refresh()  # an in-place backward left gradients in the inputs
                     if rep == 0:
                         c["check_err"] = check(fn, inp, preset, layout, a.alpha, a.limit)
-                        c["check_ok"] = c["check_err"] <= CHECK_TOL[dtype]
+                        c["check_ok"] = c["check_err"] <= CHECK_TOL[s.dtype]
                         inp.refresh()
-                    r = bench.measure(fn, inp, clock, memory, iters, warmup, refresh=impl == "expertact-inplace")
+                    r = measure(fn, inp, clock, memory, s.iters, s.warmup, refresh=impl == "expertact-inplace")
                     c["reps"].append(r)
                     log(f"    {NAMES[impl]:18s} fwd+bwd {r['ms']:8.3f} ms  (fwd {r['fwd_ms']:.3f}, bwd "
                         f"{r['bwd_ms']:.3f})" + ("" if c["check_ok"] else f"  CHECK FAILED {c['check_err']:.2e}"))
-                except bench._OOM:
+                except OOM:
                     c["error"] = "OOM"
                 except Exception as e:  # one failing cell does not end the table
                     c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -592,12 +602,8 @@ def report(a, meta, size_info, cells, host, forms, sizes, impls, ds, final):
         print(md)
         log(f"done in {meta['wall_s']:.0f} s" + (f" (host-cost table {meta['host_s']:.0f} s)" if "host_s" in meta
                                                   else ""))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(meta=meta, sizes=size_info, cells=done, summary=summary, host=host), f, indent=1)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(md)
+    write_outputs(a.json, a.markdown, dict(meta=meta, sizes=size_info, cells=done, summary=summary, host=host), md,
+                  quiet=True)
     if final and (a.json or a.markdown):
         log(f"wrote {' and '.join(p for p in (a.json, a.markdown) if p)}")
     failed = [c for c in done if c.get("check_ok") is False]

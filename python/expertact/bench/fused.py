@@ -7,8 +7,11 @@ kernel, which writes dgate_up in place instead of dh). CUDA events, median of --
 --warmup. The fused kernels' schedule: EXPERTACT_FUSED_SCHEDULE (cooperative | pingpong | pingpong64, those
 the library was built with).
 
-    python -m expertact.bench_fused                     # 4 x 261,280 rows, D = F = 3,072, bf16
-    python -m expertact.bench_fused --rows 4096 --json out.json
+The fused grouped GEMMs are experimental: correct, but slower than the unfused path on the H200
+(docs/fused-gemm.md). Needs a CUDA device and a build with them (exit status 2 otherwise).
+
+    python -m expertact.bench.fused                     # 4 x 261,280 rows, D = F = 3,072, bf16
+    python -m expertact.bench.fused --rows 4096 --json out.json
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import sys
 
 import torch
 
-from . import _fused
-from .functional import PRESETS
+import expertact
+from expertact import _fused
 
 
 def _time(fn, iters, warmup):
+    """Median ms of fn over iters CUDA-event-timed calls after warmup calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -38,27 +42,27 @@ def _time(fn, iters, warmup):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m expertact.bench_fused", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m expertact.bench.fused", description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--rows", type=int, default=261_280, help="rows per expert")
     p.add_argument("--dim", type=int, default=3072)
     p.add_argument("--ffn", type=int, default=3072)
-    p.add_argument("--preset", default="swiglu_oai", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="swiglu_oai", choices=sorted(expertact.PRESETS))
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default="")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_fused: needs a CUDA device", file=sys.stderr)
+        print("expertact.bench.fused: needs a CUDA device", file=sys.stderr)
         return 2
     E, R, D, F = a.experts, a.rows, a.dim, a.ffn
     T = E * R
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
     why = _fused.why_not(x, D, F)
     if why is not None:
-        print(f"bench_fused: {why}", file=sys.stderr)
+        print(f"expertact.bench.fused: {why}", file=sys.stderr)
         return 2
-    act, alpha, limit, beta = PRESETS[a.preset]
+    act, alpha, limit, beta = expertact.PRESETS[a.preset]
     alpha = 1.702 if alpha is None else alpha
     limit = 7.0 if limit is None else limit
     offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * R
@@ -84,7 +88,7 @@ def main(argv=None):
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 schedule=os.environ.get("EXPERTACT_FUSED_SCHEDULE") or "the build's default",
                 experts=E, rows=R, dim=D, ffn=F, preset=a.preset, iters=a.iters, warmup=a.warmup,
-                command="python -m expertact.bench_fused " + " ".join(sys.argv[1:] if argv is None else argv))
+                command="python -m expertact.bench.fused " + " ".join(sys.argv[1:] if argv is None else argv))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -2,10 +2,15 @@
 so that argument handling, autograd, dispatch, the binding and the launch are the whole
 cost. host_cost_us() is the measurement; cases() the standard set (expertact's layouts x
 weights x in-place, DeepSpeed's Triton SwiGLU when importable, eager PyTorch); the CLI is
-bench/host_cost.py.
+bench/host_cost.py, and the --peers mode of python -m expertact.bench prints a host-cost table.
+
+Loading DeepSpeed's kernels leaves the caller's process as it was, beside the modules it
+imports: os.environ is restored after the import, and the fallback that loads the kernel file
+without DeepSpeed's package __init__ enters nothing in sys.modules.
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 import gc
 import importlib
@@ -14,13 +19,13 @@ import os
 import statistics
 import sys
 import time
-import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["host_cost_us", "cases", "measure", "iter_measure", "DEFAULT_SIZE"]
+__all__ = ["host_cost_us", "cases", "measure", "iter_measure", "DEFAULT_SIZE", "import_deepspeed_kernels",
+           "load_deepspeed_kernel_file"]
 
 #: (rows, F, dtype) per device type: GPU work at 256 x 128 bf16 is a few microseconds of
 #: a kernel that overlaps the host's next call; on the CPU the kernel itself runs on the
@@ -72,53 +77,90 @@ def host_cost_us(fn: Callable, make_args: Callable[[], tuple], iters: int = 1000
 
 
 _DS_MODULE = "deepspeed.ops.triton_ops.swiglu_triton"
+_DS_TRITON = "deepspeed.ops.triton_ops._triton"
+
+
+@contextlib.contextmanager
+def _deepspeed_import_settings():
+    """DS_ACCELERATOR=cuda unless it is set (otherwise DeepSpeed probes for Intel, Ascend,
+    Habana, ... accelerators before CUDA) and stdout to stderr (DeepSpeed's logger writes to
+    stdout, made at import: the tables stay alone there), for the import only: the caller's
+    environment is as it was afterwards. DeepSpeed picks its accelerator once, at that import."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    if saved is None:
+        os.environ["DS_ACCELERATOR"] = "cuda"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+
+
+def import_deepspeed_kernels():
+    """(module, how) for DeepSpeed's swiglu_triton: imported as a package module, or, when
+    `import deepspeed` fails (typically a dependency of its __init__ that is missing), its
+    file loaded alone (load_deepspeed_kernel_file). Raises ImportError saying why neither works."""
+    try:
+        with _deepspeed_import_settings():
+            return importlib.import_module(_DS_MODULE), f"import {_DS_MODULE}"
+    except Exception as e:  # noqa: BLE001 - any failure of deepspeed/__init__.py
+        first = f"{type(e).__name__}: {e}"
+    try:
+        mod = load_deepspeed_kernel_file()
+    except Exception as e2:  # noqa: BLE001
+        raise ImportError(f"{first}; alone: {type(e2).__name__}: {e2}") from e2
+    return mod, f"swiglu_triton.py loaded alone (import deepspeed: {first})"
 
 
 def _deepspeed():
-    """DeepSpeed's Triton SwiGLU functions (swiglu, swiglu_packed), or None when not importable.
-
-    `import deepspeed` runs its package __init__, which needs einops, msgpack, psutil, ...
-    and probes accelerators; the kernel file needs torch and triton only. So when the plain
-    import fails, the file is loaded under stand-in parent packages (removed afterwards)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    """DeepSpeed's Triton SwiGLU functions (swiglu, swiglu_packed), or None when not importable."""
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger writes to stdout
-            mod = importlib.import_module(_DS_MODULE)
-    except Exception:
-        try:
-            mod = load_deepspeed_kernel_file()
-        except Exception:
-            mod = None
-    if mod is None or not getattr(mod, "_TRITON_AVAILABLE", True):
+        mod, _ = import_deepspeed_kernels()
+    except ImportError:
+        return None
+    if not getattr(mod, "_TRITON_AVAILABLE", True):
         return None
     return mod.swiglu, mod.swiglu_packed
+
+
+def _exec_file(path, name, provides=None):
+    """The module of one Python file, executed under `name` without registering it in
+    sys.modules. provides: absolute module names its `from X import ...` statements get from
+    this dict instead of the import system."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    if provides:
+        real_import = builtins.__import__
+
+        def _import(target, globals=None, locals=None, fromlist=(), level=0):
+            if level == 0 and fromlist and target in provides:
+                return provides[target]
+            return real_import(target, globals, locals, fromlist, level)
+
+        # The file's own builtins: its functions see this __import__; nothing else does.
+        mod.__dict__["__builtins__"] = dict(builtins.__dict__, __import__=_import)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def load_deepspeed_kernel_file():
     """deepspeed/ops/triton_ops/swiglu_triton.py (and the _triton.py it imports) without running
     deepspeed/__init__.py, which imports einops, msgpack, psutil, tqdm, hjson, pydantic and the
-    accelerator probes: the kernels themselves need torch and triton only. The parent packages
-    are stand-ins with the real folders as their __path__, removed again once the file is loaded.
-    Raises ImportError (or what the file raises) when it cannot be loaded."""
+    accelerator probes: the kernels themselves need torch and triton only. Both files are
+    executed as private modules (expertact.bench.hostcost._ds_*) that are not entered in
+    sys.modules, and swiglu_triton.py's import of _triton is answered with the private one: the
+    caller's sys.modules holds no deepspeed entry afterwards (torch and triton are imported as
+    usual). Raises ImportError (or what the files raise) when they cannot be loaded."""
     spec = importlib.util.find_spec("deepspeed")  # locates the package without importing it
     if spec is None or not spec.origin:
         raise ImportError("deepspeed is not on sys.path")
-    root = os.path.dirname(spec.origin)
-    parents = {"deepspeed": root, "deepspeed.ops": os.path.join(root, "ops"),
-               "deepspeed.ops.triton_ops": os.path.join(root, "ops", "triton_ops")}
-    saved = {name: sys.modules.get(name) for name in parents}
-    try:
-        for name, path in parents.items():
-            stand_in = types.ModuleType(name)
-            stand_in.__path__ = [path]
-            sys.modules[name] = stand_in
-        return importlib.import_module(_DS_MODULE)
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    folder = os.path.join(os.path.dirname(spec.origin), "ops", "triton_ops")
+    triton_mod = _exec_file(os.path.join(folder, "_triton.py"), __name__ + "._ds_triton")
+    return _exec_file(os.path.join(folder, "swiglu_triton.py"), __name__ + "._ds_swiglu_triton",
+                      provides={_DS_TRITON: triton_mod})
 
 
 def cases(device="cpu", rows: Optional[int] = None, ffn: Optional[int] = None, dtype=None,

@@ -1,0 +1,81 @@
+"""expertact-bench: the activation table, --peers (beside DeepSpeed's Triton kernels at several
+sizes) or --mlp (the expert MLP and its memory modes), chosen by the command line.
+
+    python -m expertact.bench                       # the activation table, this machine's default size
+    python -m expertact.bench --rows 65536 --ffn 1536 --presets swiglu_oai --impls compile,expertact
+    expertact-bench --json out.json --markdown out.md
+    python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
+    python -m expertact.bench --mlp                 # the expert MLP (expertact.moe) and its memory modes
+                                                    # (docs/python.md)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import activation
+from .common import DTYPES, LAYOUTS, PRESETS
+
+
+def parse_args(argv=None):
+    """The options of the activation table and of --peers (--mlp has its own: expertact.bench.mlp)."""
+    cuda_d, cpu_d = activation.CUDA_DEFAULT, activation.CPU_DEFAULT
+    p = argparse.ArgumentParser(prog="expertact-bench", description=activation.__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
+    p.add_argument("--rows", type=int, default=None,
+                   help=f"rows (default {cuda_d['rows']:,} on CUDA, {cpu_d['rows']:,} on the CPU)")
+    p.add_argument("--ffn", type=int, default=None,
+                   help=f"F (default {cuda_d['ffn']} on CUDA, {cpu_d['ffn']} on the CPU)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--presets", default=None, help=f"default {','.join(PRESETS)}")
+    p.add_argument("--layouts", default=None, help=f"default {','.join(LAYOUTS)}")
+    p.add_argument("--impls", default=None,
+                   help=f"default {','.join(activation.IMPLS)}; with --peers also deepspeed, default without eager")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations (default 10 on CUDA, 20 with --peers, 5 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="warm-up steps, the first compiles (default 2 on CUDA, 3 with --peers, 1 on the CPU)")
+    p.add_argument("--scale", type=float, default=6.0, help="inputs are scale x standard normal")
+    p.add_argument("--alpha", type=float, default=1.702)
+    p.add_argument("--limit", type=float, default=7.0)
+    p.add_argument("--json", default="", metavar="PATH")
+    p.add_argument("--markdown", default="", metavar="PATH")
+    g = p.add_argument_group("--peers mode (expertact/bench/peers.py)")
+    g.add_argument("--peers", action="store_true",
+                   help="expertact beside DeepSpeed's Triton kernels, torch.compile (and eager, if in --impls) "
+                        "at several sizes, with the winner per cell and a host-cost table")
+    g.add_argument("--sizes", default=None, metavar="RxF,...",
+                   help="e.g. 65536x1536,16384x1536 (default on CUDA: the five of expertact.bench.peers.PEER_SIZES; "
+                        "--rows/--ffn: one size)")
+    g.add_argument("--quick", action="store_true",
+                   help="swiglu and swiglu_oai, separate and halves, 1,045,081 x 3,072 and 65,536 x 1,536")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="repeat each measurement N times; the table shows the spread (min-max) of the N medians")
+    g.add_argument("--host-size", default="256x128", metavar="RxF", help="size of the host-cost table")
+    g.add_argument("--host-only", action="store_true", help="the host-cost table alone (no sizes)")
+    g.add_argument("--host-iters", type=int, default=None,
+                   help="calls per timed block of the host-cost table (default 200 on CUDA, 50 on the CPU); "
+                        "0: no host-cost table")
+    p.add_argument("--mlp", action="store_true",
+                   help="the expert-MLP table instead (expertact.bench.mlp; its own options follow)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mlp" in argv:  # the expert-MLP table, with its own options
+        from . import mlp
+
+        return mlp.main([x for x in argv if x != "--mlp"])
+    a = parse_args(argv)
+    if a.peers:
+        from . import peers
+
+        return peers.run(a, argv)
+    peers_only = [o for o, v in (("--sizes", a.sizes), ("--quick", a.quick), ("--repeat", a.repeat != 1),
+                                 ("--host-only", a.host_only)) if v]
+    if peers_only:
+        raise SystemExit(f"expertact-bench: {', '.join(peers_only)} need --peers")
+    return activation.run(a, argv)
