@@ -22,6 +22,9 @@ are the same function, equal up to float rounding. The K contributions of each t
 in float32 in a fixed order (no atomics: deterministic on the GPU) and cast to the hidden dtype,
 as transformers' own implementations do. Expert ids >= E (expert-parallel sentinels) sort past
 the last expert's rows and contribute nothing: zero output, zero gradient; negative ids raise.
+The routing weights get their gradient (back to the router), as with transformers' own
+implementations. Host reads per call: the smallest expert id (to refuse negative ids) and
+expert_mlp's read of the E offsets, two small device-to-host copies on the GPU.
 
 Supported: the classes whose gate expertact computes exactly (checked against transformers'
 eager experts, forward and backward, in tests/python/test_transformers.py with transformers
@@ -32,7 +35,7 @@ eager experts, forward and backward, in tests/python/test_transformers.py with t
   Mixtral, DeepSeek-V3 and the other models using the default gate); with ``act_fn`` torch's
   tanh GELU (``hidden_act`` "gelu_pytorch_tanh"): "geglu_tanh".
 - MiniMax-M3 (``MiniMaxM3VLExperts``): "swiglu_oai", halves, with the config's
-  ``swiglu_alpha`` and ``swiglu_limit``.
+  ``swiglu_alpha`` and ``swiglu_limit`` (as the module holds them).
 - GPT-OSS (``GptOssExperts``): "swiglu_oai", interleaved, with the module's ``alpha`` (1.702)
   and ``limit`` (7.0); but GPT-OSS has expert biases (below), so it is refused until the
   kernels take biases.
