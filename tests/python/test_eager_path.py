@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import expertact
-from expertact import _ops
+from expertact import _eager
 from expertact import deepspeed as ds
 from conftest import DEVICES, LAYOUTS, PRESETS, call, make_inputs, preset_params, reference, split
 
@@ -233,18 +233,18 @@ def test_backward_under_a_mode_takes_the_operators():
 
 
 # ---------------------------------------------------------------------------
-# Which path: the test of eager_ok() and _plain()
+# Which path: the test of eager_ok() and plain()
 # ---------------------------------------------------------------------------
 
 
 def test_eager_path_is_taken_for_plain_tensors():
     g, u = (t.requires_grad_() for t in make_inputs("separate", (4, 8), torch.float32, "cpu"))
-    assert _ops.eager_ok() and _ops._plain(g)
+    assert _eager.eager_ok() and _eager.plain(g)
     assert _node(expertact.swiglu(g, u)) == "_GluEagerBackward"
     p = torch.nn.Parameter(g.detach().clone())
     assert _node(expertact.swiglu(p, u)) == "_GluEagerBackward"
     with torch.device("cpu"):  # a DeviceContext mode, as torch.set_default_device installs
-        assert _ops.eager_ok()
+        assert _eager.eager_ok()
         assert _node(expertact.swiglu(g, u)) == "_GluEagerBackward"
     with torch.inference_mode():
         out = expertact.swiglu(g, u)
@@ -263,7 +263,7 @@ def test_operator_path_whenever_something_stands_between():
     assert "expertact.glu.default" in mode.seen
     # A negative view: the operator's Negative fallback materialises it.
     neg = torch._neg_view(g)
-    assert not _ops._plain(neg)
+    assert not _eager.plain(neg)
     torch.testing.assert_close(expertact.swiglu(neg, u), expertact.swiglu(-g, u), rtol=0, atol=0)
     # Meta tensors: the fake kernel.
     m = expertact.swiglu(torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta"))
@@ -284,7 +284,7 @@ def test_operator_path_whenever_something_stands_between():
             return super().__torch_function__(func, types, args, kwargs or {})
 
     lg = g.as_subclass(Logged)
-    assert not _ops._plain(lg)
+    assert not _eager.plain(lg)
     expertact.swiglu(lg, u)
     assert ops.glu.default in Logged.calls
     # torch.jit.trace records the operator.
@@ -345,9 +345,9 @@ def _public_functions():
         "swiglu_clamped": lambda g, u: expertact.swiglu_clamped(g, u, limit=2.0),
         "swiglu_oai interleaved inplace": packed(expertact.swiglu_oai, layout="interleaved", inplace_backward=True),
         "geglu_tanh up_first": packed(expertact.geglu_tanh, layout="up_first"),
-        "swiglu_packed": packed(expertact.swiglu_packed),
-        "apply_expert_activation": lambda g, u: expertact.apply_expert_activation(g, u, "swiglu_oai"),
-        "apply_packed_expert_activation": packed(expertact.apply_packed_expert_activation, activation="geglu_tanh"),
+        "ds.swiglu_packed": packed(ds.swiglu_packed),
+        "ds.apply_expert_activation": lambda g, u: ds.apply_expert_activation(g, u, "swiglu_oai"),
+        "ds.apply_packed_expert_activation": packed(ds.apply_packed_expert_activation, activation="geglu_tanh"),
         "ds.swiglu_clamped": lambda g, u: ds.swiglu_clamped(g, u, oai=False),
         "ds.swiglu_clamped_packed": packed(ds.swiglu_clamped_packed),
         "ds.swiglu_backward": lambda g, u: ds.swiglu_backward(g * 0.5, g, u)[1],
