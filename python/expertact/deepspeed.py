@@ -2,12 +2,19 @@
 SwiGLU module (deepspeed.ops.triton_ops.swiglu_triton: swiglu, swiglu_packed, swiglu_clamped,
 swiglu_clamped_packed and the explicit backwards) and its expert-activation registry
 (apply_expert_activation, apply_packed_expert_activation). And enable()/disable(), which put
-expertact's kernels into DeepSpeed AutoEP's own registry (deepspeed.moe.ep_experts). Packed
-means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[..., I:] is up.
+expertact's kernels into DeepSpeed AutoEP's own registry (deepspeed.moe.ep_experts), with
+is_enabled() telling whether they are in and enabled_scope() enabling them for a `with` block.
+Packed means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[..., I:] is up.
 
     from expertact import deepspeed as ds
     h = ds.apply_packed_expert_activation(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)
     ds.enable()          # DeepSpeed's GroupedExperts now runs expertact (docs/python.md)
+    with ds.enabled_scope(inplace_backward=True):
+        ...              # enabled for this block, then back to what was in force
+
+These names raise what DeepSpeed's do: ValueError for gate and up of different shapes or
+dtypes (expertact.DTypeError, a ValueError and a TypeError, for dtypes) and for a packed
+tensor without an even last dimension; RuntimeError for a backward with create_graph=True.
 
 Unlike DeepSpeed, CPU tensors take the same fused kernel (the library's CPU path),
 so ``fused`` is accepted for compatibility and changes nothing.

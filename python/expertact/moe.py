@@ -169,8 +169,8 @@ class _Plan(NamedTuple):
 def _use_grouped_mm(x, D, F) -> bool:
     """torch._grouped_mm where it has a grouped kernel: bf16 on sm90 / sm100 (CUTLASS), with
     every leading stride a multiple of 16 bytes (D and F multiples of 8). Elsewhere torch runs
-    it as a loop over the groups that reads the offsets to the host on each call (6 calls
-    here); this module's own per-expert loop does the same work with the offsets it already
+    it as a loop over the groups that reads the offsets to the host on each call (6 times
+    per MLP step); this module's own per-expert loop does the same work with the offsets it already
     read: other dtypes, other GPUs, odd D or F."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
