@@ -56,8 +56,9 @@ def eager_ok() -> bool:
     """Whether calling the kernel bodies directly is what the dispatcher would do: not
     compiling or exporting, no TorchDispatchMode (FakeTensorMode, make_fx, FlopCounterMode,
     ...), no functorch transform, no jit trace, and no TorchFunctionMode but DeviceContext.
-    Each is one C call: 0.3 us together (on a 2-vCPU EPYC Zen 3 VM, docs/perf-notes.md); with plain() of each
-    tensor (0.5 us) that is the whole price of the eager path's soundness."""
+    Each is one C call: 0.3 us together (on a 2-vCPU EPYC Zen 3 VM, docs/perf-notes.md);
+    with plain() of each tensor (0.5 us) that is the whole price of the eager path's
+    soundness. Always False with EXPERTACT_EAGER=0."""
     if not ENABLED or _is_compiling() or _dispatch_modes() or _functorch_active() or _jit_tracing() is not None:
         return False
     return not _tf_modes_enabled() or _only_device_modes()
