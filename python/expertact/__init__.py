@@ -8,8 +8,12 @@ expert MLPs, forward and backward, for CPU and CUDA tensors.
 
 The tensor API needs torch (an optional dependency); the C library's information
 (has_cuda, cpu_threads, ...) is available without it. DeepSpeed's names and
-signatures are in ``expertact.deepspeed``; the grouped expert MLP around the activation
-(with memory modes) and a GroupedExperts module are in ``expertact.moe``.
+signatures (swiglu_packed, apply_expert_activation, its swiglu_clamped that defaults to the
+GPT-OSS form, ...) are in ``expertact.deepspeed`` only; the grouped expert MLP around the
+activation (with memory modes) and a GroupedExperts module are in ``expertact.moe``.
+
+EXPERTACT_EAGER=0 in the environment (read at import) sends every call through the
+torch.library operators instead of the eager fast path (docs/python.md, "The binding").
 """
 from __future__ import annotations
 
@@ -27,8 +31,12 @@ __version__ = "0.1.0"
 
 _TORCH_NAMES = (
     "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS",
-    "swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation", "deepspeed", "ops", "moe",
+    "deepspeed", "ops", "moe",
 )
+
+# DeepSpeed's names, which live in expertact.deepspeed only (expertact.swiglu_clamped is the
+# silu form; DeepSpeed's swiglu_clamped defaults to the GPT-OSS one).
+_DEEPSPEED_ONLY = ("swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation")
 
 try:
     import torch as _torch  # noqa: F401
@@ -36,18 +44,20 @@ except ImportError:  # the C library alone
     _torch = None
 
 if _torch is not None:
+    from . import _autograd  # noqa: F401  (registers the torch.ops.expertact operators, autograd included)
     from . import deepspeed, moe
-    from ._ops import glu_op as _glu_op  # noqa: F401  (registers the torch.ops.expertact operators)
-    from .deepspeed import apply_expert_activation, apply_packed_expert_activation, swiglu_packed
     from .functional import ACTIVATIONS, LAYOUTS, PRESETS, geglu_tanh, glu, swiglu, swiglu_clamped, swiglu_oai
 
     ops = _torch.ops.expertact
-else:
 
-    def __getattr__(name):
-        if name in _TORCH_NAMES:
-            raise ImportError(f"expertact.{name} needs torch (pip install torch); it is not installed")
-        raise AttributeError(f"module 'expertact' has no attribute {name!r}")
+
+def __getattr__(name):
+    if name in _DEEPSPEED_ONLY:
+        raise AttributeError(f"module 'expertact' has no attribute {name!r}: DeepSpeed's names are in "
+                             f"expertact.deepspeed (expertact.deepspeed.{name})")
+    if _torch is None and name in _TORCH_NAMES:
+        raise ImportError(f"expertact.{name} needs torch (pip install torch); it is not installed")
+    raise AttributeError(f"module 'expertact' has no attribute {name!r}")
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """ctypes binding of the C ABI (include/expertact/expertact_c.h): the library, the DLPack
 and 2-D description structs, and the status -> Python exception mapping. No torch here.
 
-Per-call cost is what matters (STYLE.md: ~1 us for ctypes over raw pointers, ~2.4 us per
+Per-call cost is what matters (about 1 us for ctypes over raw pointers against 2.4 us per
 tensor through __dlpack__ capsules), so the structs of a call are allocated once per
 thread: the 2-D descriptions in one buffer that struct.pack_into fills (the common path),
 the DLTensor structs and their shape/stride arrays refilled field by field (for 0-dim

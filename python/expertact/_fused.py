@@ -1,8 +1,11 @@
-"""The fused grouped GEMMs of the expert MLP through the C ABI (expertact_c.h:
-expertact_moe_fused_forward / _backward; docs/fused-gemm.md): CUTLASS kernels for Hopper
+"""Experimental: the fused grouped GEMMs of the expert MLP through the C ABI
+(expertact_moe_fused_forward / _backward; docs/fused-gemm.md): CUTLASS kernels for Hopper
 GPUs that compute the activation in the gate/up GEMM's epilogue and its gradient in the
 epilogue of the GEMM that would produce dh. expertact.moe.expert_mlp(..., fused=True)
 uses them; the library validates every argument.
+
+They are correct but slower than the unfused path (docs/fused-gemm.md says why that design
+cannot reach its targets); why_not, forward and backward may change or go without notice.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from ._ops import _dl, _stream
+from ._describe import dl as _dl, stream_of as _stream
 
 __all__ = ["why_not", "forward", "backward"]
 

@@ -2,12 +2,19 @@
 SwiGLU module (deepspeed.ops.triton_ops.swiglu_triton: swiglu, swiglu_packed, swiglu_clamped,
 swiglu_clamped_packed and the explicit backwards) and its expert-activation registry
 (apply_expert_activation, apply_packed_expert_activation). And enable()/disable(), which put
-expertact's kernels into DeepSpeed AutoEP's own registry (deepspeed.moe.ep_experts). Packed
-means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[..., I:] is up.
+expertact's kernels into DeepSpeed AutoEP's own registry (deepspeed.moe.ep_experts), with
+is_enabled() telling whether they are in and enabled_scope() enabling them for a `with` block.
+Packed means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[..., I:] is up.
 
     from expertact import deepspeed as ds
     h = ds.apply_packed_expert_activation(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)
     ds.enable()          # DeepSpeed's GroupedExperts now runs expertact (docs/python.md)
+    with ds.enabled_scope(inplace_backward=True):
+        ...              # enabled for this block, then back to what was in force
+
+These names raise what DeepSpeed's do: ValueError for gate and up of different shapes or
+dtypes (expertact.DTypeError, a ValueError and a TypeError, for dtypes) and for a packed
+tensor without an even last dimension; RuntimeError for a backward with create_graph=True.
 
 Unlike DeepSpeed, CPU tensors take the same fused kernel (the library's CPU path),
 so ``fused`` is accepted for compatibility and changes nothing.
@@ -24,13 +31,14 @@ from typing import Mapping, Optional, Tuple
 import torch
 
 from . import _capi
-from ._ops import glu_backward_any, rows_view_ok
-from .functional import ACTIVATIONS, PRESETS, _call, _float_arg, _tensor_arg
+from ._args import ACTIVATIONS, PRESETS, float_arg, tensor_arg
+from ._describe import rows_view_ok
+from ._route import glu_backward_any, glu_call
 
 __all__ = [
     "EXPERT_ACTIVATIONS", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed",
     "swiglu_backward", "swiglu_packed_backward", "apply_expert_activation", "apply_packed_expert_activation",
-    "enable", "disable", "enabled", "is_enabled",
+    "enable", "disable", "enabled_scope", "is_enabled",
 ]
 
 Tensor = torch.Tensor
@@ -48,9 +56,9 @@ def _registry_params(activation, alpha, limit):
                          f"{EXPERT_ACTIVATIONS}")
     act, a, lim, beta = PRESETS[activation]
     if a is None:
-        a = _float_arg("alpha", alpha)
+        a = float_arg("alpha", alpha)
     if lim is None:
-        lim = _float_arg("limit", limit)
+        lim = float_arg("limit", limit)
     return act, a, lim, beta
 
 
@@ -59,32 +67,51 @@ def _clamped_params(alpha, limit, oai):
     return _registry_params("swiglu_oai" if oai else "swiglu_clamped", alpha, limit)
 
 
+def _packed_error(name, gate_up, err):
+    """DeepSpeed's packed kernels refuse a 0-dim tensor or an odd last dimension with a
+    ValueError saying "expects an even last dimension"; raise that, with the library's message
+    after it. Only on the error path: the call itself pays nothing for it."""
+    if isinstance(gate_up, Tensor) and (gate_up.dim() == 0 or gate_up.shape[-1] % 2):
+        detail = str(err)
+        detail = detail[len("expertact: "):] if detail.startswith("expertact: ") else detail
+        raise ValueError(f"expertact: {name} expects an even last dimension, got shape {tuple(gate_up.shape)} "
+                         f"({detail})") from None
+
+
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """Fused ``silu(gate) * up``."""
-    _tensor_arg("up", up)
-    return _call(gate, up, "separate", *PRESETS["swiglu"], None, False)
+    tensor_arg("up", up)
+    return glu_call(gate, up, "separate", *PRESETS["swiglu"], None, False)
 
 
 def swiglu_packed(gate_up: Tensor) -> Tensor:
     """Fused ``silu(gate_up[..., :I]) * gate_up[..., I:]``."""
-    return _call(gate_up, None, "halves", *PRESETS["swiglu"], None, False)
+    try:
+        return glu_call(gate_up, None, "halves", *PRESETS["swiglu"], None, False)
+    except ValueError as e:
+        _packed_error("swiglu_packed", gate_up, e)
+        raise
 
 
 def swiglu_clamped(gate: Tensor, up: Tensor, alpha: float = 1.702, limit: float = 7.0, oai: bool = True) -> Tensor:
     """``oai=True``: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, g = clamp(gate, max=limit) (GPT-OSS,
     MiniMax-M3); ``oai=False``: ``silu(g) * clamp(up)`` (DeepSeek-V4). up is clamped to [-limit, limit]."""
-    _tensor_arg("up", up)
-    return _call(gate, up, "separate", *_clamped_params(alpha, limit, oai), None, False)
+    tensor_arg("up", up)
+    return glu_call(gate, up, "separate", *_clamped_params(alpha, limit, oai), None, False)
 
 
 def swiglu_clamped_packed(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0, oai: bool = True) -> Tensor:
     """:func:`swiglu_clamped` of gate and up packed side by side in ``[..., 2 * I]``."""
-    return _call(gate_up, None, "halves", *_clamped_params(alpha, limit, oai), None, False)
+    try:
+        return glu_call(gate_up, None, "halves", *_clamped_params(alpha, limit, oai), None, False)
+    except ValueError as e:
+        _packed_error("swiglu_clamped_packed", gate_up, e)
+        raise
 
 
 def _backward(grad, x, up, layout, params):
-    _tensor_arg("grad", grad)
-    _tensor_arg("gate" if up is not None else "gate_up", x)
+    tensor_arg("grad", grad)
+    tensor_arg("gate" if up is not None else "gate_up", x)
     grad, x = (t if rows_view_ok(t) else t.contiguous() for t in (grad, x))
     if up is not None and not rows_view_ok(up):
         up = up.contiguous()
@@ -94,7 +121,7 @@ def _backward(grad, x, up, layout, params):
 
 def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
     """The gradients (grad_gate, grad_up) of :func:`swiglu` given the output's gradient."""
-    _tensor_arg("up", up)
+    tensor_arg("up", up)
     gx, gu = _backward(grad, gate, up, _SEP, PRESETS["swiglu"])
     return gx, gu
 
@@ -108,14 +135,14 @@ def apply_expert_activation(gate: Tensor, up: Tensor, activation: str = "swiglu"
                             limit: float = 7.0, fused: bool = True) -> Tensor:
     """Combine the gate and up projections of an expert MLP with the named activation
     (``"swiglu"``, ``"geglu_tanh"``, ``"swiglu_clamped"``, ``"swiglu_oai"``)."""
-    _tensor_arg("up", up)
-    return _call(gate, up, "separate", *_registry_params(activation, alpha, limit), None, False)
+    tensor_arg("up", up)
+    return glu_call(gate, up, "separate", *_registry_params(activation, alpha, limit), None, False)
 
 
 def apply_packed_expert_activation(gate_up: Tensor, activation: str = "swiglu", alpha: float = 1.702,
                                    limit: float = 7.0, fused: bool = True) -> Tensor:
     """:func:`apply_expert_activation` for gate and up packed side by side in ``[..., 2 * I]``."""
-    return _call(gate_up, None, "halves", *_registry_params(activation, alpha, limit), None, False)
+    return glu_call(gate_up, None, "halves", *_registry_params(activation, alpha, limit), None, False)
 
 
 # ---------------------------------------------------------------------------
@@ -184,9 +211,9 @@ def _form(name, spec, entry):
                              f"{tuple(ACTIVATIONS)}")
         alpha = spec.get("alpha", None if entry.uses_alpha else 1.0)
         limit = spec.get("limit", None if entry.uses_limit else math.inf)
-        alpha = None if alpha is None else _float_arg("alpha", alpha)
-        limit = None if limit is None else _float_arg("limit", limit)
-        beta = _float_arg("beta", spec.get("beta", 0.0))
+        alpha = None if alpha is None else float_arg("alpha", alpha)
+        limit = None if limit is None else float_arg("limit", limit)
+        beta = float_arg("beta", spec.get("beta", 0.0))
     else:
         raise TypeError(f"expertact: register[{name!r}] must be a preset name or a dict(activation=, alpha=, "
                         f"limit=, beta=) (got {type(spec).__name__})")
@@ -207,29 +234,29 @@ def _fused_fns(name, act, alpha, limit, beta, inplace):
     call_alpha, call_limit = alpha is None, limit is None
     fixed_alpha, fixed_limit = alpha, limit
 
-    # DeepSpeed passes Python floats: `type(x) is float` lets them through without _float_arg's
-    # checks (two _float_arg calls: 1.3 us on the shared CPU machine, two type tests: 0.2 us);
+    # DeepSpeed passes Python floats: `type(x) is float` lets them through without float_arg's
+    # checks (two float_arg calls: 1.3 us on the shared CPU machine, two type tests: 0.2 us);
     # anything else gets the checks.
     def params(alpha, limit):
         if call_alpha:
-            alpha = alpha if type(alpha) is float else _float_arg("alpha", alpha)
+            alpha = alpha if type(alpha) is float else float_arg("alpha", alpha)
         else:
             alpha = fixed_alpha
         if call_limit:
-            limit = limit if type(limit) is float else _float_arg("limit", limit)
+            limit = limit if type(limit) is float else float_arg("limit", limit)
         else:
             limit = fixed_limit
         return alpha, limit
 
     def fused_fn(gate, up, alpha, limit):
         if up is None:
-            _tensor_arg("up", up)  # raises, naming up
+            tensor_arg("up", up)  # raises, naming up
         alpha, limit = params(alpha, limit)
-        return _call(gate, up, "separate", act, alpha, limit, beta, None, inplace)
+        return glu_call(gate, up, "separate", act, alpha, limit, beta, None, inplace)
 
     def packed_fused_fn(gate_up, alpha, limit):
         alpha, limit = params(alpha, limit)
-        return _call(gate_up, None, "halves", act, alpha, limit, beta, None, inplace)
+        return glu_call(gate_up, None, "halves", act, alpha, limit, beta, None, inplace)
 
     # What the function computes, for tests and for a user asking the registry what runs (None:
     # the call's value).
@@ -359,8 +386,8 @@ def is_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def enabled(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None):
-    """``with expertact.deepspeed.enabled(): ...``: :func:`enable` for the block, then back to
+def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None):
+    """``with expertact.deepspeed.enabled_scope(): ...``: :func:`enable` for the block, then back to
     what was in force before it (DeepSpeed's entries, or an outer enable()'s)."""
     before = _CONFIG
     enable(inplace_backward, register)

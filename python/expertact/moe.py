@@ -1,4 +1,4 @@
-"""expertact.moe: the grouped expert MLP around the fused activation (SPEC section 7),
+"""expertact.moe: the grouped expert MLP around the fused activation (docs/spec.md section 7),
 y = act(x @ w13[e]) @ w2[e] per expert over rows sorted by expert, as one autograd node
 whose memory modes decide what stays alive between forward and backward; and
 GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights around it.
@@ -16,14 +16,10 @@ import torch
 from torch import nn
 
 from . import _capi, _fused
-from ._ops import (
-    _CREATE_GRAPH_MSG,
-    _SECOND_BACKWARD_MSG,
-    glu_backward_inplace_op,
-    glu_backward_op,
-    glu_op,
-)
-from .functional import LAYOUTS, PRESETS, _float_arg
+from ._args import LAYOUTS, PRESETS, float_arg
+from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
+from ._capi import DTypeError
+from ._library import glu_backward_inplace_op, glu_backward_op, glu_op
 
 __all__ = ["expert_mlp", "GroupedExperts", "PACKED_LAYOUTS"]
 
@@ -58,12 +54,12 @@ def _glu_args(activation, alpha, limit, layout) -> Tuple[int, int, float, float,
     # A form that does not read alpha or limit refuses them: silently dropping limit=10 from
     # "swiglu" would train an unclamped model that was meant to be clamped.
     if a is None:
-        a = _DEFAULT_ALPHA if alpha is None else _float_arg("alpha", alpha)
+        a = _DEFAULT_ALPHA if alpha is None else float_arg("alpha", alpha)
     elif alpha is not None:
         raise ValueError(_err(f"activation={activation!r} has no alpha (got alpha={alpha!r}); "
                               "'swiglu_oai' is the form with a sigmoid scale"))
     if lim is None:
-        lim = _DEFAULT_LIMIT if limit is None else _float_arg("limit", limit)
+        lim = _DEFAULT_LIMIT if limit is None else float_arg("limit", limit)
     elif limit is not None:
         raise ValueError(_err(f"activation={activation!r} has no clamp (got limit={limit!r}); "
                               "'swiglu_clamped' and 'swiglu_oai' are the clamped forms"))
@@ -100,10 +96,10 @@ def _check(x, w13, w2, offsets, weights):
     E, wd, f2 = w13.shape
     ok_dtypes = _FLOAT_DTYPES + ((torch.float64,) if x.device.type == "cpu" else ())
     if x.dtype not in ok_dtypes:
-        raise TypeError(_err(f"x has dtype {x.dtype}; expected one of {', '.join(map(str, ok_dtypes))}"))
+        raise DTypeError(_err(f"x has dtype {x.dtype}; expected one of {', '.join(map(str, ok_dtypes))}"))
     for name, t in (("w13", w13), ("w2", w2)):
         if t.dtype != x.dtype:
-            raise TypeError(_err(f"{name} has dtype {t.dtype} but x has {x.dtype}: cast the weights "
+            raise DTypeError(_err(f"{name} has dtype {t.dtype} but x has {x.dtype}: cast the weights "
                                  f"({name}.to(x.dtype))"))
         if t.device != x.device:
             raise ValueError(_err(f"{name} is on {t.device} but x is on {x.device}"))
@@ -121,13 +117,13 @@ def _check(x, w13, w2, offsets, weights):
                               f"{_shape(w13)} and x {_shape(x)}"))
     if weights is not None:
         if weights.dtype != torch.float32:
-            raise TypeError(_err(f"weights has dtype {weights.dtype}; routing weights are float32"))
+            raise DTypeError(_err(f"weights has dtype {weights.dtype}; routing weights are float32"))
         if _shape(weights) != (T,):
             raise ValueError(_err(f"weights has shape {_shape(weights)}; expected [T] = {(T,)}"))
         if weights.device != x.device:
             raise ValueError(_err(f"weights is on {weights.device} but x is on {x.device}"))
     if offsets.dtype != torch.int32:
-        raise TypeError(_err(f"offsets has dtype {offsets.dtype}; it must be int32, as torch._grouped_mm "
+        raise DTypeError(_err(f"offsets has dtype {offsets.dtype}; it must be int32, as torch._grouped_mm "
                              "takes it (offsets.to(torch.int32))"))
     if _shape(offsets) != (E,):
         raise ValueError(_err(f"offsets has shape {_shape(offsets)}; expected [E] = {(E,)} (one cumulative "
@@ -173,8 +169,8 @@ class _Plan(NamedTuple):
 def _use_grouped_mm(x, D, F) -> bool:
     """torch._grouped_mm where it has a grouped kernel: bf16 on sm90 / sm100 (CUTLASS), with
     every leading stride a multiple of 16 bytes (D and F multiples of 8). Elsewhere torch runs
-    it as a loop over the groups that reads the offsets to the host on each call (6 calls
-    here); this module's own per-expert loop does the same work with the offsets it already
+    it as a loop over the groups that reads the offsets to the host on each call (6 times
+    per MLP step); this module's own per-expert loop does the same work with the offsets it already
     read: other dtypes, other GPUs, odd D or F."""
     if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
@@ -301,9 +297,9 @@ def _kept(ctx):
     An h kept as an attribute is handed over once: the caller drops it after w2's gradient,
     and a second backward (retain_graph=True) finds None and recomputes it (_w2_grad)."""
     if torch.is_grad_enabled():
-        raise RuntimeError(_CREATE_GRAPH_MSG)
+        raise RuntimeError(CREATE_GRAPH_MSG)
     if ctx.spent:
-        raise RuntimeError(_SECOND_BACKWARD_MSG)
+        raise RuntimeError(SECOND_BACKWARD_MSG)
     saved = ctx.saved_tensors
     h = saved[6] if len(saved) > 6 else ctx.h
     ctx.h = None
@@ -461,7 +457,7 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
                alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                weights: Optional[Tensor] = None, recompute: bool = False,
                inplace_backward: bool = False, fused: bool = False) -> Tensor:
-    """The grouped expert MLP over rows sorted by expert (SPEC section 7)::
+    """The grouped expert MLP over rows sorted by expert (docs/spec.md section 7)::
 
         gate_up = x[rows of e] @ w13[e]        (grouped GEMM)
         h       = act(gate_up) * weights       (expertact's fused activation, any packed layout)

@@ -59,7 +59,7 @@ def assert_matches(got, want, dtype, scale=None):
 
 
 def preset_params(preset, alpha=1.702, limit=7.0):
-    """(activation, alpha, limit, beta) of a preset, written out from SPEC section 1."""
+    """(activation, alpha, limit, beta) of a preset, written out from docs/spec.md section 1."""
     return {
         "swiglu": ("silu", 1.0, math.inf, 0.0),
         "swiglu_clamped": ("silu", 1.0, limit, 0.0),
@@ -78,7 +78,7 @@ def preset_kwargs(preset, alpha=1.702, limit=7.0):
 
 
 def reference(gate, up, activation, alpha, limit, beta, weights=None):
-    """The eager PyTorch expression (SPEC section 1), in whatever dtype its inputs have."""
+    """The eager PyTorch expression (docs/spec.md section 1), in whatever dtype its inputs have."""
     if math.isinf(limit):
         g, u = gate, up  # no clamp at all: NaN gets a NaN gradient of its own, as F.silu(g) * u gives it
     else:
@@ -86,7 +86,7 @@ def reference(gate, up, activation, alpha, limit, beta, weights=None):
     if activation == "gelu_tanh":
         a = F.gelu(g, approximate="tanh")
     elif alpha == 1.0:
-        a = F.silu(g)  # SPEC: the gradient (incl. its Inf/NaN) of the eager F.silu(g) * u
+        a = F.silu(g)  # docs/spec.md section 1: the gradient (incl. its Inf/NaN) of the eager F.silu(g) * u
     else:
         a = g * torch.sigmoid(alpha * g)
     out = a * (u + beta)

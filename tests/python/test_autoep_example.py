@@ -177,7 +177,7 @@ def test_two_rank_autoep_smoke_on_cpu(tmp_path):
     # inherited from a GPU machine's environment would make it look for cuda:0).
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(Path(__file__).with_name("autoep_launch.py")), str(EXAMPLES / "autoep_train.py"),
+           str(Path(__file__).parent / "support" / "autoep_launch.py"), str(EXAMPLES / "autoep_train.py"),
            "--impl", "expertact-inplace", "--config", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
     t = time.perf_counter()
     p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=300)

@@ -110,7 +110,7 @@ def test_oom_in_backward_gradients(which):
 
 def test_oom_inplace_backward_fits_where_out_of_place_does_not():
     """Under a cap that leaves no room for a gradient buffer, the out-of-place backward fails
-    with OutOfMemoryError and the in-place backward (SPEC section 3: no gradient buffers)
+    with OutOfMemoryError and the in-place backward (docs/spec.md section 3: no gradient buffers)
     runs, with correct gradients."""
     unit = _unit_bytes()
     rows, f = _shape(unit)

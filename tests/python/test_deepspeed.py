@@ -51,10 +51,13 @@ def test_signatures_and_defaults():
     assert params(ds.swiglu_backward) == [("grad", e), ("gate", e), ("up", e)]
     assert params(ds.swiglu_packed_backward) == [("grad", e), ("gate_up", e)]
     assert ds.EXPERT_ACTIVATIONS == ("swiglu", "geglu_tanh", "swiglu_clamped", "swiglu_oai")
-    # The top-level names that do not clash with the presets.
-    assert expertact.apply_expert_activation is ds.apply_expert_activation
-    assert expertact.apply_packed_expert_activation is ds.apply_packed_expert_activation
-    assert expertact.swiglu_packed is ds.swiglu_packed
+    # DeepSpeed's names live in expertact.deepspeed only: at the top level, swiglu_clamped is the
+    # silu form (expertact.swiglu_clamped), not DeepSpeed's (GPT-OSS by default).
+    for name in ("swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation"):
+        assert not hasattr(expertact, name) and name not in expertact.__all__
+        with pytest.raises(AttributeError, match=f"expertact.deepspeed.{name}"):
+            getattr(expertact, name)
+    assert expertact.swiglu_clamped is not ds.swiglu_clamped
 
 
 def _check(got, want, dtype):

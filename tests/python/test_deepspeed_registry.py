@@ -268,7 +268,7 @@ def test_inplace_backward(name, packed, dtype):
 
 
 # ---------------------------------------------------------------------------
-# enable / disable / enabled, register=, refusals
+# enable / disable / enabled_scope, register=, refusals
 # ---------------------------------------------------------------------------
 
 
@@ -302,14 +302,14 @@ def test_enable_twice_and_disable_restore_deepspeeds_entries():
 @needs_ds
 def test_enabled_context_manager():
     reg = EP.EXPERT_ACTIVATIONS
-    with xds.enabled():
+    with xds.enabled_scope():
         assert reg["swiglu_oai"].fused_fn.expertact_form["inplace_backward"] is False
-        with xds.enabled(inplace_backward=True):
+        with xds.enabled_scope(inplace_backward=True):
             assert reg["swiglu_oai"].fused_fn.expertact_form["inplace_backward"] is True
         assert reg["swiglu_oai"].fused_fn.expertact_form["inplace_backward"] is False
     assert _registry_is_deepspeeds()
     with pytest.raises(KeyError):
-        with xds.enabled(inplace_backward=True):
+        with xds.enabled_scope(inplace_backward=True):
             raise KeyError("inside")
     assert _registry_is_deepspeeds() and not xds.is_enabled()
 
@@ -420,7 +420,7 @@ def test_refuses_without_deepspeed(monkeypatch):
         with pytest.raises(ImportError, match=r"need DeepSpeed's expert-activation registry \(deepspeed\.moe\."):
             fn()
     with pytest.raises(ImportError, match="DS_BUILD_OPS=0 pip install deepspeed"):
-        with xds.enabled():
+        with xds.enabled_scope():
             pass
 
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import expertact
-from expertact import _ops
+from expertact import _eager
 from expertact import deepspeed as ds
 from conftest import DEVICES, LAYOUTS, PRESETS, call, make_inputs, preset_params, reference, split
 
@@ -233,18 +233,18 @@ def test_backward_under_a_mode_takes_the_operators():
 
 
 # ---------------------------------------------------------------------------
-# Which path: the test of eager_ok() and _plain()
+# Which path: the test of eager_ok() and plain()
 # ---------------------------------------------------------------------------
 
 
 def test_eager_path_is_taken_for_plain_tensors():
     g, u = (t.requires_grad_() for t in make_inputs("separate", (4, 8), torch.float32, "cpu"))
-    assert _ops.eager_ok() and _ops._plain(g)
+    assert _eager.eager_ok() and _eager.plain(g)
     assert _node(expertact.swiglu(g, u)) == "_GluEagerBackward"
     p = torch.nn.Parameter(g.detach().clone())
     assert _node(expertact.swiglu(p, u)) == "_GluEagerBackward"
     with torch.device("cpu"):  # a DeviceContext mode, as torch.set_default_device installs
-        assert _ops.eager_ok()
+        assert _eager.eager_ok()
         assert _node(expertact.swiglu(g, u)) == "_GluEagerBackward"
     with torch.inference_mode():
         out = expertact.swiglu(g, u)
@@ -263,7 +263,7 @@ def test_operator_path_whenever_something_stands_between():
     assert "expertact.glu.default" in mode.seen
     # A negative view: the operator's Negative fallback materialises it.
     neg = torch._neg_view(g)
-    assert not _ops._plain(neg)
+    assert not _eager.plain(neg)
     torch.testing.assert_close(expertact.swiglu(neg, u), expertact.swiglu(-g, u), rtol=0, atol=0)
     # Meta tensors: the fake kernel.
     m = expertact.swiglu(torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta"))
@@ -284,7 +284,7 @@ def test_operator_path_whenever_something_stands_between():
             return super().__torch_function__(func, types, args, kwargs or {})
 
     lg = g.as_subclass(Logged)
-    assert not _ops._plain(lg)
+    assert not _eager.plain(lg)
     expertact.swiglu(lg, u)
     assert ops.glu.default in Logged.calls
     # torch.jit.trace records the operator.
@@ -345,9 +345,9 @@ def _public_functions():
         "swiglu_clamped": lambda g, u: expertact.swiglu_clamped(g, u, limit=2.0),
         "swiglu_oai interleaved inplace": packed(expertact.swiglu_oai, layout="interleaved", inplace_backward=True),
         "geglu_tanh up_first": packed(expertact.geglu_tanh, layout="up_first"),
-        "swiglu_packed": packed(expertact.swiglu_packed),
-        "apply_expert_activation": lambda g, u: expertact.apply_expert_activation(g, u, "swiglu_oai"),
-        "apply_packed_expert_activation": packed(expertact.apply_packed_expert_activation, activation="geglu_tanh"),
+        "ds.swiglu_packed": packed(ds.swiglu_packed),
+        "ds.apply_expert_activation": lambda g, u: ds.apply_expert_activation(g, u, "swiglu_oai"),
+        "ds.apply_packed_expert_activation": packed(ds.apply_packed_expert_activation, activation="geglu_tanh"),
         "ds.swiglu_clamped": lambda g, u: ds.swiglu_clamped(g, u, oai=False),
         "ds.swiglu_clamped_packed": packed(ds.swiglu_clamped_packed),
         "ds.swiglu_backward": lambda g, u: ds.swiglu_backward(g * 0.5, g, u)[1],
@@ -387,3 +387,85 @@ def test_profiler_names_the_eager_call():
         expertact.swiglu(g.requires_grad_(), u).sum().backward()
     names = [e.name for e in prof.events()]
     assert names.count("expertact::glu") == 2 and "_GluEagerBackward" in names, names
+
+
+# ---------------------------------------------------------------------------
+# EXPERTACT_EAGER=0: the operators only
+# ---------------------------------------------------------------------------
+
+# Runs in a fresh process: forward and backward of each public route on fixed inputs, with
+# the eager path's entry points replaced by a function that raises, so that any call that
+# still took the eager path would fail. Prints whether the gate is open and the nodes' types,
+# and saves the results for the parent to compare.
+_SWITCH_SCRIPT = r"""
+import sys
+import torch
+import expertact
+from expertact import _autograd, _eager, _route
+from expertact import deepspeed as ds
+
+def eager_path_taken(*args, **kwargs):
+    raise AssertionError("the eager path ran with EXPERTACT_EAGER=0")
+
+if sys.argv[2] == "trap":
+    _route.glu_eager = _route.glu_backward_body = eager_path_taken
+    _autograd.glu_backward_body = _autograd.glu_backward_inplace_body = eager_path_taken
+
+gen = torch.Generator().manual_seed(5)
+base = [torch.randn(6, 16, generator=gen) * 3 for _ in range(2)]
+w = torch.rand(6, generator=gen)
+results, nodes = [], []
+for inplace in (False, True):
+    for name, fn in (("swiglu", lambda g, u: expertact.swiglu(g, u, weights=wl, inplace_backward=inplace)),
+                     ("swiglu_oai interleaved", lambda g, u: expertact.swiglu_oai(g, layout="interleaved",
+                                                                                  inplace_backward=inplace)),
+                     ("glu gelu_tanh", lambda g, u: expertact.glu(g, u, activation="gelu_tanh", limit=2.0)),
+                     ("ds.swiglu_packed", lambda g, u: ds.swiglu_packed(g))):
+        g, u = (b.clone().requires_grad_() for b in base)
+        wl = w.clone().requires_grad_()
+        out = fn(g * 1, u * 1)
+        nodes.append(type(out.grad_fn).__name__)
+        out.square().sum().backward()
+        results += [out.detach(), g.grad, u.grad if u.grad is not None else torch.zeros(0),
+                    wl.grad if wl.grad is not None else torch.zeros(0)]
+with torch.no_grad():
+    results.append(expertact.swiglu_clamped(base[0], base[1], limit=1.5))
+results += list(ds.swiglu_backward(base[0], base[0], base[1]))
+torch.save(results, sys.argv[1])
+print("ENABLED", _eager.ENABLED, "eager_ok", _eager.eager_ok())
+print("NODES", " ".join(sorted(set(nodes))))
+"""
+
+
+def _switch_run(tmp_path, env_value, trap):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("EXPERTACT_EAGER", None)
+    if env_value is not None:
+        env["EXPERTACT_EAGER"] = env_value
+    path = tmp_path / f"results-{env_value}.pt"
+    script = tmp_path / "switch.py"
+    script.write_text(_SWITCH_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(path), "trap" if trap else "none"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("ENABLED", "NODES")))
+    return lines, torch.load(path)
+
+
+def test_eager_switch_off_takes_the_operators_with_the_same_results(tmp_path):
+    """EXPERTACT_EAGER=0: the gate is closed, every call goes through the operators (the eager
+    entry points are booby-trapped and never run; the autograd nodes are the operator's), and
+    results and gradients are bit-identical to the eager path's."""
+    off, off_results = _switch_run(tmp_path, "0", trap=True)
+    assert off["ENABLED"] == "False eager_ok False", off
+    assert off["NODES"].split() == ["_GluBackward"], off
+    on, on_results = _switch_run(tmp_path, None, trap=False)
+    assert on["ENABLED"] == "True eager_ok True", on
+    assert on["NODES"].split() == ["_GluEagerBackward"], on
+    assert len(off_results) == len(on_results)
+    for a, b in zip(off_results, on_results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

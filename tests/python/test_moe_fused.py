@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from expertact import _capi, _fused, moe
-from expertact._ops import glu_backward_op, glu_op
+from expertact._library import glu_backward_op, glu_op
 from conftest import HAS_CUDA, PRESETS
 from test_moe import MODES, assert_close, check_case, make_case, reference_mlp, run
 

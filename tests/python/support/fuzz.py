@@ -3,9 +3,9 @@
 Random problems, each checked through the public API and through the raw C ABI with poisoned
 outputs, guard regions and an in-place run.
 
-    python tests/python/fuzz.py --device cpu --seconds 60             # a bounded run
-    python tests/python/fuzz.py --device cuda --seconds 240           # the GPU run
-    python tests/python/fuzz.py --device cuda --seed 1234 --count 1 -v   # one problem: a repro
+    python tests/python/support/fuzz.py --device cpu --problems 200        # a fixed number of problems
+    python tests/python/support/fuzz.py --device cuda --seconds 240        # the GPU run: a time budget
+    python tests/python/support/fuzz.py --device cuda --seed 1234 --problems 1 -v   # one problem: a repro
 
 Problem i of a run is drawn from seed (--seed + i) alone, so a failure's seed is its repro.
 Problem kinds live in KINDS (name -> Kind(draw, check)); docs/reliability.md says how to add one.
@@ -27,13 +27,14 @@ from typing import Callable, Optional
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+# tests/python, for conftest (the oracle) and test_moe (the expert MLP's cases)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 import expertact  # noqa: E402
 from expertact import _capi  # noqa: E402
-from expertact._ops import rows_view_ok  # noqa: E402
+from expertact._describe import rows_view_ok  # noqa: E402
 
 from conftest import (assert_matches, assert_weight_grad_matches, error_scales, reference_grads,  # noqa: E402
                       split, weight_grad_terms)
@@ -1028,7 +1029,7 @@ class Stats:
 def repro_command(seed, ctx, kind):
     env = os.environ.get("EXPERTACT_CUDA_KERNEL")
     pre = f"EXPERTACT_CUDA_KERNEL={env} " if env else ""
-    return (f"{pre}python tests/python/fuzz.py --device {ctx.device} --seed {seed} --count 1 --kinds {kind} "
+    return (f"{pre}python tests/python/support/fuzz.py --device {ctx.device} --seed {seed} --problems 1 --kinds {kind} "
             f"--cap {ctx.cap} --big-fraction {ctx.big_fraction:g} -v")
 
 
@@ -1152,8 +1153,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--seed", type=int, default=0, help="first seed (problem i uses seed + i)")
-    ap.add_argument("--count", type=int, default=None, help="stop after this many problems")
-    ap.add_argument("--seconds", type=float, default=None, help="stop after this many seconds")
+    ap.add_argument("--problems", "--count", dest="count", type=int, default=None,
+                    help="stop after this many problems (the same problems on any machine: what CI runs)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="stop after this many seconds (a time budget: the GPU runs)")
     ap.add_argument("--kinds", default=None, help=f"comma-separated problem kinds (registered: {','.join(KINDS)})")
     ap.add_argument("--cap", type=int, default=None, help="max elements of one [rows, F] operand "
                     "(default 2^17 on the CPU, 2^22 on CUDA)")

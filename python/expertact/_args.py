@@ -1,0 +1,74 @@
+"""The names the Python API accepts and the checks of its arguments, shared by functional,
+moe and deepspeed: the layout, activation and preset tables (public as expertact.LAYOUTS,
+expertact.ACTIVATIONS and expertact.PRESETS) and the type checks of tensors, numbers and
+layouts. Value checks (shapes, dtypes, devices, strides) are the C library's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _capi
+
+__all__ = ["LAYOUTS", "ACTIVATIONS", "PRESETS", "INF", "tensor_arg", "float_arg", "layout_code"]
+
+Tensor = torch.Tensor
+
+#: Layout names -> the C ABI's layout codes (docs/spec.md section 2). A packed tensor is [..., 2F].
+LAYOUTS = {
+    "separate": _capi.LAYOUT_SEPARATE,
+    "halves": _capi.LAYOUT_HALVES,  # gate_up[..., :F] = gate (DeepSpeed's fused gate+up GEMM)
+    "up_first": _capi.LAYOUT_HALVES_UP_FIRST,  # gate_up[..., :F] = up (FlashInfer, TransformerEngine)
+    "halves_up_first": _capi.LAYOUT_HALVES_UP_FIRST,
+    "interleaved": _capi.LAYOUT_INTERLEAVED,  # gate_up[..., 0::2] = gate (GPT-OSS checkpoints)
+}
+
+#: Activation names -> the C ABI's act codes.
+ACTIVATIONS = {"silu": _capi.ACT_SILU, "gelu_tanh": _capi.ACT_GELU_TANH}
+
+INF = math.inf
+
+#: The presets of docs/spec.md section 1: (act, alpha, limit, beta); None = the caller's value.
+#: tests/python checks this table against the C library's expertact_preset().
+PRESETS = {
+    "swiglu": (_capi.ACT_SILU, 1.0, INF, 0.0),
+    "swiglu_clamped": (_capi.ACT_SILU, 1.0, None, 0.0),
+    "swiglu_oai": (_capi.ACT_SILU, None, None, 1.0),
+    "geglu_tanh": (_capi.ACT_GELU_TANH, 1.0, INF, 0.0),
+}
+
+
+def tensor_arg(name: str, t, optional: bool = False):
+    """t when it is a tensor (or None with optional); else TypeError naming the argument."""
+    if isinstance(t, Tensor) or (optional and t is None):
+        return t
+    want = "a torch.Tensor or None" if optional else "a torch.Tensor"
+    raise TypeError(f"expertact: {name} must be {want} (got {type(t).__name__})")
+
+
+def float_arg(name: str, v) -> float:
+    """v as a float (any number but bool; not a tensor or a string); else TypeError naming it."""
+    if not isinstance(v, (bool, str, bytes, Tensor)):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"expertact: {name} must be a number (got {type(v).__name__})")
+
+
+def layout_code(layout, packed: bool) -> int:
+    """The C ABI's code of a layout name; None: 'halves' for one packed tensor, else 'separate'."""
+    if layout is None:
+        return LAYOUTS["halves"] if packed else LAYOUTS["separate"]
+    code = LAYOUTS.get(layout) if isinstance(layout, str) else None
+    if code is None:
+        raise ValueError(
+            f"expertact: layout={layout!r} is not one of 'separate', 'halves', 'up_first', 'interleaved'")
+    if packed != (code != _capi.LAYOUT_SEPARATE):
+        if packed:
+            raise ValueError(f"expertact: layout={layout!r} takes gate and up; up is missing "
+                             "(pass one packed tensor with layout='halves', 'up_first' or 'interleaved')")
+        raise ValueError(f"expertact: layout={layout!r} takes one packed gate_up tensor, but up was "
+                         "given too (pass gate and up with layout='separate' or no layout)")
+    return code

@@ -1,0 +1,100 @@
+"""The package's shape: no import circle among its modules, and the top-level names."""
+import ast
+import pathlib
+
+import expertact
+
+PACKAGE = pathlib.Path(expertact.__file__).resolve().parent
+# Benchmark tooling that moves into the expertact.bench subpackage, whose own imports are checked
+# there once it has moved; these top-level names are skipped while they still exist.
+_TOOLING = {"bench", "bench_mlp", "bench_fused", "_peers", "_hostcost"}
+
+
+def _modules():
+    """Dotted name (relative to expertact, "" for its __init__) -> file, for every module."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if len(parts) == 1 and parts[0] in _TOOLING:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name, path, modules):
+    """The package's modules that `name` imports, at any depth of its code (a function-level
+    import closes a circle as surely, at call time, as one at the top)."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if name else []
+    pkg = here if is_pkg else here[:-1]
+    out = set()
+
+    def add(dotted):
+        # the module itself, or else the package whose attribute it is
+        while dotted not in modules and dotted:
+            dotted = dotted.rpartition(".")[0]
+        out.add(dotted)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "expertact" or alias.name.startswith("expertact."):
+                    add(alias.name[len("expertact."):] if "." in alias.name else "")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else list(pkg)
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "expertact" or (node.module or "").startswith("expertact."):
+                mod = node.module[len("expertact."):] if "." in node.module else ""
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}" if mod else alias.name
+                add(sub if sub in modules else mod)
+    out.discard(name)
+    return out
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # A module's package __init__ runs before it anyway: an edge to an enclosing package is
+    # not a circle of the module's own making, so only edges between modules count, plus
+    # those into a package from outside it.
+    def counted(src, dst):
+        return not (dst == "" or src.startswith(dst + "."))
+
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if not counted(n, m):
+                continue
+            if state.get(m) == "open":
+                cycle = stack[stack.index(m):] + [m]
+                raise AssertionError("import circle: " + " -> ".join(f"expertact.{c}".rstrip(".") for c in cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = "done"
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+    # The split of the Python layer, one concern a module, each importing only those below it.
+    for low, high in (("_capi", "_describe"), ("_describe", "_library"), ("_library", "_autograd"),
+                      ("_eager", "_autograd"), ("_autograd", "_route"), ("_args", "_route"),
+                      ("_route", "functional"), ("_route", "deepspeed")):
+        assert low in graph[high], (low, high)
+
+
+def test_top_level_names():
+    for name in ("glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS",
+                 "deepspeed", "moe", "ops", "DTypeError", "ExpertactError", "has_cuda"):
+        assert hasattr(expertact, name) and name in expertact.__all__, name
+    assert expertact.PRESETS["swiglu_oai"][3] == 1.0 and expertact.LAYOUTS["interleaved"] == 3
+    assert issubclass(expertact.DTypeError, TypeError) and issubclass(expertact.DTypeError, ValueError)
