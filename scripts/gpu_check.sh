@@ -1,0 +1,253 @@
+#!/usr/bin/env bash
+# Builds, tests and benchmarks expertact on a machine with an NVIDIA GPU, in stages, so that
+# a machine that allows only short commands can take them a few at a time. Results and logs
+# go to $OUT/gpu_check/ ($OUT defaults to out/ in the repository, git-ignored; every script
+# of scripts/ writes under the same folder).
+#
+#   bash scripts/gpu_check.sh                              # STAGES="build ctest pytest"
+#   STAGES="bench mlp" bash scripts/gpu_check.sh           # the benchmarks (build kept from before)
+#   STAGES="build ctest pytest bench mlp fuzz" bash scripts/gpu_check.sh   # all of it, ~15 min
+#
+# Stages, in this order whatever the order given; times on one H200 with 16 cores (2026-12-01
+# unless said otherwise; the build is incremental after the first):
+#   prepare  on a machine WITH network, before going to a GPU machine without one: fills the
+#            git-ignored .deps/ (dlpack.h, GoogleTest sources) and .whl/ (DeepSpeed 0.19.8 and
+#            the packages it needs, nvidia-cutlass 4.2.0.0 for the fused GEMMs' headers), to
+#            be carried along. About 2 minutes (DeepSpeed's wheel is built from its sdist).
+#   build    GoogleTest from .deps/googletest where no GTest is installed; the library with its
+#            CUDA path (sm_90 unless ARCHS), the C++ tests and benchmarks, in build/gpu (BUILD);
+#            the fused grouped GEMMs (sm_90a) too when the CUTLASS headers are found (the
+#            nvidia-cutlass wheel in .whl/, an installed nvidia-cutlass, or EXPERTACT_CUTLASS_DIR).
+#            About 3 minutes from scratch, the fused GEMMs included.
+#   ctest    the GoogleTest suite and the CUDA kernel-choice entries (ctest -j CTEST_JOBS=4).
+#            About 1 minute.
+#   pytest   tests/python with the package from python/ over build/gpu/libexpertact.so; fails
+#            if no CUDA case ran (PYTEST_ARGS adds options). About 3.5 minutes.
+#   bench    python -m expertact.bench --peers at the seed size (1,045,081 x 3,072 bf16, every
+#            form and layout, beside DeepSpeed's Triton kernels and torch.compile, --repeat 2),
+#            then the C++ GPU benchmark (BENCH_ARGS replaces the Python options). About 2.5 minutes.
+#   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
+#            (4 experts x 261,280 rows, D = F = 3,072, bf16), fused rows included when built
+#            (MLP_ARGS adds options). About 1 minute (59 s on an H200, 2026-11-30).
+#   fuzz     the differential fuzzer on CUDA: scripts/reliability_gpu.sh's fuzz stage for
+#            FUZZ_SECONDS (default 60) over this build. About 71 s wall for 60 s (2026-11-30).
+#   sanitize compute-sanitizer over the GPU suites: scripts/sanitize.sh over this build.
+#            About 4 minutes (243 s wall with the build, 2026-11-30).
+#   wheel    scripts/wheel_check.sh on dist/expertact-*.whl (built elsewhere by
+#            scripts/build_wheel.sh): install without building, pytest against it. About 3.5
+#            minutes (209 s on an H200, 2026-11-30).
+# A command limit of 10 minutes fits "build ctest pytest", then "bench mlp fuzz", then
+# "sanitize" and "wheel" one each (the build folder kept between the calls).
+#
+# Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest. Without network the
+# GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
+# along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip and the fused
+# GEMMs are not built. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
+# into the machine's own site-packages. Exit status: 0 when every stage run passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+R=$OUT/gpu_check
+mkdir -p "$R"
+STAGES=${STAGES:-"build ctest pytest"}
+BUILD=${BUILD:-$ROOT/build/gpu}
+WHEELS=${WHEELS:-$ROOT/.whl}
+SITE=${SITE:-/tmp/site}
+JOBS=${JOBS:-$(nproc)}
+SEED_SIZE="--rows 1045081 --ffn 3072"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+note() { echo "== $(date +%T) $*" | tee -a "$R/summary.txt"; }
+status=0
+fail() { note "FAILED: $*"; status=1; }
+for s in $STAGES; do
+  case $s in prepare | build | ctest | pytest | bench | mlp | fuzz | sanitize | wheel) ;;
+    *) echo "unknown stage '$s' (prepare build ctest pytest bench mlp fuzz sanitize wheel)"; exit 2 ;;
+  esac
+done
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM) on shared GPU hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+# ---- prepare (machine with network): .deps/ and .whl/ for a GPU machine without one
+if has prepare; then
+  note "prepare .deps/ and $WHEELS"
+  mkdir -p .deps/include "$WHEELS"
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  if [ ! -f /usr/include/dlpack/dlpack.h ] || [ ! -d /usr/src/googletest ]; then
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
+  fi
+  cp -r /usr/include/dlpack .deps/include/ && rm -rf .deps/googletest && cp -r /usr/src/googletest .deps/ ||
+    fail "copying dlpack.h and the GoogleTest sources into .deps/"
+  # DeepSpeed's PyPI release is an sdist: its wheel is built here (DS_BUILD_OPS=0: no ops
+  # compiled; its setup.py imports torch, hence no build isolation). The rest are wheels for
+  # the GPU machine's Python 3.12 on x86-64.
+  DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8 ||
+    fail "building DeepSpeed's wheel"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux2010_x86_64 -d "$WHEELS" nvidia-cutlass==4.2.0.0 hjson py-cpuinfo msgpack psutil \
+    pydantic pydantic-core annotated-types typing-extensions typing-inspection einops tqdm ||
+    fail "downloading wheels into $WHEELS"
+  note "prepared: .deps ($(du -sh .deps | cut -f1)), $WHEELS ($(du -sh "$WHEELS" | cut -f1)): carry both"
+fi
+
+# ---- the environment: the machine, and the carried wheels installed out of the way
+gpu_stages=0
+for s in build ctest pytest bench mlp fuzz sanitize wheel; do has $s && gpu_stages=1; done
+[ $gpu_stages = 1 ] || { note "done: status $status"; exit $status; }
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl > "$R/pip-wheels.log" 2>&1 || fail "installing $WHEELS/*.whl into $SITE (pip-wheels.log)"
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git)') ($(git status --porcelain 2>/dev/null | wc -l) changed files)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  nvcc --version 2>&1 | tail -1
+  cmake --version | head -1
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda,
+"gpus", torch.cuda.device_count())' 2>&1
+  python3 -c 'import deepspeed, triton; print("deepspeed", deepspeed.__version__, "triton", triton.__version__)' 2>&1 | tail -1
+  python3 -c 'import os, cutlass_library as c; print("CUTLASS headers:", os.path.join(os.path.dirname(c.__file__), "source", "include"))' 2>&1 | tail -1
+  echo "cores: $(nproc)"
+} > "$R/env.txt"
+tee -a "$R/summary.txt" < "$R/env.txt"
+# The package from the source tree, over the library of this build.
+export EXPERTACT_LIBRARY=$BUILD/libexpertact.so
+PKG_PATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+
+# ---- build
+if has build; then
+  # GoogleTest: installed (libgtest-dev), or built once from .deps/googletest into /tmp/gtest.
+  GTEST_PREFIX=""
+  if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && [ ! -f /usr/lib/cmake/GTest/GTestConfig.cmake ] &&
+     [ ! -f /usr/local/lib/cmake/GTest/GTestConfig.cmake ] && [ -d .deps/googletest ]; then
+    GTEST_PREFIX=/tmp/gtest
+    if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
+      note "build GoogleTest (.deps/googletest -> /tmp/gtest)"
+      { cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+          -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF && ninja -C /tmp/gtest-build -j"$JOBS" install; } \
+        > "$R/gtest-build.log" 2>&1 || fail "GoogleTest build (gtest-build.log)"
+    fi
+  fi
+  note "build expertact (CUDA on, architectures ${ARCHS:-90}) in $BUILD"
+  t=$SECONDS
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
+       ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} ${CMAKE_EXTRA:-} > "$R/build.log" 2>&1 &&
+     cmake --build "$BUILD" -j "$JOBS" >> "$R/build.log" 2>&1; then
+    grep "expertact:" "$R/build.log" | sort -u | tee -a "$R/summary.txt"
+    note "build ok in $((SECONDS - t)) s"
+  else
+    tail -40 "$R/build.log"
+    fail "build (build.log)"
+    note "done: status $status"
+    exit $status
+  fi
+fi
+need_build() { [ -f "$EXPERTACT_LIBRARY" ] || { fail "$1: no $EXPERTACT_LIBRARY (run the build stage first)"; return 1; }; }
+
+# ---- ctest
+if has ctest && need_build ctest; then
+  note "ctest -j ${CTEST_JOBS:-4}"
+  t=$SECONDS
+  (cd "$BUILD" && timeout "${CTEST_TIMEOUT:-400}" ctest --output-on-failure -j "${CTEST_JOBS:-4}") > "$R/ctest.log" 2>&1 ||
+    fail "ctest (ctest.log)"
+  grep -E "tests passed|tests failed" "$R/ctest.log" | tee -a "$R/summary.txt"
+  grep -E "\*\*\*Failed|\*\*\*Timeout|Not Run" "$R/ctest.log" | head -20 | tee -a "$R/summary.txt"
+  # The CUDA cases must have run (a skip means the GPU was not usable; OtherDevice needs 2 GPUs).
+  n_cuda=$(grep -E -c "[Cc]uda.* Passed" "$R/ctest.log")
+  echo "ctest: $n_cuda CUDA entries passed, $(grep -E -c "[Cc]uda.*Skipped" "$R/ctest.log") skipped" | tee -a "$R/summary.txt"
+  [ "$n_cuda" -gt 0 ] || fail "ctest: no CUDA entry passed (GPU not used?)"
+  note "ctest: $((SECONDS - t)) s"
+fi
+
+# ---- pytest
+if has pytest && need_build pytest; then
+  note "pytest tests/python ${PYTEST_ARGS:-}"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest "$ROOT/tests/python" -q -rs \
+      -p no:cacheprovider --junitxml="$R/pytest.xml" ${PYTEST_ARGS:-}) > "$R/pytest.log" 2>&1 || fail "pytest (pytest.log)"
+  tail -1 "$R/pytest.log" | tee -a "$R/summary.txt"
+  grep -E "^(FAILED|ERROR)" "$R/pytest.log" | head -20 | tee -a "$R/summary.txt"
+  # The library imported must be this build's, with its CUDA path, and CUDA cases must have run.
+  python3 - "$R/pytest.xml" "$EXPERTACT_LIBRARY" <<'EOF' 2>&1 | tee -a "$R/summary.txt"
+import sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+cuda = [c for c in cases if "cuda" in (c.get("name", "") + c.get("classname", "")).lower()]
+ran = [c for c in cuda if c.find("skipped") is None]
+fused = [c for c in cuda if "fused" in c.get("classname", "")]
+print(f"pytest: {len(cases)} cases; CUDA cases: {len(ran)} ran of {len(cuda)}; "
+      f"fused-GEMM CUDA cases: {sum(c.find('skipped') is None for c in fused)} ran of {len(fused)}")
+sys.exit(0 if ran else "no CUDA case ran")
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: no CUDA case ran"
+  (cd /tmp && PYTHONPATH=$PKG_PATH python3 -c "import expertact; from expertact import _capi
+assert expertact.LIBRARY_PATH == '$EXPERTACT_LIBRARY', expertact.LIBRARY_PATH
+assert expertact.has_cuda(), 'no CUDA path'
+print('library', expertact.LIBRARY_PATH, '| CUDA path', expertact.has_cuda(),
+      '| fused GEMMs', getattr(_capi, 'has_fused_gemm', lambda: 'unknown')())") \
+    2>&1 | grep -v "^\[" | tee -a "$R/summary.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: the library imported is not $EXPERTACT_LIBRARY with its CUDA path"
+  note "pytest: $((SECONDS - t)) s"
+fi
+
+# ---- bench: the activation beside its peers at the seed size, then the C++ GPU benchmark
+if has bench && need_build bench; then
+  args=${BENCH_ARGS:-"--peers $SEED_SIZE --repeat 2"}
+  note "python -m expertact.bench $args"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${BENCH_TIMEOUT:-480}" python3 -m expertact.bench $args \
+      --json "$R/bench.json" --markdown "$R/bench.md") > "$R/bench.log" 2> "$R/bench.progress" ||
+    { fail "python -m expertact.bench (bench.progress)"; tail -20 "$R/bench.progress"; }
+  cat "$R/bench.log"
+  note "python -m expertact.bench: $((SECONDS - t)) s"
+  if [ -x "$BUILD/bench/expertact_gpu_bench" ]; then
+    note "C++ GPU benchmark (build/gpu/bench/expertact_gpu_bench ${GPU_BENCH_ARGS:-})"
+    t=$SECONDS
+    # shellcheck disable=SC2086
+    timeout "${GPU_BENCH_TIMEOUT:-240}" "$BUILD/bench/expertact_gpu_bench" ${GPU_BENCH_ARGS:-} --json "$R/gpu_bench.json" \
+      > "$R/gpu_bench.md" 2>&1 || fail "expertact_gpu_bench (gpu_bench.md)"
+    cat "$R/gpu_bench.md"
+    note "C++ GPU benchmark: $((SECONDS - t)) s"
+  fi
+fi
+
+# ---- mlp: the expert MLP at the seed's busiest rank
+if has mlp && need_build mlp; then
+  note "python -m expertact.bench --mlp ${MLP_ARGS:-}"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${MLP_TIMEOUT:-300}" python3 -m expertact.bench --mlp ${MLP_ARGS:-} \
+      --json "$R/mlp.json" --markdown "$R/mlp.md") > "$R/mlp.log" 2> "$R/mlp.progress" ||
+    { fail "python -m expertact.bench --mlp (mlp.progress)"; tail -20 "$R/mlp.progress"; }
+  cat "$R/mlp.log"
+  note "python -m expertact.bench --mlp: $((SECONDS - t)) s"
+fi
+
+# ---- fuzz, sanitize, wheel: their own scripts, over this build
+if has fuzz && need_build fuzz; then
+  note "fuzzer: STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} bash scripts/reliability_gpu.sh"
+  OUT=$OUT STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} FUZZ_LIB=$EXPERTACT_LIBRARY bash scripts/reliability_gpu.sh \
+    > "$R/fuzz.log" 2>&1 || fail "fuzzer ($OUT/reliability/summary.txt)"
+  grep -E "FUZZ GPU TOTAL|^# " "$OUT/reliability/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+if has sanitize && need_build sanitize; then
+  note "compute-sanitizer: bash scripts/sanitize.sh"
+  OUT=$OUT SAN_BUILD=0 BUILD=$BUILD bash scripts/sanitize.sh > "$R/sanitize.log" 2>&1 ||
+    fail "sanitizers ($OUT/sanitize/summary.txt)"
+  tail -1 "$OUT/sanitize/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+if has wheel; then
+  note "wheel: bash scripts/wheel_check.sh"
+  OUT=$OUT bash scripts/wheel_check.sh > "$R/wheel.log" 2>&1 || fail "wheel check ($OUT/wheel/summary.txt)"
+  tail -1 "$OUT/wheel/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+
+note "done: status $status"
+exit $status
