@@ -10,9 +10,10 @@
 # apt-get where missing, torch where missing, scikit-build-core, cmake and ninja, then
 # expertact itself. To keep a shared environment as it is, run it from a virtual environment:
 #   python3 -m venv --system-site-packages /tmp/ea-venv && PYTHON=/tmp/ea-venv/bin/python bash scripts/demo.sh
-# Time: without a GPU on 2 cores, about N minutes (two CPU builds of the library, one by pip,
-# one with the C++ benchmark, then the benchmarks); with a GPU, the CUDA builds (about 10
-# minutes on 2 cores, much less on a GPU machine's cores) and the seed-size table.
+# Time: without a GPU, 8.5 minutes on a shared 2-core machine (2026-12-01: the two CPU builds
+# of the library, by pip and with the C++ benchmark, about 4; the Python table about 3.5; the
+# C++ benchmark about 1). With a GPU: two CUDA builds (a wheel's alone takes 4-10 minutes on
+# 2 cores, far less on a GPU machine's), then the seed-size table and the C++ GPU benchmark.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

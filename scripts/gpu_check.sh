@@ -5,39 +5,47 @@
 # of scripts/ writes under the same folder).
 #
 #   bash scripts/gpu_check.sh                              # STAGES="build ctest pytest"
-#   STAGES="bench mlp" bash scripts/gpu_check.sh           # the benchmarks (build kept from before)
-#   STAGES="build ctest pytest bench mlp fuzz" bash scripts/gpu_check.sh   # all of it, ~15 min
+#   STAGES="bench mlp fuzz" bash scripts/gpu_check.sh      # then the benchmarks and the fuzzer
+#   STAGES="prepare" bash scripts/gpu_check.sh             # first, on a machine with network
 #
-# Stages, in this order whatever the order given; times on one H200 with 16 cores (2026-12-01
-# unless said otherwise; the build is incremental after the first):
+# Stages run in this order, whatever the order given. Times: measured where a date is given
+# (H200 = one NVIDIA H200 with 16 cores), else estimated (~):
 #   prepare  on a machine WITH network, before going to a GPU machine without one: fills the
-#            git-ignored .deps/ (dlpack.h, GoogleTest sources) and .whl/ (DeepSpeed 0.19.8 and
-#            the packages it needs, nvidia-cutlass 4.2.0.0 for the fused GEMMs' headers), to
-#            be carried along. About 2 minutes (DeepSpeed's wheel is built from its sdist).
+#            git-ignored .deps/ (dlpack.h, GoogleTest sources; from libdlpack-dev and
+#            libgtest-dev, apt-get installed where missing) and .whl/ (DeepSpeed 0.19.8, built
+#            from its sdist, the packages it needs, and nvidia-cutlass 4.2.0.0 for the fused
+#            GEMMs' headers), to be carried along. 8 s with pip's cache warm (2026-12-01);
+#            ~1-2 minutes cold.
 #   build    GoogleTest from .deps/googletest where no GTest is installed; the library with its
-#            CUDA path (sm_90 unless ARCHS), the C++ tests and benchmarks, in build/gpu (BUILD);
-#            the fused grouped GEMMs (sm_90a) too when the CUTLASS headers are found (the
-#            nvidia-cutlass wheel in .whl/, an installed nvidia-cutlass, or EXPERTACT_CUTLASS_DIR).
-#            About 3 minutes from scratch, the fused GEMMs included.
-#   ctest    the GoogleTest suite and the CUDA kernel-choice entries (ctest -j CTEST_JOBS=4).
-#            About 1 minute.
-#   pytest   tests/python with the package from python/ over build/gpu/libexpertact.so; fails
-#            if no CUDA case ran (PYTEST_ARGS adds options). About 3.5 minutes.
+#            CUDA path (sm_90; ARCHS for others), the C++ tests and benchmarks, in build/gpu
+#            (BUILD; incremental when kept from an earlier call); the fused grouped GEMMs
+#            (sm_90a) too when the CUTLASS headers are found (the nvidia-cutlass wheel of .whl/,
+#            an installed nvidia-cutlass, or EXPERTACT_CUTLASS_DIR; CMakeLists.txt). Not timed
+#            alone on the H200 (~2-3 minutes with the fused GEMMs); 248 s on a shared 2-core
+#            machine without them (2026-12-01).
+#   ctest    the GoogleTest suite, the kernel-choice entries; fails unless the kernels' CUDA
+#            cases ran (CTEST_JOBS, default 4). ~1 minute (46-64 s on a shared 2-core machine,
+#            CUDA cases skipped, 2026-12-01).
+#   pytest   tests/python, the package from python/ over build/gpu/libexpertact.so; fails
+#            unless CUDA cases ran (PYTEST_ARGS adds options). The suite took 202 s on the H200
+#            against the wheel (2026-11-30).
 #   bench    python -m expertact.bench --peers at the seed size (1,045,081 x 3,072 bf16, every
-#            form and layout, beside DeepSpeed's Triton kernels and torch.compile, --repeat 2),
-#            then the C++ GPU benchmark (BENCH_ARGS replaces the Python options). About 2.5 minutes.
+#            form and layout, beside DeepSpeed's Triton kernels and torch.compile, --repeat 2;
+#            BENCH_ARGS replaces these options), then the C++ GPU benchmark (GPU_BENCH_ARGS).
+#            ~2-3 minutes: the same at five sizes took 243 s on the H200 (2026-11-30).
 #   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
-#            (4 experts x 261,280 rows, D = F = 3,072, bf16), fused rows included when built
-#            (MLP_ARGS adds options). About 1 minute (59 s on an H200, 2026-11-30).
-#   fuzz     the differential fuzzer on CUDA: scripts/reliability_gpu.sh's fuzz stage for
-#            FUZZ_SECONDS (default 60) over this build. About 71 s wall for 60 s (2026-11-30).
-#   sanitize compute-sanitizer over the GPU suites: scripts/sanitize.sh over this build.
-#            About 4 minutes (243 s wall with the build, 2026-11-30).
+#            (4 experts x 261,280 rows, D = F = 3,072, bf16), the fused rows when built
+#            (MLP_ARGS adds options). 59 s on the H200 (2026-11-30).
+#   fuzz     the differential fuzzer on CUDA over this build: scripts/reliability_gpu.sh's fuzz
+#            stage, FUZZ_SECONDS (default 60) or FUZZ_PROBLEMS per process. 71 s wall for 60 s
+#            on the H200 (2026-11-30).
+#   sanitize compute-sanitizer over the GPU suites (scripts/sanitize.sh) over this build.
+#            243 s wall with the build on the H200 (2026-11-30).
 #   wheel    scripts/wheel_check.sh on dist/expertact-*.whl (built elsewhere by
-#            scripts/build_wheel.sh): install without building, pytest against it. About 3.5
-#            minutes (209 s on an H200, 2026-11-30).
-# A command limit of 10 minutes fits "build ctest pytest", then "bench mlp fuzz", then
-# "sanitize" and "wheel" one each (the build folder kept between the calls).
+#            scripts/build_wheel.sh): installs it without building, runs pytest against it.
+#            209 s on the H200 (2026-11-30).
+# With 10 minutes a command: "build ctest pytest", then "bench mlp fuzz", then "sanitize",
+# then "wheel", the build folder kept between the calls.
 #
 # Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest. Without network the
 # GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
@@ -105,13 +113,22 @@ fi
 {
   echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git)') ($(git status --porcelain 2>/dev/null | wc -l) changed files)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi"
   nvcc --version 2>&1 | tail -1
   cmake --version | head -1
   python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda,
 "gpus", torch.cuda.device_count())' 2>&1
-  python3 -c 'import deepspeed, triton; print("deepspeed", deepspeed.__version__, "triton", triton.__version__)' 2>&1 | tail -1
-  python3 -c 'import os, cutlass_library as c; print("CUTLASS headers:", os.path.join(os.path.dirname(c.__file__), "source", "include"))' 2>&1 | tail -1
+  python3 - <<'EOF' 2>&1 | grep -v "^\["
+import importlib, os
+for name in ("triton", "deepspeed", "cutlass_library"):
+    try:
+        m = importlib.import_module(name)
+    except Exception as e:  # a missing peer: its rows and tests skip
+        print(f"{name}: not importable ({type(e).__name__})")
+        continue
+    where = os.path.join(os.path.dirname(m.__file__), "source", "include") if name == "cutlass_library" else ""
+    print(name, getattr(m, "__version__", ""), f"(CUTLASS headers {where})" if where else "")
+EOF
   echo "cores: $(nproc)"
 } > "$R/env.txt"
 tee -a "$R/summary.txt" < "$R/env.txt"
@@ -158,10 +175,12 @@ if has ctest && need_build ctest; then
     fail "ctest (ctest.log)"
   grep -E "tests passed|tests failed" "$R/ctest.log" | tee -a "$R/summary.txt"
   grep -E "\*\*\*Failed|\*\*\*Timeout|Not Run" "$R/ctest.log" | head -20 | tee -a "$R/summary.txt"
-  # The CUDA cases must have run (a skip means the GPU was not usable; OtherDevice needs 2 GPUs).
-  n_cuda=$(grep -E -c "[Cc]uda.* Passed" "$R/ctest.log")
-  echo "ctest: $n_cuda CUDA entries passed, $(grep -E -c "[Cc]uda.*Skipped" "$R/ctest.log") skipped" | tee -a "$R/summary.txt"
-  [ "$n_cuda" -gt 0 ] || fail "ctest: no CUDA entry passed (GPU not used?)"
+  # The kernels' CUDA cases must have run: they skip where the GPU is not usable.
+  n_ran=$(grep -E -c "PresetMatrix\..*/cuda_.* Passed" "$R/ctest.log")
+  n_skip=$(grep -E -c "PresetMatrix\..*/cuda_.*Skipped" "$R/ctest.log")
+  echo "ctest: PresetMatrix CUDA cases: $n_ran passed, $n_skip skipped;" \
+    "all CUDA entries skipped: $(grep -E -c "[Cc]uda.*Skipped" "$R/ctest.log") (OtherDevice needs 2 GPUs)" | tee -a "$R/summary.txt"
+  [ "$n_ran" -gt 0 ] && [ "$n_skip" = 0 ] || fail "ctest: the CUDA cases of PresetMatrix did not all run (GPU not usable?)"
   note "ctest: $((SECONDS - t)) s"
 fi
 
