@@ -150,10 +150,14 @@ if has build; then
         > "$R/gtest-build.log" 2>&1 || fail "GoogleTest build (gtest-build.log)"
     fi
   fi
-  note "build expertact (CUDA on, architectures ${ARCHS:-90}) in $BUILD"
+  # The fused GEMMs are required (not only tried) where their headers import: a build that
+  # then skipped them would be an error. EXPERTACT_CUTLASS_DIR is read by CMake itself.
+  CUTLASS=AUTO
+  python3 -c "import cutlass_library" > /dev/null 2>&1 && CUTLASS=ON
+  note "build expertact (CUDA on, architectures ${ARCHS:-90}, fused GEMMs $CUTLASS) in $BUILD"
   t=$SECONDS
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
-       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
+       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_CUTLASS=$CUTLASS -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} ${CMAKE_EXTRA:-} > "$R/build.log" 2>&1 &&
      cmake --build "$BUILD" -j "$JOBS" >> "$R/build.log" 2>&1; then
     grep "expertact:" "$R/build.log" | sort -u | tee -a "$R/summary.txt"
