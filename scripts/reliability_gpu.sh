@@ -2,7 +2,8 @@
 # The reliability run on the GPU machine, one call: the differential fuzzer on CUDA (parallel
 # processes, each kernel variant of EXPERTACT_CUDA_KERNEL when the library reads it), the OOM
 # and CUDA-graph tests and the other CUDA pytest files alongside; optionally the
-# compute-sanitizer sweep (scripts/sanitize.sh, its own call: ~5-8 minutes).
+# compute-sanitizer sweep (scripts/sanitize.sh, its own call: 243 s wall with the build on an
+# H200, 2026-11-30).
 # Results in $OUT/reliability ($OUT defaults to out/ in the repository): summary.txt,
 # fuzz-*.json, pytest.xml, logs.tgz.
 #

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite under compute-sanitizer, in one call on the GPU machine: every CUDA test
 # of the GoogleTest binary under memcheck, racecheck, initcheck and synccheck (sharded, all
-# shards at once), and the CUDA part of pytest under each tool. Expected: 5-8 minutes after
-# the build (docs/reliability.md). Results in $OUT/sanitize ($OUT defaults to out/ in the
+# shards at once), and the CUDA part of pytest under each tool. 243 s wall with the build on
+# an H200 (2026-11-30; docs/reliability.md), each process under a SAN_TIMEOUT of 450 s. Results in $OUT/sanitize ($OUT defaults to out/ in the
 # repository): summary.txt (versions, then one line per tool and shard with its ERROR SUMMARY
 # and test counts), logs.tgz.
 #
