@@ -46,6 +46,8 @@
 #            209 s on the H200 (2026-11-30).
 # With 10 minutes a command: "build ctest pytest", then "bench mlp fuzz", then "sanitize",
 # then "wheel", the build folder kept between the calls.
+# Other fused-GEMM schedules: CMAKE_EXTRA="-DEXPERTACT_CUTLASS_SCHEDULES=cooperative;pingpong64"
+# at the build, then EXPERTACT_FUSED_SCHEDULE=pingpong64 for the stages that run them.
 #
 # Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest. Without network the
 # GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
