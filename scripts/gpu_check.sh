@@ -55,7 +55,7 @@
 # GEMMs are not built. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
 # into the machine's own site-packages. Exit status: 0 when every stage run passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 R=$OUT/gpu_check

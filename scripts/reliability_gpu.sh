@@ -16,7 +16,7 @@
 # reuses that stage. The fuzzer is tests/python/support/fuzz.py; the Python package runs from
 # the source tree over build/gpu/libexpertact.so (BUILD; FUZZ_LIB names another library).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 R=$OUT/reliability

@@ -14,7 +14,7 @@
 # Python package is used from the source tree (PYTHONPATH=python) over build/gpu/libexpertact.so
 # (EXPERTACT_LIBRARY): no second CUDA build.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 S=$OUT/sanitize

@@ -10,7 +10,7 @@
 # deepspeed imports (on PYTHONPATH, e.g. the wheels of .whl/ installed by scripts/gpu_check.sh).
 # WHEEL_CHECK_ALLOW_NO_GPU=1 lets it run without a GPU (CUDA tests then skip).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
 RES=$OUT/wheel
