@@ -2,30 +2,50 @@
 # Builds the binary wheel dist/expertact-<version>-py3-none-<platform>.whl (CUDA path
 # required: sm_80 + sm_90 machine code, compute_90 PTX, CUDA runtime linked statically)
 # and checks the library inside it: NEEDED entries, exports, glibc needs, device code.
-#   bash scripts/build_wheel.sh          (repository root; needs nvcc, scikit-build-core, cmake, ninja)
-#   MANYLINUX=1 bash scripts/build_wheel.sh   also retag it manylinux with auditwheel (optional tool)
+#   bash scripts/build_wheel.sh               (from anywhere in the repository)
+#   MANYLINUX=1 bash scripts/build_wheel.sh   also retag it manylinux with auditwheel
+# Needs nvcc (the CUDA toolkit) and python3; installs scikit-build-core, cmake and ninja with
+# pip where they are missing, and the check's cuobjdump where no CUDA toolkit has it (the PyPI
+# package nvidia-cuda-cuobjdump, into build/tools: scripts/check_library.sh). The fused grouped
+# GEMMs (sm_90a) are built in when the CUTLASS headers are found (pip install
+# nvidia-cutlass==4.2.0.0, or EXPERTACT_CUTLASS_DIR=<folder holding cutlass/cutlass.h>).
+# Output: the wheel in dist/ (DIST), the build log in out/wheel/build.log (OUT).
 # The wheel needs no CUDA toolkit and no torch build where it is installed, only an
 # NVIDIA driver >= 580 (docs/python.md, "Installing"). A full build takes ~10 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DIST=${DIST:-dist}
-command -v nvcc > /dev/null || { echo "nvcc not found: a binary wheel needs the CUDA path"; exit 1; }
+OUT=${OUT:-$PWD/out}
+LOG=$OUT/wheel/build.log
+command -v nvcc > /dev/null || { echo "nvcc not found: a binary wheel needs the CUDA path (install the CUDA toolkit)"; exit 1; }
+# The build backend and tools (pip wheel --no-build-isolation uses what is installed).
+missing=()
+$PY -c "import scikit_build_core" 2> /dev/null || missing+=(scikit-build-core)
+command -v cmake > /dev/null || missing+=(cmake)
+command -v ninja > /dev/null || missing+=(ninja)
+[ "${MANYLINUX:-0}" = 1 ] && { $PY -c "import auditwheel" 2> /dev/null || missing+=(auditwheel); }
+[ "${MANYLINUX:-0}" = 1 ] && { $PY -c "import wheel" 2> /dev/null || missing+=(wheel); }
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "== pip install ${missing[*]}"
+  $PY -m pip install -q "${missing[@]}"
+fi
 unset CMAKE_ARGS  # a -DEXPERTACT_CUDA=OFF from the caller's shell must not reach this build
 
-mkdir -p "$DIST"
+mkdir -p "$DIST" "$(dirname "$LOG")"
 rm -f "$DIST"/expertact-*.whl
-echo "== pip wheel . ($(nvcc --version | tail -1))"
+echo "== pip wheel . ($(nvcc --version | tail -1)); log: $LOG"
 t0=$(date +%s)
 # Its own build folder, so that it never reconfigures the CPU-only one of scripts/test.sh.
 if ! CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     $PY -m pip wheel . --no-deps --no-build-isolation -w "$DIST" -v \
-    -C build-dir=_skbuild/wheel -C cmake.define.EXPERTACT_CUDA=ON > "$DIST/build.log" 2>&1; then
-  tail -40 "$DIST/build.log"
-  echo "WHEEL BUILD FAILED (see $DIST/build.log)"
+    -C build-dir=_skbuild/wheel -C cmake.define.EXPERTACT_CUDA=ON > "$LOG" 2>&1; then
+  tail -40 "$LOG"
+  echo "WHEEL BUILD FAILED (see $LOG)"
   exit 1
 fi
 echo "built in $(($(date +%s) - t0)) s"
+grep "expertact:" "$LOG" || true
 whl=$(ls "$DIST"/expertact-*.whl)
 [ "$(echo "$whl" | wc -l)" = 1 ] || { echo "expected one wheel in $DIST, found: $whl"; exit 1; }
 

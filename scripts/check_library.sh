@@ -2,8 +2,11 @@
 # Checks a built libexpertact.so: its NEEDED libraries (no libcudart: the CUDA runtime
 # is linked in), its exported symbols (the C ABI and the public C++ API only), the
 # glibc / libstdc++ symbol versions it needs, and with --cuda its device code (sm_80
-# and sm_90 machine code, compute_90 PTX; sm_90a only for the fused grouped GEMMs). Prints what it found; exits 1 on a violation.
+# and sm_90 machine code, compute_90 PTX; sm_90a only for the fused grouped GEMMs). Prints
+# what it found; exits 1 on a violation. Under a second.
 #   bash scripts/check_library.sh path/to/libexpertact.so [--cuda] [--list]
+# Needs readelf and nm (binutils); --cuda also cuobjdump, which it finds in a CUDA toolkit or
+# else installs once from PyPI (nvidia-cuda-cuobjdump, into build/tools; see find_cuobjdump).
 # ctest runs it on every build (tests/cpp/CMakeLists.txt); the wheel scripts with --cuda.
 set -uo pipefail
 lib=${1:?usage: check_library.sh path/to/libexpertact.so [--cuda] [--list]}
@@ -45,15 +48,50 @@ echo "$exports" | grep -q '^expertact_glu_forward$' || die "expertact_glu_forwar
 vers=$("$READELF" --dyn-syms -W "$lib" | grep -o '@GLIBC[A-Z]*_[0-9.]*' | sort -u -V)
 echo "needs: $(echo "$vers" | grep '@GLIBC_' | tail -1 | tr -d @) $(echo "$vers" | grep '@GLIBCXX_' | tail -1 | tr -d @) $(echo "$vers" | grep '@CXXABI_' | tail -1 | tr -d @)"
 
+# cuobjdump (for --cuda): $CUOBJDUMP; on PATH; in the toolkit of nvcc (which may be a wrapper
+# script, so nvcc itself says where its toolkit is); /usr/local/cuda*/bin; the PyPI package
+# nvidia-cuda-cuobjdump (binary at site-packages/nvidia/cu13/bin/cuobjdump, or
+# nvidia/cuda_cuobjdump/bin/ in CUDA 12 releases) in the Python environment or in this
+# repository's build/tools. Not found: pip installs that package into build/tools (the
+# release of nvcc's major version; the Python environment is left as it is).
+pip_cuobjdump() {  # the first nvidia/*/bin/cuobjdump under the folders given
+  local d f
+  for d in "$@"; do
+    for f in "$d"/nvidia/*/bin/cuobjdump; do [ -x "$f" ] && { echo "$f"; return 0; }; done
+  done
+  return 1
+}
+find_cuobjdump() {
+  local c root tools py=${PYTHON:-python3}
+  tools=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/build/tools
+  for c in "${CUOBJDUMP:-}" "$(command -v cuobjdump)"; do
+    [ -n "$c" ] && [ -x "$c" ] && { echo "$c"; return; }
+  done
+  if command -v nvcc > /dev/null; then
+    root=$(nvcc -dryrun -x cu /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -1)
+    [ -n "$root" ] && [ -x "$root/cuobjdump" ] && { echo "$root/cuobjdump"; return; }
+  fi
+  for c in /usr/local/cuda/bin/cuobjdump /usr/local/cuda-*/bin/cuobjdump; do
+    [ -x "$c" ] && { echo "$c"; return; }
+  done
+  # shellcheck disable=SC2046
+  pip_cuobjdump "$tools" $($py -c 'import sys; print(*[p for p in sys.path if p])' 2> /dev/null) && return
+  local major
+  major=$(nvcc --version 2> /dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  echo "cuobjdump not found: pip install nvidia-cuda-cuobjdump${major:+ (CUDA $major)} --target $tools" >&2
+  PIP_ROOT_USER_ACTION=ignore $py -m pip install -q --disable-pip-version-check --no-deps --target "$tools" \
+    "nvidia-cuda-cuobjdump${major:+>=$major.0,<$((major + 1))}" >&2 || return 0
+  pip_cuobjdump "$tools"
+}
+
 # 4. Device code: machine code for sm_80 and sm_90, PTX for compute_90 (newer GPUs JIT it);
 #    sm_90a for the fused grouped GEMMs when the build has them.
 if [ $want_cuda = 1 ]; then
-  # cuobjdump: $CUOBJDUMP, on PATH, beside nvcc, in /usr/local/cuda*/bin (or pip's nvidia-cuda-cuobjdump).
-  CUOBJDUMP=${CUOBJDUMP:-$(command -v cuobjdump || ls "$(dirname "$(command -v nvcc || echo .)")/cuobjdump" \
-    /usr/local/cuda/bin/cuobjdump /usr/local/cuda-*/bin/cuobjdump 2> /dev/null | head -1)}
+  CUOBJDUMP=$(find_cuobjdump)
   if [ -z "$CUOBJDUMP" ]; then
-    die "cuobjdump not found (needed for --cuda; set CUOBJDUMP or pip install nvidia-cuda-cuobjdump)"
+    die "cuobjdump not found and not installable (needed for --cuda): set CUOBJDUMP, or install the CUDA toolkit or the PyPI package nvidia-cuda-cuobjdump"
   else
+    echo "cuobjdump: $CUOBJDUMP"
     elf=$("$CUOBJDUMP" --list-elf "$lib" 2>&1)
     ptx=$("$CUOBJDUMP" --list-ptx "$lib" 2>&1)
     arches=$(echo "$elf" | grep -o 'sm_[0-9]*[a-z]*' | sort | uniq -c | awk '{printf "%s x%s ", $2, $1}')

@@ -2,24 +2,31 @@
 # The reliability run on the GPU machine, one call: the differential fuzzer on CUDA (parallel
 # processes, each kernel variant of EXPERTACT_CUDA_KERNEL when the library reads it), the OOM
 # and CUDA-graph tests and the other CUDA pytest files alongside; optionally the
-# compute-sanitizer sweep (scripts/sanitize.sh, its own call: ~5-8 minutes).
-# Results in $OUT/reliability: summary.txt, fuzz-*.json, pytest.xml, logs.tgz.
+# compute-sanitizer sweep (scripts/sanitize.sh, its own call: 243 s wall with the build on an
+# H200, 2026-11-30).
+# Results in $OUT/reliability ($OUT defaults to out/ in the repository): summary.txt,
+# fuzz-*.json, pytest.xml, logs.tgz.
 #
 #   bash scripts/reliability_gpu.sh                      # build, fuzz (240 s) + CUDA tests: ~5 min + build
-#   FUZZ_SECONDS=60 bash scripts/reliability_gpu.sh      # shorter
+#   FUZZ_SECONDS=60 bash scripts/reliability_gpu.sh      # shorter (71 s wall for the fuzzer)
+#   FUZZ_PROBLEMS=2000 bash scripts/reliability_gpu.sh   # a fixed number of problems per process
 #   STAGES=sanitize bash scripts/reliability_gpu.sh      # = bash scripts/sanitize.sh
 #
-# Needs .deps (googletest, dlpack) like scripts/device_run.sh, whose build stage it reuses.
-# The Python package runs from the source tree over build-dev/libexpertact.so.
+# Needs what scripts/gpu_check.sh's build stage needs (without network: .deps/ carried); it
+# reuses that stage. The fuzzer is tests/python/support/fuzz.py; the Python package runs from
+# the source tree over build/gpu/libexpertact.so (BUILD; FUZZ_LIB names another library).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
-OUT=${OUT:-$ROOT/device-out}
+OUT=${OUT:-$ROOT/out}
 R=$OUT/reliability
 L=$R/logs
 mkdir -p "$L"
 STAGES=${STAGES:-"build fuzz tests"}
 FUZZ_SECONDS=${FUZZ_SECONDS:-240}
+FUZZ_PROBLEMS=${FUZZ_PROBLEMS:-}  # set: each process stops after this many problems instead
+BUILD=${BUILD:-$ROOT/build/gpu}
+FUZZ=$ROOT/tests/python/support/fuzz.py
 FUZZ_PROCS=${FUZZ_PROCS:-9}  # Python-bound processes on one GPU (16 cores: the tests get the rest)
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 SUM=$R/summary.txt
@@ -27,12 +34,12 @@ T0=$(date +%s)
 status=0
 
 if has build; then
-  echo "== build (scripts/device_run.sh, STAGES=build)"
-  OUT="$R/build" STAGES=build bash scripts/device_run.sh > "$L/build.log" 2>&1 ||
+  echo "== build (scripts/gpu_check.sh, STAGES=build)"
+  OUT="$R/build" BUILD=$BUILD STAGES=build bash scripts/gpu_check.sh > "$L/build.log" 2>&1 ||
     { echo "BUILD FAILED"; tail -40 "$L/build.log"; exit 1; }
   rm -rf "$R/build"
 fi
-LIB=${FUZZ_LIB:-$ROOT/build-dev/libexpertact.so}  # FUZZ_LIB: another build of the library (e.g. a wheel's)
+LIB=${FUZZ_LIB:-$BUILD/libexpertact.so}  # FUZZ_LIB: another build of the library (e.g. a wheel's)
 [ -f "$LIB" ] || { echo "missing $LIB: run with the build stage (STAGES=\"build ...\")"; exit 1; }
 export PYTHONPATH=$ROOT/python:$ROOT/tests/python${PYTHONPATH:+:$PYTHONPATH}
 export EXPERTACT_LIBRARY=$LIB
@@ -56,7 +63,8 @@ if has fuzz; then
   fi
   per=$((FUZZ_PROCS / ${#variants[@]}))
   [ "$per" -ge 1 ] || per=1
-  echo "== fuzz: ${#variants[@]} variant(s) (${variants[*]}) x $per processes x ${FUZZ_SECONDS}s"
+  if [ -n "$FUZZ_PROBLEMS" ]; then limit=(--problems "$FUZZ_PROBLEMS"); else limit=(--seconds "$FUZZ_SECONDS"); fi
+  echo "== fuzz: ${#variants[@]} variant(s) (${variants[*]}) x $per processes x ${limit[*]}"
   vi=0
   for v in "${variants[@]}"; do
     for ((k = 0; k < per; k++)); do
@@ -65,7 +73,7 @@ if has fuzz; then
       [ $k = 0 ] && prof=(--profile-kernels 300)  # which kernels the first problems launch
       envs=()
       [ "$v" != default ] && envs=(EXPERTACT_CUDA_KERNEL=$v)
-      ( env "${envs[@]}" python3 tests/python/fuzz.py --device "${FUZZ_DEVICE:-cuda}" --seed $seed --seconds "$FUZZ_SECONDS" \
+      ( env "${envs[@]}" python3 "$FUZZ" --device "${FUZZ_DEVICE:-cuda}" --seed $seed "${limit[@]}" \
           "${prof[@]}" --json "$R/fuzz-$v-$k.json" > "$L/fuzz-$v-$k.log" 2>&1
         echo $? > "$L/fuzz-$v-$k.rc" ) &
       pids+=($!)

@@ -1,28 +1,31 @@
 #!/usr/bin/env bash
 # The GPU test suite under compute-sanitizer, in one call on the GPU machine: every CUDA test
 # of the GoogleTest binary under memcheck, racecheck, initcheck and synccheck (sharded, all
-# shards at once), and the CUDA part of pytest under each tool. Expected: 5-8 minutes after
-# the build (docs/reliability.md). Results in $OUT/sanitize: summary.txt (versions, then one
-# line per tool and shard with its ERROR SUMMARY and test counts), logs.tgz.
+# shards at once), and the CUDA part of pytest under each tool. 243 s wall with the build on
+# an H200 (2026-11-30; docs/reliability.md), each process under a SAN_TIMEOUT of 450 s. Results in $OUT/sanitize ($OUT defaults to out/ in the
+# repository): summary.txt (versions, then one line per tool and shard with its ERROR SUMMARY
+# and test counts), logs.tgz.
 #
-#   bash scripts/sanitize.sh                        # build if needed (device_run.sh's build stage), then all
+#   bash scripts/sanitize.sh                        # build (scripts/gpu_check.sh's build stage), then all
+#   SAN_BUILD=0 bash scripts/sanitize.sh            # over the build already in build/gpu (BUILD)
 #   SAN_TOOLS="memcheck initcheck" SAN_PARTS=ctest bash scripts/sanitize.sh
 #
-# Needs .deps (googletest, dlpack) as device_run.sh does. The Python package is used from
-# the source tree (PYTHONPATH=python) over build-dev/libexpertact.so (EXPERTACT_LIBRARY): no
-# second CUDA build.
+# Needs what scripts/gpu_check.sh's build stage needs (without network: .deps/ carried). The
+# Python package is used from the source tree (PYTHONPATH=python) over build/gpu/libexpertact.so
+# (EXPERTACT_LIBRARY): no second CUDA build.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
-OUT=${OUT:-$ROOT/device-out}
+OUT=${OUT:-$ROOT/out}
 S=$OUT/sanitize
 L=$S/logs
 mkdir -p "$L"
 TOOLS=${SAN_TOOLS:-"memcheck racecheck initcheck synccheck"}
 PARTS=${SAN_PARTS:-"ctest pytest"}
 LIMIT=${SAN_TIMEOUT:-450}  # seconds for one sanitizer process (a killed one reads TIMEOUT)
-BIN=build-dev/tests/cpp/expertact_tests
-LIB=$ROOT/build-dev/libexpertact.so
+BUILD=${BUILD:-$ROOT/build/gpu}
+BIN=$BUILD/tests/cpp/expertact_tests
+LIB=$BUILD/libexpertact.so
 CS=$(command -v compute-sanitizer || true)
 for d in /usr/local/cuda/bin /usr/local/cuda-13.0/bin; do
   [ -z "$CS" ] && [ -x "$d/compute-sanitizer" ] && CS=$d/compute-sanitizer
@@ -32,8 +35,8 @@ SUM=$S/summary.txt
 T0=$(date +%s)
 
 if [ "${SAN_BUILD:-1}" = 1 ]; then
-  echo "== build (scripts/device_run.sh, STAGES=build)"
-  OUT="$S/build" STAGES=build bash scripts/device_run.sh > "$L/build.log" 2>&1 ||
+  echo "== build (scripts/gpu_check.sh, STAGES=build)"
+  OUT="$S/build" BUILD=$BUILD STAGES=build bash scripts/gpu_check.sh > "$L/build.log" 2>&1 ||
     { echo "BUILD FAILED"; tail -40 "$L/build.log"; exit 1; }
   rm -rf "$S/build"
 fi

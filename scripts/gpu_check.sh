@@ -1,0 +1,278 @@
+#!/usr/bin/env bash
+# Builds, tests and benchmarks expertact on a machine with an NVIDIA GPU, in stages, so that
+# a machine that allows only short commands can take them a few at a time. Results and logs
+# go to $OUT/gpu_check/ ($OUT defaults to out/ in the repository, git-ignored; every script
+# of scripts/ writes under the same folder).
+#
+#   bash scripts/gpu_check.sh                              # STAGES="build ctest pytest"
+#   STAGES="bench mlp fuzz" bash scripts/gpu_check.sh      # then the benchmarks and the fuzzer
+#   STAGES="prepare" bash scripts/gpu_check.sh             # first, on a machine with network
+#
+# Stages run in this order, whatever the order given. Times: measured where a date is given
+# (H200 = one NVIDIA H200 with 16 cores), else estimated (~):
+#   prepare  on a machine WITH network, before going to a GPU machine without one: fills the
+#            git-ignored .deps/ (dlpack.h, GoogleTest sources; from libdlpack-dev and
+#            libgtest-dev, apt-get installed where missing) and .whl/ (DeepSpeed 0.19.8, built
+#            from its sdist, the packages it needs, and nvidia-cutlass 4.2.0.0 for the fused
+#            GEMMs' headers), to be carried along. 8 s with pip's cache warm (2026-12-01);
+#            ~1-2 minutes cold.
+#   build    GoogleTest from .deps/googletest where no GTest is installed; the library with its
+#            CUDA path (sm_90; ARCHS for others), the C++ tests and benchmarks, in build/gpu
+#            (BUILD; incremental when kept from an earlier call); the fused grouped GEMMs
+#            (sm_90a) too when the CUTLASS headers are found (the nvidia-cutlass wheel of .whl/,
+#            an installed nvidia-cutlass, or EXPERTACT_CUTLASS_DIR; CMakeLists.txt). Not timed
+#            alone on the H200 (~2-3 minutes with the fused GEMMs); 248 s on a shared 2-core
+#            machine without them (2026-12-01).
+#   ctest    the GoogleTest suite, the kernel-choice entries; fails unless the kernels' CUDA
+#            cases ran (CTEST_JOBS, default 4). ~1 minute (46-64 s on a shared 2-core machine,
+#            CUDA cases skipped, 2026-12-01).
+#   pytest   tests/python, the package from python/ over build/gpu/libexpertact.so; fails
+#            unless CUDA cases ran (PYTEST_ARGS adds options). The suite took 202 s on the H200
+#            against the wheel (2026-11-30).
+#   bench    python -m expertact.bench --peers at the seed size (1,045,081 x 3,072 bf16, every
+#            form and layout, beside DeepSpeed's Triton kernels and torch.compile, --repeat 2;
+#            BENCH_ARGS replaces these options), then the C++ GPU benchmark (GPU_BENCH_ARGS).
+#            ~2-3 minutes: the same at five sizes took 243 s on the H200 (2026-11-30).
+#   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
+#            (4 experts x 261,280 rows, D = F = 3,072, bf16), the fused rows when built
+#            (MLP_ARGS adds options). 59 s on the H200 (2026-11-30).
+#   fuzz     the differential fuzzer on CUDA over this build: scripts/reliability_gpu.sh's fuzz
+#            stage, FUZZ_SECONDS (default 60) or FUZZ_PROBLEMS per process. 71 s wall for 60 s
+#            on the H200 (2026-11-30).
+#   sanitize compute-sanitizer over the GPU suites (scripts/sanitize.sh) over this build.
+#            243 s wall with the build on the H200 (2026-11-30).
+#   wheel    scripts/wheel_check.sh on dist/expertact-*.whl (built elsewhere by
+#            scripts/build_wheel.sh): installs it without building, runs pytest against it.
+#            209 s on the H200 (2026-11-30).
+# With 10 minutes a command: "build ctest pytest", then "bench mlp fuzz", then "sanitize",
+# then "wheel", the build folder kept between the calls.
+# Other fused-GEMM schedules: CMAKE_EXTRA="-DEXPERTACT_CUTLASS_SCHEDULES=cooperative;pingpong64"
+# at the build, then EXPERTACT_FUSED_SCHEDULE=pingpong64 for the stages that run them.
+#
+# Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest. Without network the
+# GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
+# along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip and the fused
+# GEMMs are not built. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
+# into the machine's own site-packages. Exit status: 0 when every stage run passed.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+R=$OUT/gpu_check
+mkdir -p "$R"
+STAGES=${STAGES:-"build ctest pytest"}
+BUILD=${BUILD:-$ROOT/build/gpu}
+WHEELS=${WHEELS:-$ROOT/.whl}
+SITE=${SITE:-/tmp/site}
+JOBS=${JOBS:-$(nproc)}
+SEED_SIZE="--rows 1045081 --ffn 3072"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+note() { echo "== $(date +%T) $*" | tee -a "$R/summary.txt"; }
+status=0
+fail() { note "FAILED: $*"; status=1; }
+for s in $STAGES; do
+  case $s in prepare | build | ctest | pytest | bench | mlp | fuzz | sanitize | wheel) ;;
+    *) echo "unknown stage '$s' (prepare build ctest pytest bench mlp fuzz sanitize wheel)"; exit 2 ;;
+  esac
+done
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM) on shared GPU hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+# ---- prepare (machine with network): .deps/ and .whl/ for a GPU machine without one
+if has prepare; then
+  note "prepare .deps/ and $WHEELS"
+  mkdir -p .deps/include "$WHEELS"
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  if [ ! -f /usr/include/dlpack/dlpack.h ] || [ ! -d /usr/src/googletest ]; then
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
+  fi
+  cp -r /usr/include/dlpack .deps/include/ && rm -rf .deps/googletest && cp -r /usr/src/googletest .deps/ ||
+    fail "copying dlpack.h and the GoogleTest sources into .deps/"
+  # DeepSpeed's PyPI release is an sdist: its wheel is built here (DS_BUILD_OPS=0: no ops
+  # compiled; its setup.py imports torch, hence no build isolation). The rest are wheels for
+  # the GPU machine's Python 3.12 on x86-64.
+  DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8 ||
+    fail "building DeepSpeed's wheel"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux2010_x86_64 -d "$WHEELS" nvidia-cutlass==4.2.0.0 hjson py-cpuinfo msgpack psutil \
+    pydantic pydantic-core annotated-types typing-extensions typing-inspection einops tqdm ||
+    fail "downloading wheels into $WHEELS"
+  note "prepared: .deps ($(du -sh .deps | cut -f1)), $WHEELS ($(du -sh "$WHEELS" | cut -f1)): carry both"
+fi
+
+# ---- the environment: the machine, and the carried wheels installed out of the way
+gpu_stages=0
+for s in build ctest pytest bench mlp fuzz sanitize wheel; do has $s && gpu_stages=1; done
+[ $gpu_stages = 1 ] || { note "done: status $status"; exit $status; }
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl > "$R/pip-wheels.log" 2>&1 || fail "installing $WHEELS/*.whl into $SITE (pip-wheels.log)"
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git)') ($(git status --porcelain 2>/dev/null | wc -l) changed files)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+  nvcc --version 2>&1 | tail -1
+  cmake --version | head -1
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda,
+"gpus", torch.cuda.device_count())' 2>&1
+  python3 - <<'EOF' 2>&1 | grep -v "^\["
+import importlib, os
+for name in ("triton", "deepspeed", "cutlass_library"):
+    try:
+        m = importlib.import_module(name)
+    except Exception as e:  # a missing peer: its rows and tests skip
+        print(f"{name}: not importable ({type(e).__name__})")
+        continue
+    where = os.path.join(os.path.dirname(m.__file__), "source", "include") if name == "cutlass_library" else ""
+    print(name, getattr(m, "__version__", ""), f"(CUTLASS headers {where})" if where else "")
+EOF
+  echo "cores: $(nproc)"
+} > "$R/env.txt"
+tee -a "$R/summary.txt" < "$R/env.txt"
+# The package from the source tree, over the library of this build.
+export EXPERTACT_LIBRARY=$BUILD/libexpertact.so
+PKG_PATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+
+# ---- build
+if has build; then
+  # GoogleTest: installed (libgtest-dev), or built once from .deps/googletest into /tmp/gtest.
+  GTEST_PREFIX=""
+  if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && [ ! -f /usr/lib/cmake/GTest/GTestConfig.cmake ] &&
+     [ ! -f /usr/local/lib/cmake/GTest/GTestConfig.cmake ] && [ -d .deps/googletest ]; then
+    GTEST_PREFIX=/tmp/gtest
+    if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
+      note "build GoogleTest (.deps/googletest -> /tmp/gtest)"
+      { cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+          -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF && ninja -C /tmp/gtest-build -j"$JOBS" install; } \
+        > "$R/gtest-build.log" 2>&1 || fail "GoogleTest build (gtest-build.log)"
+    fi
+  fi
+  # The fused GEMMs are required (not only tried) where their headers import: a build that
+  # then skipped them would be an error. EXPERTACT_CUTLASS_DIR is read by CMake itself.
+  CUTLASS=AUTO
+  python3 -c "import cutlass_library" > /dev/null 2>&1 && CUTLASS=ON
+  note "build expertact (CUDA on, architectures ${ARCHS:-90}, fused GEMMs $CUTLASS) in $BUILD"
+  t=$SECONDS
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
+       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_CUTLASS=$CUTLASS -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
+       ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} ${CMAKE_EXTRA:-} > "$R/build.log" 2>&1 &&
+     cmake --build "$BUILD" -j "$JOBS" >> "$R/build.log" 2>&1; then
+    grep "expertact:" "$R/build.log" | sort -u | tee -a "$R/summary.txt"
+    note "build ok in $((SECONDS - t)) s"
+  else
+    tail -40 "$R/build.log"
+    fail "build (build.log)"
+    note "done: status $status"
+    exit $status
+  fi
+fi
+need_build() { [ -f "$EXPERTACT_LIBRARY" ] || { fail "$1: no $EXPERTACT_LIBRARY (run the build stage first)"; return 1; }; }
+
+# ---- ctest
+if has ctest && need_build ctest; then
+  note "ctest -j ${CTEST_JOBS:-4}"
+  t=$SECONDS
+  (cd "$BUILD" && timeout "${CTEST_TIMEOUT:-400}" ctest --output-on-failure -j "${CTEST_JOBS:-4}") > "$R/ctest.log" 2>&1 ||
+    fail "ctest (ctest.log)"
+  grep -E "tests passed|tests failed" "$R/ctest.log" | tee -a "$R/summary.txt"
+  grep -E "\*\*\*Failed|\*\*\*Timeout|Not Run" "$R/ctest.log" | head -20 | tee -a "$R/summary.txt"
+  # The kernels' CUDA cases must have run: they skip where the GPU is not usable.
+  n_ran=$(grep -E -c "PresetMatrix\..*/cuda_.* Passed" "$R/ctest.log")
+  n_skip=$(grep -E -c "PresetMatrix\..*/cuda_.*Skipped" "$R/ctest.log")
+  echo "ctest: PresetMatrix CUDA cases: $n_ran passed, $n_skip skipped;" \
+    "all CUDA entries skipped: $(grep -E -c "[Cc]uda.*Skipped" "$R/ctest.log") (OtherDevice needs 2 GPUs)" | tee -a "$R/summary.txt"
+  [ "$n_ran" -gt 0 ] && [ "$n_skip" = 0 ] || fail "ctest: the CUDA cases of PresetMatrix did not all run (GPU not usable?)"
+  note "ctest: $((SECONDS - t)) s"
+fi
+
+# ---- pytest
+if has pytest && need_build pytest; then
+  note "pytest tests/python ${PYTEST_ARGS:-}"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest "$ROOT/tests/python" -q -rs \
+      -p no:cacheprovider --junitxml="$R/pytest.xml" ${PYTEST_ARGS:-}) > "$R/pytest.log" 2>&1 || fail "pytest (pytest.log)"
+  tail -1 "$R/pytest.log" | tee -a "$R/summary.txt"
+  grep -E "^(FAILED|ERROR)" "$R/pytest.log" | head -20 | tee -a "$R/summary.txt"
+  # The library imported must be this build's, with its CUDA path, and CUDA cases must have run.
+  python3 - "$R/pytest.xml" "$EXPERTACT_LIBRARY" <<'EOF' 2>&1 | tee -a "$R/summary.txt"
+import sys, xml.etree.ElementTree as ET
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+cuda = [c for c in cases if "cuda" in (c.get("name", "") + c.get("classname", "")).lower()]
+ran = [c for c in cuda if c.find("skipped") is None]
+fused = [c for c in cuda if "fused" in c.get("classname", "")]
+print(f"pytest: {len(cases)} cases; CUDA cases: {len(ran)} ran of {len(cuda)}; "
+      f"fused-GEMM CUDA cases: {sum(c.find('skipped') is None for c in fused)} ran of {len(fused)}")
+sys.exit(0 if ran else "no CUDA case ran")
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: no CUDA case ran"
+  (cd /tmp && PYTHONPATH=$PKG_PATH python3 -c "import expertact; from expertact import _capi
+assert expertact.LIBRARY_PATH == '$EXPERTACT_LIBRARY', expertact.LIBRARY_PATH
+assert expertact.has_cuda(), 'no CUDA path'
+print('library', expertact.LIBRARY_PATH, '| CUDA path', expertact.has_cuda(),
+      '| fused GEMMs', getattr(_capi, 'has_fused_gemm', lambda: 'unknown')())") \
+    2>&1 | grep -v "^\[" | tee -a "$R/summary.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: the library imported is not $EXPERTACT_LIBRARY with its CUDA path"
+  note "pytest: $((SECONDS - t)) s"
+fi
+
+# ---- bench: the activation beside its peers at the seed size, then the C++ GPU benchmark
+if has bench && need_build bench; then
+  args=${BENCH_ARGS:-"--peers $SEED_SIZE --repeat 2"}
+  note "python -m expertact.bench $args"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${BENCH_TIMEOUT:-480}" python3 -m expertact.bench $args \
+      --json "$R/bench.json" --markdown "$R/bench.md") > "$R/bench.log" 2> "$R/bench.progress" ||
+    { fail "python -m expertact.bench (bench.progress)"; tail -20 "$R/bench.progress"; }
+  cat "$R/bench.log"
+  note "python -m expertact.bench: $((SECONDS - t)) s"
+  if [ -x "$BUILD/bench/expertact_gpu_bench" ]; then
+    note "C++ GPU benchmark (build/gpu/bench/expertact_gpu_bench ${GPU_BENCH_ARGS:-})"
+    t=$SECONDS
+    # shellcheck disable=SC2086
+    timeout "${GPU_BENCH_TIMEOUT:-240}" "$BUILD/bench/expertact_gpu_bench" ${GPU_BENCH_ARGS:-} --json "$R/gpu_bench.json" \
+      > "$R/gpu_bench.md" 2>&1 || fail "expertact_gpu_bench (gpu_bench.md)"
+    cat "$R/gpu_bench.md"
+    note "C++ GPU benchmark: $((SECONDS - t)) s"
+  fi
+fi
+
+# ---- mlp: the expert MLP at the seed's busiest rank
+if has mlp && need_build mlp; then
+  note "python -m expertact.bench --mlp ${MLP_ARGS:-}"
+  t=$SECONDS
+  # shellcheck disable=SC2086
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${MLP_TIMEOUT:-300}" python3 -m expertact.bench --mlp ${MLP_ARGS:-} \
+      --json "$R/mlp.json" --markdown "$R/mlp.md") > "$R/mlp.log" 2> "$R/mlp.progress" ||
+    { fail "python -m expertact.bench --mlp (mlp.progress)"; tail -20 "$R/mlp.progress"; }
+  cat "$R/mlp.log"
+  note "python -m expertact.bench --mlp: $((SECONDS - t)) s"
+fi
+
+# ---- fuzz, sanitize, wheel: their own scripts, over this build
+if has fuzz && need_build fuzz; then
+  note "fuzzer: STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} bash scripts/reliability_gpu.sh"
+  OUT=$OUT STAGES=fuzz FUZZ_SECONDS=${FUZZ_SECONDS:-60} FUZZ_LIB=$EXPERTACT_LIBRARY bash scripts/reliability_gpu.sh \
+    > "$R/fuzz.log" 2>&1 || fail "fuzzer ($OUT/reliability/summary.txt)"
+  grep -E "FUZZ GPU TOTAL|^# " "$OUT/reliability/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+if has sanitize && need_build sanitize; then
+  note "compute-sanitizer: bash scripts/sanitize.sh"
+  OUT=$OUT SAN_BUILD=0 BUILD=$BUILD bash scripts/sanitize.sh > "$R/sanitize.log" 2>&1 ||
+    fail "sanitizers ($OUT/sanitize/summary.txt)"
+  tail -1 "$OUT/sanitize/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+if has wheel; then
+  note "wheel: bash scripts/wheel_check.sh"
+  OUT=$OUT bash scripts/wheel_check.sh > "$R/wheel.log" 2>&1 || fail "wheel check ($OUT/wheel/summary.txt)"
+  tail -1 "$OUT/wheel/summary.txt" 2>/dev/null | tee -a "$R/summary.txt"
+fi
+
+note "done: status $status"
+exit $status
