@@ -5,9 +5,6 @@ import pathlib
 import expertact
 
 PACKAGE = pathlib.Path(expertact.__file__).resolve().parent
-# Benchmark tooling that moves into the expertact.bench subpackage, whose own imports are checked
-# there once it has moved; these top-level names are skipped while they still exist.
-_TOOLING = {"bench", "bench_mlp", "bench_fused", "_peers", "_hostcost"}
 
 
 def _modules():
@@ -15,8 +12,6 @@ def _modules():
     found = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if len(parts) == 1 and parts[0] in _TOOLING:
-            continue
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
