@@ -59,7 +59,7 @@ if has fuzz; then
   # library reads that variable, else the one build as it is.
   variants=(default)
   if grep -aq EXPERTACT_CUDA_KERNEL "$LIB"; then
-    read -r -a variants <<< "${FUZZ_VARIANTS:-rows flat flat128}"
+    read -r -a variants <<< "${FUZZ_VARIANTS:-rows flat}"
   fi
   per=$((FUZZ_PROCS / ${#variants[@]}))
   [ "$per" -ge 1 ] || per=1

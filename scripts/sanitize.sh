@@ -63,10 +63,10 @@ run() {
 }
 
 # Kernel choices (EXPERTACT_CUDA_KERNEL, read once per process) where the library reads the
-# variable: rows under every tool; flat and flat128 under memcheck and initcheck (the flat
+# variable: rows under every tool; flat under memcheck and initcheck (the flat
 # kernels use no shared memory and no warp shuffles, which is what racecheck and synccheck
 # check). Without the variable in the library: the one build as it is.
-KERNELS=${SAN_KERNELS:-"rows flat flat128"}
+KERNELS=${SAN_KERNELS:-"rows flat"}
 grep -aq EXPERTACT_CUDA_KERNEL "$LIB" || KERNELS=rows
 tools_for() {  # the tools to run under kernel choice $1
   local t out=""
@@ -107,7 +107,7 @@ fi
 # buffers end where its views end) is out of bounds for memcheck and never-written bytes are
 # fresh for initcheck; graph capture and the OOM tests need the caching allocator: a memcheck
 # job of their own. racecheck and synccheck track no global memory: one job each, caching on.
-# Under flat and flat128: the fuzzer under memcheck (test_fuzz_cuda). Files: those that run the
+# Under flat: the fuzzer under memcheck (test_fuzz_cuda). Files: those that run the
 # activation (ACT), and with the kernel filter also expertact's DeepSpeed names and the expert
 # MLP (its GEMMs are torch's, uninstrumented); not the benchmarks, nor DeepSpeed's own Triton
 # kernels (test_deepspeed_registry), nor under initcheck the GEMM libraries' kernels.

@@ -777,7 +777,7 @@ def tally_glu(p: GluProblem, ctx: "Context", d: Optional[GluData] = None) -> lis
 # ---------------------------------------------------------------------------
 # Which CUDA path a call takes: a mirror of the host-side choice in src/cuda/glu_launch.cuh as
 # of main a4e5da5 (pick_pack, rows_mergeable / merge_if_better, the flat kernels under
-# EXPERTACT_CUDA_KERNEL=flat|flat128, use_realign, shape_for), used only to count how often
+# EXPERTACT_CUDA_KERNEL=flat, use_realign, shape_for), used only to count how often
 # the fuzzer reaches each path. It decides no check; if the launcher changes, the counts go
 # stale, not the verdicts (a GPU run also lists the kernels it launched).
 # ---------------------------------------------------------------------------
@@ -824,13 +824,13 @@ def _flat_fits(rows, packs, kernel):
     """glu_launch.cuh's flat_shape: a grid under 2^31 blocks, and for several rows pack numbers
     within the 32-bit division (kFlatDiv32Max)."""
     total = rows * packs
-    blocks = -(-total // (128 if kernel == "flat128" else 256))
+    blocks = -(-total // 256)
     return blocks <= 0x7FFFFFFF and (rows == 1 or total <= (1 << 31) - 4096)
 
 
 def predict_path(fwd, es, step, F, rows, ops, planar, inputs, weighted, row_sum, sms, kernel="rows"):
     """A label for the kernel and launch shape that glu_launch.cuh picks, or None (no launch).
-    kernel: the kernel choice of the call (rows, flat, flat128; auto resolved by Context.choice)."""
+    kernel: the kernel choice of the call (rows, flat; auto resolved by Context.choice)."""
     if rows == 0 or F == 0:
         return None
     wide = 16 // es // step
