@@ -119,7 +119,7 @@ Status enter_and_check(int device, cuda::DeviceGuard& guard,
   return Status::kOk;
 }
 
-// EXPERTACT_CUDA_KERNEL (auto | rows | flat | flat128; unset: cuda::kDefaultKernel),
+// EXPERTACT_CUDA_KERNEL (auto | rows | flat; unset: cuda::kDefaultKernel),
 // read once per process. An unknown value fails every CUDA call, naming it,
 // rather than timing something other than what was asked for.
 Status kernel_choice(cuda::KernelChoice& k) {
@@ -136,13 +136,12 @@ Status kernel_choice(cuda::KernelChoice& k) {
     if (std::strcmp(env, "auto") == 0) r.k = cuda::KernelChoice::kAuto;
     else if (std::strcmp(env, "rows") == 0) r.k = cuda::KernelChoice::kRows;
     else if (std::strcmp(env, "flat") == 0) r.k = cuda::KernelChoice::kFlat;
-    else if (std::strcmp(env, "flat128") == 0) r.k = cuda::KernelChoice::kFlat128;
     else r.ok = false;
     return r;
   }();
   if (!parsed.ok)
     return fail(Status::kInvalidArgument, "EXPERTACT_CUDA_KERNEL=", parsed.value,
-                " is not one of auto, rows, flat, flat128");
+                " is not one of auto, rows, flat");
   k = parsed.k;
   return Status::kOk;
 }
