@@ -100,12 +100,14 @@ Status check_weights_vector(const char* name, const VectorRef* v, int64_t T, con
   return check_same_device(name, v->device, v->device_id, x.device, x.device_id, xname);
 }
 
+#if !EXPERTACT_WITH_CUTLASS
 // The answer of a build without the fused GEMMs.
 Status not_built() {
   return fail(Status::kUnsupported,
               "this expertact build has no fused grouped GEMM (it needs CUDA and the CUTLASS "
               "headers at build time: pip install nvidia-cutlass, or -DEXPERTACT_CUTLASS_DIR)");
 }
+#endif
 
 }  // namespace
 
