@@ -255,7 +255,7 @@ struct Buffers {
   int64_t n;
   size_t tb;  // bytes of one [rows, F] tensor
   void *in, *pristine, *out, *dy, *grad;
-  Buffers(const Size& sz) : n(sz.rows * sz.F), tb(size_t(n) * esize(sz.d)) {
+  explicit Buffers(const Size& sz) : n(sz.rows * sz.F), tb(size_t(n) * esize(sz.d)) {
     CK(cudaMalloc(&in, 2 * tb));
     CK(cudaMalloc(&pristine, 2 * tb));
     CK(cudaMalloc(&out, tb));
