@@ -1,6 +1,6 @@
 // expertact CPU benchmark: forward and backward time (median after warm-up), GB/s counted
 // from the tensors, and the ratio to a multithreaded memcpy of the same bytes measured in the
-// same run with the same threads. --check instead runs a float64 oracle of SPEC section 1.
+// same run with the same threads. --check instead runs a float64 oracle of docs/spec.md section 1.
 //
 //   expertact_cpu_bench [--threads N] [--sizes 4096x1408,16384x3072,65536x1536]
 //       [--dtypes bf16] [--f32-size 16384x3072|none] [--presets swiglu_oai,swiglu]
@@ -423,6 +423,29 @@ double memcpy_ms(Buffer& src, Buffer& dst, double bytes, int64_t rows, int nt, c
       .median_ms;
 }
 
+// One markdown table row per measured case (the header is printed by run_bench).
+void print_row(const Result& r) {
+  const double fgbs = r.fwd_bytes / r.fwd.median_ms * 1e-6;
+  const double bgbs = r.bwd_bytes / r.bwd.median_ms * 1e-6;
+  std::printf("| %s | %lld x %lld | %s | %s | %.3f | %.1f | %.0f%% | %.3f | %.1f | %.0f%% |\n",
+              dname(r.dtype), static_cast<long long>(r.size.rows), static_cast<long long>(r.size.F),
+              r.preset.c_str(), lname(r.layout), r.fwd.median_ms, fgbs,
+              100.0 * r.memcpy_fwd_ms / r.fwd.median_ms, r.bwd.median_ms, bgbs,
+              100.0 * r.memcpy_bwd_ms / r.bwd.median_ms);
+  std::fflush(stdout);
+}
+
+// The memcpy reference of one size, as a row of the same table.
+void print_memcpy_row(ea::DType dt, Size z, double fwd_bytes, double bwd_bytes, double mf,
+                      double mb) {
+  std::printf("| %s | %lld x %lld | memcpy | same bytes | %.3f | %.1f | 100%% | %.3f | %.1f | 100%% |\n",
+              dname(dt), static_cast<long long>(z.rows), static_cast<long long>(z.F), mf,
+              fwd_bytes / mf * 1e-6, mb, bwd_bytes / mb * 1e-6);
+  std::fflush(stdout);
+}
+
+// Times every preset x layout at one dtype and size, with the memcpy reference of the
+// same bytes measured just before them; appends to results and prints each row.
 void run_size(ea::DType dt, Size z, const Options& o, int nt, std::vector<Result>& results) {
   const int64_t R = z.rows, F = z.F, es = esize(dt);
   const int64_t tensor = R * F * es;
@@ -480,18 +503,10 @@ void run_size(ea::DType dt, Size z, const Options& o, int nt, std::vector<Result
                  "glu_backward");
       });
       results.push_back(r);
-      const double fgbs = fwd_bytes / r.fwd.median_ms * 1e-6, bgbs = bwd_bytes / r.bwd.median_ms * 1e-6;
-      std::printf("| %s | %lld x %lld | %s | %s | %.3f | %.1f | %.0f%% | %.3f | %.1f | %.0f%% |\n",
-                  dname(dt), static_cast<long long>(R), static_cast<long long>(F), pname.c_str(),
-                  lname(L), r.fwd.median_ms, fgbs, 100.0 * mf / r.fwd.median_ms, r.bwd.median_ms,
-                  bgbs, 100.0 * mb / r.bwd.median_ms);
-      std::fflush(stdout);
+      print_row(r);
     }
   }
-  std::printf("| %s | %lld x %lld | memcpy | same bytes | %.3f | %.1f | 100%% | %.3f | %.1f | 100%% |\n",
-              dname(dt), static_cast<long long>(R), static_cast<long long>(F), mf,
-              fwd_bytes / mf * 1e-6, mb, bwd_bytes / mb * 1e-6);
-  std::fflush(stdout);
+  print_memcpy_row(dt, z, fwd_bytes, bwd_bytes, mf, mb);
 }
 
 void write_json(const std::string& path, const Options& o, int nt,
@@ -542,7 +557,7 @@ struct Ref {
   bool fragile;  // a non-finite value here may also be NaN (see ref_elem)
 };
 
-// SPEC section 1 in float64 for one element.
+// docs/spec.md section 1 in float64 for one element.
 Ref ref_elem(const ea::GluParams& p, double g, double u, double dy, double w) {
   const double L = p.limit, alpha = p.alpha, beta = p.beta;
   const bool has_limit = std::isfinite(L);
@@ -652,163 +667,142 @@ double special_value(Rng& rng, float L) {
   return vals[rng.next() % (sizeof vals / sizeof vals[0])];
 }
 
-int run_check(int nt) {
-  std::printf("float64 oracle check (SPEC section 1), %d threads\n", nt);
-  const std::vector<std::pair<std::string, ea::GluParams>> presets = {
-      {"swiglu", ea::preset_swiglu()},
-      {"swiglu_clamped", ea::preset_swiglu_clamped(7.0f)},
-      {"swiglu_oai", ea::preset_swiglu_oai(1.702f, 7.0f)},
-      {"geglu_tanh", ea::preset_geglu_tanh()},
-      {"gelu_clamped_3_beta_0.5", ea::GluParams{ea::Activation::kGeluTanh, 1.0f, 3.0f, 0.5f}},
-      {"silu_alpha_-0.75_limit_1e-3", ea::GluParams{ea::Activation::kSilu, -0.75f, 1e-3f, -2.0f}},
+// One case of the check: a problem of size z in dtype dt and layout L, checked forward
+// and backward (into separate gradients, then in place over the inputs) against the
+// float64 references. variant: bit 0 per-row weights, bit 1 a misaligned base and a
+// padded row stride.
+void check_case(ea::DType dt, const std::string& pname, const ea::GluParams& prm, ea::Layout L,
+                Size z, int variant, uint64_t seed, Checker& ck) {
+  const int64_t es = esize(dt);
+  const bool weighted = variant & 1;
+  const int64_t off = (variant & 2) ? 1 : 0;   // misaligned by one element
+  const int64_t pad = (variant & 2) ? 3 : 0;   // row stride longer than the row
+  const bool sep = L == ea::Layout::kSeparate;
+  const int64_t R = z.rows, F = z.F, xc = sep ? F : 2 * F;
+  const int64_t xs = xc + pad, fs = F + pad;
+  auto alloc = [&](int64_t stride) {
+    return std::vector<unsigned char>(static_cast<size_t>(((R - 1) * stride + stride + off) * es + 64));
   };
-  const std::vector<Size> sizes = {{1, 1},  {1, 7},   {3, 8},    {2, 9},     {17, 12},
-                                   {5, 15}, {4, 16},  {5, 17},   {7, 31},    {3, 100},
-                                   {4, 1408}, {2, 3072}, {1, 11008}, {3, 14337}, {300, 1408},
-                                   {4097, 100}, {1, 300001}, {7, 40000}};
-  const ea::DType dtypes[] = {ea::DType::kBFloat16, ea::DType::kFloat16, ea::DType::kFloat32};
-  const ea::Layout layouts[] = {ea::Layout::kSeparate, ea::Layout::kHalves,
-                                ea::Layout::kHalvesUpFirst, ea::Layout::kInterleaved};
-  Checker ck;
-  int64_t cases = 0;
-  uint64_t seed = 1;
-  for (ea::DType dt : dtypes) {
-    const int64_t es = esize(dt);
-    for (const auto& [pname, prm] : presets) {
-      for (ea::Layout L : layouts) {
-        for (size_t si = 0; si < sizes.size(); ++si) {
-          const Size z = sizes[si];
-          const int variant = static_cast<int>((seed++) % 4);  // offset / padding / weights
-          const bool weighted = variant & 1;
-          const int64_t off = (variant & 2) ? 1 : 0;   // misaligned by one element
-          const int64_t pad = (variant & 2) ? 3 : 0;   // row stride longer than the row
-          const bool sep = L == ea::Layout::kSeparate;
-          const int64_t R = z.rows, F = z.F, xc = sep ? F : 2 * F;
-          const int64_t xs = xc + pad, fs = F + pad;
-          auto alloc = [&](int64_t stride) {
-            return std::vector<unsigned char>(static_cast<size_t>(((R - 1) * stride + stride + off) * es + 64));
-          };
-          auto mref = [&](std::vector<unsigned char>& b, int64_t cols, int64_t stride) {
-            ea::MatrixRef m;
-            m.data = b.data() + off * es;
-            m.rows = R;
-            m.cols = cols;
-            m.row_stride = stride;
-            m.dtype = dt;
-            return m;
-          };
-          std::vector<unsigned char> xb = alloc(xs), ub = alloc(fs), dyb = alloc(fs), ob = alloc(fs),
-                                     gxb = alloc(xs), gub = alloc(fs);
-          Rng rng(seed * 7919);
-          ea::MatrixRef x = mref(xb, xc, xs), up = mref(ub, F, fs), dy = mref(dyb, F, fs),
-                        out = mref(ob, F, fs), gx = mref(gxb, xc, xs), gu = mref(gub, F, fs);
-          auto fill = [&](ea::MatrixRef& m, bool specials, double scale) {
-            for (int64_t r = 0; r < R; ++r)
-              for (int64_t c = 0; c < m.cols; ++c) {
-                double v = specials && rng.next() % 5 == 0 ? special_value(rng, prm.limit)
-                                                           : scale * rng.normal();
-                store_val(m.data, r * m.row_stride + c, dt, v);
-              }
-          };
-          fill(x, true, 6.0);
-          if (sep) fill(up, true, 6.0);
-          fill(dy, false, 1.0);
-          std::vector<float> w(R), dw(R, -1.0f);
-          for (auto& v : w) v = rng.next() % 10 == 0 ? 0.0f : static_cast<float>(0.25 + 2 * rng.uniform());
-          ea::VectorRef wv{w.data(), R, 1}, dwv{dw.data(), R, 1};
-          const ea::VectorRef* wp = weighted ? &wv : nullptr;
-          const ea::VectorRef* dwp = weighted ? &dwv : nullptr;
+  auto mref = [&](std::vector<unsigned char>& b, int64_t cols, int64_t stride) {
+    ea::MatrixRef m;
+    m.data = b.data() + off * es;
+    m.rows = R;
+    m.cols = cols;
+    m.row_stride = stride;
+    m.dtype = dt;
+    return m;
+  };
+  std::vector<unsigned char> xb = alloc(xs), ub = alloc(fs), dyb = alloc(fs), ob = alloc(fs),
+                             gxb = alloc(xs), gub = alloc(fs);
+  Rng rng(seed * 7919);
+  ea::MatrixRef x = mref(xb, xc, xs), up = mref(ub, F, fs), dy = mref(dyb, F, fs),
+                out = mref(ob, F, fs), gx = mref(gxb, xc, xs), gu = mref(gub, F, fs);
+  auto fill = [&](ea::MatrixRef& m, bool specials, double scale) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < m.cols; ++c) {
+        double v = specials && rng.next() % 5 == 0 ? special_value(rng, prm.limit)
+                                                   : scale * rng.normal();
+        store_val(m.data, r * m.row_stride + c, dt, v);
+      }
+  };
+  fill(x, true, 6.0);
+  if (sep) fill(up, true, 6.0);
+  fill(dy, false, 1.0);
+  std::vector<float> w(R), dw(R, -1.0f);
+  for (auto& v : w) v = rng.next() % 10 == 0 ? 0.0f : static_cast<float>(0.25 + 2 * rng.uniform());
+  ea::VectorRef wv{w.data(), R, 1}, dwv{dw.data(), R, 1};
+  const ea::VectorRef* wp = weighted ? &wv : nullptr;
+  const ea::VectorRef* dwp = weighted ? &dwv : nullptr;
 
-          // Where gate and up element (r, c) live inside x (or up).
-          auto gidx = [&](int64_t r, int64_t c) -> std::pair<const ea::MatrixRef*, int64_t> {
-            switch (L) {
-              case ea::Layout::kSeparate: return {&x, r * xs + c};
-              case ea::Layout::kHalves: return {&x, r * xs + c};
-              case ea::Layout::kHalvesUpFirst: return {&x, r * xs + F + c};
-              case ea::Layout::kInterleaved: return {&x, r * xs + 2 * c};
-            }
-            return {nullptr, 0};
-          };
-          auto uidx = [&](int64_t r, int64_t c) -> std::pair<const ea::MatrixRef*, int64_t> {
-            switch (L) {
-              case ea::Layout::kSeparate: return {&up, r * fs + c};
-              case ea::Layout::kHalves: return {&x, r * xs + F + c};
-              case ea::Layout::kHalvesUpFirst: return {&x, r * xs + c};
-              case ea::Layout::kInterleaved: return {&x, r * xs + 2 * c + 1};
-            }
-            return {nullptr, 0};
-          };
-          // The float64 references, before any in-place run overwrites the inputs.
-          std::vector<Ref> ref(static_cast<size_t>(R * F));
-          std::vector<double> dw_ref(R, 0.0), dw_mag(R, 0.0);
-          std::vector<char> dw_fragile(R, 0);
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t c = 0; c < F; ++c) {
-              auto [gm, gi] = gidx(r, c);
-              auto [um, ui] = uidx(r, c);
-              Ref e = ref_elem(prm, load_val(gm->data, gi, dt), load_val(um->data, ui, dt),
-                               load_val(dy.data, r * fs + c, dt), weighted ? w[r] : 1.0);
-              ref[r * F + c] = e;
-              dw_ref[r] += e.dw_term;
-              dw_mag[r] += e.mag_dw;
-              if (e.fragile) dw_fragile[r] = 1;
-            }
-          const std::string tag = std::string(dname(dt)) + " " + pname + " " + lname(L) + " " +
-                                  std::to_string(R) + "x" + std::to_string(F) + " variant " +
-                                  std::to_string(variant);
-          check_ok(ea::glu_forward(prm, L, x, sep ? &up : nullptr, wp, out), tag.c_str());
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t c = 0; c < F; ++c)
-              ck.cmp(load_val(out.data, r * fs + c, dt), ref[r * F + c].out, ref[r * F + c].mag_out,
-                     ref[r * F + c].fragile, dt, tag, "fwd", r, c);
-          // Backward twice: into separate gradients, then in place over the inputs.
-          for (int inplace = 0; inplace < 2; ++inplace) {
-            ea::MatrixRef gxm = inplace ? x : gx, gum = inplace ? up : gu;
-            std::fill(dw.begin(), dw.end(), -1.0f);
-            check_ok(ea::glu_backward(prm, L, dy, x, sep ? &up : nullptr, wp, gxm,
-                                      sep ? &gum : nullptr, dwp),
-                     tag.c_str());
-            const std::string bt = tag + (inplace ? " bwd in-place" : " bwd");
-            for (int64_t r = 0; r < R; ++r) {
-              for (int64_t c = 0; c < F; ++c) {
-                const Ref& e = ref[r * F + c];
-                int64_t gi, ui;
-                const void* gbase = gxm.data;
-                const void* ubase = gxm.data;
-                switch (L) {
-                  case ea::Layout::kSeparate: gi = r * xs + c; ui = r * fs + c; ubase = gum.data; break;
-                  case ea::Layout::kHalves: gi = r * xs + c; ui = r * xs + F + c; break;
-                  case ea::Layout::kHalvesUpFirst: gi = r * xs + F + c; ui = r * xs + c; break;
-                  default: gi = r * xs + 2 * c; ui = gi + 1; break;
-                }
-                ck.cmp(load_val(gbase, gi, dt), e.dg, e.mag_dg, e.fragile, dt, bt, "dgate", r, c);
-                ck.cmp(load_val(ubase, ui, dt), e.du, e.mag_du, e.fragile, dt, bt, "dup", r, c);
-              }
-              if (weighted) {
-                ++ck.compared;
-                const double got = dw[r], want = dw_ref[r];
-                bool ok;
-                if (!std::isfinite(want)) {
-                  ok = dw_fragile[r] ? !std::isfinite(got)
-                                     : std::isnan(want) ? std::isnan(got) : got == want;
-                } else {
-                  const double tol = (8.0 * std::sqrt(static_cast<double>(F)) + 64.0) * 0x1p-24 * dw_mag[r] + 1e-30;
-                  ok = std::isfinite(got) && std::fabs(got - want) <= tol;
-                  ck.worst = std::max(ck.worst, std::fabs(got - want) / tol);
-                }
-                if (!ok && ck.failures++ < 10)
-                  std::fprintf(stderr, "MISMATCH %s dw row %lld: got %.9g want %.9g\n", bt.c_str(),
-                               static_cast<long long>(r), got, want);
-              }
-            }
-          }
-          ++cases;
+  // Where gate and up element (r, c) live inside x (or up).
+  auto gidx = [&](int64_t r, int64_t c) -> std::pair<const ea::MatrixRef*, int64_t> {
+    switch (L) {
+      case ea::Layout::kSeparate: return {&x, r * xs + c};
+      case ea::Layout::kHalves: return {&x, r * xs + c};
+      case ea::Layout::kHalvesUpFirst: return {&x, r * xs + F + c};
+      case ea::Layout::kInterleaved: return {&x, r * xs + 2 * c};
+    }
+    return {nullptr, 0};
+  };
+  auto uidx = [&](int64_t r, int64_t c) -> std::pair<const ea::MatrixRef*, int64_t> {
+    switch (L) {
+      case ea::Layout::kSeparate: return {&up, r * fs + c};
+      case ea::Layout::kHalves: return {&x, r * xs + F + c};
+      case ea::Layout::kHalvesUpFirst: return {&x, r * xs + c};
+      case ea::Layout::kInterleaved: return {&x, r * xs + 2 * c + 1};
+    }
+    return {nullptr, 0};
+  };
+  // The float64 references, before any in-place run overwrites the inputs.
+  std::vector<Ref> ref(static_cast<size_t>(R * F));
+  std::vector<double> dw_ref(R, 0.0), dw_mag(R, 0.0);
+  std::vector<char> dw_fragile(R, 0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < F; ++c) {
+      auto [gm, gi] = gidx(r, c);
+      auto [um, ui] = uidx(r, c);
+      Ref e = ref_elem(prm, load_val(gm->data, gi, dt), load_val(um->data, ui, dt),
+                       load_val(dy.data, r * fs + c, dt), weighted ? w[r] : 1.0);
+      ref[r * F + c] = e;
+      dw_ref[r] += e.dw_term;
+      dw_mag[r] += e.mag_dw;
+      if (e.fragile) dw_fragile[r] = 1;
+    }
+  const std::string tag = std::string(dname(dt)) + " " + pname + " " + lname(L) + " " +
+                          std::to_string(R) + "x" + std::to_string(F) + " variant " +
+                          std::to_string(variant);
+  check_ok(ea::glu_forward(prm, L, x, sep ? &up : nullptr, wp, out), tag.c_str());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < F; ++c)
+      ck.cmp(load_val(out.data, r * fs + c, dt), ref[r * F + c].out, ref[r * F + c].mag_out,
+             ref[r * F + c].fragile, dt, tag, "fwd", r, c);
+  // Backward twice: into separate gradients, then in place over the inputs.
+  for (int inplace = 0; inplace < 2; ++inplace) {
+    ea::MatrixRef gxm = inplace ? x : gx, gum = inplace ? up : gu;
+    std::fill(dw.begin(), dw.end(), -1.0f);
+    check_ok(ea::glu_backward(prm, L, dy, x, sep ? &up : nullptr, wp, gxm,
+                              sep ? &gum : nullptr, dwp),
+             tag.c_str());
+    const std::string bt = tag + (inplace ? " bwd in-place" : " bwd");
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t c = 0; c < F; ++c) {
+        const Ref& e = ref[r * F + c];
+        int64_t gi, ui;
+        const void* gbase = gxm.data;
+        const void* ubase = gxm.data;
+        switch (L) {
+          case ea::Layout::kSeparate: gi = r * xs + c; ui = r * fs + c; ubase = gum.data; break;
+          case ea::Layout::kHalves: gi = r * xs + c; ui = r * xs + F + c; break;
+          case ea::Layout::kHalvesUpFirst: gi = r * xs + F + c; ui = r * xs + c; break;
+          default: gi = r * xs + 2 * c; ui = gi + 1; break;
         }
+        ck.cmp(load_val(gbase, gi, dt), e.dg, e.mag_dg, e.fragile, dt, bt, "dgate", r, c);
+        ck.cmp(load_val(ubase, ui, dt), e.du, e.mag_du, e.fragile, dt, bt, "dup", r, c);
+      }
+      if (weighted) {
+        ++ck.compared;
+        const double got = dw[r], want = dw_ref[r];
+        bool ok;
+        if (!std::isfinite(want)) {
+          ok = dw_fragile[r] ? !std::isfinite(got)
+                             : std::isnan(want) ? std::isnan(got) : got == want;
+        } else {
+          const double tol = (8.0 * std::sqrt(static_cast<double>(F)) + 64.0) * 0x1p-24 * dw_mag[r] + 1e-30;
+          ok = std::isfinite(got) && std::fabs(got - want) <= tol;
+          ck.worst = std::max(ck.worst, std::fabs(got - want) / tol);
+        }
+        if (!ok && ck.failures++ < 10)
+          std::fprintf(stderr, "MISMATCH %s dw row %lld: got %.9g want %.9g\n", bt.c_str(),
+                       static_cast<long long>(r), got, want);
       }
     }
   }
-  // Thread-count determinism: rows split between threads (few long rows) must give
-  // bitwise the results of one thread, the weight gradient included.
+}
+
+// Thread-count determinism: rows split between threads (few long rows) must give
+// bitwise the results of one thread, the weight gradient included. Returns the
+// number of mismatching runs.
+int64_t check_thread_determinism() {
   int64_t det_fail = 0;
   for (ea::DType dt : {ea::DType::kBFloat16, ea::DType::kFloat32}) {
     for (Size z : {Size{1, 300001}, Size{3, 100000}, Size{7, 40000}, Size{4097, 400}}) {
@@ -852,6 +846,39 @@ int run_check(int nt) {
       }
     }
   }
+  return det_fail;
+}
+
+int run_check(int nt) {
+  std::printf("float64 oracle check (docs/spec.md section 1), %d threads\n", nt);
+  const std::vector<std::pair<std::string, ea::GluParams>> presets = {
+      {"swiglu", ea::preset_swiglu()},
+      {"swiglu_clamped", ea::preset_swiglu_clamped(7.0f)},
+      {"swiglu_oai", ea::preset_swiglu_oai(1.702f, 7.0f)},
+      {"geglu_tanh", ea::preset_geglu_tanh()},
+      {"gelu_clamped_3_beta_0.5", ea::GluParams{ea::Activation::kGeluTanh, 1.0f, 3.0f, 0.5f}},
+      {"silu_alpha_-0.75_limit_1e-3", ea::GluParams{ea::Activation::kSilu, -0.75f, 1e-3f, -2.0f}},
+  };
+  const std::vector<Size> sizes = {{1, 1},  {1, 7},   {3, 8},    {2, 9},     {17, 12},
+                                   {5, 15}, {4, 16},  {5, 17},   {7, 31},    {3, 100},
+                                   {4, 1408}, {2, 3072}, {1, 11008}, {3, 14337}, {300, 1408},
+                                   {4097, 100}, {1, 300001}, {7, 40000}};
+  const ea::DType dtypes[] = {ea::DType::kBFloat16, ea::DType::kFloat16, ea::DType::kFloat32};
+  const ea::Layout layouts[] = {ea::Layout::kSeparate, ea::Layout::kHalves,
+                                ea::Layout::kHalvesUpFirst, ea::Layout::kInterleaved};
+  Checker ck;
+  int64_t cases = 0;
+  uint64_t seed = 1;
+  for (ea::DType dt : dtypes)
+    for (const auto& [pname, prm] : presets)
+      for (ea::Layout L : layouts)
+        for (Size z : sizes) {
+          const int variant = static_cast<int>(seed % 4);
+          ++seed;
+          check_case(dt, pname, prm, L, z, variant, seed, ck);
+          ++cases;
+        }
+  const int64_t det_fail = check_thread_determinism();
   ea::set_cpu_threads(nt);
   ck.failures += det_fail;
   std::printf("thread-count determinism (1, 2, 3, 7 threads; rows split between threads): %s\n",
@@ -872,9 +899,8 @@ void usage() {
       "       expertact_cpu_bench --check [--threads N]\n");
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command line into Options; --help prints the usage and exits.
+Options parse_args(int argc, char** argv) {
   Options o;
   for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
   auto need = [&](int& i) -> std::string {
@@ -907,25 +933,18 @@ int main(int argc, char** argv) {
     else if (a == "--check") o.check = true;
     else if (a == "-h" || a == "--help") {
       usage();
-      return 0;
+      std::exit(0);
     } else {
       usage();
       die("unknown option " + a);
     }
   }
-  const unsigned hc = std::thread::hardware_concurrency();
-  const int nt = o.threads > 0 ? o.threads : (hc > 0 ? static_cast<int>(hc) : 2);
-  ea::set_cpu_threads(nt);
-  if (ea::cpu_threads() != nt) die("set_cpu_threads did not take");
+  return o;
+}
 
-  std::printf("expertact CPU benchmark, %s\n", today().c_str());
-  o.load_start = load_average();
-  std::printf("cpu: %s (hardware concurrency %u)\ncompiler: %s\nkernels: %s\nthreads: %d\n"
-              "load average: %s\n",
-              cpu_model().c_str(), hc, compiler().c_str(), expertact_cpu_kernel_isa(), nt,
-              o.load_start.c_str());
-  if (o.check) return run_check(nt);
-
+// The timing tables (every dtype x size, then the float32 size unless asked for), then
+// the JSON file when asked for.
+int run_bench(const Options& o, int nt) {
   std::printf("iters %d (median) after %d warm-up; inputs 6 N(0,1)%s; GB/s counts forward 3, "
               "backward 5 [rows, F] tensors; %% memcpy = memcpy time of the same bytes / kernel "
               "time\n\n",
@@ -945,4 +964,22 @@ int main(int argc, char** argv) {
     std::printf("\nwrote %s\n", o.json.c_str());
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o = parse_args(argc, argv);
+  const unsigned hc = std::thread::hardware_concurrency();
+  const int nt = o.threads > 0 ? o.threads : (hc > 0 ? static_cast<int>(hc) : 2);
+  ea::set_cpu_threads(nt);
+  if (ea::cpu_threads() != nt) die("set_cpu_threads did not take");
+
+  std::printf("expertact CPU benchmark, %s\n", today().c_str());
+  o.load_start = load_average();
+  std::printf("cpu: %s (hardware concurrency %u)\ncompiler: %s\nkernels: %s\nthreads: %d\n"
+              "load average: %s\n",
+              cpu_model().c_str(), hc, compiler().c_str(), expertact_cpu_kernel_isa(), nt,
+              o.load_start.c_str());
+  return o.check ? run_check(nt) : run_bench(o, nt);
 }

@@ -1,7 +1,7 @@
 // GPU benchmark: in one run, the device-to-device copy bandwidth, then for each
 // size x preset x layout the forward, backward and in-place backward times
 // (CUDA events, warm-up, median; L2 flushed before every timed launch) against
-// the 8-pass bytes floor of SPEC section 4, plus a check of sampled rows
+// the 8-pass bytes floor of docs/spec.md section 4, plus a check of sampled rows
 // against the CPU path. Markdown on stdout, JSON with --json PATH.
 //
 //   expertact_gpu_bench [--quick] [--iters N] [--json PATH] [--only-seed]
@@ -191,26 +191,213 @@ double compare_rows(const void* dev, const void* host_ref, int64_t nrows, int64_
   return m;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+struct Options {
   bool quick = false, only_seed = false;
   int iters = 10;
   std::string json_path;
-  std::string cmd;
-  for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
+  std::string cmd;  // the command line, for the report
+};
+
+// The command line into o; false (after printing the usage) for an unknown argument.
+bool parse_args(int argc, char** argv, Options& o) {
+  for (int i = 0; i < argc; ++i) o.cmd += (i ? " " : "") + std::string(argv[i]);
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "--only-seed") only_seed = true;
-    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
-    else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    if (a == "--quick") o.quick = true;
+    else if (a == "--only-seed") o.only_seed = true;
+    else if (a == "--iters" && i + 1 < argc) o.iters = std::atoi(argv[++i]);
+    else if (a == "--json" && i + 1 < argc) o.json_path = argv[++i];
     else {
       std::fprintf(stderr, "usage: %s [--quick] [--only-seed] [--iters N] [--json PATH]\n", argv[0]);
-      return 1;
+      return false;
     }
   }
-  int dev = 0;
+  return true;
+}
+
+// Copy bandwidth, TB/s: bytes read + written over a 4 GiB device-to-device copy.
+double copy_bandwidth_tbs(L2Flush& flush) {
+  const size_t bytes = size_t(4) << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  const float ms = time_ms([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); },
+                           [] {}, 3, 20, flush);
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * bytes / (ms * 1e-3) / 1e12;
+}
+
+struct Size {
+  const char* name;
+  int64_t rows, F;
+  DType d;
+};
+
+std::vector<Size> sizes_for(const Options& o) {
+  if (o.quick)
+    return {{"65536x1536", 65536, 1536, DType::kBFloat16}, {"odd F 2881", 65536, 2881, DType::kBFloat16}};
+  std::vector<Size> sizes = {{"seed", 1045081, 3072, DType::kBFloat16},
+                             {"65536x1536", 65536, 1536, DType::kBFloat16},
+                             {"odd F 2881", 65536, 2881, DType::kBFloat16},
+                             {"small F 1408", 65536, 1408, DType::kBFloat16},
+                             {"65536x1536 f32", 65536, 1536, DType::kFloat32},
+                             {"65536x1536 f16", 65536, 1536, DType::kFloat16}};
+  if (o.only_seed) sizes.resize(1);
+  return sizes;
+}
+
+// The device buffers of one size: inputs as one [rows, 2F] allocation (separate uses its
+// two halves as distinct contiguous [rows, F] tensors), a pristine copy of them for the
+// in-place runs, the output, grad_out and the gradients.
+struct Buffers {
+  int64_t n;
+  size_t tb;  // bytes of one [rows, F] tensor
+  void *in, *pristine, *out, *dy, *grad;
+  explicit Buffers(const Size& sz) : n(sz.rows * sz.F), tb(size_t(n) * esize(sz.d)) {
+    CK(cudaMalloc(&in, 2 * tb));
+    CK(cudaMalloc(&pristine, 2 * tb));
+    CK(cudaMalloc(&out, tb));
+    CK(cudaMalloc(&dy, tb));
+    CK(cudaMalloc(&grad, 2 * tb));
+    fill(pristine, 2 * n, sz.d, 1, 6.0f);
+    fill(dy, n, sz.d, 2, 1.0f);
+    CK(cudaMemcpy(in, pristine, 2 * tb, cudaMemcpyDeviceToDevice));
+    CK(cudaDeviceSynchronize());
+  }
+  ~Buffers() {
+    CK(cudaFree(in));
+    CK(cudaFree(pristine));
+    CK(cudaFree(out));
+    CK(cudaFree(dy));
+    CK(cudaFree(grad));
+  }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+};
+
+// Max relative difference between the device results of one configuration (out, the
+// gradients) and the CPU path on 64 sampled rows (the first 32 and the last 32).
+double check_against_cpu(const Size& sz, const Preset& pr, Layout L, const Buffers& b) {
+  const bool sep = L == Layout::kSeparate;
+  const int es = esize(sz.d);
+  const int64_t xcols = sep ? sz.F : 2 * sz.F;
+  const int64_t k = std::min<int64_t>(32, sz.rows);
+  double err = 0;
+  for (int64_t r0 : {int64_t{0}, sz.rows - k}) {
+    std::vector<char> hx(size_t(k * xcols * es)), hu(size_t(k * sz.F * es)),
+        hdy(size_t(k * sz.F * es)), ho(size_t(k * sz.F * es)), hg(size_t(k * xcols * es)),
+        hgu(size_t(k * sz.F * es));
+    CK(cudaMemcpy(hx.data(), static_cast<char*>(b.in) + r0 * xcols * es, hx.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hu.data(), static_cast<char*>(b.in) + b.tb + r0 * sz.F * es, hu.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hdy.data(), static_cast<char*>(b.dy) + r0 * sz.F * es, hdy.size(), cudaMemcpyDeviceToHost));
+    auto mh = [&](void* p, int64_t cols) {
+      MatrixRef m;
+      m.data = p; m.rows = k; m.cols = cols; m.row_stride = cols; m.dtype = sz.d;
+      return m;
+    };
+    MatrixRef cx = mh(hx.data(), xcols), cu = mh(hu.data(), sz.F), co = mh(ho.data(), sz.F),
+              cd = mh(hdy.data(), sz.F), cg = mh(hg.data(), xcols), cgu = mh(hgu.data(), sz.F);
+    EA(glu_forward(pr.p, L, cx, sep ? &cu : nullptr, nullptr, co));
+    EA(glu_backward(pr.p, L, cd, cx, sep ? &cu : nullptr, nullptr, cg, sep ? &cgu : nullptr, nullptr));
+    err = std::max(err, compare_rows(static_cast<char*>(b.out) + r0 * sz.F * es, ho.data(), k, sz.F, sz.d));
+    err = std::max(err, compare_rows(static_cast<char*>(b.grad) + r0 * xcols * es, hg.data(), k, xcols, sz.d));
+    if (sep)
+      err = std::max(err, compare_rows(static_cast<char*>(b.grad) + b.tb + r0 * sz.F * es, hgu.data(), k, sz.F, sz.d));
+  }
+  return err;
+}
+
+// One markdown table row; bytes: what forward and backward move together (8 [rows, F]
+// tensors), for the GB/s column.
+void print_row(const Row& r, double bytes) {
+  const double tot = r.fwd + r.bwd;
+  std::printf("| %s | %s | %s | %s | %.3f | %.3f | %.3f | %.3f | %.1f | %.0f | %.3f | %.2e |\n",
+              r.size.c_str(), r.dtype.c_str(), r.preset.c_str(), r.layout.c_str(), r.fwd, r.bwd, tot,
+              r.floor_ms, 100.0 * r.floor_ms / tot, bytes / (tot * 1e-3) / 1e9, r.bwd_inplace,
+              r.max_err);
+  std::fflush(stdout);
+}
+
+// Times every preset x layout at one size over fresh buffers; appends to rows and prints
+// each row.
+void bench_size(const Size& sz, const std::vector<Preset>& presets, const std::vector<Layout>& layouts,
+                int dev, int iters, double copy_tbs, L2Flush& flush, std::vector<Row>& rows) {
+  Buffers b(sz);
+  const double floor_ms = 8.0 * b.tb / (copy_tbs * 1e12) * 1e3;
+  bool warmed = false;  // the first configuration of a size runs once untimed (see below)
+  for (const Preset& pr : presets) {
+    for (Layout L : layouts) {
+      const bool sep = L == Layout::kSeparate;
+      const int64_t xcols = sep ? sz.F : 2 * sz.F;
+      auto mk = [&](void* p, int64_t cols) {
+        MatrixRef m;
+        m.data = p; m.rows = sz.rows; m.cols = cols; m.row_stride = cols;
+        m.dtype = sz.d; m.device = DeviceType::kCUDA; m.device_id = dev;
+        return m;
+      };
+      const MatrixRef x = mk(b.in, xcols), up = mk(static_cast<char*>(b.in) + b.tb, sz.F),
+                      o = mk(b.out, sz.F), d = mk(b.dy, sz.F), g = mk(b.grad, xcols),
+                      gu = mk(static_cast<char*>(b.grad) + b.tb, sz.F);
+      const MatrixRef* upp = sep ? &up : nullptr;
+      const MatrixRef* gup = sep ? &gu : nullptr;
+      auto fwd = [&] { EA(glu_forward(pr.p, L, x, upp, nullptr, o, nullptr)); };
+      auto bwd = [&] { EA(glu_backward(pr.p, L, d, x, upp, nullptr, g, gup, nullptr, nullptr)); };
+      // In-place: the gradients overwrite the inputs; restore them (untimed) before each run.
+      auto bwd_ip = [&] { EA(glu_backward(pr.p, L, d, x, upp, nullptr, x, upp, nullptr, nullptr)); };
+      auto restore = [&] { CK(cudaMemcpyAsync(b.in, b.pristine, 2 * b.tb, cudaMemcpyDeviceToDevice)); };
+      if (!warmed) {
+        // The first configuration timed after new buffers were allocated ran
+        // 8-10% slower than the same kernel later in the run (91.8% against
+        // 95-96% at 65536 x 1536): one untimed pass of forward and backward
+        // over the new buffers first.
+        time_ms(fwd, [] {}, 3, iters, flush);
+        time_ms(bwd, [] {}, 3, iters, flush);
+        warmed = true;
+      }
+      CK(cudaMemset(b.out, 0xff, b.tb));
+      const float tf = time_ms(fwd, [] {}, 3, iters, flush);
+      CK(cudaMemset(b.grad, 0xff, 2 * b.tb));
+      const float tbk = time_ms(bwd, [] {}, 3, iters, flush);
+      const double err = check_against_cpu(sz, pr, L, b);
+      const float tip = time_ms(bwd_ip, restore, 2, iters, flush);
+      restore();
+      CK(cudaDeviceSynchronize());
+      rows.push_back(Row{sz.name, pr.name, lname(L), dname(sz.d), sz.rows, sz.F, tf, tbk, tip,
+                         floor_ms, copy_tbs, err});
+      print_row(rows.back(), 8.0 * b.tb);
+    }
+  }
+}
+
+bool write_json(const std::string& path, const cudaDeviceProp& prop, int drv, int rt,
+                const std::string& cmd, double copy_tbs, const std::vector<Row>& rows) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    std::perror(path.c_str());
+    return false;
+  }
+  std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm\": \"%d%d\",\n  \"driver\": %d,\n  \"cuda_runtime\": %d,\n  \"command\": \"%s\",\n  \"copy_tb_per_s\": %.4f,\n  \"rows\": [\n",
+               prop.name, prop.major, prop.minor, drv, rt, cmd.c_str(), copy_tbs);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    std::fprintf(f, "    {\"size\": \"%s\", \"rows\": %lld, \"F\": %lld, \"dtype\": \"%s\", \"preset\": \"%s\", \"layout\": \"%s\", \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"bwd_inplace_ms\": %.4f, \"floor_ms\": %.4f, \"pct_of_floor\": %.2f, \"max_rel_err_vs_cpu\": %.3e}%s\n",
+                 r.size.c_str(), (long long)r.rows, (long long)r.F, r.dtype.c_str(), r.preset.c_str(), r.layout.c_str(), r.fwd, r.bwd,
+                 r.fwd + r.bwd, r.bwd_inplace, r.floor_ms, 100.0 * r.floor_ms / (r.fwd + r.bwd), r.max_err,
+                 i + 1 < rows.size() ? "," : "");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  if (!parse_args(argc, argv, opt)) return 1;
+  const int dev = 0;
   CK(cudaSetDevice(dev));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
@@ -218,172 +405,26 @@ int main(int argc, char** argv) {
   CK(cudaDriverGetVersion(&drv));
   CK(cudaRuntimeGetVersion(&rt));
   L2Flush flush;
-
-  // Copy bandwidth: bytes read + written over a 4 GiB device-to-device copy.
-  double copy_tbs = 0;
-  {
-    size_t bytes = size_t(4) << 30;
-    void *a, *b;
-    CK(cudaMalloc(&a, bytes));
-    CK(cudaMalloc(&b, bytes));
-    CK(cudaMemset(a, 1, bytes));
-    float ms = time_ms([&] { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, [] {},
-                       3, 20, flush);
-    copy_tbs = 2.0 * bytes / (ms * 1e-3) / 1e12;
-    CK(cudaFree(a));
-    CK(cudaFree(b));
-  }
+  const double copy_tbs = copy_bandwidth_tbs(flush);
   std::printf("# expertact GPU benchmark\n\ndevice: %s (sm_%d%d, %d SMs, L2 %d MB), driver %d, runtime %d\n",
               prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize >> 20,
               drv, rt);
   std::printf("device-to-device copy: %.3f TB/s (bytes read + written)\ncommand: %s\n\n",
-              copy_tbs, cmd.c_str());
+              copy_tbs, opt.cmd.c_str());
 
-  struct Size {
-    const char* name;
-    int64_t rows, F;
-    DType d;
-  };
-  std::vector<Size> sizes = {{"seed", 1045081, 3072, DType::kBFloat16},
-                             {"65536x1536", 65536, 1536, DType::kBFloat16},
-                             {"odd F 2881", 65536, 2881, DType::kBFloat16},
-                             {"small F 1408", 65536, 1408, DType::kBFloat16},
-                             {"65536x1536 f32", 65536, 1536, DType::kFloat32},
-                             {"65536x1536 f16", 65536, 1536, DType::kFloat16}};
-  if (only_seed) sizes.resize(1);
-  if (quick) sizes = {{"65536x1536", 65536, 1536, DType::kBFloat16}, {"odd F 2881", 65536, 2881, DType::kBFloat16}};
-  std::vector<Preset> presets = {{"swiglu", preset_swiglu()},
-                                 {"swiglu_clamped", preset_swiglu_clamped(7.0f)},
-                                 {"swiglu_oai", preset_swiglu_oai(1.702f, 7.0f)},
-                                 {"geglu_tanh", preset_geglu_tanh()}};
-  std::vector<Layout> layouts = {Layout::kSeparate, Layout::kHalves, Layout::kHalvesUpFirst,
-                                 Layout::kInterleaved};
-  std::vector<Row> out_rows;
-
+  const std::vector<Preset> presets = {{"swiglu", preset_swiglu()},
+                                       {"swiglu_clamped", preset_swiglu_clamped(7.0f)},
+                                       {"swiglu_oai", preset_swiglu_oai(1.702f, 7.0f)},
+                                       {"geglu_tanh", preset_geglu_tanh()}};
+  const std::vector<Layout> layouts = {Layout::kSeparate, Layout::kHalves, Layout::kHalvesUpFirst,
+                                       Layout::kInterleaved};
+  std::vector<Row> rows;
   std::printf("| size | dtype | preset | layout | fwd ms | bwd ms | fwd+bwd ms | floor ms | %% of floor | GB/s | bwd in-place ms | max rel err vs CPU |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  for (const Size& sz : sizes) {
-    const int es = esize(sz.d);
-    const int64_t n = sz.rows * sz.F;
-    const size_t tb = size_t(n) * es;
-    // Buffers: inputs as one [rows, 2F] allocation (separate uses its two halves
-    // as distinct contiguous [rows, F] tensors), pristine copy for in-place runs.
-    void *in, *pristine, *outb, *dy, *grad;
-    CK(cudaMalloc(&in, 2 * tb));
-    CK(cudaMalloc(&pristine, 2 * tb));
-    CK(cudaMalloc(&outb, tb));
-    CK(cudaMalloc(&dy, tb));
-    CK(cudaMalloc(&grad, 2 * tb));
-    fill(pristine, 2 * n, sz.d, 1, 6.0f);
-    fill(dy, n, sz.d, 2, 1.0f);
-    CK(cudaMemcpy(in, pristine, 2 * tb, cudaMemcpyDeviceToDevice));
-    CK(cudaDeviceSynchronize());
-    const double floor_ms = 8.0 * tb / (copy_tbs * 1e12) * 1e3;
-    bool warmed = false;  // the first configuration of a size runs once untimed (see below)
-    for (const Preset& pr : presets) {
-      for (Layout L : layouts) {
-        const bool sep = L == Layout::kSeparate;
-        MatrixRef x, up, o, g, gu, d;
-        const int64_t xcols = sep ? sz.F : 2 * sz.F;
-        auto mk = [&](void* p, int64_t cols) {
-          MatrixRef m;
-          m.data = p; m.rows = sz.rows; m.cols = cols; m.row_stride = cols;
-          m.dtype = sz.d; m.device = DeviceType::kCUDA; m.device_id = dev;
-          return m;
-        };
-        x = mk(in, xcols);
-        up = mk(static_cast<char*>(in) + tb, sz.F);
-        o = mk(outb, sz.F);
-        d = mk(dy, sz.F);
-        g = mk(grad, xcols);
-        gu = mk(static_cast<char*>(grad) + tb, sz.F);
-        const MatrixRef* upp = sep ? &up : nullptr;
-        const MatrixRef* gup = sep ? &gu : nullptr;
-        auto fwd = [&] { EA(glu_forward(pr.p, L, x, upp, nullptr, o, nullptr)); };
-        auto bwd = [&] { EA(glu_backward(pr.p, L, d, x, upp, nullptr, g, gup, nullptr, nullptr)); };
-        // In-place: the gradients overwrite the inputs; restore them (untimed) before each run.
-        MatrixRef xi = x, upi = up;
-        auto bwd_ip = [&] {
-          EA(glu_backward(pr.p, L, d, xi, sep ? &upi : nullptr, nullptr, xi, sep ? &upi : nullptr,
-                          nullptr, nullptr));
-        };
-        auto restore = [&] { CK(cudaMemcpyAsync(in, pristine, 2 * tb, cudaMemcpyDeviceToDevice)); };
-        if (!warmed) {
-          // The first configuration timed after new buffers were allocated ran
-          // 8-10% slower than the same kernel later in the run (91.8% against
-          // 95-96% at 65536 x 1536): one untimed pass of forward and backward
-          // over the new buffers first.
-          time_ms(fwd, [] {}, 3, iters, flush);
-          time_ms(bwd, [] {}, 3, iters, flush);
-          warmed = true;
-        }
-        CK(cudaMemset(outb, 0xff, tb));
-        float tf = time_ms(fwd, [] {}, 3, iters, flush);
-        CK(cudaMemset(grad, 0xff, 2 * tb));
-        float tbk = time_ms(bwd, [] {}, 3, iters, flush);
-        // Check 64 sampled rows (first 32 and last 32) against the CPU path.
-        double err = 0;
-        {
-          const int64_t k = std::min<int64_t>(32, sz.rows);
-          std::vector<int64_t> starts = {0, sz.rows - k};
-          for (int64_t r0 : starts) {
-            std::vector<char> hx(size_t(k * xcols * es)), hu(size_t(k * sz.F * es)),
-                hdy(size_t(k * sz.F * es)), ho(size_t(k * sz.F * es)), hg(size_t(k * xcols * es)),
-                hgu(size_t(k * sz.F * es));
-            CK(cudaMemcpy(hx.data(), static_cast<char*>(in) + r0 * xcols * es, hx.size(), cudaMemcpyDeviceToHost));
-            CK(cudaMemcpy(hu.data(), static_cast<char*>(in) + tb + r0 * sz.F * es, hu.size(), cudaMemcpyDeviceToHost));
-            CK(cudaMemcpy(hdy.data(), static_cast<char*>(dy) + r0 * sz.F * es, hdy.size(), cudaMemcpyDeviceToHost));
-            auto mh = [&](void* p, int64_t cols) {
-              MatrixRef m;
-              m.data = p; m.rows = k; m.cols = cols; m.row_stride = cols; m.dtype = sz.d;
-              return m;
-            };
-            MatrixRef cx = mh(hx.data(), xcols), cu = mh(hu.data(), sz.F), co = mh(ho.data(), sz.F),
-                      cd = mh(hdy.data(), sz.F), cg = mh(hg.data(), xcols), cgu = mh(hgu.data(), sz.F);
-            EA(glu_forward(pr.p, L, cx, sep ? &cu : nullptr, nullptr, co));
-            EA(glu_backward(pr.p, L, cd, cx, sep ? &cu : nullptr, nullptr, cg, sep ? &cgu : nullptr, nullptr));
-            err = std::max(err, compare_rows(static_cast<char*>(outb) + r0 * sz.F * es, ho.data(), k, sz.F, sz.d));
-            err = std::max(err, compare_rows(static_cast<char*>(grad) + r0 * xcols * es, hg.data(), k, xcols, sz.d));
-            if (sep)
-              err = std::max(err, compare_rows(static_cast<char*>(grad) + tb + r0 * sz.F * es, hgu.data(), k, sz.F, sz.d));
-          }
-        }
-        float tip = time_ms(bwd_ip, restore, 2, iters, flush);
-        restore();
-        CK(cudaDeviceSynchronize());
-        Row r{sz.name, pr.name, lname(L), dname(sz.d), sz.rows, sz.F, tf, tbk, tip, floor_ms, copy_tbs, err};
-        out_rows.push_back(r);
-        const double tot = tf + tbk;
-        std::printf("| %s | %s | %s | %s | %.3f | %.3f | %.3f | %.3f | %.1f | %.0f | %.3f | %.2e |\n",
-                    sz.name, dname(sz.d), pr.name, lname(L), tf, tbk, tot, floor_ms,
-                    100.0 * floor_ms / tot, 8.0 * tb / (tot * 1e-3) / 1e9, tip, err);
-        std::fflush(stdout);
-      }
-    }
-    CK(cudaFree(in));
-    CK(cudaFree(pristine));
-    CK(cudaFree(outb));
-    CK(cudaFree(dy));
-    CK(cudaFree(grad));
-  }
+  for (const Size& sz : sizes_for(opt))
+    bench_size(sz, presets, layouts, dev, opt.iters, copy_tbs, flush, rows);
   std::printf("\n%% of floor = floor / (fwd + bwd): above 100 means faster than 8 passes at copy bandwidth.\n");
-  if (!json_path.empty()) {
-    FILE* f = std::fopen(json_path.c_str(), "w");
-    if (!f) {
-      std::perror(json_path.c_str());
-      return 4;
-    }
-    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm\": \"%d%d\",\n  \"driver\": %d,\n  \"cuda_runtime\": %d,\n  \"command\": \"%s\",\n  \"copy_tb_per_s\": %.4f,\n  \"rows\": [\n",
-                 prop.name, prop.major, prop.minor, drv, rt, cmd.c_str(), copy_tbs);
-    for (size_t i = 0; i < out_rows.size(); ++i) {
-      const Row& r = out_rows[i];
-      std::fprintf(f, "    {\"size\": \"%s\", \"rows\": %lld, \"F\": %lld, \"dtype\": \"%s\", \"preset\": \"%s\", \"layout\": \"%s\", \"fwd_ms\": %.4f, \"bwd_ms\": %.4f, \"fwd_bwd_ms\": %.4f, \"bwd_inplace_ms\": %.4f, \"floor_ms\": %.4f, \"pct_of_floor\": %.2f, \"max_rel_err_vs_cpu\": %.3e}%s\n",
-                   r.size.c_str(), (long long)r.rows, (long long)r.F, r.dtype.c_str(), r.preset.c_str(), r.layout.c_str(), r.fwd, r.bwd,
-                   r.fwd + r.bwd, r.bwd_inplace, r.floor_ms, 100.0 * r.floor_ms / (r.fwd + r.bwd), r.max_err,
-                   i + 1 < out_rows.size() ? "," : "");
-    }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
-  }
+  if (!opt.json_path.empty() && !write_json(opt.json_path, prop, drv, rt, opt.cmd, copy_tbs, rows))
+    return 4;
   return 0;
 }

@@ -1,11 +1,10 @@
-// Tuning experiment (not part of the library or CI): times variants of the
-// forward and backward kernels at the seed size - register cap (min blocks per
-// SM), streaming cache hints, and the number of column splits - for the merged
-// (separate, contiguous) and per-row (halves) paths; the realigning kernels at
-// an odd F; the geglu backward's packs in flight; against DeepSpeed's kernel
-// shape (section ds). Results feed docs/perf-notes.md. Build: nvcc -O3
-// -std=c++17 -arch=sm_90 -Iinclude -Isrc -I<dlpack include>
-// bench/kernel_variants.cu src/core/error.cpp -o kv
+// The CUDA kernel choice's A/B (EXPERTACT_CUDA_KERNEL, src/cuda/entry.h): the library's
+// row and flat kernels against DeepSpeed's kernel shape, at the seed size (1,045,081 x
+// 3,072 bf16, two rounds) and at smaller and odd sizes (the library's calls, host path
+// included). resolve_auto's thresholds rest on its output (docs/perf-notes.md). A tuning
+// tool, not part of the library or CI; on a GPU machine:
+//   cmake --build <build> --target expertact_kernel_variants
+//   <build>/bench/expertact_kernel_variants
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,28 +92,6 @@ Bufs make_bufs(int64_t n, void* flush) {
 void free_bufs(Bufs& b) {
   CK(cudaFree(b.in)); CK(cudaFree(b.out)); CK(cudaFree(b.dy)); CK(cudaFree(b.grad));
 }
-
-// One configuration: threads per block, lanes per row G, packs in flight U,
-// and column splits (0 = one tile per block).
-template <int U>
-void run(const char* name, KernelArgs<T> a, int threads, int G, int64_t splits, void* flush,
-         double fwd_floor, double bwd_floor) {
-  const int64_t tile = (int64_t)G * U;
-  const int64_t tiles = (a.packs + tile - 1) / tile;
-  if (splits == 0 || splits > tiles) splits = tiles;
-  a.splits = splits;
-  const int64_t rpb = threads / G;
-  const int64_t blocks = (a.rows + rpb - 1) / rpb * splits;
-  if (blocks > 0x7fffffff) return;
-  float f = med([&] { glu_fwd_kernel<T, Activation::kSilu, 1, false, 8, U><<<(unsigned)blocks, threads>>>(a, G); }, flush);
-  float b = med([&] { glu_bwd_kernel<T, Activation::kSilu, 1, false, false, 8, U><<<(unsigned)blocks, threads>>>(a, G); }, flush);
-  std::printf("%-22s thr=%3d G=%3d U=%d splits=%7lld blocks=%8lld | fwd %.3f ms (%.1f%%) bwd %.3f ms (%.1f%%) sum %.3f (%.1f%%)\n",
-              name, threads, G, U, (long long)splits, (long long)blocks, f, 100 * fwd_floor / f, b,
-              100 * bwd_floor / b, f + b, 100 * (fwd_floor + bwd_floor) / (f + b));
-  std::fflush(stdout);
-}
-
-// ---- Section ds: the library's kernel choices against DeepSpeed's kernel shape.
 
 // DeepSpeed's Triton SwiGLU kernels written in CUDA: 256 threads, one 16-byte
 // pack (8 bf16) per operand per thread, one block per 2048 elements, no loop,
@@ -208,20 +185,6 @@ Call make_call(const Bufs& B, int64_t rows, int64_t F, int layout, const GluPara
   return c;
 }
 
-// The kernel arguments of the same call for the directly launched variants.
-KernelArgs<T> args_of(const Call& c) {
-  KernelArgs<T> a{};
-  a.g = static_cast<const T*>(c.p.g); a.u = static_cast<const T*>(c.p.u);
-  a.g_stride = c.p.g_stride; a.u_stride = c.p.u_stride;
-  a.rows = c.p.rows; a.cols = c.p.F; a.splits = 1;
-  a.c = math::Coeffs{c.p.params.alpha, c.p.params.limit, c.p.params.beta, c.p.has_limit};
-  a.out = static_cast<T*>(c.o.out); a.out_stride = c.o.out_stride;
-  a.dy = static_cast<const T*>(c.io.dy); a.dy_stride = c.io.dy_stride;
-  a.dg = static_cast<T*>(c.io.dg); a.du = static_cast<T*>(c.io.du);
-  a.dg_stride = c.io.dg_stride; a.du_stride = c.io.du_stride;
-  return a;
-}
-
 void lib_check(Status s) {
   if (s != Status::kOk) {
     std::printf("library call failed: status %d\n", static_cast<int>(s));
@@ -231,22 +194,17 @@ void lib_check(Status s) {
 
 const char* kLayoutName[] = {"separate", "halves", "interleaved"};
 
-// Times every candidate for one layout and preset; floors from the same run.
-// Each line: forward / backward ms, % of the copy floor, and the change
-// against the current library kernels (rows) measured just before it.
+// Times the library's row and flat kernels for one layout and preset, and DeepSpeed's
+// kernel shape (separate and halves only); floors from the same run. Each line:
+// forward / backward ms, % of the copy floor, and the change against the row kernels
+// measured just before it. kNoLimit: the preset has no limit (the reference kernels
+// then take it at compile time, as the library's flat kernels do).
 template <bool kNoLimit, int kStep>
 void ds_one(const Bufs& B, int64_t rows, int64_t F, int layout, const GluParams& prm, const char* pname,
             void* flush, int iters, bool with_ds) {
   const Call call = make_call(B, rows, F, layout, prm, false);
   const Call ip = make_call(B, rows, F, layout, prm, true);
   const int64_t n = rows * F;
-  constexpr int V = 8 / kStep;  // 16 bytes of gate_up per pack
-  auto row_args = [&](const Call& c) {
-    KernelArgs<T> a = args_of(c);
-    a.packs = F / V;
-    return a;
-  };
-  const unsigned row_blocks = static_cast<unsigned>((rows + 3) / 4);  // 128 threads, G = 32
   float rows_f = 0, rows_b = 0;
   auto line = [&](const char* name, float f, float b) {
     if (std::strcmp(name, "rows (library)") == 0) { rows_f = f; rows_b = b; }
@@ -264,34 +222,7 @@ void ds_one(const Bufs& B, int64_t rows, int64_t F, int layout, const GluParams&
   };
   using KC = cuda::KernelChoice;
   line("rows (library)", lib(KC::kRows, call, true), lib(KC::kRows, call, false));
-  line("flat 256 (library)", lib(KC::kFlat, call, true), lib(KC::kFlat, call, false));
-  line("flat 128 (library)", lib(KC::kFlat128, call, true), lib(KC::kFlat128, call, false));
-  {
-    KernelArgs<T> a = args_of(call);
-    LaunchShape s;
-    int64_t r1 = rows, P = F / V;
-    if (layout == 0) { P = rows * P; r1 = 1; }  // merged, as the library does for flat
-    a.rows = r1;
-    flat_shape(a, r1, P, KC::kFlat, s, 2);
-    const unsigned bl = static_cast<unsigned>(s.blocks);
-    float f = med([&] { glu_fwd_flat<T, Activation::kSilu, kStep, kNoLimit, 2><<<bl, 256>>>(a); }, flush, iters);
-    float b = med([&] { glu_bwd_flat<T, Activation::kSilu, kStep, kNoLimit, 2><<<bl, 256>>>(a); }, flush, iters);
-    line("flat 256 U=2", f, b);
-  }
-  {
-    const KernelArgs<T> a = row_args(call);
-    if (kNoLimit) {
-      float f = med([&] { glu_fwd_kernel<T, Activation::kSilu, kStep, false, V, fwd_unroll_for(16), true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-      float b = med([&] { glu_bwd_kernel<T, Activation::kSilu, kStep, false, false, V, bwd_unroll_for(16), true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-      line("rows, limit at compile time", f, b);
-    }
-    float f1 = med([&] { glu_fwd_kernel<T, Activation::kSilu, kStep, false, V, 1, kNoLimit, true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-    float f2 = med([&] { glu_fwd_kernel<T, Activation::kSilu, kStep, false, V, 2, kNoLimit, true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-    float b2 = med([&] { glu_bwd_kernel<T, Activation::kSilu, kStep, false, false, V, 2, kNoLimit, true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-    float b4 = med([&] { glu_bwd_kernel<T, Activation::kSilu, kStep, false, false, V, 4, kNoLimit, true><<<row_blocks, 128>>>(a, 32); }, flush, iters);
-    line("rows pipelined U=1 / U=2", f1, b2);
-    line("rows pipelined U=2 / U=4", f2, b4);
-  }
+  line("flat (library)", lib(KC::kFlat, call, true), lib(KC::kFlat, call, false));
   if constexpr (kStep == 1) {
     if (with_ds) {
       const unsigned bl = static_cast<unsigned>((n / 8 + 255) / 256);
@@ -316,7 +247,7 @@ void ds_one(const Bufs& B, int64_t rows, int64_t F, int layout, const GluParams&
   }
   // In place last: it overwrites the inputs (refilled below; timing only).
   line("rows in place", 0, lib(KC::kRows, ip, false));
-  line("flat 256 in place", 0, lib(KC::kFlat, ip, false));
+  line("flat in place", 0, lib(KC::kFlat, ip, false));
   fill<<<4096, 256>>>(static_cast<uint16_t*>(B.in), 2 * n, 6.0f);
   CK(cudaDeviceSynchronize());
 }
@@ -326,10 +257,10 @@ void ds_small(const Bufs& B, int64_t rows, int64_t F, int layout, const GluParam
               void* flush, int iters) {
   const Call call = make_call(B, rows, F, layout, prm, false);
   using KC = cuda::KernelChoice;
-  const KC ks[] = {KC::kRows, KC::kFlat, KC::kFlat128};
-  const char* names[] = {"rows", "flat", "flat128"};
+  const KC ks[] = {KC::kRows, KC::kFlat};
+  const char* names[] = {"rows", "flat"};
   std::printf("  %-9s %-11s", pname, kLayoutName[layout]);
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 2; ++i) {
     float f = med([&] { lib_check(run_forward<T>(call.p, call.o, ks[i], nullptr)); }, flush, iters);
     float b = med([&] { lib_check(run_backward<T>(call.p, call.io, ks[i], nullptr)); }, flush, iters);
     std::printf(" | %-7s fwd %.4f (%5.1f%%) bwd %.4f (%5.1f%%)", names[i], f, 100 * B.ff / f, b, 100 * B.bf / b);
@@ -376,131 +307,9 @@ void run_ds(void* flush) {
   }
 }
 
-int main(int argc, char** argv) {
-  // Sections to run: seed (block shape and unroll), odd (realigning kernels),
-  // geglu, ds (against DeepSpeed's kernel shape); all by default.
-  auto want = [&](const char* w) {
-    if (argc < 2) return true;
-    for (int i = 1; i < argc; ++i)
-      if (std::strcmp(argv[i], w) == 0) return true;
-    return false;
-  };
+int main() {
   void* flush;
   CK(cudaMalloc(&flush, 256 << 20));
-  math::Coeffs c{1.702f, 7.0f, 1.0f, true};
-  struct Size { int64_t rows, F; };
-  for (Size sz : {Size{1045081, 3072}, Size{65536, 1536}}) {
-    if (!want("seed")) break;
-    const int64_t rows = sz.rows, F = sz.F, n = rows * F;
-    Bufs B = make_bufs(n, flush);
-    void *in = B.in, *out = B.out, *dy = B.dy, *grad = B.grad;
-    const size_t tb = B.tb;
-    const double bw = B.bw, ff = B.ff, bf = B.bf;
-    std::printf("\n%lld x %lld bf16: copy %.3f TB/s; fwd floor %.3f ms, bwd floor %.3f ms\n", (long long)rows,
-                (long long)F, bw / 1e12, ff, bf);
-    for (int layout = 0; layout < 2; ++layout) {
-      KernelArgs<T> a{};
-      a.c = c;
-      if (layout == 0) {
-        a.g = (const T*)in; a.u = (const T*)((char*)in + tb);
-        a.g_stride = a.u_stride = n; a.rows = 1; a.packs = n / 8;
-        a.out = (T*)out; a.out_stride = n; a.dy = (const T*)dy; a.dy_stride = n;
-        a.dg = (T*)grad; a.du = (T*)((char*)grad + tb); a.dg_stride = a.du_stride = n;
-        for (int thr : {128, 256}) {
-          for (int64_t sp : {(int64_t)65472, (int64_t)0}) {
-            run<2>("separate(merged)", a, thr, thr, sp, flush, ff, bf);
-            run<4>("separate(merged)", a, thr, thr, sp, flush, ff, bf);
-          }
-        }
-      } else {
-        a.g = (const T*)in; a.u = (const T*)in + F;
-        a.g_stride = a.u_stride = 2 * F; a.rows = rows; a.packs = F / 8;
-        a.out = (T*)out; a.out_stride = F; a.dy = (const T*)dy; a.dy_stride = F;
-        a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F;
-        for (int thr : {128, 256}) {
-          for (int G : {16, 32, 64}) {
-            run<2>("halves(rows)", a, thr, G, 1, flush, ff, bf);
-            run<4>("halves(rows)", a, thr, G, 1, flush, ff, bf);
-          }
-        }
-        // rows with column splits: one tile per block
-        run<2>("halves(rows,split)", a, 256, 32, 0, flush, ff, bf);
-        run<4>("halves(rows,split)", a, 256, 32, 0, flush, ff, bf);
-      }
-    }
-    free_bufs(B);
-  }
-  // Odd F in the halves layout (realigning kernels): prefetch distance, register cap, block size.
-  if (want("odd")) {
-    const int64_t rows = 65536, F = 2881, n = rows * F;
-    Bufs B = make_bufs(n, flush);
-    void *in = B.in, *out = B.out, *dy = B.dy, *grad = B.grad;
-    const double ff = B.ff, bf = B.bf;
-    std::printf("\nodd F %lld x %lld bf16 halves, realigning kernels: fwd floor %.3f bwd floor %.3f\n", (long long)rows, (long long)F, ff, bf);
-    KernelArgs<T> a{};
-    a.c = c;
-    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows;
-    a.cols = F; a.packs = (F + 7) / 8;
-    a.out = (T*)out; a.out_stride = F; a.dy = (const T*)dy; a.dy_stride = F;
-    a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F; a.splits = 1;
-    KernelArgs<T> ip = a;  // in place: the gradients overwrite the inputs (values drift; timing only)
-    ip.dg = (T*)in; ip.du = (T*)in + F;
-    // AH: prefetch distance in tiles; MB: blocks of 256 threads per SM the
-    // register budget must allow; thr: threads per block.
-    auto one = [&](auto aht, auto mbt, int thr) {
-      constexpr int AH = decltype(aht)::value, MB = decltype(mbt)::value;
-      const int G = 32;
-      const int64_t blocks = (rows + thr / G - 1) / (thr / G);
-      float f = med([&] { glu_fwd_realign<T, Activation::kSilu, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float b = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float bi = med([&] { glu_bwd_realign<T, Activation::kSilu, false, false, MB, AH><<<(unsigned)blocks, thr>>>(ip, G); }, flush);
-      float bg = med([&] { glu_bwd_realign<T, Activation::kGeluTanh, false, false, MB, AH><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      std::printf("thr=%d G=%d ahead=%d minB=%d fwd %.3f (%.1f%%) bwd %.3f (%.1f%%) bwd-inplace %.3f bwd-geglu %.3f (%.1f%%) sum %.1f%%\n",
-                  thr, G, AH, MB, f, 100 * ff / f, b, 100 * bf / b, bi, bg, 100 * bf / bg, 100 * (ff + bf) / (f + b));
-      std::fflush(stdout);
-    };
-    using I1 = std::integral_constant<int, 1>;
-    using I2 = std::integral_constant<int, 2>;
-    using I3 = std::integral_constant<int, 3>;
-    for (int rep = 0; rep < 2; ++rep) {
-      one(I1{}, I1{}, 128);
-      one(I2{}, I1{}, 128);
-      one(I3{}, I1{}, 128);
-      one(I2{}, I3{}, 128);
-      one(I2{}, I2{}, 256);
-    }
-    free_bufs(B);
-  }
-  // geglu backward at the seed size, halves: packs in flight and block size
-  // (its derivative keeps more values live than silu's).
-  if (want("geglu")) {
-    const int64_t rows = 1045081, F = 3072, n = rows * F;
-    Bufs B = make_bufs(n, flush);
-    void *in = B.in, *dy = B.dy, *grad = B.grad;
-    const double bf = B.bf;
-    std::printf("\nseed halves backward: floor %.3f ms\n", bf);
-    KernelArgs<T> a{};
-    a.c = c;
-    a.g = (const T*)in; a.u = (const T*)in + F; a.g_stride = a.u_stride = 2 * F; a.rows = rows;
-    a.packs = F / 8; a.cols = F; a.splits = 1;
-    a.dy = (const T*)dy; a.dy_stride = F;
-    a.dg = (T*)grad; a.du = (T*)grad + F; a.dg_stride = a.du_stride = 2 * F;
-    auto one = [&](auto ut, int thr) {
-      constexpr int U = decltype(ut)::value;
-      const int G = 32;
-      const int64_t blocks = (rows + thr / G - 1) / (thr / G);
-      float bg = med([&] { glu_bwd_kernel<T, Activation::kGeluTanh, 1, false, false, 8, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      float bs = med([&] { glu_bwd_kernel<T, Activation::kSilu, 1, false, false, 8, U><<<(unsigned)blocks, thr>>>(a, G); }, flush);
-      std::printf("thr=%d U=%d geglu bwd %.3f (%.1f%%) silu bwd %.3f (%.1f%%)\n", thr, U, bg, 100 * bf / bg, bs, 100 * bf / bs);
-      std::fflush(stdout);
-    };
-    for (int thr : {128, 256}) {
-      one(std::integral_constant<int, 2>{}, thr);
-      one(std::integral_constant<int, 3>{}, thr);
-      one(std::integral_constant<int, 4>{}, thr);
-    }
-    free_bufs(B);
-  }
-  if (want("ds")) run_ds(flush);
+  run_ds(flush);
   return 0;
 }

@@ -1,23 +1,20 @@
-// The boundary of the fused grouped GEMMs (expertact.hpp: moe_fused_forward and
-// moe_fused_backward): every argument checked once, with the shared checks of
-// core/checks.h, then handed to the CUTLASS launchers (src/cuda/gemm/), which exist
+// The boundary of the experimental fused grouped GEMMs (expertact/experimental/
+// fused_gemm.h): every argument checked once, with the shared checks of core/checks.h,
+// then the validated views handed to the CUTLASS launchers (src/cuda/gemm/), which exist
 // when the build found CUTLASS (EXPERTACT_WITH_CUTLASS); otherwise kUnsupported.
-#include <cmath>
 #include <cstdint>
 #include <utility>
 
+#include "api.h"
 #include "core/checks.h"
 #include "core/error.h"
-#include "core/math.h"
+#include "expertact/experimental/fused_gemm.h"
 #include "expertact/expertact.hpp"
 #if EXPERTACT_WITH_CUTLASS
 #include "cuda/gemm/moe_gemm.h"
 #endif
 
 namespace expertact {
-
-bool has_fused_gemm() { return EXPERTACT_WITH_CUTLASS != 0; }
-
 namespace detail {
 namespace {
 
@@ -96,12 +93,6 @@ Status check_gate_up(const MatrixRef& gu, int64_t T, const char* a_name, int64_t
   return Status::kOk;
 }
 
-#if EXPERTACT_WITH_CUTLASS
-math::Coeffs coeffs_of(const GluParams& p) {
-  return math::Coeffs{p.alpha, p.limit, p.beta, std::isfinite(p.limit)};
-}
-#endif
-
 Status check_weights_vector(const char* name, const VectorRef* v, int64_t T, const MatrixRef& x,
                             const char* xname) {
   if (v == nullptr) return Status::kOk;
@@ -109,21 +100,22 @@ Status check_weights_vector(const char* name, const VectorRef* v, int64_t T, con
   return check_same_device(name, v->device, v->device_id, x.device, x.device_id, xname);
 }
 
-struct FwdCall {
-  const GluParams* params;
-  const MatrixRef *x, *w13;
-  int32_t E;
-  const int32_t* offsets;
-  const VectorRef* weights;
-  const MatrixRef *gate_up, *h;
-  void* stream;
-};
+#if !EXPERTACT_WITH_CUTLASS
+// The answer of a build without the fused GEMMs.
+Status not_built() {
+  return fail(Status::kUnsupported,
+              "this expertact build has no fused grouped GEMM (it needs CUDA and the CUTLASS "
+              "headers at build time: pip install nvidia-cutlass, or -DEXPERTACT_CUTLASS_DIR)");
+}
+#endif
 
-Status forward_body(const void* ctx) {
-  const FwdCall& c = *static_cast<const FwdCall*>(ctx);
-  EA_TRY(check_params(*c.params));
-  EA_TRY(check_experts(c.E, c.offsets));
-  const MatrixRef &x = *c.x, &gu = *c.gate_up, &h = *c.h;
+}  // namespace
+
+Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
+                              int32_t E, const int32_t* offsets, const VectorRef* weights,
+                              const MatrixRef& gu, const MatrixRef& h, void* stream) {
+  EA_TRY(check_params(params));
+  EA_TRY(check_experts(E, offsets));
   EA_TRY(check_operand("x", x));
   EA_TRY(check_operand("gate_up", gu));
   EA_TRY(check_operand("h", h));
@@ -131,10 +123,10 @@ Status forward_body(const void* ctx) {
   int64_t F = 0;
   EA_TRY(check_gate_up(gu, T, "x", F));
   EA_TRY(check_shape("h", h, T, F, DType::kBFloat16, "h is [T, F]"));
-  EA_TRY(check_weight("w13", *c.w13, c.E, 2 * F, D, "w13 is [num_experts * 2F, D]"));
-  for (auto [name, m] : {std::pair{"w13", c.w13}, std::pair{"gate_up", c.gate_up}, std::pair{"h", c.h}})
+  EA_TRY(check_weight("w13", w13, E, 2 * F, D, "w13 is [num_experts * 2F, D]"));
+  for (auto [name, m] : {std::pair{"w13", &w13}, std::pair{"gate_up", &gu}, std::pair{"h", &h}})
     EA_TRY(check_same_device(name, m->device, m->device_id, x.device, x.device_id, "x"));
-  EA_TRY(check_weights_vector("weights", c.weights, T, x, "x"));
+  EA_TRY(check_weights_vector("weights", weights, T, x, "x"));
   EA_TRY(check_tma("x", x));
   EA_TRY(check_tma("gate_up", gu));
   EA_TRY(check_dim("T", T));
@@ -144,8 +136,8 @@ Status forward_body(const void* ctx) {
     return fail(Status::kInvalidArgument, "x has D = 0 columns: the GEMM has no depth");
   // Outputs may share memory with nothing.
   const Extent e_gu = extent_of(gu), e_h = extent_of(h);
-  const Extent e_x = extent_of(x), e_w13 = extent_of(*c.w13);
-  const Extent e_w = c.weights ? extent_of(*c.weights) : Extent{};
+  const Extent e_x = extent_of(x), e_w13 = extent_of(w13);
+  const Extent e_w = weights ? extent_of(*weights) : Extent{};
   EA_TRY(check_no_overlap("gate_up", e_gu, "x", e_x));
   EA_TRY(check_no_overlap("gate_up", e_gu, "w13", e_w13));
   EA_TRY(check_no_overlap("gate_up", e_gu, "weights", e_w));
@@ -155,52 +147,19 @@ Status forward_body(const void* ctx) {
   EA_TRY(check_no_overlap("h", e_h, "weights", e_w));
   if (T == 0 || F == 0) return Status::kOk;
 #if EXPERTACT_WITH_CUTLASS
-  gemm::GroupedShape s;
-  s.E = c.E;
-  s.T = T;
-  s.N = 2 * F;
-  s.K = D;
-  s.a = x.data;
-  s.lda = x.row_stride;
-  s.b = c.w13->data;
-  s.ldb = c.w13->row_stride;
-  s.ldb_e = 2 * F * c.w13->row_stride;
-  s.d = gu.data;
-  s.ldd = gu.row_stride;
-  s.device = x.device_id;
-  gemm::FwdEpilogueParams p;
-  p.h = static_cast<__nv_bfloat16*>(h.data);
-  p.ldh = h.row_stride;
-  p.offsets = c.offsets;
-  p.T = T;
-  p.w = c.weights ? c.weights->data : nullptr;
-  p.w_stride = c.weights ? c.weights->stride : 1;
-  p.coeffs = coeffs_of(*c.params);
-  return gemm::fused_forward(c.params->act, s, p, c.stream);
+  return gemm::fused_forward(params, x, w13, E, offsets, weights, gu, h, stream);
 #else
-  return fail(Status::kUnsupported,
-              "this expertact build has no fused grouped GEMM (it needs CUDA and the CUTLASS "
-              "headers at build time: pip install nvidia-cutlass, or -DEXPERTACT_CUTLASS_DIR)");
+  (void)stream;
+  return not_built();
 #endif
 }
 
-struct BwdCall {
-  const GluParams* params;
-  const MatrixRef *dy, *w2;
-  int32_t E;
-  const int32_t* offsets;
-  const MatrixRef* gate_up;
-  const VectorRef* weights;
-  const MatrixRef* grad_gate_up;
-  const VectorRef* grad_weights;
-  void* stream;
-};
-
-Status backward_body(const void* ctx) {
-  const BwdCall& c = *static_cast<const BwdCall*>(ctx);
-  EA_TRY(check_params(*c.params));
-  EA_TRY(check_experts(c.E, c.offsets));
-  const MatrixRef &dy = *c.dy, &gu = *c.gate_up, &dgu = *c.grad_gate_up;
+Status moe_fused_backward_body(const GluParams& params, const MatrixRef& dy, const MatrixRef& w2,
+                               int32_t E, const int32_t* offsets, const MatrixRef& gu,
+                               const VectorRef* weights, const MatrixRef& dgu,
+                               const VectorRef* grad_weights, void* stream) {
+  EA_TRY(check_params(params));
+  EA_TRY(check_experts(E, offsets));
   EA_TRY(check_operand("grad_y", dy));
   EA_TRY(check_operand("gate_up", gu));
   EA_TRY(check_operand("grad_gate_up", dgu));
@@ -208,14 +167,14 @@ Status backward_body(const void* ctx) {
   int64_t F = 0;
   EA_TRY(check_gate_up(gu, T, "grad_y", F));
   EA_TRY(check_shape("grad_gate_up", dgu, T, 2 * F, DType::kBFloat16, "a gradient matches its input"));
-  EA_TRY(check_weight("w2", *c.w2, c.E, F, D, "w2 is [num_experts * F, D]"));
-  for (auto [name, m] : {std::pair{"w2", c.w2}, std::pair{"gate_up", c.gate_up},
-                         std::pair{"grad_gate_up", c.grad_gate_up}})
+  EA_TRY(check_weight("w2", w2, E, F, D, "w2 is [num_experts * F, D]"));
+  for (auto [name, m] : {std::pair{"w2", &w2}, std::pair{"gate_up", &gu},
+                         std::pair{"grad_gate_up", &dgu}})
     EA_TRY(check_same_device(name, m->device, m->device_id, dy.device, dy.device_id, "grad_y"));
-  EA_TRY(check_weights_vector("weights", c.weights, T, dy, "grad_y"));
-  if (c.grad_weights != nullptr && c.weights == nullptr)
+  EA_TRY(check_weights_vector("weights", weights, T, dy, "grad_y"));
+  if (grad_weights != nullptr && weights == nullptr)
     return fail(Status::kInvalidArgument, "grad_weights is given but weights is null");
-  EA_TRY(check_weights_vector("grad_weights", c.grad_weights, T, dy, "grad_y"));
+  EA_TRY(check_weights_vector("grad_weights", grad_weights, T, dy, "grad_y"));
   EA_TRY(check_tma("grad_y", dy));
   EA_TRY(check_pairs("gate_up", gu));
   EA_TRY(check_pairs("grad_gate_up", dgu));
@@ -226,9 +185,9 @@ Status backward_body(const void* ctx) {
     return fail(Status::kInvalidArgument, "grad_y has D = 0 columns: the GEMM has no depth");
   // grad_gate_up may be gate_up itself (in place); nothing else may overlap an output.
   const Extent e_dgu = extent_of(dgu), e_gu = extent_of(gu), e_dy = extent_of(dy),
-               e_w2 = extent_of(*c.w2);
-  const Extent e_w = c.weights ? extent_of(*c.weights) : Extent{};
-  const Extent e_dw = c.grad_weights ? extent_of(*c.grad_weights) : Extent{};
+               e_w2 = extent_of(w2);
+  const Extent e_w = weights ? extent_of(*weights) : Extent{};
+  const Extent e_dw = grad_weights ? extent_of(*grad_weights) : Extent{};
   if (!same_view(dgu, gu)) EA_TRY(check_no_overlap("grad_gate_up", e_dgu, "gate_up", e_gu));
   EA_TRY(check_no_overlap("grad_gate_up", e_dgu, "grad_y", e_dy));
   EA_TRY(check_no_overlap("grad_gate_up", e_dgu, "w2", e_w2));
@@ -240,58 +199,40 @@ Status backward_body(const void* ctx) {
   EA_TRY(check_no_overlap("grad_weights", e_dw, "weights", e_w));
   if (T == 0) return Status::kOk;
 #if EXPERTACT_WITH_CUTLASS
-  gemm::GroupedShape s;
-  s.E = c.E;
-  s.T = T;
-  s.N = F;
-  s.K = D;
-  s.a = dy.data;
-  s.lda = dy.row_stride;
-  s.b = c.w2->data;
-  s.ldb = c.w2->row_stride;
-  s.ldb_e = F * c.w2->row_stride;
-  s.device = dy.device_id;
-  gemm::BwdEpilogueParams p;
-  p.gate_up = static_cast<const __nv_bfloat16*>(gu.data);
-  p.ld_gu = gu.row_stride;
-  p.dgate_up = static_cast<__nv_bfloat16*>(dgu.data);
-  p.ld_dgu = dgu.row_stride;
-  p.offsets = c.offsets;
-  p.T = T;
-  p.w = c.weights ? c.weights->data : nullptr;
-  p.w_stride = c.weights ? c.weights->stride : 1;
-  p.dw = c.grad_weights ? c.grad_weights->data : nullptr;
-  p.dw_stride = c.grad_weights ? c.grad_weights->stride : 1;
-  p.coeffs = coeffs_of(*c.params);
-  // F == 0: no gradient elements; the launcher only zeroes the weight gradient (an empty sum).
-  if (F == 0 && p.dw == nullptr) return Status::kOk;
-  return gemm::fused_backward(c.params->act, s, p, c.stream);
+  // No columns and no weight gradient: nothing to compute. (With a weight gradient the
+  // launcher zeroes it: a sum over an empty row.)
+  if (F == 0 && grad_weights == nullptr) return Status::kOk;
+  return gemm::fused_backward(params, dy, w2, E, offsets, gu, weights, dgu, grad_weights, stream);
 #else
-  return fail(Status::kUnsupported,
-              "this expertact build has no fused grouped GEMM (it needs CUDA and the CUTLASS "
-              "headers at build time: pip install nvidia-cutlass, or -DEXPERTACT_CUTLASS_DIR)");
+  (void)stream;
+  return not_built();
 #endif
 }
 
-}  // namespace
 }  // namespace detail
+
+namespace experimental {
+
+bool has_fused_gemm() { return EXPERTACT_WITH_CUTLASS != 0; }
 
 Status moe_fused_forward(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
                          int32_t num_experts, const int32_t* offsets, const VectorRef* weights,
                          const MatrixRef& gate_up, const MatrixRef& h, void* stream) {
-  detail::clear_error();
-  detail::FwdCall c{&params, &x, &w13, num_experts, offsets, weights, &gate_up, &h, stream};
-  return detail::run_guarded("moe_fused_forward", detail::forward_body, &c);
+  return detail::guarded("moe_fused_forward", [&] {
+    return detail::moe_fused_forward_body(params, x, w13, num_experts, offsets, weights, gate_up,
+                                          h, stream);
+  });
 }
 
 Status moe_fused_backward(const GluParams& params, const MatrixRef& grad_y, const MatrixRef& w2,
                           int32_t num_experts, const int32_t* offsets, const MatrixRef& gate_up,
                           const VectorRef* weights, const MatrixRef& grad_gate_up,
                           const VectorRef* grad_weights, void* stream) {
-  detail::clear_error();
-  detail::BwdCall c{&params, &grad_y, &w2, num_experts, offsets, &gate_up, weights,
-                    &grad_gate_up, grad_weights, stream};
-  return detail::run_guarded("moe_fused_backward", detail::backward_body, &c);
+  return detail::guarded("moe_fused_backward", [&] {
+    return detail::moe_fused_backward_body(params, grad_y, w2, num_experts, offsets, gate_up,
+                                           weights, grad_gate_up, grad_weights, stream);
+  });
 }
 
+}  // namespace experimental
 }  // namespace expertact

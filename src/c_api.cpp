@@ -1,15 +1,43 @@
-// The C ABI: DLTensor* or the 2-D descriptions -> MatrixRef / VectorRef, then
-// the C++ API. Every entry point catches everything; the status is returned and
-// the message kept for expertact_last_error().
+// The C ABI: DLTensor* or the 2-D descriptions -> MatrixRef / VectorRef, then the
+// bodies behind the C++ API (src/api.h). Each entry point runs inside the exception
+// guard (core/error.h): the status is returned and the message kept for
+// expertact_last_error().
 #include "expertact/expertact_c.h"
 
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <string>
+#include <utility>
 
+#include "api.h"
 #include "core/error.h"
+#include "expertact/experimental/fused_gemm.h"
 #include "expertact/expertact.hpp"
+
+// The C codes are the C++ enums' values: the conversions below cast one to the other.
+namespace {
+using expertact::Activation;
+using expertact::Layout;
+using expertact::Status;
+constexpr int code(Status s) { return static_cast<int>(s); }
+constexpr int code(Layout l) { return static_cast<int>(l); }
+constexpr int code(Activation a) { return static_cast<int>(a); }
+static_assert(EXPERTACT_OK == code(Status::kOk));
+static_assert(EXPERTACT_INVALID_ARGUMENT == code(Status::kInvalidArgument));
+static_assert(EXPERTACT_UNSUPPORTED == code(Status::kUnsupported));
+static_assert(EXPERTACT_CUDA_ERROR == code(Status::kCudaError));
+static_assert(EXPERTACT_INTERNAL == code(Status::kInternal));
+static_assert(EXPERTACT_INVALID_DTYPE == code(Status::kInvalidDtype));
+static_assert(EXPERTACT_LAYOUT_SEPARATE == code(Layout::kSeparate));
+static_assert(EXPERTACT_LAYOUT_HALVES == code(Layout::kHalves));
+static_assert(EXPERTACT_LAYOUT_HALVES_UP_FIRST == code(Layout::kHalvesUpFirst));
+static_assert(EXPERTACT_LAYOUT_INTERLEAVED == code(Layout::kInterleaved));
+static_assert(EXPERTACT_ACT_SILU == code(Activation::kSilu));
+static_assert(EXPERTACT_ACT_GELU_TANH == code(Activation::kGeluTanh));
+// expertact_status and the params' act field carry the enums' underlying type.
+static_assert(sizeof(expertact_status) == sizeof(Status));
+static_assert(sizeof(expertact_params::act) == sizeof(Activation));
+}  // namespace
 
 namespace expertact::detail {
 namespace {
@@ -222,8 +250,8 @@ Status forward_entry(const expertact_params* params, int32_t layout, const Mat* 
   }
   if (weights) EA_TRY(to_vector("weights", weights, vw));
   EA_TRY(to_matrix("out", out, mout));
-  return glu_forward(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
-                     weights ? &vw : nullptr, mout, stream);
+  return glu_forward_body(p, static_cast<Layout>(layout), mx, separate ? &mup : nullptr,
+                          weights ? &vw : nullptr, mout, stream);
 }
 
 template <typename Mat, typename Vec>
@@ -252,21 +280,15 @@ Status backward_entry(const expertact_params* params, int32_t layout, const Mat*
   if (weights) EA_TRY(to_vector("weights", weights, vw));
   if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
   EA_TRY(to_matrix(separate ? "grad_gate" : "grad_gate_up", grad_x, mgx));
-  return glu_backward(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
-                      weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
-                      grad_weights ? &vgw : nullptr, stream);
+  return glu_backward_body(p, static_cast<Layout>(layout), mdy, mx, separate ? &mup : nullptr,
+                           weights ? &vw : nullptr, mgx, separate ? &mgu : nullptr,
+                           grad_weights ? &vgw : nullptr, stream);
 }
 
+// One C entry point: fn's Status as the C code, inside the one exception guard.
 template <typename Fn>
-expertact_status guarded(Fn&& fn) {
-  try {
-    clear_error();
-    return static_cast<expertact_status>(fn());
-  } catch (const std::exception& e) {
-    return static_cast<expertact_status>(fail(Status::kInternal, "internal error: ", e.what()));
-  } catch (...) {
-    return static_cast<expertact_status>(fail(Status::kInternal, "internal error: unknown exception"));
-  }
+expertact_status guarded_c(const char* what, Fn&& fn) {
+  return static_cast<expertact_status>(guarded(what, std::forward<Fn>(fn)));
 }
 
 }  // namespace
@@ -279,7 +301,7 @@ extern "C" {
 
 expertact_status expertact_preset(const char* name, float alpha, float limit,
                                   expertact_params* out) {
-  return guarded([&]() -> Status {
+  return guarded_c("expertact_preset", [&]() -> Status {
     if (name == nullptr) return fail(Status::kInvalidArgument, "preset name is null");
     if (out == nullptr) return fail(Status::kInvalidArgument, "out (params) is null");
     GluParams p;
@@ -307,7 +329,8 @@ expertact_status expertact_preset(const char* name, float alpha, float limit,
 expertact_status expertact_glu_forward(const expertact_params* params, int32_t layout,
                                        const DLTensor* x, const DLTensor* up,
                                        const DLTensor* weights, DLTensor* out, void* stream) {
-  return guarded([&] { return forward_entry(params, layout, x, up, weights, out, stream); });
+  return guarded_c("expertact_glu_forward",
+                   [&] { return forward_entry(params, layout, x, up, weights, out, stream); });
 }
 
 expertact_status expertact_glu_backward(const expertact_params* params, int32_t layout,
@@ -315,7 +338,7 @@ expertact_status expertact_glu_backward(const expertact_params* params, int32_t 
                                         const DLTensor* up, const DLTensor* weights,
                                         DLTensor* grad_x, DLTensor* grad_up,
                                         DLTensor* grad_weights, void* stream) {
-  return guarded([&] {
+  return guarded_c("expertact_glu_backward", [&] {
     return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
                           stream);
   });
@@ -325,7 +348,8 @@ expertact_status expertact_glu_forward_2d(const expertact_params* params, int32_
                                           const expertact_matrix* x, const expertact_matrix* up,
                                           const expertact_vector* weights, expertact_matrix* out,
                                           void* stream) {
-  return guarded([&] { return forward_entry(params, layout, x, up, weights, out, stream); });
+  return guarded_c("expertact_glu_forward_2d",
+                   [&] { return forward_entry(params, layout, x, up, weights, out, stream); });
 }
 
 expertact_status expertact_glu_backward_2d(const expertact_params* params, int32_t layout,
@@ -334,7 +358,7 @@ expertact_status expertact_glu_backward_2d(const expertact_params* params, int32
                                            const expertact_vector* weights,
                                            expertact_matrix* grad_x, expertact_matrix* grad_up,
                                            expertact_vector* grad_weights, void* stream) {
-  return guarded([&] {
+  return guarded_c("expertact_glu_backward_2d", [&] {
     return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
                           stream);
   });
@@ -348,8 +372,8 @@ void expertact_set_cpu_threads(int32_t n) { expertact::set_cpu_threads(n); }
 
 }  // extern "C"
 
-// The fused grouped GEMMs (expertact.hpp: moe_fused_forward / moe_fused_backward): their
-// own conversions (the offsets, the experts' dimension of a weight), then the C++ API.
+// The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h): their own
+// conversions (the offsets, the experts' dimension of a weight), then the C++ API.
 namespace expertact::detail {
 namespace {
 
@@ -404,7 +428,7 @@ expertact_status expertact_moe_fused_forward(const expertact_params* params, con
                                              const DLTensor* w13, const DLTensor* offsets,
                                              const DLTensor* weights, DLTensor* gate_up,
                                              DLTensor* h, void* stream) {
-  return guarded([&]() -> Status {
+  return guarded_c("expertact_moe_fused_forward", [&]() -> Status {
     GluParams p;
     const int32_t* offs = nullptr;
     int32_t E = 0;
@@ -416,7 +440,7 @@ expertact_status expertact_moe_fused_forward(const expertact_params* params, con
     if (weights) EA_TRY(to_vector("weights", weights, vw));
     EA_TRY(to_matrix("gate_up", gate_up, mgu));
     EA_TRY(to_matrix("h", h, mh));
-    return moe_fused_forward(p, mx, mw, E, offs, weights ? &vw : nullptr, mgu, mh, stream);
+    return moe_fused_forward_body(p, mx, mw, E, offs, weights ? &vw : nullptr, mgu, mh, stream);
   });
 }
 
@@ -425,7 +449,7 @@ expertact_status expertact_moe_fused_backward(const expertact_params* params,
                                               const DLTensor* offsets, const DLTensor* gate_up,
                                               const DLTensor* weights, DLTensor* grad_gate_up,
                                               DLTensor* grad_weights, void* stream) {
-  return guarded([&]() -> Status {
+  return guarded_c("expertact_moe_fused_backward", [&]() -> Status {
     GluParams p;
     const int32_t* offs = nullptr;
     int32_t E = 0;
@@ -438,11 +462,11 @@ expertact_status expertact_moe_fused_backward(const expertact_params* params,
     if (weights) EA_TRY(to_vector("weights", weights, vw));
     EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mdgu));
     if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
-    return moe_fused_backward(p, mdy, mw, E, offs, mgu, weights ? &vw : nullptr, mdgu,
-                              grad_weights ? &vgw : nullptr, stream);
+    return moe_fused_backward_body(p, mdy, mw, E, offs, mgu, weights ? &vw : nullptr, mdgu,
+                                   grad_weights ? &vgw : nullptr, stream);
   });
 }
 
-int32_t expertact_has_fused_gemm(void) { return expertact::has_fused_gemm() ? 1 : 0; }
+int32_t expertact_has_fused_gemm(void) { return expertact::experimental::has_fused_gemm() ? 1 : 0; }
 
 }  // extern "C"

@@ -53,7 +53,7 @@ struct GluParams {
   float beta = 0.0f;
 };
 
-// The presets of SPEC section 1 (DeepSpeed's registry names).
+// The presets of docs/spec.md section 1 (DeepSpeed's registry names).
 GluParams preset_swiglu();
 GluParams preset_swiglu_clamped(float limit = 7.0f);
 GluParams preset_swiglu_oai(float alpha = 1.702f, float limit = 7.0f);
@@ -103,44 +103,8 @@ Status glu_backward(const GluParams& params, Layout layout, const MatrixRef& gra
                     const MatrixRef& grad_x, const MatrixRef* grad_up,
                     const VectorRef* grad_weights, void* stream = nullptr);
 
-// The expert MLP's grouped GEMMs with the activation fused into their epilogues
-// (SPEC section 7; docs/fused-gemm.md): CUTLASS kernels for Hopper (sm_90) GPUs, bfloat16
-// operands, float32 accumulation, built when the CUTLASS headers were found
-// (has_fused_gemm()); otherwise these return kUnsupported. Rows are sorted by expert:
-// expert e owns rows [offsets[e-1], offsets[e]) (offsets[-1] = 0). offsets is int32
-// [num_experts] in device memory of the tensors' GPU; it is read on the device only (no
-// host sync). It must be non-decreasing and at most T; values that are not are clamped
-// into [0, T] (wrong rows, never an access outside the tensors). Rows past the last
-// offset are neither read nor written. gate_up is interleaved (gate, up, gate, up, ...).
-// Every matrix is bfloat16 with its last dimension contiguous; the tensor-memory-access
-// (TMA) operands (x, w13, gate_up; grad_y, w2) need 16-byte aligned data and row strides
-// that are multiples of 8 elements.
-//
-// Forward: gate_up[rows of e] = x[rows of e] @ w13[e]^T and
-//          h = act(gate_up) * weights, computed from gate_up rounded to bfloat16 (as the
-//          unfused glu_forward reads it back), rounded once.
-//   x: [T, D]; w13: [num_experts * 2F, D], expert e's [2F, D] block at rows e * 2F
-//   (w13 as [E, 2F, D] with D contiguous, gate and up interleaved along 2F);
-//   weights: optional float32 [T]; gate_up: [T, 2F] and h: [T, F], written.
-Status moe_fused_forward(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
-                         int32_t num_experts, const int32_t* offsets, const VectorRef* weights,
-                         const MatrixRef& gate_up, const MatrixRef& h, void* stream = nullptr);
-
-// Backward: dh[rows of e] = grad_y[rows of e] @ w2[e]^T is computed and rounded to
-// bfloat16 (as the unfused path stores it) but never stored: the epilogue turns it into
-// grad_gate_up (glu_backward's gradient, interleaved; may be gate_up itself: in place)
-// and, when grad_weights is given, the weights' gradient (float32 row sums over the N
-// tiles, added with atomics: not bitwise reproducible run to run).
-//   grad_y: [T, D]; w2: [num_experts * F, D], expert e's [F, D] block at rows e * F
-//   (w2 as [E, F, D], D contiguous); gate_up: [T, 2F] from the forward;
-//   grad_weights: float32 [T] (given only with weights).
-Status moe_fused_backward(const GluParams& params, const MatrixRef& grad_y, const MatrixRef& w2,
-                          int32_t num_experts, const int32_t* offsets, const MatrixRef& gate_up,
-                          const VectorRef* weights, const MatrixRef& grad_gate_up,
-                          const VectorRef* grad_weights, void* stream = nullptr);
-
-// Whether this build has the fused grouped GEMMs (CUDA and the CUTLASS headers).
-bool has_fused_gemm();
+// The experimental fused grouped GEMMs of the expert MLP are declared apart, in
+// expertact/experimental/fused_gemm.h (namespace expertact::experimental).
 
 // The message of the last failed call on this thread ("" after a success).
 const char* last_error();

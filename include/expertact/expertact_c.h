@@ -131,31 +131,8 @@ EXPERTACT_API int32_t expertact_abi_version(void);
 EXPERTACT_API int32_t expertact_cpu_threads(void);
 EXPERTACT_API void expertact_set_cpu_threads(int32_t n);
 
-/* The expert MLP's grouped GEMMs with the activation fused into their epilogues
- * (expertact.hpp: moe_fused_forward / moe_fused_backward): Hopper GPUs, bfloat16, built
- * when CUTLASS was found (expertact_has_fused_gemm()); otherwise EXPERTACT_UNSUPPORTED.
- * offsets: int32 [E] on the tensors' CUDA device, the cumulative end row of each expert
- * (read on the device only). gate_up is interleaved (gate, up, gate, up, ...).
- * Forward: x [T, D]; w13 [E, 2F, D] (D contiguous, gate and up interleaved along 2F);
- * weights NULL or float32 [T]; gate_up [T, 2F] and h [T, F] are written. */
-EXPERTACT_API expertact_status expertact_moe_fused_forward(const expertact_params* params,
-                                                           const DLTensor* x, const DLTensor* w13,
-                                                           const DLTensor* offsets,
-                                                           const DLTensor* weights,
-                                                           DLTensor* gate_up, DLTensor* h,
-                                                           void* stream);
-
-/* Backward through the down GEMM and the activation: grad_y [T, D]; w2 [E, F, D]
- * (D contiguous); gate_up [T, 2F] from the forward; grad_gate_up [T, 2F] is written (it
- * may be gate_up itself: in place); grad_weights NULL, or float32 [T] when weights is
- * given. */
-EXPERTACT_API expertact_status expertact_moe_fused_backward(
-    const expertact_params* params, const DLTensor* grad_y, const DLTensor* w2,
-    const DLTensor* offsets, const DLTensor* gate_up, const DLTensor* weights,
-    DLTensor* grad_gate_up, DLTensor* grad_weights, void* stream);
-
-/* 1 if this build has the fused grouped GEMMs, else 0. */
-EXPERTACT_API int32_t expertact_has_fused_gemm(void);
+/* The experimental fused grouped GEMMs (expertact_moe_fused_*, expertact_has_fused_gemm)
+ * are declared apart, in expertact/experimental/fused_gemm.h. */
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,6 @@
-// The argument checks of the API boundary (src/api.cpp), shared by every entry point
-// (src/api_moe.cpp too): each returns kOk or fails with a message naming the argument
-// and its value.
+// The argument checks of the API boundary (defined in core/checks.cpp), shared by every
+// entry point (src/api.cpp, src/api_moe.cpp): each returns kOk or fails with a message
+// naming the argument and its value.
 #pragma once
 
 #include <cstdint>
@@ -33,8 +33,5 @@ bool may_overlap(const Extent& a, const Extent& b);
 bool same_view(const MatrixRef& a, const MatrixRef& b);
 Status check_no_overlap(const char* out_name, const Extent& out, const char* in_name,
                         const Extent& in);
-
-// Runs body(ctx), turning any exception into kInternal with its message.
-Status run_guarded(const char* what, Status (*body)(const void*), const void* ctx);
 
 }  // namespace expertact::detail

@@ -1,4 +1,4 @@
-// The elementwise math of SPEC section 1, written once as __host__ __device__
+// The elementwise math of docs/spec.md section 1, written once as __host__ __device__
 // float functions shared by the CPU and CUDA paths. Everything is branch-free
 // (selects, not fminf/fmaxf, which would turn NaN into the bound) so that the
 // CPU loops vectorize and NaN propagates exactly as in eager PyTorch.

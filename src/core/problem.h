@@ -47,7 +47,9 @@ struct BwdIO {
   int64_t dw_stride = 1;
 };
 
-// Launchers: called only with validated, non-empty problems (rows > 0, F > 0).
+// Launchers: called only with validated problems with rows > 0. The forward's have
+// F > 0; a backward's may have F == 0 with a weight gradient wanted (io.dw): it then only
+// zeroes that gradient (each row's sum is over no columns).
 Status cpu_forward(const GluProblem& p, const FwdOutput& o);
 Status cpu_backward(const GluProblem& p, const BwdIO& io);
 // float64 on the CPU (gradient checking): plain loops, float64 arithmetic.
@@ -56,9 +58,11 @@ Status cpu_backward_f64(const GluProblem& p, const BwdIO& io);
 #if EXPERTACT_WITH_CUDA
 Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream);
 Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream);
-// Zero-fills dw (rows elements, stride) on the problem's device: the weight
-// gradient of an F == 0 problem.
-Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride, void* stream);
 #endif
+
+// The weight gradient of an F == 0 backward in host memory: zero per row.
+inline void zero_weight_gradient_host(const GluProblem& p, const BwdIO& io) {
+  for (int64_t r = 0; r < p.rows; ++r) io.dw[r * io.dw_stride] = 0.0f;
+}
 
 }  // namespace expertact::detail

@@ -178,6 +178,10 @@ Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
 
 Status cpu_backward(const GluProblem& p, const BwdIO& io) {
   using namespace cpu;
+  if (p.F == 0) {
+    zero_weight_gradient_host(p, io);
+    return Status::kOk;
+  }
   const int d = static_cast<int>(p.dtype), a = static_cast<int>(p.params.act);
   if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
     return fail(Status::kInternal, "cpu_backward: dtype ", d, ", act ", a, ", step ", p.step);

@@ -59,6 +59,10 @@ Status cpu_forward_f64(const GluProblem& p, const FwdOutput& o) {
 }
 
 Status cpu_backward_f64(const GluProblem& p, const BwdIO& io) {
+  if (p.F == 0) {
+    zero_weight_gradient_host(p, io);
+    return Status::kOk;
+  }
   return dispatch_act(p.params.act, [&](auto act) {
     cpu::parallel_for(p.rows, 2 * p.F, [&](int64_t r0, int64_t r1) {
       bwd_rows<decltype(act)::value>(p, io, r0, r1);

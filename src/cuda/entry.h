@@ -10,22 +10,22 @@ namespace expertact::cuda {
 
 // Which kernels serve the calls whose operands all allow 16-byte packs and that
 // want no weight gradient (the others always take the row kernels or the
-// realigning kernels): the row kernels (glu_kernels.cuh), or the flat kernels
-// (glu_flat.cuh) in blocks of 256 or 128 threads, or per call (auto, below). A
-// tuning knob: EXPERTACT_CUDA_KERNEL=auto|rows|flat|flat128, read once per process
-// (glu_cuda.cu).
-enum class KernelChoice { kAuto, kRows, kFlat, kFlat128 };
-// Without the variable (docs/perf-notes.md, "Fourth session", run 1).
+// realigning kernels): the row kernels (glu_kernels.cuh), the flat kernels
+// (glu_flat.cuh), or per call (auto, below). A tuning knob:
+// EXPERTACT_CUDA_KERNEL=auto|rows|flat, read once per process (glu_cuda.cu).
+enum class KernelChoice { kAuto, kRows, kFlat };
+// Without the variable.
 constexpr KernelChoice kDefaultKernel = KernelChoice::kAuto;
 
-// What auto takes for one call, from the harness's A/B on the H200 (fourth
-// session, run 1): the flat kernels won everywhere at 16,384 x 1,536 (4-9% in
-// forward) and 65,536 x 1,536, and at the seed size (1,045,081 x 3,072) for the
-// presets without a limit (-1.1 to -1.9% forward, -0.4 to -0.8% backward, both
-// rounds), but (a) the interleaved forward there was 2-8% slower flat, and (b)
-// with a limit (swiglu_clamped, swiglu_oai) the flat kernels moved by up to 5%
-// between rounds at the seed size while the row kernels held 100.3-100.6% of the
-// copy floor: those two keep the row kernels above the sizes measured flat-better.
+// What auto takes for one call, from the A/B of rows against flat on the H200
+// (docs/perf-notes.md; bench/kernel_variants.cu): the flat kernels won everywhere
+// at 16,384 x 1,536 (4-9% in forward) and 65,536 x 1,536, and at the seed size
+// (1,045,081 x 3,072) for the presets without a limit (-1.1 to -1.9% forward, -0.4
+// to -0.8% backward, both rounds), but (a) the interleaved forward there was 2-8%
+// slower flat, and (b) with a limit (swiglu_clamped, swiglu_oai) the flat kernels
+// moved by up to 5% between rounds at the seed size while the row kernels held
+// 100.3-100.6% of the copy floor: those two keep the row kernels above the sizes
+// measured flat-better.
 inline KernelChoice resolve_auto(KernelChoice k, const detail::GluProblem& p, bool backward) {
   if (k != KernelChoice::kAuto) return k;
   const int64_t n = p.rows * p.F;

@@ -119,7 +119,7 @@ Status enter_and_check(int device, cuda::DeviceGuard& guard,
   return Status::kOk;
 }
 
-// EXPERTACT_CUDA_KERNEL (auto | rows | flat | flat128; unset: cuda::kDefaultKernel),
+// EXPERTACT_CUDA_KERNEL (auto | rows | flat; unset: cuda::kDefaultKernel),
 // read once per process. An unknown value fails every CUDA call, naming it,
 // rather than timing something other than what was asked for.
 Status kernel_choice(cuda::KernelChoice& k) {
@@ -136,15 +136,28 @@ Status kernel_choice(cuda::KernelChoice& k) {
     if (std::strcmp(env, "auto") == 0) r.k = cuda::KernelChoice::kAuto;
     else if (std::strcmp(env, "rows") == 0) r.k = cuda::KernelChoice::kRows;
     else if (std::strcmp(env, "flat") == 0) r.k = cuda::KernelChoice::kFlat;
-    else if (std::strcmp(env, "flat128") == 0) r.k = cuda::KernelChoice::kFlat128;
     else r.ok = false;
     return r;
   }();
   if (!parsed.ok)
     return fail(Status::kInvalidArgument, "EXPERTACT_CUDA_KERNEL=", parsed.value,
-                " is not one of auto, rows, flat, flat128");
+                " is not one of auto, rows, flat");
   k = parsed.k;
   return Status::kOk;
+}
+
+// The weight gradient of an F == 0 backward: zero per row (the only operand checked is
+// grad_weights, the only one touched).
+Status zero_weight_gradient(const GluProblem& p, const BwdIO& io, void* stream) {
+  float* dw = io.dw;
+  const int64_t n = p.rows, stride = io.dw_stride;
+  cuda::DeviceGuard guard(p.device_id);
+  EA_TRY(enter_and_check(p.device_id, guard, {{"grad_weights", dw}}));
+  const int threads = 256;
+  const int64_t blocks = (n + threads - 1) / threads;
+  fill_zero_kernel<<<static_cast<unsigned>(blocks), threads, 0,
+                     static_cast<cudaStream_t>(stream)>>>(dw, n, stride);
+  return cuda::cuda_check(cudaGetLastError(), "fill_zero kernel launch");
 }
 
 }  // namespace
@@ -169,6 +182,7 @@ Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
 }
 
 Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
+  if (p.F == 0) return zero_weight_gradient(p, io, stream);
   cuda::DeviceGuard guard(p.device_id);
   // Packed: up and grad_up lie inside the gate_up and grad_gate_up views.
   EA_TRY(enter_and_check(p.device_id, guard,
@@ -188,16 +202,6 @@ Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
     case DType::kBFloat16: return cuda::backward_bf16(p, io, k, st);
   }
   return fail(Status::kInternal, "cuda_backward: unexpected dtype ", static_cast<int>(p.dtype));
-}
-
-Status cuda_fill_zero(const GluProblem& p, float* dw, int64_t n, int64_t stride, void* stream) {
-  cuda::DeviceGuard guard(p.device_id);
-  EA_TRY(enter_and_check(p.device_id, guard, {{"grad_weights", dw}}));
-  const int threads = 256;
-  const int64_t blocks = (n + threads - 1) / threads;
-  fill_zero_kernel<<<static_cast<unsigned>(blocks), threads, 0,
-                           static_cast<cudaStream_t>(stream)>>>(dw, n, stride);
-  return cuda::cuda_check(cudaGetLastError(), "fill_zero kernel launch");
 }
 
 // The same entry for the other CUDA entry points (src/cuda/device.h).

@@ -1,4 +1,4 @@
-// The flat kernels: one thread per U packs of 16 bytes, the packs of all rows
+// The flat kernels: one thread per kFlatUnroll packs of 16 bytes, the packs of all rows
 // numbered in one sequence (pack q is row q / packs, column q % packs), no loop,
 // as DeepSpeed's Triton kernels (one 16-byte access per operand per thread, one
 // short-lived block per 2048 elements). For every 16-byte-pack case without a
@@ -18,6 +18,11 @@ namespace expertact::cuda {
 // proof needs every q < 2^31, q counted up to the grid's end). Larger problems
 // that are not one row (> 32 GiB per bf16 tensor) take the row kernels.
 constexpr int64_t kFlatDiv32Max = (int64_t{1} << 31) - 4096;
+
+// Packs per flat thread: 1, one 16-byte access per operand, as DeepSpeed's (2 won up
+// to 2% for swiglu and lost up to 11% for swiglu_oai at the seed size on the H200:
+// docs/perf-notes.md).
+constexpr int kFlatUnroll = 1;
 
 // Where flat pack q lives: its row and its column (in packs). kOneRow: one row
 // (the launcher merges contiguous rows): no division and no row offsets, any q.
@@ -114,20 +119,20 @@ __device__ __forceinline__ void bwd_flat(const KernelArgs<T>& a, const math::Coe
 // kNoLimit: limit = +inf at compile time (the launcher guarantees it). One row
 // (contiguous rows merged: rows == 1) takes a copy of the body without the
 // division and the row offsets (a uniform branch).
-template <typename T, Activation A, int kStep, bool kNoLimit, int U = 1>
+template <typename T, Activation A, int kStep, bool kNoLimit>
 __global__ void __launch_bounds__(256) glu_fwd_flat(const KernelArgs<T> a) {
   const math::Coeffs nl = unlimited(a.c);
   const math::Coeffs& c = kNoLimit ? nl : a.c;
-  if (a.rows == 1) fwd_flat<true, T, A, kStep, U>(a, c);
-  else fwd_flat<false, T, A, kStep, U>(a, c);
+  if (a.rows == 1) fwd_flat<true, T, A, kStep, kFlatUnroll>(a, c);
+  else fwd_flat<false, T, A, kStep, kFlatUnroll>(a, c);
 }
 
-template <typename T, Activation A, int kStep, bool kNoLimit, int U = 1>
+template <typename T, Activation A, int kStep, bool kNoLimit>
 __global__ void __launch_bounds__(256) glu_bwd_flat(const KernelArgs<T> a) {
   const math::Coeffs nl = unlimited(a.c);
   const math::Coeffs& c = kNoLimit ? nl : a.c;
-  if (a.rows == 1) bwd_flat<true, T, A, kStep, U>(a, c);
-  else bwd_flat<false, T, A, kStep, U>(a, c);
+  if (a.rows == 1) bwd_flat<true, T, A, kStep, kFlatUnroll>(a, c);
+  else bwd_flat<false, T, A, kStep, kFlatUnroll>(a, c);
 }
 
 }  // namespace expertact::cuda

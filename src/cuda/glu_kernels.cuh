@@ -184,11 +184,13 @@ __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
 }
 
 // The per-call constants with limit = +inf and has_limit = false as
-// compile-time constants: for the calls without a limit (swiglu, geglu_tanh)
-// the clamps (x > inf is false for every x, NaN included) and the gradient
-// masks then fold away, with the same results as the run-time test. Kernels
-// take `kNoLimit ? unlimited(a.c) : a.c` by reference (a copy of a.c costs
-// instructions in some kernels: its fields leave the constant bank).
+// compile-time constants, for the flat kernels' calls without a limit (swiglu,
+// geglu_tanh; glu_flat.cuh): the clamps (x > inf is false for every x, NaN
+// included) and the gradient masks then fold away, with the same results as the
+// run-time test. Kernels take `kNoLimit ? unlimited(a.c) : a.c` by reference (a
+// copy of a.c costs instructions in some kernels: its fields leave the constant
+// bank). The row kernels take a.c as it is: the same specialisation measured no
+// faster there (docs/perf-notes.md).
 __device__ __forceinline__ math::Coeffs unlimited(const math::Coeffs& c) {
   return math::Coeffs{c.alpha, __int_as_float(0x7f800000), c.beta, false};
 }
@@ -203,20 +205,6 @@ __device__ __forceinline__ void load_tile(const T* g, const T* u, int64_t p0, in
     if (p < end) load_raw<T, V, kStep>(g, u, p, in[k]);
   }
 }
-template <typename T, int V, int kStep, int U>
-__device__ __forceinline__ void load_tile(const T* g, const T* u, const T* dy, int64_t p0, int G,
-                                          int64_t end, GuPack<T, V, kStep> (&in)[U],
-                                          Pack<T, V> (&d)[U]) {
-#pragma unroll
-  for (int k = 0; k < U; ++k) {
-    const int64_t p = p0 + static_cast<int64_t>(k) * G;
-    if (p < end) {
-      load_raw<T, V, kStep>(g, u, p, in[k]);
-      d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
-    }
-  }
-}
-
 template <typename T, Activation A, int kStep, int V, int U>
 __device__ __forceinline__ void fwd_tile(const GuPack<T, V, kStep> (&in)[U], T* out, int64_t p0,
                                          int G, int64_t end, float w, const math::Coeffs& c) {
@@ -254,47 +242,28 @@ __device__ __forceinline__ void bwd_tile(const GuPack<T, V, kStep> (&in)[U],
   }
 }
 
-// U packs per lane per step: their loads are all issued before the first use,
-// so each lane keeps U * (2 or 3) accesses in flight.
-// kNoLimit: limit = +inf as a compile-time constant (the caller guarantees it).
-// kPipe: the next tile's loads are issued before this tile's math and stores
-// (2U packs per lane in flight while computing); in place stays safe, as the
-// two tiles of a lane are different packs and no pack belongs to two lanes.
-// The library instantiates kNoLimit = kPipe = false (bench/kernel_variants.cu
-// measures the others).
-template <typename T, Activation A, int kStep, bool kW, int V,
-          int U = fwd_unroll_for(sizeof(T) * V * kStep), bool kNoLimit = false, bool kPipe = false>
+// U packs per lane per step (fwd_unroll_for / bwd_unroll_for): their loads are
+// all issued before the first use, so each lane keeps U * (2 or 3) accesses in
+// flight.
+template <typename T, Activation A, int kStep, bool kW, int V>
 __global__ void __launch_bounds__(256) glu_fwd_kernel(const KernelArgs<T> a, int G) {
+  constexpr int U = fwd_unroll_for(sizeof(T) * V * kStep);
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   if (s.row >= a.rows) return;
   const auto [g, u, out, w] = fwd_row<T, kW>(a, s.row);
-  const math::Coeffs nl = unlimited(a.c);
-  const math::Coeffs& c = kNoLimit ? nl : a.c;
-  if constexpr (kPipe) {
+  for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
     GuPack<T, V, kStep> in[U];
-    if (s.first < s.end) load_tile<T, V, kStep, U>(g, u, s.first, G, s.end, in);
-    for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
-      GuPack<T, V, kStep> next[U];
-      if (p0 + s.step < s.end) load_tile<T, V, kStep, U>(g, u, p0 + s.step, G, s.end, next);
-      fwd_tile<T, A, kStep, V, U>(in, out, p0, G, s.end, w, c);
-#pragma unroll
-      for (int k = 0; k < U; ++k) in[k] = next[k];
-    }
-  } else {
-    for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
-      GuPack<T, V, kStep> in[U];
-      load_tile<T, V, kStep, U>(g, u, p0, G, s.end, in);
-      fwd_tile<T, A, kStep, V, U>(in, out, p0, G, s.end, w, c);
-    }
+    load_tile<T, V, kStep, U>(g, u, p0, G, s.end, in);
+    fwd_tile<T, A, kStep, V, U>(in, out, p0, G, s.end, w, a.c);
   }
 }
 
 // dg/du may be g/u themselves (in-place): every lane loads its packs before it
 // stores them and no pack is touched by two lanes, so plain loads (not the
 // read-only path) are used and nothing is marked __restrict__.
-template <typename T, Activation A, int kStep, bool kW, bool kDW, int V,
-          int U = bwd_unroll_for(sizeof(T) * V * kStep), bool kNoLimit = false, bool kPipe = false>
+template <typename T, Activation A, int kStep, bool kW, bool kDW, int V>
 __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int G) {
+  constexpr int U = bwd_unroll_for(sizeof(T) * V * kStep);
   const RowSpan s = row_span<U>(G, a.packs, a.splits);
   // Rows past the end still take part in the group reduction below (groups of
   // G < 32 lanes share a warp), so they only skip the loads and stores.
@@ -302,41 +271,22 @@ __global__ void __launch_bounds__(256) glu_bwd_kernel(const KernelArgs<T> a, int
   if (!kDW && !live) return;
   const int64_t row = live ? s.row : 0;
   const auto [g, u, dy, dg, du, w] = bwd_row<T, kW>(a, row);
-  const math::Coeffs nl = unlimited(a.c);
-  const math::Coeffs& c = kNoLimit ? nl : a.c;
   float acc = 0.0f;
   const int64_t end = live ? s.end : 0;
-  if constexpr (kPipe) {
+  for (int64_t p0 = s.first; p0 < end; p0 += s.step) {
     GuPack<T, V, kStep> in[U];
     Pack<T, V> d[U];
-    if (s.first < end) load_tile<T, V, kStep, U>(g, u, dy, s.first, G, end, in, d);
-    for (int64_t p0 = s.first; p0 < end; p0 += s.step) {
-      GuPack<T, V, kStep> next[U];
-      Pack<T, V> dnext[U];
-      if (p0 + s.step < end) load_tile<T, V, kStep, U>(g, u, dy, p0 + s.step, G, end, next, dnext);
-      bwd_tile<T, A, kStep, kDW, V, U>(in, d, dg, du, p0, G, end, w, c, acc);
+    // Written out rather than a helper like load_tile: through one, nvcc 13.0 laid
+    // out the interleaved one-element kernel differently (+72 instructions).
 #pragma unroll
-      for (int k = 0; k < U; ++k) {
-        in[k] = next[k];
-        d[k] = dnext[k];
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < end) {
+        load_raw<T, V, kStep>(g, u, p, in[k]);
+        d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
       }
     }
-  } else {
-    for (int64_t p0 = s.first; p0 < end; p0 += s.step) {
-      GuPack<T, V, kStep> in[U];
-      Pack<T, V> d[U];
-      // Written out rather than load_tile: through the helper nvcc 13.0 laid
-      // out the interleaved one-element kernel differently (+72 instructions).
-#pragma unroll
-      for (int k = 0; k < U; ++k) {
-        const int64_t p = p0 + static_cast<int64_t>(k) * G;
-        if (p < end) {
-          load_raw<T, V, kStep>(g, u, p, in[k]);
-          d[k] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
-        }
-      }
-      bwd_tile<T, A, kStep, kDW, V, U>(in, d, dg, du, p0, G, end, w, c, acc);
-    }
+    bwd_tile<T, A, kStep, kDW, V, U>(in, d, dg, du, p0, G, end, w, a.c, acc);
   }
   if constexpr (kDW) {
     // Sum over the G lanes of the group (xor shuffles stay inside aligned groups).

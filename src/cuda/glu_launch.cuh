@@ -65,7 +65,7 @@ struct LaunchShape {
   int64_t blocks = 1;
 };
 
-// Measured on the H200 (docs/perf-notes.md, bench/kernel_variants.cu): blocks
+// Measured on the H200 (docs/perf-notes.md): blocks
 // of 128 threads; 32 lanes per row (a 3072-wide bf16 row is then 12 packs per
 // lane; 64 lanes were 5-15% slower); when rows alone leave the GPU underfilled,
 // the row goes to whole blocks, one tile of G * U packs per block.
@@ -198,19 +198,20 @@ bool use_flat(KernelChoice k, int step, int V, bool row_sum) {
   return k != KernelChoice::kRows && !row_sum && V == static_cast<int>(16 / sizeof(T)) / step;
 }
 
-// Packs per flat thread (1: one 16-byte access per operand, as DeepSpeed's).
-constexpr int kFlatUnroll = 1;
+// Blocks of 256 threads: 128 gained nothing beyond the round-to-round spread on
+// the H200 at the seed size where flat is the choice (within 0.3% for swiglu; as
+// unsteady as 256 with a limit; docs/perf-notes.md).
+constexpr int kFlatThreads = 256;
 
 // Fills the flat numbering of rows x packs; false (take the row kernels) when
 // the grid would pass 2^31 - 1 blocks, or several rows hold more packs than the
 // 32-bit division allows.
 template <typename T>
-bool flat_shape(KernelArgs<T>& a, int64_t rows, int64_t packs, KernelChoice k, LaunchShape& s,
-                int U = kFlatUnroll) {
-  s.threads = k == KernelChoice::kFlat128 ? 128 : 256;
+bool flat_shape(KernelArgs<T>& a, int64_t rows, int64_t packs, LaunchShape& s) {
+  s.threads = kFlatThreads;
   a.packs = packs;
   a.total = rows * packs;
-  const int64_t per_block = static_cast<int64_t>(s.threads) * U;
+  const int64_t per_block = static_cast<int64_t>(s.threads) * kFlatUnroll;
   s.blocks = (a.total + per_block - 1) / per_block;
   if (s.blocks > 0x7fffffff || (rows > 1 && a.total > kFlatDiv32Max)) return false;
   if (rows > 1) a.pdiv = math::div_magic(static_cast<uint32_t>(packs));
@@ -228,9 +229,9 @@ Status launch_flat(const detail::GluProblem& p, const KernelArgs<T>& a, const La
         constexpr bool kNoLimit = decltype(nl)::value;
         const unsigned blocks = static_cast<unsigned>(s.blocks);
         if constexpr (kFwd)
-          glu_fwd_flat<T, A, kStep, kNoLimit, kFlatUnroll><<<blocks, s.threads, 0, st>>>(a);
+          glu_fwd_flat<T, A, kStep, kNoLimit><<<blocks, s.threads, 0, st>>>(a);
         else
-          glu_bwd_flat<T, A, kStep, kNoLimit, kFlatUnroll><<<blocks, s.threads, 0, st>>>(a);
+          glu_bwd_flat<T, A, kStep, kNoLimit><<<blocks, s.threads, 0, st>>>(a);
         return Status::kOk;
       });
     });
@@ -257,7 +258,7 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, Kern
   const bool weighted = p.w != nullptr;
   Status r = Status::kOk;
   LaunchShape fs;
-  if (use_flat<T>(k, p.step, V, false) && flat_shape(a, rows, F / V, k, fs)) {
+  if (use_flat<T>(k, p.step, V, false) && flat_shape(a, rows, F / V, fs)) {
     r = launch_flat<T, true>(p, a, fs, st);
   } else if (use_realign<T>(p.step, V)) {
     const LaunchShape s = realign_shape(a, false, p.device_id);
@@ -313,7 +314,7 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, Kernel
   const bool row_sum = weighted && io.dw != nullptr;
   Status r = Status::kOk;
   LaunchShape fs;
-  if (use_flat<T>(k, p.step, V, row_sum) && flat_shape(a, rows, F / V, k, fs)) {
+  if (use_flat<T>(k, p.step, V, row_sum) && flat_shape(a, rows, F / V, fs)) {
     r = launch_flat<T, false>(p, a, fs, st);
   } else if (use_realign<T>(p.step, V)) {
     const LaunchShape s = realign_shape(a, row_sum, p.device_id);

@@ -277,15 +277,15 @@ __device__ __forceinline__ void put_walk(T* y, int d, const Words& m, bool on, b
   }
 }
 
-// Measured on the H200 at 65,536 x 2,881 bf16 halves (bench/kernel_variants.cu,
-// docs/perf-notes.md): blocks of 128 threads, one pack per lane in flight,
-// and an L2 prefetch kAhead tiles ahead: 1 in forward, 2 in backward (2 was
-// 0.7% slower in forward, 1 was 2% slower in backward; 3 slower in both). A
-// tighter register cap (kMinB = 3 blocks of 256 threads per SM) spilled and
-// was 20% slower in backward.
-template <typename T, Activation A, bool kW, int kMinB = 1, int kAhead = 1>
-__global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T> a, int G) {
+// Measured on the H200 at 65,536 x 2,881 bf16 halves (docs/perf-notes.md):
+// blocks of 128 threads, one pack per lane in flight, and an L2 prefetch kAhead
+// tiles ahead: 1 in forward, 2 in backward (2 was 0.7% slower in forward, 1 was
+// 2% slower in backward; 3 slower in both). A tighter register cap (3 blocks of
+// 256 threads per SM) spilled and was 20% slower in backward.
+template <typename T, Activation A, bool kW>
+__global__ void __launch_bounds__(256) glu_fwd_realign(const KernelArgs<T> a, int G) {
   constexpr int V = 16 / sizeof(T);
+  constexpr int kAhead = 1;
   const RowSpan s = row_span<1>(G, a.packs, a.splits);
   const bool live = s.row < a.rows;
   const auto [g, u, out, w] = fwd_row<T, kW>(a, live ? s.row : 0);
@@ -325,9 +325,10 @@ __global__ void __launch_bounds__(256, kMinB) glu_fwd_realign(const KernelArgs<T
 
 // Anchor: grad_gate. In place (grad_gate = gate, grad_up = up) gate is then
 // aligned as well.
-template <typename T, Activation A, bool kW, bool kDW, int kMinB = 1, int kAhead = 2>
-__global__ void __launch_bounds__(256, kMinB) glu_bwd_realign(const KernelArgs<T> a, int G) {
+template <typename T, Activation A, bool kW, bool kDW>
+__global__ void __launch_bounds__(256) glu_bwd_realign(const KernelArgs<T> a, int G) {
   constexpr int V = 16 / sizeof(T);
+  constexpr int kAhead = 2;
   const RowSpan s = row_span<1>(G, a.packs, a.splits);
   const bool live = s.row < a.rows;
   const int64_t row = live ? s.row : 0;

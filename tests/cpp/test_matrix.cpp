@@ -1,7 +1,8 @@
-// Coverage matrix (STYLE habit 10): every preset x layout x dtype at a few
-// sizes, forward / backward / in-place backward, with and without weights;
-// then every size of the boundary list, on each layout and dtype, for a
-// clamped preset with an offset (swiglu_oai) and an unclamped one (geglu_tanh).
+// Coverage matrix (every combination, so that no pair of options goes untested):
+// every preset x layout x dtype at a few sizes, forward / backward / in-place
+// backward, with and without weights; then every size of the boundary list, on
+// each layout and dtype, for a clamped preset with an offset (swiglu_oai) and an
+// unclamped one (geglu_tanh).
 #include <gtest/gtest.h>
 
 #include <string>

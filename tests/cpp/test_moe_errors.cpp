@@ -11,10 +11,13 @@
 #include <initializer_list>
 #include <string>
 
+#include "expertact/experimental/fused_gemm.h"
 #include "expertact/expertact.hpp"
 #include "expertact/expertact_c.h"
 
 namespace {
+
+namespace fused = expertact::experimental;
 
 using expertact::DType;
 using expertact::MatrixRef;
@@ -44,7 +47,7 @@ struct Fwd {
   int32_t E = 2;
   const int32_t* offsets = static_cast<const int32_t*>(fake(5));
   Status call() {
-    return expertact::moe_fused_forward(params, x, w13, E, offsets, nullptr, gu, h);
+    return fused::moe_fused_forward(params, x, w13, E, offsets, nullptr, gu, h);
   }
 };
 
@@ -55,8 +58,8 @@ struct Bwd {
   VectorRef w, dw;
   bool with_w = false, with_dw = false;
   Status call() {
-    return expertact::moe_fused_backward(params, dy, w2, 2, static_cast<const int32_t*>(fake(5)),
-                                         gu, with_w ? &w : nullptr, dgu, with_dw ? &dw : nullptr);
+    return fused::moe_fused_backward(params, dy, w2, 2, static_cast<const int32_t*>(fake(5)), gu,
+                                      with_w ? &w : nullptr, dgu, with_dw ? &dw : nullptr);
   }
 };
 
@@ -131,7 +134,7 @@ TEST(MoeFusedErrors, BackwardChecks) {
 }
 
 TEST(MoeFusedErrors, BuildWithoutCutlassSaysSo) {
-  if (expertact::has_fused_gemm()) GTEST_SKIP() << "this build has the fused GEMMs";
+  if (fused::has_fused_gemm()) GTEST_SKIP() << "this build has the fused GEMMs";
   Fwd f;
   expect_refused(f.call(), Status::kUnsupported, "no fused grouped GEMM");
 }
@@ -152,7 +155,7 @@ struct DL {
 };
 
 TEST(MoeFusedErrors, CAbiOffsetsAndExperts) {
-  EXPECT_EQ(expertact_has_fused_gemm(), expertact::has_fused_gemm() ? 1 : 0);
+  EXPECT_EQ(expertact_has_fused_gemm(), fused::has_fused_gemm() ? 1 : 0);
   expertact_params p{};
   ASSERT_EQ(expertact_preset("swiglu", NAN, NAN, &p), 0);
   const DLDataType bf16{kDLBfloat, 16, 1}, i32{kDLInt, 32, 1}, i64{kDLInt, 64, 1};

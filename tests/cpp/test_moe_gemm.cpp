@@ -1,4 +1,4 @@
-// The fused grouped GEMMs (expertact.hpp: moe_fused_forward / moe_fused_backward) on a
+// The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h) on a
 // Hopper GPU against float64 references: odd expert sizes (empty experts, one row),
 // D and F not multiples of the 128 x 256 x 64 tile, padding rows past the last offset,
 // every activation form, with and without weights, in place and not. Skips without a
@@ -23,10 +23,13 @@
 #include <utility>
 #include <vector>
 
+#include "expertact/experimental/fused_gemm.h"
 #include "support/harness.h"
 
 namespace eat {
 namespace {
+
+namespace fused = expertact::experimental;
 
 using expertact::MatrixRef;
 using expertact::VectorRef;
@@ -110,7 +113,7 @@ class MoeFused : public testing::TestWithParam<MoeCase> {};
 
 TEST_P(MoeFused, MatchesFloat64References) {
   EAT_REQUIRE_BACKEND(BackendKind::kCuda);
-  if (!expertact::has_fused_gemm()) GTEST_SKIP() << "built without the fused GEMMs (no CUTLASS)";
+  if (!fused::has_fused_gemm()) GTEST_SKIP() << "built without the fused GEMMs (no CUTLASS)";
   const MoeCase& mc = GetParam();
   Backend& be = backend(BackendKind::kCuda);
   const GluParams params = preset(mc.preset).params;
@@ -174,9 +177,9 @@ TEST_P(MoeFused, MatchesFloat64References) {
 
   VectorRef vw = vec(bw, T), vdw = vec(bdw, T);
   const int32_t* offs = reinterpret_cast<const int32_t*>(boff.b.data());
-  Status st = expertact::moe_fused_forward(params, mat(bx, T, D), mat(bw13, E * N2, D), E, offs,
-                                           mc.weights ? &vw : nullptr, mat(bgu, T, N2),
-                                           mat(bh, T, F, kBf16, ldh), be.stream());
+  Status st = fused::moe_fused_forward(params, mat(bx, T, D), mat(bw13, E * N2, D), E, offs,
+                                       mc.weights ? &vw : nullptr, mat(bgu, T, N2),
+                                       mat(bh, T, F, kBf16, ldh), be.stream());
   be.finish("moe_fused_forward");
   if (st == Status::kUnsupported) GTEST_SKIP() << expertact::last_error();
   ASSERT_EQ(st, Status::kOk) << expertact::last_error();
@@ -214,9 +217,10 @@ TEST_P(MoeFused, MatchesFloat64References) {
   for (int64_t i = 0; i < T * N2; ++i) gu_host[i] = bgu.bf16(i);
   Buf& out = mc.inplace ? bgu : bdgu;
   const int64_t ld_out = mc.inplace ? N2 : ldo;
-  st = expertact::moe_fused_backward(params, mat(bdy, T, D), mat(bw2, E * F, D), E, offs,
-                                     mat(bgu, T, N2), mc.weights ? &vw : nullptr, mat(out, T, N2, kBf16, ld_out),
-                                     mc.weights ? &vdw : nullptr, be.stream());
+  st = fused::moe_fused_backward(params, mat(bdy, T, D), mat(bw2, E * F, D), E, offs,
+                                 mat(bgu, T, N2), mc.weights ? &vw : nullptr,
+                                 mat(out, T, N2, kBf16, ld_out), mc.weights ? &vdw : nullptr,
+                                 be.stream());
   be.finish("moe_fused_backward");
   ASSERT_EQ(st, Status::kOk) << expertact::last_error();
   out.b.download();

@@ -77,7 +77,7 @@ TEST(Numeric, UlpAndNeighbours) {
 
 // ---- the oracle against values worked out by hand
 
-// Reference values from a 30-digit evaluation (mpmath) of SPEC's formulas.
+// Reference values from a 30-digit evaluation (mpmath) of the formulas of docs/spec.md section 1.
 TEST(Oracle, ScalarActivations) {
   EXPECT_NEAR(oracle_silu(1.0, 1.0), 0.731058578630004879251159, 1e-15);
   EXPECT_NEAR(oracle_silu(-2.0, 1.702), -2.0 / (1.0 + std::exp(3.404)), 1e-15);

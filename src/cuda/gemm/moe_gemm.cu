@@ -1,9 +1,11 @@
-// The fused grouped GEMMs' entry behind the C++ API: enter the tensors' device, prove
-// every pointer is its memory and that it is a Hopper GPU (the kernels are sm_90a machine
-// code only), zero the weight gradient the backward accumulates, dispatch on activation
-// and schedule.
+// The experimental fused grouped GEMMs' launchers behind the API boundary: fill the
+// kernels' parameters from the validated views, enter the tensors' device, prove every
+// pointer is its memory and that it is a Hopper GPU (the kernels are sm_90a machine code
+// only), zero the weight gradient the backward accumulates, dispatch on activation and
+// schedule.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -101,23 +103,6 @@ Status schedule_choice(Schedule& out) {
   return Status::kOk;
 }
 
-// EXPERTACT_FUSED_PROBE (diagnostic builds only, EXPERTACT_FUSED_PROBES): gemm | nostore |
-// unset; see moe_gemm_sm90.cuh's Probe. Read once per process.
-int probe_choice() {
-#if EXPERTACT_FUSED_PROBES
-  static const int p = [] {
-    const char* env = std::getenv("EXPERTACT_FUSED_PROBE");
-    if (env == nullptr) return 0;
-    if (std::strcmp(env, "gemm") == 0) return 1;
-    if (std::strcmp(env, "nostore") == 0) return 2;
-    return 0;
-  }();
-  return p;
-#else
-  return 0;
-#endif
-}
-
 bool aligned(const void* ptr, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
@@ -145,26 +130,81 @@ Status dispatch(Activation act, Run&& run) {
   });
 }
 
+math::Coeffs coeffs_of(const GluParams& p) {
+  return math::Coeffs{p.alpha, p.limit, p.beta, std::isfinite(p.limit)};
+}
+
 }  // namespace
 
-Status fused_forward(Activation act, const GroupedShape& s, const FwdEpilogueParams& p,
-                     void* stream) {
+Status fused_forward(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
+                     int32_t num_experts, const int32_t* offsets, const VectorRef* weights,
+                     const MatrixRef& gate_up, const MatrixRef& h, void* stream) {
+  const int64_t F = gate_up.cols / 2;
+  GroupedShape s;
+  s.E = num_experts;
+  s.T = x.rows;
+  s.N = 2 * F;
+  s.K = x.cols;
+  s.a = x.data;
+  s.lda = x.row_stride;
+  s.b = w13.data;
+  s.ldb = w13.row_stride;
+  s.ldb_e = 2 * F * w13.row_stride;
+  s.d = gate_up.data;
+  s.ldd = gate_up.row_stride;
+  s.device = x.device_id;
+  FwdEpilogueParams p;
+  p.h = static_cast<__nv_bfloat16*>(h.data);
+  p.ldh = h.row_stride;
+  p.offsets = offsets;
+  p.T = x.rows;
+  p.w = weights ? weights->data : nullptr;
+  p.w_stride = weights ? weights->stride : 1;
+  p.coeffs = coeffs_of(params);
+  p.h_vec8 = aligned(p.h, 8) && p.ldh % 4 == 0;
+
   cuda::DeviceGuard guard(s.device);
   EA_TRY(::expertact::detail::enter_operands(
       s.device, guard,
       {{"x", s.a}, {"w13", s.b}, {"offsets", p.offsets}, {"weights", p.w}, {"gate_up", s.d},
        {"h", p.h}}));
   EA_TRY(check_hopper(s.device));
-  FwdEpilogueParams q = p;
-  q.h_vec8 = aligned(p.h, 8) && p.ldh % 4 == 0;
-  q.probe = probe_choice();
-  return dispatch(act, [&](auto a, auto sch) {
-    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, q, stream);
+  return dispatch(params.act, [&](auto a, auto sch) {
+    return detail::fwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
   });
 }
 
-Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
-                      void* stream) {
+Status fused_backward(const GluParams& params, const MatrixRef& grad_y, const MatrixRef& w2,
+                      int32_t num_experts, const int32_t* offsets, const MatrixRef& gate_up,
+                      const VectorRef* weights, const MatrixRef& grad_gate_up,
+                      const VectorRef* grad_weights, void* stream) {
+  const int64_t F = gate_up.cols / 2;
+  GroupedShape s;
+  s.E = num_experts;
+  s.T = grad_y.rows;
+  s.N = F;
+  s.K = grad_y.cols;
+  s.a = grad_y.data;
+  s.lda = grad_y.row_stride;
+  s.b = w2.data;
+  s.ldb = w2.row_stride;
+  s.ldb_e = F * w2.row_stride;
+  s.device = grad_y.device_id;
+  BwdEpilogueParams p;
+  p.gate_up = static_cast<const __nv_bfloat16*>(gate_up.data);
+  p.ld_gu = gate_up.row_stride;
+  p.dgate_up = static_cast<__nv_bfloat16*>(grad_gate_up.data);
+  p.ld_dgu = grad_gate_up.row_stride;
+  p.offsets = offsets;
+  p.T = grad_y.rows;
+  p.w = weights ? weights->data : nullptr;
+  p.w_stride = weights ? weights->stride : 1;
+  p.dw = grad_weights ? grad_weights->data : nullptr;
+  p.dw_stride = grad_weights ? grad_weights->stride : 1;
+  p.coeffs = coeffs_of(params);
+  p.vec8 = aligned(p.gate_up, 8) && aligned(p.dgate_up, 8) && p.ld_gu % 4 == 0 &&
+           p.ld_dgu % 4 == 0;
+
   cuda::DeviceGuard guard(s.device);
   EA_TRY(::expertact::detail::enter_operands(
       s.device, guard,
@@ -184,11 +224,8 @@ Status fused_backward(Activation act, const GroupedShape& s, const BwdEpiloguePa
     }
   }
   if (s.N == 0) return Status::kOk;  // F == 0: the zeroed weight gradient is the whole answer
-  BwdEpilogueParams q = p;
-  q.vec8 = aligned(p.gate_up, 8) && aligned(p.dgate_up, 8) && p.ld_gu % 4 == 0 && p.ld_dgu % 4 == 0;
-  q.probe = probe_choice();
-  return dispatch(act, [&](auto a, auto sch) {
-    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, q, stream);
+  return dispatch(params.act, [&](auto a, auto sch) {
+    return detail::bwd<decltype(a)::value, decltype(sch)::value>(s, p, stream);
   });
 }
 

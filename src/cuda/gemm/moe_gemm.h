@@ -1,6 +1,6 @@
-// The fused grouped GEMMs' parameters and launchers (src/cuda/gemm/*.cu, built when
-// CUTLASS is found: EXPERTACT_WITH_CUTLASS), with no CUTLASS type in sight, so that
-// the API boundary (src/api_moe.cpp) includes it as plain C++.
+// The experimental fused grouped GEMMs' launchers and kernel parameters (src/cuda/gemm/,
+// built when CUTLASS is found: EXPERTACT_WITH_CUTLASS), with no CUTLASS type in sight, so
+// that the API boundary (src/api_moe.cpp) includes it as plain C++.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,6 @@ struct FwdEpilogueParams {
   // Set by the launcher: h 8-byte aligned with ldh % 4 == 0, so that the four lanes that
   // share a row write it as one 8-byte store each (else one 2-byte store per element).
   bool h_vec8 = false;
-  int probe = 0;  // diagnostic builds only (EXPERTACT_FUSED_PROBES): see probe_choice()
 };
 
 struct BwdEpilogueParams {
@@ -43,7 +42,6 @@ struct BwdEpilogueParams {
   // multiples of 4 elements, so that two adjacent elements' (gate, up) pairs move as one
   // 8-byte load and store (else 4 bytes each).
   bool vec8 = false;
-  int probe = 0;
 };
 
 // One grouped GEMM over E experts: A [T, K] row-major (row stride lda), B [E, N, K]
@@ -63,13 +61,18 @@ struct GroupedShape {
   int device = 0;
 };
 
-// Launchers: validated, non-empty problems only (E >= 1, N, K >= 1). The forward
-// stores gate_up (s.d) and h; the backward stores dgate_up (never dh) and, when
-// p.dw is set, zeroes and accumulates the weight gradient.
-Status fused_forward(Activation act, const GroupedShape& s, const FwdEpilogueParams& p,
-                     void* stream);
-Status fused_backward(Activation act, const GroupedShape& s, const BwdEpilogueParams& p,
-                      void* stream);
+// Launchers, over the operands as the API boundary validated them (src/api_moe.cpp;
+// the argument meanings of expertact/experimental/fused_gemm.h): T > 0, num_experts >= 1,
+// and F > 0 for the forward; a backward with F == 0 has grad_weights and only zeroes it.
+// They fill the kernels' parameters below. The forward stores gate_up and h; the backward
+// stores grad_gate_up (never dh) and, when grad_weights is given, zeroes and accumulates it.
+Status fused_forward(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
+                     int32_t num_experts, const int32_t* offsets, const VectorRef* weights,
+                     const MatrixRef& gate_up, const MatrixRef& h, void* stream);
+Status fused_backward(const GluParams& params, const MatrixRef& grad_y, const MatrixRef& w2,
+                      int32_t num_experts, const int32_t* offsets, const MatrixRef& gate_up,
+                      const VectorRef* weights, const MatrixRef& grad_gate_up,
+                      const VectorRef* grad_weights, void* stream);
 
 // The kernels' schedules (src/cuda/gemm/moe_gemm_sm90.cuh): which are built is a CMake
 // list (EXPERTACT_CUTLASS_SCHEDULES); EXPERTACT_FUSED_SCHEDULE picks one at run time.

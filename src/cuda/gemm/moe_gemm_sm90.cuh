@@ -37,24 +37,6 @@ __device__ __forceinline__ float round_bf16(float v) {
   return __bfloat162float(__float2bfloat16_rn(v));
 }
 
-// Diagnostic builds (CMake EXPERTACT_FUSED_PROBES=ON, scripts/cutlass_device.sh pack) time the
-// kernels with parts of the epilogue left out (EXPERTACT_FUSED_PROBE, read by the launcher):
-// kGemm does no epilogue work at all (h / dgate_up are not written: the GEMM's own cost),
-// kNoStore does the loads and the math but stores nothing. Other builds compile them out.
-enum Probe : int { kProbeNone = 0, kProbeGemm = 1, kProbeNoStore = 2 };
-CUTLASS_HOST_DEVICE int probe_of(int p) {
-#if EXPERTACT_FUSED_PROBES
-  return p;
-#else
-  (void)p;
-  return kProbeNone;
-#endif
-}
-// A store kept under kNoStore only for a value no input gives, so that the math stays.
-CUTLASS_DEVICE bool store_wanted(int probe, uint32_t bits) {
-  return probe != kProbeNoStore || bits == 0x7fc0dead;
-}
-
 // The forward's h stores as 8 bytes. A row of a 64 or 128 x 32 epilogue subtile is spread
 // over the 4 lanes of a quad (lane % 4 = t): lane t holds the row's pairs at gate_up columns
 // base + 8g + 2t (g = 0..3), so its 4 h values sit at h columns H + 4g + t (H = base / 2),
@@ -192,8 +174,6 @@ struct GluFwdCallbacks : CallbacksBase<GluFwdCallbacks<A>, FwdEpilogueParams> {
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
       static_assert(FragmentSize % 2 == 0, "a fragment must hold whole (gate, up) pairs");
       constexpr int P = FragmentSize / 2;
-      const int probe = probe_of(p.probe);
-      if (probe == kProbeGemm) return acc;
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
       const int base = epi_v * FragmentSize;
       float wt[P];
@@ -225,7 +205,7 @@ struct GluFwdCallbacks : CallbacksBase<GluFwdCallbacks<A>, FwdEpilogueParams> {
             // The chunk starts at gate_up column n + 6t (h column n / 2 + 3t); N % 8 == 0,
             // so a chunk is inside the problem or wholly past it.
             const auto chunk = make_coord(get<0>(rc), get<1>(rc) + 6 * t);
-            if (elem_less(chunk, residue) && store_wanted(probe, out.x)) {
+            if (elem_less(chunk, residue)) {
               const int64_t m = m0 + get<0>(rc);
               const int64_t hc = ((n0 + get<1>(rc)) >> 1) + 3 * t;
               *reinterpret_cast<uint2*>(h + m * p.ldh + hc) = out;
@@ -237,7 +217,7 @@ struct GluFwdCallbacks : CallbacksBase<GluFwdCallbacks<A>, FwdEpilogueParams> {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < P; ++j) {
         auto rc = c(base + 2 * j);
-        if (elem_less(rc, residue) && store_wanted(probe, hv[j])) {
+        if (elem_less(rc, residue)) {
           const int64_t m = m0 + get<0>(rc);
           const int64_t n = n0 + get<1>(rc);  // even: the gate's column
           h[m * p.ldh + (n >> 1)] = __ushort_as_bfloat16(hv[j]);
@@ -370,7 +350,6 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
     }
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
-      if (probe_of(p.probe) == kProbeGemm) return;
       if (epi_m == 0 && epi_n == 0) load_subtile(0, 0, nxt);  // the first subtile: no lookahead
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kSub; ++i) cur[i] = nxt[i];
@@ -387,8 +366,6 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
         cutlass::Array<ElementAccumulator, FragmentSize> const& acc, int epi_v, int epi_m, int epi_n) {
       static_assert(FragmentSize % 2 == 0 && kSub % FragmentSize == 0, "whole pairs per fragment");
       constexpr int P = FragmentSize / 2;
-      const int probe = probe_of(p.probe);
-      if (probe == kProbeGemm) return acc;
       Tensor c = tCcD(_, _, _, epi_m, epi_n);
       Tensor rsum = tCrDw(_, _, _, epi_m, epi_n);
       const int base = epi_v * FragmentSize;
@@ -414,7 +391,7 @@ struct GluBwdCallbacks : CallbacksBase<GluBwdCallbacks<A>, BwdEpilogueParams> {
           out[e] = *reinterpret_cast<const uint32_t*>(&d2);
           if (dw != nullptr && ok[k]) rsum(base + i) += term;
         }
-        if (ok[k] && store_wanted(probe, out[0])) {
+        if (ok[k]) {
           auto rc = c(base + 2 * k);
           __nv_bfloat16* dst = dgu + (m0 + get<0>(rc)) * p.ld_dgu + 2 * (n0 + get<1>(rc));
           if (p.vec8) {

@@ -31,7 +31,7 @@ using expertact::Status;
 constexpr double kOracleK = 4.0;
 constexpr double kPeerK = 2.0;
 
-// ---- parameters under test, from SPEC section 1 (written out, not taken from the library)
+// ---- parameters under test, from docs/spec.md section 1 (written out, not taken from the library)
 struct PresetSpec {
   const char* name;
   GluParams params;

@@ -1,4 +1,4 @@
-// The float64 oracle of SPEC section 1, written from the formulas (no library
+// The float64 oracle of docs/spec.md section 1, written from the formulas (no library
 // code), together with a first-order bound on how far a float32 evaluation of
 // the same formula may be from the exact value (running error analysis:
 // every float32 operation adds u |result|, u = 2^-24; errors propagate through

@@ -1,0 +1,32 @@
+// The bodies of the public entry points, without the exception guard: validation (once,
+// with messages naming the argument) and the hand-off to a launcher. The C++ API
+// (api.cpp, api_moe.cpp) and the C ABI (c_api.cpp) each call them inside detail::guarded,
+// so every call passes one guard, at the boundary it comes in through.
+#pragma once
+
+#include <cstdint>
+
+#include "expertact/expertact.hpp"
+
+namespace expertact::detail {
+
+Status glu_forward_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
+                        void* stream);
+Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                         const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                         const MatrixRef& grad_x, const MatrixRef* grad_up,
+                         const VectorRef* grad_weights, void* stream);
+
+// The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
+Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
+                              int32_t num_experts, const int32_t* offsets,
+                              const VectorRef* weights, const MatrixRef& gate_up,
+                              const MatrixRef& h, void* stream);
+Status moe_fused_backward_body(const GluParams& params, const MatrixRef& grad_y,
+                               const MatrixRef& w2, int32_t num_experts, const int32_t* offsets,
+                               const MatrixRef& gate_up, const VectorRef* weights,
+                               const MatrixRef& grad_gate_up, const VectorRef* grad_weights,
+                               void* stream);
+
+}  // namespace expertact::detail
