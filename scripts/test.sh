@@ -24,6 +24,9 @@ $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
 # imports torch (hence --no-build-isolation); DS_BUILD_OPS=0 compiles none of its ops. About a
 # minute when not yet installed (download 19 s, build 46 s on a shared 2-core machine).
 DS_BUILD_OPS=0 $PY -m pip install -q --no-build-isolation deepspeed==0.19.8
+# Hugging Face transformers, an optional test dependency: tests/python/test_transformers.py checks
+# expertact.transformers against transformers' own experts and skips without it.
+$PY -m pip install -q "transformers==5.17.0"
 
 # The CUTLASS headers (a PyPI package of headers only) for the fused grouped GEMMs, where
 # nvcc can compile them; CMake finds them through the package (CMakeLists.txt). The

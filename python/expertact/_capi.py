@@ -117,7 +117,7 @@ def _load():
     lib.expertact_last_error.restype = c_char_p
     lib.expertact_set_cpu_threads.argtypes = [c_int32]
     lib.expertact_set_cpu_threads.restype = None
-    # The fused grouped GEMMs (expertact_c.h): absent from libraries built before them.
+    # The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h): absent from libraries built before them.
     if hasattr(lib, "expertact_moe_fused_forward"):
         lib.expertact_moe_fused_forward.argtypes = [POINTER(Params), P, P, P, P, P, P, c_void_p]
         lib.expertact_moe_fused_backward.argtypes = [POINTER(Params), P, P, P, P, P, P, P, c_void_p]
