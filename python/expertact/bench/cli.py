@@ -1,5 +1,6 @@
 """expertact-bench: the activation table, --peers (beside DeepSpeed's Triton kernels at several
-sizes) or --mlp (the expert MLP and its memory modes), chosen by the command line.
+sizes), --mlp (the expert MLP and its memory modes) or --experts (transformers' experts
+implementations), chosen by the command line.
 
     python -m expertact.bench                       # the activation table, this machine's default size
     python -m expertact.bench --rows 65536 --ffn 1536 --presets swiglu_oai --impls compile,expertact
@@ -7,6 +8,8 @@ sizes) or --mlp (the expert MLP and its memory modes), chosen by the command lin
     python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
     python -m expertact.bench --mlp                 # the expert MLP (expertact.moe) and its memory modes
                                                     # (docs/python.md)
+    python -m expertact.bench --experts             # Hugging Face transformers' experts: eager, grouped_mm,
+                                                    # expertact (expertact/bench/experts.py)
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def parse_args(argv=None):
                         "0: no host-cost table")
     p.add_argument("--mlp", action="store_true",
                    help="the expert-MLP table instead (expertact.bench.mlp; its own options follow)")
+    p.add_argument("--experts", action="store_true",
+                   help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
+                        "its own options follow)")
     return p.parse_args(argv)
 
 
@@ -69,6 +75,10 @@ def main(argv=None) -> int:
         from . import mlp
 
         return mlp.main([x for x in argv if x != "--mlp"])
+    if "--experts" in argv:  # transformers' experts implementations, with their own options
+        from . import experts
+
+        return experts.main([x for x in argv if x != "--experts"])
     a = parse_args(argv)
     if a.peers:
         from . import peers

@@ -1,0 +1,228 @@
+"""The experts of a Hugging Face transformers MoE layer, forward + backward, under each experts
+implementation ("eager", transformers' own "grouped_mm", expertact's "expertact" and its memory
+modes), at the experts shapes of real models: time and extra peak memory, with the output and
+gradients checked against the eager implementation in the same run.
+
+    python -m expertact.bench --experts                       # GPT-OSS-20B and Qwen3-30B-A3B shapes, 32,768 tokens
+    python -m expertact.bench --experts --tokens 8192 --models qwen3_30b_a3b --impls grouped_mm,expertact
+
+What one step is: the experts module called as transformers calls it, ``module(hidden_states
+[T, D], top_k_index [T, K], top_k_weights [T, K])``, then ``y.backward(dy)``, with gradients for
+the hidden states, the routing weights and every expert weight. The routing is random (each
+token's K distinct experts uniform at random, softmax weights in the model dtype), fixed for a
+run. GPT-OSS's experts carry biases, which expertact does not compute yet: at its shape the
+biases are zero and switched off (``has_bias = False``) for every implementation, so the rows
+measure the same function, GPT-OSS's MLP without its biases.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from .common import GiB, log, resolve_device, versions, write_outputs
+
+# name -> (transformers config class, its keyword arguments for the experts, K): the experts
+# shapes of the released models (hidden size D, expert width F, experts E, experts per token K).
+MODELS = {
+    "gpt_oss_20b": dict(config="GptOssConfig", experts="gpt_oss.modeling_gpt_oss.GptOssExperts", kw=dict(hidden_size=2880, intermediate_size=2880,
+                                                        num_local_experts=32, num_experts_per_tok=4), K=4),
+    "qwen3_30b_a3b": dict(config="Qwen3MoeConfig", experts="qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts", kw=dict(hidden_size=2048, moe_intermediate_size=768,
+                                                            num_experts=128, num_experts_per_tok=8), K=8),
+}
+IMPLS = ("eager", "grouped_mm", "expertact", "expertact_inplace")
+
+
+def _experts_module(model: str, dtype, device):
+    """The model's experts module, transformers' own class built from the model's config, weights
+    drawn like its init (normal, std 0.02), on the device in dtype."""
+    import importlib
+
+    import transformers
+
+    spec = MODELS[model]
+    cfg = getattr(transformers, spec["config"])(**spec["kw"])
+    module, cls = spec["experts"].rsplit(".", 1)
+    with torch.device(device):
+        experts = getattr(importlib.import_module("transformers.models." + module), cls)(cfg)
+    experts.to(dtype=dtype)
+    with torch.no_grad():
+        for name, p in experts.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02)
+    if getattr(experts, "has_bias", False):
+        experts.has_bias = False  # see the module docstring: the same function in every row
+    return experts, spec["K"]
+
+
+def _routing(T, E, K, dtype, device, gen):
+    logits = torch.randn(T, E, device=device, generator=gen)
+    weights, index = torch.topk(logits, K, dim=-1)
+    return index, torch.softmax(weights, dim=-1).to(dtype)
+
+
+def _step(experts, impl, hidden, index, weights, dy):
+    experts.config._experts_implementation = impl
+    y = experts(hidden, index, weights)
+    y.backward(dy)
+    return y
+
+
+def _grads(experts, hidden, weights):
+    return [hidden.grad, weights.grad] + [p.grad for p in experts.parameters() if p.grad is not None]
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def measure_impl(experts, impl, T, K, dtype, device, iters, warmup, ref):
+    """(row dict, y, grads) of one implementation: median fwd+bwd ms over iters after warmup,
+    extra peak GiB of one step, relative differences to ref (None for the reference itself)."""
+    from .. import transformers as ea_transformers  # registers "expertact"
+
+    name = impl
+    if impl == "expertact_inplace":
+        ea_transformers.register(impl, inplace_backward=True)
+    gen = torch.Generator(device=device).manual_seed(1)
+    index, w = _routing(T, experts.num_experts, K, dtype, device, gen)
+    D = hidden_dim(experts)
+    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    dy = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+
+    def fresh():
+        experts.zero_grad(set_to_none=True)
+        h = x.clone().requires_grad_(True)
+        rw = w.clone().requires_grad_(True)
+        return h, rw
+
+    for _ in range(warmup):
+        h, rw = fresh()
+        _step(experts, name, h, index, rw, dy)
+    torch.cuda.synchronize(device)
+    fwd, bwd = [], []
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for _ in range(iters):
+        h, rw = fresh()
+        ev[0].record()
+        experts.config._experts_implementation = name
+        y = experts(h, index, rw)
+        ev[1].record()
+        y.backward(dy)
+        ev[2].record()
+        ev[2].synchronize()
+        fwd.append(ev[0].elapsed_time(ev[1]))
+        bwd.append(ev[1].elapsed_time(ev[2]))
+    h, rw = fresh()
+    del y
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    y = _step(experts, name, h, index, rw, dy)
+    torch.cuda.synchronize(device)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / GiB
+    grads = _grads(experts, h, rw)
+    tot = [f + b for f, b in zip(fwd, bwd)]
+    row = dict(impl=impl, fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), ms=statistics.median(tot),
+               extra_peak_gib=peak)
+    if ref is not None:
+        y_ref, g_ref = ref
+        row["y_rel"] = _rel(y, y_ref)
+        row["grad_rel_max"] = max(_rel(a, b) for a, b in zip(grads, g_ref))
+        row["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return row, y.detach(), [g.detach().clone() for g in grads]
+
+
+def hidden_dim(experts) -> int:
+    for attr in ("hidden_dim", "hidden_size"):
+        if hasattr(experts, attr):
+            return int(getattr(experts, attr))
+    raise AttributeError(f"{type(experts).__name__} has no hidden size attribute")
+
+
+def expert_width(experts) -> int:
+    """F: down_proj is [E, F, D] when transformers' flags say the weights are stored transposed,
+    else [E, D, F]."""
+    return int(experts.down_proj.shape[-2] if experts.is_transposed else experts.down_proj.shape[-1])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="expertact-bench --experts", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--impls", default=",".join(IMPLS), help="the first is the reference of the checks")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default="", metavar="PATH")
+    p.add_argument("--markdown", default="", metavar="PATH")
+    return p.parse_args(argv)
+
+
+def markdown(meta, rows) -> str:
+    out = [f"## Hugging Face transformers experts, forward + backward: {meta['device']}", "",
+           f"- {meta['tokens']:,} tokens, {meta['dtype']}; command: `{meta['command']}`",
+           f"- {meta['versions']}",
+           "- timing: CUDA events around forward and backward, median of "
+           f"{meta['iters']} steps after {meta['warmup']} warm-up; extra peak: torch.cuda.max_memory_allocated "
+           "during one step minus allocated before",
+           "- rel diff: ||a - ref|| / ||ref|| against the first implementation, for y and (largest) every gradient",
+           "- GPT-OSS's experts carry biases, which expertact does not compute yet: at that shape they are zero and "
+           "switched off for every implementation (the MLP without its biases)", "",
+           "| model | D | F | E | K | implementation | fwd ms | bwd ms | fwd+bwd ms | vs grouped_mm | extra peak GiB | y rel diff | grad rel diff |",
+           "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        gm = next((x["ms"] for x in rows if x["model"] == r["model"] and x["impl"] == "grouped_mm"), None)
+        speed = f"{gm / r['ms']:.2f}x" if gm else "n/a"
+        yd = f"{r['y_rel']:.1e}" if "y_rel" in r else "ref"
+        gd = f"{r['grad_rel_max']:.1e}" if "grad_rel_max" in r else "ref"
+        out.append(f"| {r['model']} | {r['D']:,} | {r['F']:,} | {r['E']} | {r['K']} | {r['impl']} | {r['fwd_ms']:.2f} | "
+                   f"{r['bwd_ms']:.2f} | {r['ms']:.2f} | {speed} | {r['extra_peak_gib']:.2f} | {yd} | {gd} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    device = resolve_device(a.device)
+    if device.type != "cuda":
+        raise SystemExit("expertact-bench --experts: needs a CUDA device (transformers' grouped_mm experts are CUDA kernels)")
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("expertact-bench --experts: needs transformers (pip install transformers)")
+    dtype = getattr(torch, a.dtype)
+    impls = [i for i in a.impls.split(",") if i]
+    models = [m for m in a.models.split(",") if m]
+    rows = []
+    for model in models:
+        if model not in MODELS:
+            raise SystemExit(f"unknown model {model!r} (known: {', '.join(MODELS)})")
+        experts, K = _experts_module(model, dtype, device)
+        ref = None
+        for impl in impls:
+            row, y, grads = measure_impl(experts, impl, a.tokens, K, dtype, device, a.iters, a.warmup, ref)
+            if ref is None:
+                ref = (y, grads)
+            row.update(model=model, D=hidden_dim(experts), F=expert_width(experts), E=experts.num_experts, K=K)
+            rows.append(row)
+            log(f"{model:14s} {impl:18s} fwd {row['fwd_ms']:8.2f}  bwd {row['bwd_ms']:8.2f}  fwd+bwd {row['ms']:8.2f} ms  "
+                f"peak {row['extra_peak_gib']:6.2f} GiB  y {row.get('y_rel', 0):.1e}  grads {row.get('grad_rel_max', 0):.1e}")
+        del experts, ref
+        torch.cuda.empty_cache()
+    v = versions(device)
+    meta = dict(device=torch.cuda.get_device_name(device), tokens=a.tokens, dtype=a.dtype, iters=a.iters,
+                warmup=a.warmup, command="python -m expertact.bench --experts " + " ".join(argv),
+                versions=f"torch {v.get('torch')}, transformers {transformers.__version__}, CUDA {v.get('cuda')}, "
+                         f"Python {v.get('python')}")
+    md = markdown(meta, rows)
+    print(md)
+    write_outputs(a.json, a.markdown, dict(meta=meta, rows=rows), md)
+    return 0
