@@ -73,11 +73,15 @@ def _step(experts, impl, hidden, index, weights, dy):
 
 
 def _grads(experts, hidden, weights):
-    return [hidden.grad, weights.grad] + [p.grad for p in experts.parameters() if p.grad is not None]
+    """name -> gradient: the hidden states', the routing weights' and each weight's that got one
+    (GPT-OSS's eager forward adds its zero biases, so they get gradients there only)."""
+    out = {"hidden_states": hidden.grad, "routing_weights": weights.grad}
+    out.update((n, p.grad) for n, p in experts.named_parameters() if p.grad is not None)
+    return out
 
 
 def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
+    a, b = a.detach().float(), b.detach().float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -134,9 +138,10 @@ def measure_impl(experts, impl, T, K, dtype, device, iters, warmup, ref):
     if ref is not None:
         y_ref, g_ref = ref
         row["y_rel"] = _rel(y, y_ref)
-        row["grad_rel_max"] = max(_rel(a, b) for a, b in zip(grads, g_ref))
-        row["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
-    return row, y.detach(), [g.detach().clone() for g in grads]
+        common = [n for n in grads if n in g_ref]
+        row["grad_rel_max"] = max(_rel(grads[n], g_ref[n]) for n in common)
+        row["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+    return row, y.detach(), {n: g.detach().clone() for n, g in grads.items()}
 
 
 def hidden_dim(experts) -> int:
