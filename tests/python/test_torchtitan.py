@@ -4,7 +4,12 @@ mode, with token counts that include empty experts and padding rows past the las
 override through TorchTitan's own override machinery (apply_overrides on a Qwen3-MoE debug config);
 a whole MoE layer (router, dispatcher, experts, combine) with the override on and off; state dict
 keys; enable()/disable(); the refusal of GPT-OSS's biased experts.
-CPU; skipped where TorchTitan is not importable."""
+CPU; skipped where TorchTitan is not importable. TorchTitan's model code needs only a few of its
+declared dependencies (not wandb, tensorboard, datasets, torchdata); without changing torch:
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
+        typeguard==4.6.1
+    python -c "import triton" || pip install --no-deps triton==3.9.0   # imported by its token dispatcher
+"""
 import pytest
 import torch
 
