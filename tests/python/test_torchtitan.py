@@ -28,7 +28,7 @@ import expertact.torchtitan as et  # noqa: E402
 # precision. Largest absolute error of each tensor relative to its largest magnitude: what
 # legitimately differs is the order of the sums (torch's grouped-GEMM fallback against
 # expert_mlp's per-expert GEMMs) and silu's formula, a few float32 roundings of the unit
-# roundoff 6e-8: measured 4.8e-7 or less here (CPU, torch 2.13, TorchTitan 0.3.0). A swapped
+# roundoff 6e-8: measured 5.4e-7 or less here (CPU, torch 2.13, TorchTitan 0.3.0). A swapped
 # gate and up misses y by 0.6 of its largest magnitude (test_a_wrong_mapping_fails). NaN or Inf never passes.
 RTOL_F32 = 1e-5
 # In bf16, as TorchTitan computes: TorchTitan rounds silu(gate) to bf16 before the product,
@@ -65,25 +65,43 @@ def _close(got, want, rtol, what):
     assert err <= rtol * scale, f"{what}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
 
 
-def _pair(dtype=torch.float32, seed=0, **modes):
-    """TorchTitan's GroupedExperts and expertact's, the same weights."""
+def _fused_available():
+    if getattr(et, "ExpertactFusedGroupedExperts", None) is None:
+        pytest.skip("torchtitan.overrides.fused_swiglu is not importable (it needs triton)")
+
+
+def _pair(dtype=torch.float32, seed=0, fused=False, **modes):
+    """TorchTitan's GroupedExperts and expertact's (fused: over TorchTitan's FusedGroupedExperts
+    weights, loaded through its own state-dict hook), the same weights."""
     torch.manual_seed(seed)
     cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E)
     ref = cfg.build()
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, 0.25)
-    ours = et.expertact_grouped_experts(cfg, **modes).build()
+    if fused:
+        _fused_available()
+        ours = et.expertact_fused_grouped_experts(cfg, **modes).build()
+    else:
+        ours = et.expertact_grouped_experts(cfg, **modes).build()
     ours.load_state_dict(ref.state_dict())
     return ref.to(dtype), ours.to(dtype)
+
+
+def _grads(module):
+    """{w1_EFD, w2_EDF, w3_EFD: gradient}; a fused module's w13 [E, F, 2, D] split into w1's and w3's."""
+    g = {n: p.grad for n, p in module.named_parameters()}
+    for n in [n for n in g if n.split(".")[-1] == "w13"]:
+        w13, prefix = g.pop(n), n[:-len("w13")]
+        g[prefix + "w1_EFD"], g[prefix + "w3_EFD"] = w13[:, :, 0], w13[:, :, 1]
+    return g
 
 
 def _run(module, x, counts, dy):
     x = x.detach().clone().requires_grad_(True)
     y = module(x, counts)
     y.backward(dy)
-    grads = {n: p.grad for n, p in module.named_parameters()}
-    return y.detach(), x.grad, grads
+    return y.detach(), x.grad, _grads(module)
 
 
 def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32):
@@ -106,22 +124,52 @@ def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32):
         _close(g_o[n], g_r[n], rtol, f"d{n}")
 
 
+FUSED = [False, True]
+FUSED_IDS = ["w1_w3", "fused_w13"]
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
 @pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("counts", COUNTS)
 @pytest.mark.parametrize("pad", PADDING)
-def test_matches_torchtitan_float32(no_bf16_cast, modes, counts, pad):
-    ref, ours = _pair(compute_dtype=None, **modes)
+def test_matches_torchtitan_float32(no_bf16_cast, fused, modes, counts, pad):
+    ref, ours = _pair(compute_dtype=None, fused=fused, **modes)
     _compare(ref, ours, counts, pad, RTOL_F32)
 
 
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
 @pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_matches_torchtitan_bf16(modes, param_dtype):
+def test_matches_torchtitan_bf16(fused, modes, param_dtype):
     """TorchTitan's own numerics (bf16 GEMMs and activation), float32 or bf16 parameters
     (the latter as under FSDP2 mixed precision), float32 activations."""
-    ref, ours = _pair(param_dtype, **modes)
+    ref, ours = _pair(param_dtype, fused=fused, **modes)
     assert ours.compute_dtype is torch.bfloat16
     _compare(ref, ours, COUNTS[1], 3, RTOL_BF16)
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_weights_passed_to_expert_mlp(monkeypatch, fused):
+    """With bf16 parameters: the fused module's w13 and every w2 reach expert_mlp as views of
+    the parameters (no copy); separate w1 and w3 as one packed [E, 2F, D] tensor."""
+    ref, ours = _pair(torch.bfloat16, fused=fused)
+    seen = {}
+    real = et.expert_mlp
+
+    def spy(x, w13, w2, offsets, activation, **kw):
+        seen.update(w13=w13, w2=w2, layout=kw["layout"], activation=activation)
+        return real(x, w13, w2, offsets, activation, **kw)
+
+    monkeypatch.setattr(et, "expert_mlp", spy)
+    ours(torch.randn(5, D), torch.tensor([1, 0, 2, 2, 0, 0]))
+    assert seen["activation"] == "swiglu"
+    assert seen["w2"].data_ptr() == ours.w2_EDF.data_ptr() and seen["w2"].shape == (E, F, D)
+    assert seen["w13"].shape == (E, D, 2 * F)
+    if fused:
+        assert seen["layout"] == "interleaved" and seen["w13"].data_ptr() == ours.w13.data_ptr()
+    else:
+        assert seen["layout"] == "halves"
+        assert seen["w13"].data_ptr() not in (ours.w1_EFD.data_ptr(), ours.w3_EFD.data_ptr())
 
 
 def test_a_wrong_mapping_fails(no_bf16_cast):
@@ -134,8 +182,9 @@ def test_a_wrong_mapping_fails(no_bf16_cast):
         _compare(ref, ours, COUNTS[1], 0, RTOL_F32)
 
 
-def test_no_grad_and_all_empty():
-    ref, ours = _pair()
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_no_grad_and_all_empty(fused):
+    ref, ours = _pair(fused=fused)
     x = torch.randn(4, D)
     with torch.no_grad():
         y = ours(x, torch.zeros(E, dtype=torch.int64))
@@ -159,6 +208,28 @@ def test_state_dict_and_config():
         et.expertact_grouped_experts(cfg, compute_dtype="int32")
 
 
+def test_fused_state_dict_and_config():
+    """The fused module's checkpoints keep TorchTitan's keys (its own state-dict hooks)."""
+    _fused_available()
+    ref, ours = _pair(fused=True, recompute=True)
+    assert [n for n, _ in ours.named_parameters()] == ["w2_EDF", "w13"]
+    sd_r, sd_o = ref.state_dict(), ours.state_dict()
+    assert sorted(sd_o) == sorted(sd_r) == ["w1_EFD", "w2_EDF", "w3_EFD"]
+    for k in sd_r:
+        assert torch.equal(sd_o[k], sd_r[k]), k
+    ref.load_state_dict(sd_o)
+    assert ours.recompute and isinstance(ours, et.FusedGroupedExperts)
+    cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E,
+                                param_init={"w1_EFD": torch.nn.init.zeros_, "w3_EFD": torch.nn.init.ones_,
+                                            "w2_EDF": torch.nn.init.zeros_})
+    new = et.expertact_fused_grouped_experts(cfg, compute_dtype=None)
+    assert type(new) is et.ExpertactFusedGroupedExperts.Config and new.compute_dtype is None
+    assert set(new.param_init) == {"w13", "w2_EDF"}  # TorchTitan's remapping of the initialisers
+    m = new.build()
+    m.init_states()
+    assert not m.w13[:, :, 0].any() and (m.w13[:, :, 1] == 1).all()
+
+
 def _qwen3_moe_config():
     qwen3 = pytest.importorskip("torchtitan.models.qwen3")
     cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
@@ -167,21 +238,32 @@ def _qwen3_moe_config():
 
 
 TARGET = "expertact.torchtitan.expertact_grouped_experts"
+FUSED_TARGET = "expertact.torchtitan.expertact_fused_grouped_experts"
 
 
-def test_override_hook_on_a_model_config():
+def _target(fused):
+    if fused:
+        _fused_available()
+        return FUSED_TARGET, et.ExpertactFusedGroupedExperts
+    return TARGET, et.ExpertactGroupedExperts
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_override_hook_on_a_model_config(fused):
     """TorchTitan's own --override.imports machinery replaces every inner_experts node."""
+    target, cls = _target(fused)
     cfg = _qwen3_moe_config()
-    lines = apply_overrides(OverrideConfig(imports=[(TARGET, {"recompute": True, "compute_dtype": None})]), cfg)
+    lines = apply_overrides(OverrideConfig(imports=[(target, {"recompute": True, "compute_dtype": None})]), cfg)
     assert len(lines) == 2
     for layer in cfg.layers:
         inner = layer.moe.routed_experts.inner_experts
-        assert type(inner) is et.ExpertactGroupedExperts.Config
+        assert type(inner) is cls.Config
         assert inner.recompute and inner.compute_dtype is None and inner.param_init is not None
 
 
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_moe_layer_override_on_and_off(request, bf16):
+def test_moe_layer_override_on_and_off(request, bf16, fused):
     """A Qwen3-MoE debug layer (router, top-8 dispatch of 32 tokens over 64 experts, experts,
     combine) built from its config with and without the override: output and every gradient."""
     cfg = _qwen3_moe_config().layers[0].moe
@@ -190,9 +272,10 @@ def test_moe_layer_override_on_and_off(request, bf16):
     ref.init_states()
     if not bf16:
         request.getfixturevalue("no_bf16_cast")
-    apply_overrides(OverrideConfig(imports=[(TARGET, {"compute_dtype": "bfloat16" if bf16 else None})]), cfg)
+    target, cls = _target(fused)
+    apply_overrides(OverrideConfig(imports=[(target, {"compute_dtype": "bfloat16" if bf16 else None})]), cfg)
     ours = cfg.build()
-    assert type(ours.routed_experts.inner_experts) is et.ExpertactGroupedExperts
+    assert type(ours.routed_experts.inner_experts) is cls
     ours.load_state_dict(ref.state_dict())
     torch.manual_seed(1)
     x = torch.randn(2, 16, cfg.routed_experts.inner_experts.dim)
@@ -202,7 +285,7 @@ def test_moe_layer_override_on_and_off(request, bf16):
         xi = x.clone().requires_grad_(True)
         y = m(xi)
         y.pow(2).mean().backward()
-        outs.append((y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+        outs.append((y.detach(), xi.grad, _grads(m)))
     (y_r, dx_r, g_r), (y_o, dx_o, g_o) = outs
     _close(y_o, y_r, rtol, "y")
     _close(dx_o, dx_r, rtol, "dx")
@@ -211,22 +294,34 @@ def test_moe_layer_override_on_and_off(request, bf16):
         _close(g_o[n], g_r[n], rtol, f"d{n}")
 
 
-def test_enable_disable(no_bf16_cast):
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_enable_disable(no_bf16_cast, fused):
     ref, _ = _pair()
+    if fused:
+        _fused_available()
+        base = et.FusedGroupedExperts
+        ref = base(base.Config(dim=D, hidden_dim=F, num_experts=E))
+        ref.load_state_dict(_pair()[0].state_dict())
+        ours_cls = et.ExpertactFusedGroupedExperts
+    else:
+        base, ours_cls = GroupedExperts, et.ExpertactGroupedExperts
     model = torch.nn.ModuleDict({"a": ref})
     before = dict(vars(ref))
     counts = torch.tensor(COUNTS[0])
     x = torch.randn(int(counts.sum()), D)
-    y_ref = ref(x, counts).detach()
+    y_ref = _pair()[0](x, counts).detach()  # TorchTitan's GroupedExperts (FusedGroupedExperts runs on CUDA only)
+    if not fused:
+        assert torch.equal(ref(x, counts).detach(), y_ref)
     assert et.enable(model, recompute=True, compute_dtype=None) == ["a"]
-    assert type(ref) is et.ExpertactGroupedExperts and ref.recompute
+    assert type(ref) is ours_cls and ref.recompute
     _close(ref(x, counts).detach(), y_ref, RTOL_F32, "y after enable")
     assert et.enable(model, inplace_backward=True, compute_dtype=None) == ["a"]  # new modes
     assert not ref.recompute and ref.inplace_backward
     assert et.disable(model) == ["a"]
-    assert type(ref) is GroupedExperts and type(ref).forward is GroupedExperts.forward
+    assert type(ref) is base and type(ref).forward is base.forward
     assert vars(ref).keys() == before.keys()
-    assert torch.equal(ref(x, counts).detach(), y_ref)
+    if not fused:
+        assert torch.equal(ref(x, counts).detach(), y_ref)
     assert et.disable(model) == []
 
 
