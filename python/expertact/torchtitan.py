@@ -176,7 +176,8 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
         w13_EF2D, w2 = _local(module.w13), _local(module.w2_EDF)
         ok = w13_EF2D.dim() == 4 and w13_EF2D.shape[2] == 2
         E, F, _, D = w13_EF2D.shape if ok else (0, 0, 0, 0)
-        shapes = f"w13 {tuple(w13_EF2D.shape)} and w2_EDF {tuple(w2.shape)} are not [E, F, 2, D] and [E, D, F]"
+        shapes = (f"w13 {tuple(w13_EF2D.shape)} and w2_EDF {tuple(w2.shape)} are not [E, F, 2, D] and "
+                  "[E, D, F]")
     else:
         w1, w2, w3 = (_local(getattr(module, n)) for n in ("w1_EFD", "w2_EDF", "w3_EFD"))
         ok = w1.dim() == 3 and w1.shape == w3.shape
