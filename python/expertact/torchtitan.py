@@ -167,9 +167,10 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
                     inplace_backward: bool = False, compute_dtype=torch.bfloat16) -> Tensor:
     """TorchTitan's ``GroupedExperts.forward`` (x [R, D] sorted by expert, num_tokens_per_expert
     [E]) over ``module``'s w1_EFD, w2_EDF, w3_EFD (or a FusedGroupedExperts' w13, w2_EDF), through
-    :func:`expertact.moe.expert_mlp`. compute_dtype: the dtype of the GEMMs and the activation, bf16 as TorchTitan's module; None
-    computes in x's dtype. recompute / inplace_backward: expert_mlp's memory modes. Returns
-    [R, D] in x's dtype; rows past sum(num_tokens_per_expert) are 0."""
+    :func:`expertact.moe.expert_mlp`. compute_dtype: the dtype of the GEMMs and the activation,
+    bf16 as TorchTitan's module; None computes in x's dtype. recompute / inplace_backward:
+    expert_mlp's memory modes. Returns [R, D] in x's dtype; rows past sum(num_tokens_per_expert)
+    are 0."""
     name = type(module).__name__
     fused = "w13" in module._parameters
     if fused:  # TorchTitan's FusedGroupedExperts: w13 [E, F, 2, D], gate and up interleaved along F
