@@ -1,0 +1,364 @@
+"""expertact.torchtitan against TorchTitan's own GroupedExperts (TorchTitan 0.3.0) on the same
+weights and inputs: forward output and every gradient (x, w1_EFD, w2_EDF, w3_EFD) in each memory
+mode, with token counts that include empty experts and padding rows past the last group; the
+override through TorchTitan's own override machinery (apply_overrides on a Qwen3-MoE debug config);
+a whole MoE layer (router, dispatcher, experts, combine) with the override on and off; state dict
+keys; enable()/disable(); the refusal of GPT-OSS's biased experts.
+CPU; skipped where TorchTitan is not importable. TorchTitan's model code needs only a few of its
+declared dependencies (not wandb, tensorboard, datasets, torchdata); without changing torch:
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
+        typeguard==4.6.1
+    python -c "import triton" || pip install --no-deps triton==3.9.0   # imported by its token dispatcher
+"""
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.common.moe")
+pytest.importorskip("torchtitan.config.override")
+
+from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+
+import expertact.torchtitan as et  # noqa: E402
+
+# TorchTitan's GroupedExperts casts x and the weights to bf16 whatever their dtype. The float32
+# comparisons make that cast an identity on both sides (the no_bf16_cast fixture; expertact with
+# compute_dtype=None), so that the two compute the same function in float32 and the comparison
+# checks the mapping (which weight is gate, up and down, transposes, offsets) at float32
+# precision. Largest absolute error of each tensor relative to its largest magnitude: what
+# legitimately differs is the order of the sums (torch's grouped-GEMM fallback against
+# expert_mlp's per-expert GEMMs) and silu's formula, a few float32 roundings of the unit
+# roundoff 6e-8: measured 5.4e-7 or less here (CPU, torch 2.13, TorchTitan 0.3.0). A swapped
+# gate and up misses y by 0.6 of its largest magnitude (test_a_wrong_mapping_fails). NaN or Inf never passes.
+RTOL_F32 = 1e-5
+# In bf16, as TorchTitan computes: TorchTitan rounds silu(gate) to bf16 before the product,
+# expertact rounds the gated activation once; each side rounds gate, up, h and y to bf16 (unit
+# roundoff 3.9e-3), and the gradients' GEMMs once more each. Measured (relative to
+# the tensor's largest magnitude, CPU, torch 2.13, TorchTitan 0.3.0): 8.1e-3 or less; the bound
+# allows a few bf16 roundings more.
+RTOL_BF16 = 2e-2
+
+MODES = [dict(), dict(recompute=True), dict(inplace_backward=True), dict(recompute=True, inplace_backward=True)]
+MODE_IDS = ["default", "recompute", "inplace_backward", "both"]
+
+E, D, F = 6, 32, 16
+# Token counts with empty experts (first, middle and last), and padding rows past the last group.
+COUNTS = [(0, 5, 0, 9, 3, 0), (7, 1, 4, 0, 2, 11)]
+PADDING = [0, 5]
+
+
+@pytest.fixture
+def no_bf16_cast(monkeypatch):
+    """Tensor.bfloat16() returns the tensor itself: TorchTitan's GroupedExperts then computes in
+    float32, the function it computes in bf16 otherwise."""
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda self, *a, **k: self)
+
+
+def _close(got, want, rtol, what):
+    assert got.shape == want.shape, what
+    assert torch.isfinite(got).all(), f"{what}: expertact gave NaN/Inf"
+    assert torch.isfinite(want).all(), f"{what}: TorchTitan gave NaN/Inf"
+    got, want = got.double(), want.double()
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert scale > 0, what
+    assert err <= rtol * scale, f"{what}: max |diff| {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def _fused_available():
+    if getattr(et, "ExpertactFusedGroupedExperts", None) is None:
+        pytest.skip("torchtitan.overrides.fused_swiglu is not importable (it needs triton)")
+
+
+def _pair(dtype=torch.float32, seed=0, fused=False, **modes):
+    """TorchTitan's GroupedExperts and expertact's (fused: over TorchTitan's FusedGroupedExperts
+    weights, loaded through its own state-dict hook), the same weights."""
+    torch.manual_seed(seed)
+    cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E)
+    ref = cfg.build()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.25)
+    if fused:
+        _fused_available()
+        ours = et.expertact_fused_grouped_experts(cfg, **modes).build()
+    else:
+        ours = et.expertact_grouped_experts(cfg, **modes).build()
+    ours.load_state_dict(ref.state_dict())
+    return ref.to(dtype), ours.to(dtype)
+
+
+def _grads(module):
+    """{w1_EFD, w2_EDF, w3_EFD: gradient}; a fused module's w13 [E, F, 2, D] split into w1's and w3's."""
+    g = {n: p.grad for n, p in module.named_parameters()}
+    for n in [n for n in g if n.split(".")[-1] == "w13"]:
+        w13, prefix = g.pop(n), n[:-len("w13")]
+        g[prefix + "w1_EFD"], g[prefix + "w3_EFD"] = w13[:, :, 0], w13[:, :, 1]
+    return g
+
+
+def _run(module, x, counts, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x, counts)
+    y.backward(dy)
+    return y.detach(), x.grad, _grads(module)
+
+
+def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32):
+    counts = torch.tensor(counts)
+    end = int(counts.sum())
+    torch.manual_seed(1)
+    x = torch.randn(end + pad, D, dtype=x_dtype)
+    dy = torch.randn(end + pad, D, dtype=x_dtype)  # padding rows too: they must not leak in
+    y_r, dx_r, g_r = _run(ref, x, counts, dy)
+    y_o, dx_o, g_o = _run(ours, x, counts, dy)
+    # TorchTitan's torch._grouped_mm leaves the padding rows unwritten (any value): compared
+    # over the groups' rows; expertact's are exactly zero.
+    _close(y_o[:end], y_r[:end], rtol, "y")
+    _close(dx_o[:end], dx_r[:end], rtol, "dx")
+    assert y_o.dtype == x.dtype and dx_o.dtype == x.dtype
+    assert not y_o[end:].any() and not dx_o[end:].any(), "padding rows must give 0 output and 0 gradient"
+    assert set(g_o) == set(g_r) == {"w1_EFD", "w2_EDF", "w3_EFD"}
+    for n in g_r:
+        assert g_o[n].dtype == g_r[n].dtype, n
+        _close(g_o[n], g_r[n], rtol, f"d{n}")
+
+
+FUSED = [False, True]
+FUSED_IDS = ["w1_w3", "fused_w13"]
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("pad", PADDING)
+def test_matches_torchtitan_float32(no_bf16_cast, fused, modes, counts, pad):
+    ref, ours = _pair(compute_dtype=None, fused=fused, **modes)
+    _compare(ref, ours, counts, pad, RTOL_F32)
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_matches_torchtitan_bf16(fused, modes, param_dtype):
+    """TorchTitan's own numerics (bf16 GEMMs and activation), float32 or bf16 parameters
+    (the latter as under FSDP2 mixed precision), float32 activations."""
+    ref, ours = _pair(param_dtype, fused=fused, **modes)
+    assert ours.compute_dtype is torch.bfloat16
+    _compare(ref, ours, COUNTS[1], 3, RTOL_BF16)
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_weights_passed_to_expert_mlp(monkeypatch, fused):
+    """With bf16 parameters: the fused module's w13 and every w2 reach expert_mlp as views of
+    the parameters (no copy); separate w1 and w3 as one packed [E, 2F, D] tensor."""
+    ref, ours = _pair(torch.bfloat16, fused=fused)
+    seen = {}
+    real = et.expert_mlp
+
+    def spy(x, w13, w2, offsets, activation, **kw):
+        seen.update(w13=w13, w2=w2, layout=kw["layout"], activation=activation)
+        return real(x, w13, w2, offsets, activation, **kw)
+
+    monkeypatch.setattr(et, "expert_mlp", spy)
+    ours(torch.randn(5, D), torch.tensor([1, 0, 2, 2, 0, 0]))
+    assert seen["activation"] == "swiglu"
+    assert seen["w2"].data_ptr() == ours.w2_EDF.data_ptr() and seen["w2"].shape == (E, F, D)
+    assert seen["w13"].shape == (E, D, 2 * F)
+    if fused:
+        assert seen["layout"] == "interleaved" and seen["w13"].data_ptr() == ours.w13.data_ptr()
+    else:
+        assert seen["layout"] == "halves"
+        assert seen["w13"].data_ptr() not in (ours.w1_EFD.data_ptr(), ours.w3_EFD.data_ptr())
+
+
+def test_a_wrong_mapping_fails(no_bf16_cast):
+    """The float32 bound catches a swapped gate and up (w1 and w3 exchanged)."""
+    ref, ours = _pair(compute_dtype=None)
+    with torch.no_grad():
+        ours.w1_EFD.copy_(ref.w3_EFD)
+        ours.w3_EFD.copy_(ref.w1_EFD)
+    with pytest.raises(AssertionError):
+        _compare(ref, ours, COUNTS[1], 0, RTOL_F32)
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_no_grad_and_all_empty(fused):
+    ref, ours = _pair(fused=fused)
+    x = torch.randn(4, D)
+    with torch.no_grad():
+        y = ours(x, torch.zeros(E, dtype=torch.int64))
+    assert y.shape == (4, D) and not y.any()
+
+
+def test_state_dict_and_config():
+    ref, ours = _pair(recompute=True)
+    sd_r, sd_o = ref.state_dict(), ours.state_dict()
+    assert list(sd_o) == list(sd_r) == ["w1_EFD", "w2_EDF", "w3_EFD"]
+    for k in sd_r:
+        assert sd_o[k].shape == sd_r[k].shape and torch.equal(sd_o[k], sd_r[k])
+    ref.load_state_dict(ours.state_dict())  # and back
+    assert isinstance(ours, GroupedExperts) and ours.recompute and not ours.inplace_backward
+    cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, param_init={"w1_EFD": torch.nn.init.zeros_})
+    new = et.expertact_grouped_experts(cfg, inplace_backward=True, compute_dtype="float32")
+    assert type(new) is et.ExpertactGroupedExperts.Config
+    assert (new.dim, new.hidden_dim, new.num_experts, new.param_init) == (D, F, E, cfg.param_init)
+    assert new.inplace_backward and new.compute_dtype is torch.float32
+    with pytest.raises(ValueError, match="compute_dtype"):
+        et.expertact_grouped_experts(cfg, compute_dtype="int32")
+
+
+def test_fused_state_dict_and_config():
+    """The fused module's checkpoints keep TorchTitan's keys (its own state-dict hooks)."""
+    _fused_available()
+    ref, ours = _pair(fused=True, recompute=True)
+    assert [n for n, _ in ours.named_parameters()] == ["w2_EDF", "w13"]
+    sd_r, sd_o = ref.state_dict(), ours.state_dict()
+    assert sorted(sd_o) == sorted(sd_r) == ["w1_EFD", "w2_EDF", "w3_EFD"]
+    for k in sd_r:
+        assert torch.equal(sd_o[k], sd_r[k]), k
+    ref.load_state_dict(sd_o)
+    assert ours.recompute and isinstance(ours, et.FusedGroupedExperts)
+    cfg = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E,
+                                param_init={"w1_EFD": torch.nn.init.zeros_, "w3_EFD": torch.nn.init.ones_,
+                                            "w2_EDF": torch.nn.init.zeros_})
+    new = et.expertact_fused_grouped_experts(cfg, compute_dtype=None)
+    assert type(new) is et.ExpertactFusedGroupedExperts.Config and new.compute_dtype is None
+    assert set(new.param_init) == {"w13", "w2_EDF"}  # TorchTitan's remapping of the initialisers
+    m = new.build()
+    m.init_states()
+    assert not m.w13[:, :, 0].any() and (m.w13[:, :, 1] == 1).all()
+
+
+def _qwen3_moe_config():
+    qwen3 = pytest.importorskip("torchtitan.models.qwen3")
+    cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
+    cfg.layers = cfg.layers[:2]
+    return cfg
+
+
+TARGET = "expertact.torchtitan.expertact_grouped_experts"
+FUSED_TARGET = "expertact.torchtitan.expertact_fused_grouped_experts"
+
+
+def _target(fused):
+    if fused:
+        _fused_available()
+        return FUSED_TARGET, et.ExpertactFusedGroupedExperts
+    return TARGET, et.ExpertactGroupedExperts
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_override_hook_on_a_model_config(fused):
+    """TorchTitan's own --override.imports machinery replaces every inner_experts node."""
+    target, cls = _target(fused)
+    cfg = _qwen3_moe_config()
+    lines = apply_overrides(OverrideConfig(imports=[(target, {"recompute": True, "compute_dtype": None})]), cfg)
+    assert len(lines) == 2
+    for layer in cfg.layers:
+        inner = layer.moe.routed_experts.inner_experts
+        assert type(inner) is cls.Config
+        assert inner.recompute and inner.compute_dtype is None and inner.param_init is not None
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_moe_layer_override_on_and_off(request, bf16, fused):
+    """A Qwen3-MoE debug layer (router, top-8 dispatch of 32 tokens over 64 experts, experts,
+    combine) built from its config with and without the override: output and every gradient."""
+    cfg = _qwen3_moe_config().layers[0].moe
+    torch.manual_seed(0)
+    ref = cfg.build()
+    ref.init_states()
+    if not bf16:
+        request.getfixturevalue("no_bf16_cast")
+    target, cls = _target(fused)
+    apply_overrides(OverrideConfig(imports=[(target, {"compute_dtype": "bfloat16" if bf16 else None})]), cfg)
+    ours = cfg.build()
+    assert type(ours.routed_experts.inner_experts) is cls
+    ours.load_state_dict(ref.state_dict())
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, cfg.routed_experts.inner_experts.dim)
+    rtol = RTOL_BF16 if bf16 else RTOL_F32
+    outs = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.pow(2).mean().backward()
+        outs.append((y.detach(), xi.grad, _grads(m)))
+    (y_r, dx_r, g_r), (y_o, dx_o, g_o) = outs
+    _close(y_o, y_r, rtol, "y")
+    _close(dx_o, dx_r, rtol, "dx")
+    assert set(g_o) == set(g_r)
+    for n in g_r:
+        _close(g_o[n], g_r[n], rtol, f"d{n}")
+
+
+@pytest.mark.parametrize("fused", FUSED, ids=FUSED_IDS)
+def test_enable_disable(no_bf16_cast, fused):
+    ref, _ = _pair()
+    if fused:
+        _fused_available()
+        base = et.FusedGroupedExperts
+        ref = base(base.Config(dim=D, hidden_dim=F, num_experts=E))
+        ref.load_state_dict(_pair()[0].state_dict())
+        ours_cls = et.ExpertactFusedGroupedExperts
+    else:
+        base, ours_cls = GroupedExperts, et.ExpertactGroupedExperts
+    model = torch.nn.ModuleDict({"a": ref})
+    before = dict(vars(ref))
+    counts = torch.tensor(COUNTS[0])
+    x = torch.randn(int(counts.sum()), D)
+    y_ref = _pair()[0](x, counts).detach()  # TorchTitan's GroupedExperts (FusedGroupedExperts runs on CUDA only)
+    if not fused:
+        assert torch.equal(ref(x, counts).detach(), y_ref)
+    assert et.enable(model, recompute=True, compute_dtype=None) == ["a"]
+    assert type(ref) is ours_cls and ref.recompute
+    _close(ref(x, counts).detach(), y_ref, RTOL_F32, "y after enable")
+    assert et.enable(model, inplace_backward=True, compute_dtype=None) == ["a"]  # new modes
+    assert not ref.recompute and ref.inplace_backward
+    assert et.disable(model) == ["a"]
+    assert type(ref) is base and type(ref).forward is base.forward
+    assert vars(ref).keys() == before.keys()
+    if not fused:
+        assert torch.equal(ref(x, counts).detach(), y_ref)
+    assert et.disable(model) == []
+
+
+def _gpt_oss_experts_config():
+    moe = pytest.importorskip("torchtitan.models.gpt_oss.moe")
+    return moe.GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E)
+
+
+def test_gpt_oss_refused():
+    cfg = _gpt_oss_experts_config()
+    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
+        et.expertact_grouped_experts(cfg)
+    module = cfg.build()
+    ref, _ = _pair()
+    model = torch.nn.ModuleDict({"plain": ref, "oss": module})
+    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
+        et.enable(model)
+    assert type(ref) is GroupedExperts  # nothing switched
+
+
+def test_gpt_oss_refused_through_the_hook():
+    gpt_oss = pytest.importorskip("torchtitan.models.gpt_oss")
+    cfg = gpt_oss.gptoss_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
+    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
+        apply_overrides(OverrideConfig(imports=[TARGET]), cfg)
+
+
+def test_other_subclasses_refused():
+    class Custom(GroupedExperts):
+        from dataclasses import dataclass as _dc
+
+        @_dc(kw_only=True, slots=True)
+        class Config(GroupedExperts.Config):
+            pass
+
+    cfg = Custom.Config(dim=D, hidden_dim=F, num_experts=E)
+    with pytest.raises(NotImplementedError, match="Custom"):
+        et.expertact_grouped_experts(cfg)
+    with pytest.raises(NotImplementedError, match="Custom"):
+        et.enable(torch.nn.ModuleDict({"c": cfg.build()}))
