@@ -27,6 +27,13 @@ DS_BUILD_OPS=0 $PY -m pip install -q --no-build-isolation deepspeed==0.19.8
 # Hugging Face transformers, an optional test dependency: tests/python/test_transformers.py checks
 # expertact.transformers against transformers' own experts and skips without it.
 $PY -m pip install -q "transformers==5.17.0"
+# TorchTitan, an optional test dependency: tests/python/test_torchtitan.py checks expertact.torchtitan
+# against TorchTitan's own experts and skips without it. --no-deps with the few packages its model
+# code imports (not its trainer's wandb, tensorboard, datasets), so torch stays as it is; its token
+# dispatcher imports triton even on the CPU (a CUDA torch brings its own, left in place).
+# About 20 s cold (triton's wheel is 286 MB).
+$PY -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+$PY -c "import triton" 2> /dev/null || $PY -m pip install -q --no-deps triton==3.9.0
 
 # The CUTLASS headers (a PyPI package of headers only) for the fused grouped GEMMs, where
 # nvcc can compile them; CMake finds them through the package (CMakeLists.txt). The
