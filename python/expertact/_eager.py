@@ -35,8 +35,9 @@ try:  # the torch internals eager_ok() and plain() read; without one of them: th
     _keys(torch.empty(0)).raw_repr()
     _tf_stack_len, _tf_stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
     _no_modes = (torch._C.DisableTorchFunction, torch._C._DisableTorchDispatch)
+    from torch.utils._device import DeviceContext as _DeviceContext
     _INTERNALS = True
-except (AttributeError, TypeError):  # pragma: no cover - a torch that lacks one of them
+except (AttributeError, TypeError, ImportError):  # pragma: no cover - a torch that lacks one of them
     _INTERNALS = False
 
 #: Whether the eager path is in use at all (the switch is on and torch has the internals).
@@ -48,8 +49,7 @@ def _only_device_modes() -> bool:
     # rewrites factory calls (torch.empty, ...) and passes everything else through: the
     # operator would reach the same kernel, and the eager path allocates with new_empty /
     # empty_like, which it leaves alone.
-    from torch.utils._device import DeviceContext
-    return all(type(_tf_stack_at(i)) is DeviceContext for i in range(_tf_stack_len()))
+    return all(type(_tf_stack_at(i)) is _DeviceContext for i in range(_tf_stack_len()))
 
 
 def eager_ok() -> bool:
@@ -103,3 +103,4 @@ def _learn_cuda_keys(t) -> bool:
         return False
     _learn_keys(t.device)
     _cuda_keys_known = True
+    return _keys(t).raw_repr() in _PLAIN_KEYS

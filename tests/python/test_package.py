@@ -85,6 +85,11 @@ def test_no_import_circle():
                       ("_eager", "_autograd"), ("_autograd", "_route"), ("_args", "_route"),
                       ("_route", "functional"), ("_route", "deepspeed")):
         assert low in graph[high], (low, high)
+    # Tooling stands on the library, never the other way round.
+    for name, deps in graph.items():
+        if name != "bench" and not name.startswith("bench."):
+            assert not any(d == "bench" or d.startswith("bench.") for d in deps), (name, deps)
+    assert any(d == "moe" for d in graph["bench.mlp"])  # the check sees the bench modules' edges
 
 
 def test_top_level_names():

@@ -110,6 +110,7 @@ def measure_impl(experts, impl, T, K, dtype, device, iters, warmup, ref):
         _step(experts, name, h, index, rw, dy)
     torch.cuda.synchronize(device)
     fwd, bwd = [], []
+    y = None
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for _ in range(iters):
         h, rw = fresh()
@@ -139,7 +140,7 @@ def measure_impl(experts, impl, T, K, dtype, device, iters, warmup, ref):
         y_ref, g_ref = ref
         row["y_rel"] = _rel(y, y_ref)
         common = [n for n in grads if n in g_ref]
-        row["grad_rel_max"] = max(_rel(grads[n], g_ref[n]) for n in common)
+        row["grad_rel_max"] = max((_rel(grads[n], g_ref[n]) for n in common), default=float("nan"))
         row["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
     return row, y.detach(), {n: g.detach().clone() for n, g in grads.items()}
 
@@ -164,7 +165,7 @@ def parse_args(argv=None):
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--impls", default=",".join(IMPLS), help="the first is the reference of the checks")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed steps (at least 1)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default="", metavar="PATH")
     p.add_argument("--markdown", default="", metavar="PATH")
@@ -203,6 +204,8 @@ def main(argv=None) -> int:
         import transformers
     except ImportError:
         raise SystemExit("expertact-bench --experts: needs transformers (pip install transformers)")
+    if a.iters < 1:
+        raise SystemExit("expertact-bench --experts: --iters must be at least 1")
     dtype = getattr(torch, a.dtype)
     impls = [i for i in a.impls.split(",") if i]
     models = [m for m in a.models.split(",") if m]

@@ -82,7 +82,8 @@ def main(argv=None):
         fwd_flops)
     row("gate_up GEMM + h, fused", lambda: _fused.forward(x, w13i, offs, None, act, alpha, limit, beta), fwd_flops)
     row("dh GEMM, torch._grouped_mm", lambda: torch._grouped_mm(dy, w2k.transpose(-2, -1), offs=offs), bwd_flops)
-    # In place over a copy of gate_up: the same work each step (the values change, not the cost).
+    # In place over the forward's gate_up, step after step: the same work each step (the values
+    # change, not the cost).
     row("dh GEMM -> dgate_up (in place), fused",
         lambda: _fused.backward(dy, w2k, offs, gate_up, None, False, True, act, alpha, limit, beta), bwd_flops)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,

@@ -49,13 +49,12 @@ import expertact
 from expertact import _fused, moe
 
 from .common import (
-    DTYPES, GiB, OOM, clock_and_memory, eager_form, element_size, fmt_mem, log, measure, mem_unit, method,
+    DTYPES, PRESETS, GiB, OOM, clock_and_memory, eager_form, element_size, fmt_mem, log, measure, mem_unit, method,
     parse_list, resolve_device, split, versions, write_outputs,
 )
 
 IMPLS = ("gemms", "eager", "compile", "deepspeed", "expertact-op", "expertact", "expertact-inplace",
          "expertact-recompute", "expertact-recompute-inplace", "fused", "fused-inplace", "fused-recompute-inplace")
-PRESETS = ("swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh")
 # The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows (1,045,120 in all).
 CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072, dtype="bfloat16")
 CPU_DEFAULT = dict(experts=4, rows=256, dim=128, ffn=128, dtype="float32")
@@ -66,7 +65,7 @@ _MODES = {
     "fused-recompute-inplace": dict(fused=True, recompute=True, inplace_backward=True),
 }
 # The extra peak of the unfused in-place composition at the seed size, measured on the H200
-# (2026-11-30; bench/results/mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
+# (2026-11-30; bench/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
 # it. Recompute runs the forward kernel once more (~4.5 ms at the seed size).
 TARGET_PEAK_GIB = 30.11
 

@@ -425,7 +425,7 @@ def _compile_settings():
 
     - fail_on_recompile_limit_hit: a compiled cell never quietly falls back to eager.
     - compile_threads = 1: inductor compiles in this process. Otherwise the first compile starts
-      a pool of compile workers, one per core (16 on the H200 host), each importing torch while
+      a pool of compile workers, one per core, each importing torch while
       the cells after it are timed. Each graph here fuses into one or two pointwise kernels:
       there is little for a pool to compile in parallel."""
     import torch._inductor.config as inductor
