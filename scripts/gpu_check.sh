@@ -2,7 +2,8 @@
 # Builds, tests and benchmarks expertact on a machine with an NVIDIA GPU, in stages, so that
 # a machine that allows only short commands can take them a few at a time. Results and logs
 # go to $OUT/gpu_check/ ($OUT defaults to out/ in the repository, git-ignored; every script
-# of scripts/ writes under the same folder).
+# of scripts/ writes its results and logs under the same folder; builds go to build/, the
+# carried wheels to /tmp/site, GoogleTest to /tmp/gtest).
 #
 #   bash scripts/gpu_check.sh                              # STAGES="build ctest pytest"
 #   STAGES="bench mlp fuzz" bash scripts/gpu_check.sh      # then the benchmarks and the fuzzer
@@ -49,7 +50,9 @@
 # Other fused-GEMM schedules: CMAKE_EXTRA="-DEXPERTACT_CUTLASS_SCHEDULES=cooperative;pingpong64"
 # at the build, then EXPERTACT_FUSED_SCHEDULE=pingpong64 for the stages that run them.
 #
-# Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest. Without network the
+# Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest (the prepare stage:
+# torch too, to build DeepSpeed's wheel, and wheels for Python 3.12; PYVER=3.11 etc. for another
+# Python on the GPU machine). Without network the
 # GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
 # along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip and the fused
 # GEMMs are not built. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
@@ -95,7 +98,7 @@ if has prepare; then
   # the GPU machine's Python 3.12 on x86-64.
   DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8 ||
     fail "building DeepSpeed's wheel"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version ${PYVER:-3.12} --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux2010_x86_64 -d "$WHEELS" nvidia-cutlass==4.2.0.0 hjson py-cpuinfo msgpack psutil \
     pydantic pydantic-core annotated-types typing-extensions typing-inspection einops tqdm ||

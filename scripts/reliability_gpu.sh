@@ -128,7 +128,7 @@ EOF
 fi
 
 if has sanitize; then
-  OUT="$OUT" SAN_BUILD=0 bash scripts/sanitize.sh > "$L/sanitize.log" 2>&1 || status=1
+  OUT="$OUT" SAN_BUILD=0 BUILD="$BUILD" bash scripts/sanitize.sh > "$L/sanitize.log" 2>&1 || status=1
   tail -40 "$L/sanitize.log"
 fi
 

@@ -120,7 +120,7 @@ if [[ " $PARTS " == *" pytest "* ]]; then
   for f in deepspeed moe; do [ -f tests/python/test_$f.py ] && MORE+=(tests/python/test_$f.py); done
   PY=(python3 -m pytest -q -p no:cacheprovider -rfE)
   # Left out under every tool: tests of allocation behaviour rather than of results, which
-  # failed under compute-sanitizer in the first sweep (2026-11-30) and pass without it: the
+  # fail under compute-sanitizer and pass without it (docs/reliability.md): the
   # in-place gradient of a leaf aliasing its input (AccumulateGrad copied it under the tool;
   # cause not found), the OOM case whose in-place backward must fit under a memory cap (under
   # the tool it asked for 2 GiB more: the same copy of the gradient, it seems), and the

@@ -42,9 +42,14 @@ $PY -c "import triton" 2> /dev/null || $PY -m pip install -q --no-deps triton==3
 # 88-122 s and the layout tests' 52 s, compiled 2 at a time (478 of 934 s of compile steps;
 # configure 26 s + build 484 s in all, measured 2026-12-01 on a shared 2-core VM, nvcc 13.0).
 CUTLASS=${EXPERTACT_CUTLASS:-AUTO}
-if command -v nvcc > /dev/null || [ -n "${CUDACXX:-}" ] || [ -x /usr/local/cuda/bin/nvcc ]; then
+NVCC=$(command -v nvcc || echo "${CUDACXX:-/usr/local/cuda/bin/nvcc}")
+if [ -x "$NVCC" ]; then
   $PY -m pip install -q "nvidia-cutlass==4.2.0.0"
-  [ -n "${EXPERTACT_CUTLASS:-}" ] || CUTLASS=ON
+  # Required only where nvcc can build them (12.4 or newer, CMakeLists.txt); AUTO elsewhere.
+  nv=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+  if [ -z "${EXPERTACT_CUTLASS:-}" ] && [ -n "$nv" ] && { [ "${nv% *}" -gt 12 ] || { [ "${nv% *}" = 12 ] && [ "${nv#* }" -ge 4 ]; }; }; then
+    CUTLASS=ON
+  fi
 fi
 
 BUILD=${BUILD_DIR:-build/test}
@@ -56,6 +61,11 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${E
 grep "expertact:" "$BUILD/configure.log" || true
 echo "== building"
 cmake --build "$BUILD" -j "$(nproc)"
+# The CUDA tuning harness (bench/kernel_variants.cu, built on request only) reads the library's
+# internal launchers: compiled here so that a change to them cannot leave it broken.
+if cmake --build "$BUILD" --target help | grep -q expertact_kernel_variants; then
+  cmake --build "$BUILD" -j "$(nproc)" --target expertact_kernel_variants
+fi
 echo "== C++ tests (GoogleTest via ctest)"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
 

@@ -10,6 +10,7 @@
 # deepspeed imports (on PYTHONPATH, e.g. the wheels of .whl/ installed by scripts/gpu_check.sh).
 # WHEEL_CHECK_ALLOW_NO_GPU=1 lets it run without a GPU (CUDA tests then skip).
 set -uo pipefail
+whl_arg=${1:+$(realpath "$1")}
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/out}
@@ -22,7 +23,7 @@ failed=0
 fail() { note "FAIL: $*"; failed=1; }
 t0=$(date +%s)
 
-whl=${1:-$(ls dist/expertact-*.whl 2> /dev/null)}
+whl=${whl_arg:-$(ls dist/expertact-*.whl 2> /dev/null)}
 [ -n "$whl" ] && [ "$(echo "$whl" | wc -l)" = 1 ] && [ -f "$whl" ] ||
   { note "FAIL: expected one wheel (argument or dist/expertact-*.whl), found: '$whl'"; exit 1; }
 note "wheel $(basename "$whl"), $(stat -c %s "$whl") bytes, sha256 $(sha256sum "$whl" | cut -d' ' -f1)"

@@ -189,7 +189,7 @@ Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
 }
 
 // The 2-D descriptions: only the dtype and device codes need translating; the
-// sizes and strides go to the C++ API's checks as they are. A single row's (or
+// sizes and strides go to the checks of core/checks.cpp as they are. A single row's (or
 // weight's) stride is normalised as the DLTensor path leaves it, since nothing
 // reads it.
 Status to_matrix(const char* name, const expertact_matrix* t, MatrixRef& m) {
@@ -373,7 +373,7 @@ void expertact_set_cpu_threads(int32_t n) { expertact::set_cpu_threads(n); }
 }  // extern "C"
 
 // The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h): their own
-// conversions (the offsets, the experts' dimension of a weight), then the C++ API.
+// conversions (the offsets, the experts' dimension of a weight), then the bodies of src/api.h.
 namespace expertact::detail {
 namespace {
 

@@ -26,7 +26,7 @@ extern "C" {
 #define EXPERTACT_API __attribute__((visibility("default")))
 #endif
 
-#define EXPERTACT_ABI_VERSION 1
+#define EXPERTACT_ABI_VERSION 2 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE */
 
 typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_OK 0

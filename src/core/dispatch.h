@@ -22,7 +22,7 @@ Status dispatch_dtype(DType d, Fn&& fn) {
     case DType::kFloat16: return fn(DTypeTag<DType::kFloat16>{});
     case DType::kBFloat16: return fn(DTypeTag<DType::kBFloat16>{});
   }
-  return fail(Status::kInvalidArgument, "unsupported dtype ", static_cast<int>(d),
+  return fail(Status::kInvalidDtype, "unsupported dtype ", static_cast<int>(d),
               " (expected float32, float16 or bfloat16)");
 }
 

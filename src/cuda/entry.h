@@ -14,7 +14,7 @@ namespace expertact::cuda {
 // (glu_flat.cuh), or per call (auto, below). A tuning knob:
 // EXPERTACT_CUDA_KERNEL=auto|rows|flat, read once per process (glu_cuda.cu).
 enum class KernelChoice { kAuto, kRows, kFlat };
-// Without the variable.
+// The choice when EXPERTACT_CUDA_KERNEL is unset.
 constexpr KernelChoice kDefaultKernel = KernelChoice::kAuto;
 
 // What auto takes for one call, from the A/B of rows against flat on the H200

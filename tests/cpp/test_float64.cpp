@@ -161,6 +161,31 @@ TEST(Float64Refusals, CudaTensorIsUnsupported) {
   EXPECT_NE(std::string(last_error()).find("float64"), std::string::npos) << last_error();
 }
 
+// F == 0 with weights: no element to read, but the per-row weight gradient is still owed
+// (a sum over an empty row: +0), written by the float64 launcher at its stride only.
+TEST(Float64, ZeroWidthRowsGiveZeroWeightGradients) {
+  const int64_t rows = 4;
+  float w[rows] = {0.5f, 1.5f, -2.0f, 3.0f};
+  float gw[2 * rows];
+  std::memset(gw, 0xFF, sizeof(gw));
+  MatrixRef x;
+  x.data = nullptr, x.rows = rows, x.cols = 0, x.row_stride = 0, x.dtype = DType::kFloat64;
+  VectorRef wv, gwv;
+  wv.data = w, wv.size = rows, wv.stride = 1;
+  gwv.data = gw, gwv.size = rows, gwv.stride = 2;
+  ASSERT_EQ(glu_backward(preset_swiglu(), Layout::kHalves, x, x, nullptr, &wv, x, nullptr, &gwv), Status::kOk)
+      << last_error();
+  for (int64_t i = 0; i < 2 * rows; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &gw[i], 4);
+    if (i % 2 == 0) {
+      EXPECT_EQ(bits, 0u) << "grad_weights[" << i / 2 << "] must be +0";
+    } else {
+      EXPECT_EQ(bits, 0xFFFFFFFFu) << "element " << i << " between strided entries was written";
+    }
+  }
+}
+
 TEST(Float64Refusals, MixedWithFloat32) {
   double g[4] = {1, 2, 3, 4};
   float u[4] = {1, 2, 3, 4};
