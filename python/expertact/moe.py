@@ -220,8 +220,16 @@ def _gmm(a, b, offs, plan):
     return out
 
 
-def _gmm_wgrad(a, b, offs, plan):
-    """out[e] = a[rows of e]^T @ b[rows of e]: [E, a cols, b cols], zero for an expert with no rows."""
+def _gmm_wgrad(a, b, offs, plan, like=None):
+    """out[e] = a[rows of e]^T @ b[rows of e]: [E, a cols, b cols], zero for an expert with no rows.
+
+    like: the weight this is the gradient of. Expert weights are usually held [E, N, K] and
+    read through .transpose(-2, -1) (DeepSpeed, TorchTitan, transformers): then the gradient is
+    computed as (b^T a)^T, the same sums laid out as the weight's storage, so that autograd
+    hands it to the leaf without a transposing copy (two such copies took 0.85 ms a step at
+    the busiest rank on an H200, docs/perf-notes.md)."""
+    if like is not None and like.dim() == 3 and like.stride(-2) == 1 and like.stride(-1) != 1:
+        return _gmm_wgrad(b, a, offs, plan).transpose(-2, -1)
     ends = plan.ends
     end = ends[-1] if ends else 0
     if plan.grouped and end > 0:
@@ -330,7 +338,7 @@ class _ExpertMLP(torch.autograd.Function):
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
         # dh freed, then x's gradient.
         if need_w2:
-            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan)
+            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan, w2)
         h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
         if need_x or need_w13 or need_w:
             dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
@@ -348,7 +356,7 @@ class _ExpertMLP(torch.autograd.Function):
             if need_x:
                 dx = _gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
             if need_w13:
-                dw13 = _gmm_wgrad(x, dgate_up, offs, plan)
+                dw13 = _gmm_wgrad(x, dgate_up, offs, plan, like=w13)
         return dx, dw13, dw2, dweights, None, None
 
 
@@ -387,12 +395,13 @@ def _from_interleaved(dw13i, layout):
     return _pack(*_unpack(dw13i, "interleaved", dim=2), layout, dim=2)
 
 
-def _w2_grad(h, gate_up, weights, glu, dy, offs, plan):
+def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None):
     """w2's gradient h^T dy per expert, h recomputed by the fused forward kernel from gate_up
-    (glu: layout, act, alpha, limit, beta) when the forward did not keep it (recompute=True)."""
+    (glu: layout, act, alpha, limit, beta) when the forward did not keep it (recompute=True);
+    laid out as w2 is, when given."""
     if h is None:
         h = glu_op(gate_up, None, weights, *glu, False)
-    return _gmm_wgrad(h, dy, offs, plan)
+    return _gmm_wgrad(h, dy, offs, plan, like=w2)
 
 
 class _FusedExpertMLP(torch.autograd.Function):

@@ -721,3 +721,42 @@ def test_grouped_experts_cuda_bf16(mode):
         assert_close(name, g, r, torch.bfloat16)
     assert got[143:].abs().max() == 0 and gg[0][143:].abs().max() == 0
     assert gg[1].dtype == torch.float32  # the master weights' gradient
+
+
+def test_weight_gradients_come_in_the_weights_layout_without_a_copy():
+    """Expert weights held [E, N, K] and read through .transpose(-2, -1): their gradients are
+    computed in that storage's layout, so nothing copies a weight-sized tensor in backward
+    (autograd would otherwise transpose each gradient into the leaf's strides)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    E, R, D, F = 3, 5, 8, 6
+    x = torch.randn(E * R, D, dtype=torch.float64, requires_grad=True)
+    w13 = torch.randn(E, 2 * F, D, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(E, D, F, dtype=torch.float64, requires_grad=True)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * R
+    y = moe.expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), offsets, "swiglu")
+    dy = torch.randn_like(y)
+
+    class Copies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default):
+                self.sizes.append(args[0].numel())
+            return out
+
+    with Copies() as c:
+        y.backward(dy)
+    assert w13.numel() not in c.sizes and w2.numel() not in c.sizes, c.sizes
+    assert w13.grad.is_contiguous() and w2.grad.is_contiguous()
+    # the values: against float64 autograd of the same composition
+    xr, w13r, w2r = (t.detach().clone().requires_grad_() for t in (x, w13, w2))
+    gu = torch.cat([xr[e * R:(e + 1) * R] @ w13r[e].t() for e in range(E)])
+    h = torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]
+    yr = torch.cat([h[e * R:(e + 1) * R] @ w2r[e].t() for e in range(E)])
+    yr.backward(dy)
+    for got, ref in ((x.grad, xr.grad), (w13.grad, w13r.grad), (w2.grad, w2r.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
