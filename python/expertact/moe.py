@@ -21,7 +21,7 @@ from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._capi import DTypeError
 from ._library import glu_backward_inplace_op, glu_backward_op, glu_op
 
-__all__ = ["expert_mlp", "GroupedExperts", "PACKED_LAYOUTS"]
+__all__ = ["expert_mlp", "offsets_from_counts", "GroupedExperts", "PACKED_LAYOUTS"]
 
 Tensor = torch.Tensor
 
@@ -462,6 +462,19 @@ def _fused_fallback(reason):
         warnings.warn(f"expertact.moe: fused=True falls back to the unfused path: {reason}", stacklevel=3)
 
 
+def offsets_from_counts(num_tokens_per_expert: Tensor, where: str = "expertact.moe") -> Tensor:
+    """expert_mlp's ``offsets`` (int32 cumulative end rows) from the rows per expert, a 1-D
+    integer tensor (TorchTitan's ``num_tokens_per_expert``); ``where`` names the caller in the
+    error for anything else."""
+    counts = num_tokens_per_expert
+    if not isinstance(counts, torch.Tensor):
+        raise TypeError(f"{where}: num_tokens_per_expert must be a tensor, got {type(counts).__name__}")
+    if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex:
+        raise ValueError(f"{where}: num_tokens_per_expert must be a 1-D integer tensor; got shape "
+                         f"{tuple(counts.shape)}, dtype {counts.dtype}")
+    return torch.cumsum(counts, 0, dtype=torch.int32)
+
+
 def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: str = "swiglu", *,
                alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                weights: Optional[Tensor] = None, recompute: bool = False,
@@ -620,11 +633,7 @@ class GroupedExperts(nn.Module):
         return self.w13 if self.fused_w13 else _pack(self.w1, self.w3, self.layout, dim=1)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor, weights: Optional[Tensor] = None) -> Tensor:
-        counts = _tensor("num_tokens_per_expert", num_tokens_per_expert)
-        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex:
-            raise ValueError(_err(f"num_tokens_per_expert must be a 1-D integer tensor; got shape "
-                                  f"{_shape(counts)}, dtype {counts.dtype}"))
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        offsets = offsets_from_counts(num_tokens_per_expert)
         dt = x.dtype
         w13 = self._w13().to(dt).transpose(-2, -1)
         w2 = self.w2.to(dt).transpose(-2, -1)

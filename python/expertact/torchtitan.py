@@ -94,7 +94,7 @@ try:  # TorchTitan's own fused gate/up override (it imports triton)
 except ImportError:  # pragma: no cover - depends on the environment
     FusedGroupedExperts = fused_grouped_experts = None
 
-from .moe import expert_mlp
+from .moe import expert_mlp, offsets_from_counts
 
 __all__ = ["ExpertactGroupedExperts", "expertact_grouped_experts", "ExpertactFusedGroupedExperts",
            "expertact_fused_grouped_experts", "enable", "disable", "experts_forward"]
@@ -189,11 +189,7 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
         raise ValueError(_err(f"{name}: {shapes}"))
     if x.dim() != 2:
         raise ValueError(_err(f"{name}: x must be [R, D] (rows sorted by expert); got shape {tuple(x.shape)}"))
-    counts = num_tokens_per_expert
-    if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex:
-        raise ValueError(_err(f"{name}: num_tokens_per_expert must be a 1-D integer tensor; got shape "
-                              f"{tuple(counts.shape)}, dtype {counts.dtype}"))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    offsets = offsets_from_counts(num_tokens_per_expert, _err(name))
     dt = x.dtype if compute_dtype is None else compute_dtype
     if fused:  # a view when w13 is in dt and contiguous: no copy
         w13, layout = w13_EF2D.to(dt).reshape(E, 2 * F, D).transpose(-2, -1), "interleaved"
