@@ -69,14 +69,14 @@ def main(argv=None):
     show("  _describe.glu_forward_body", lambda: _describe.glu_forward_body(g, u, None, *args5))
     show("    _as_rows(g)", lambda: _describe._as_rows(g))
     show("    _tail(g)", lambda: _describe._tail(g))
-    show("    _stream(g)", lambda: _describe._stream(g))
+    show("    stream_of(g)", lambda: _describe.stream_of(g))
     ws = _describe._WS
     show("    _params (pack_into)", lambda: _describe._params(ws.buf, 0, 1.0, INF, 0.0))
     tail = _describe._tail(g)
     show("    _pack_matrix (pack_into)", lambda: _describe._pack_matrix(ws.buf, _describe._OX, 0, r, f, f, tail))
     show("    g.new_empty(rows, F)", lambda: g.new_empty(r, f))
     keep = _describe.glu_forward_body(g, u, None, *args5)  # noqa: F841 - the buffer the C call below writes
-    stream = _describe._stream(g)
+    stream = _describe.stream_of(g)
     show("    C call expertact_glu_forward_2d (with the kernel)",
          lambda: _describe._fwd_2d(ws.r_params, 0, ws.r_x, ws.r_up, None, ws.r_out, stream))
     show("  operator: torch.ops.expertact.glu (dispatcher)", lambda: _library.glu_op(g, u, None, *args5, False))

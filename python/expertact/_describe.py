@@ -96,7 +96,7 @@ def _new_tail(t) -> bytes:
     return _capi.dl_tail(code, bits, _DL_CPU if t.is_cpu else 0, 0)
 
 
-def _stream(t):
+def stream_of(t):
     """The current stream of the tensor's own device (None, the NULL stream, for CPU tensors)."""
     if not t.is_cuda:
         return None
@@ -236,14 +236,14 @@ def _call_dlpack(entry, layout, act, alpha, limit, beta, operands, stream):
         elif id(t) in seen:
             refs.append(seen[id(t)])
         else:
-            seen[id(t)] = ref = _dl(ws.slots[len(seen)], t)
+            seen[id(t)] = ref = dl_tensor(ws.slots[len(seen)], t)
             refs.append(ref)
     status = entry(ws.params_ref, _int32(layout), *refs, stream)
     if status:
         _raise(status)
 
 
-def _dl(slot, t):
+def dl_tensor(slot, t):
     """Fills a reusable DLTensor from a tensor (its data pointer already includes the storage offset)."""
     d = slot.t
     d.data = t.data_ptr()
@@ -276,7 +276,7 @@ def glu_forward_body(x, up, weights, layout, act, alpha, limit, beta, inplace_ba
     shape = x.shape
     if rows is None or (up is not None and urows is None):  # 0-dim
         out = x.new_empty(shape)
-        _call_dlpack(_capi._forward, layout, act, alpha, limit, beta, (x, up, weights, out), _stream(x))
+        _call_dlpack(_capi._forward, layout, act, alpha, limit, beta, (x, up, weights, out), stream_of(x))
         return out
     f = cols if layout == _SEPARATE else cols // 2
     out = x.new_empty(rows, f) if len(shape) == 2 else x.new_empty((*shape[:-1], f))
@@ -293,7 +293,7 @@ def glu_forward_body(x, up, weights, layout, act, alpha, limit, beta, inplace_ba
         _pack_vector(buf, _OW, weights.data_ptr(), wn, wst, _tail(weights))
         r_w = ws.r_w
     _pack_matrix(buf, _OO, out.data_ptr(), rows, f, f, tail)  # out: x's dtype and device
-    status = _fwd_2d(ws.r_params, _int32(layout), ws.r_x, r_up, r_w, ws.r_out, _stream(x))
+    status = _fwd_2d(ws.r_params, _int32(layout), ws.r_x, r_up, r_w, ws.r_out, stream_of(x))
     if status:
         _raise(status)
     return out
@@ -331,7 +331,7 @@ def _backward_2d(grad_out, x, up, weights, grad_x, grad_up, grad_weights, layout
         _pack_vector(buf, _OGW, grad_weights[0].data_ptr(), grad_weights[1], grad_weights[2],
                      _tail(grad_weights[0]))
         r_gw = ws.r_gw
-    status = _bwd_2d(ws.r_params, _int32(layout), ws.r_dy, ws.r_x, r_up, r_w, r_gx, r_gu, r_gw, _stream(xt))
+    status = _bwd_2d(ws.r_params, _int32(layout), ws.r_dy, ws.r_x, r_up, r_w, r_gx, r_gu, r_gw, stream_of(xt))
     if status:
         _raise(status)
 
@@ -354,7 +354,7 @@ def glu_backward_body(grad_out, x, up, weights, weights_grad, layout, act, alpha
     if dy[1] is None or x[1] is None or (up is not None and up[1] is None):  # 0-dim
         _call_dlpack(_capi._backward, layout, act, alpha, limit, beta,
                      (dy[0], xt, None if up is None else up[0], None if w is None else w[0], gx, gu, gw),
-                     _stream(xt))
+                     stream_of(xt))
         return res
     gxd = (gx, x[1], x[2], x[2])
     gud = None if gu is None else (gu, up[1], up[2], up[2])
@@ -374,7 +374,7 @@ def glu_backward_inplace_body(grad_out, x, up, weights, grad_weights, layout, ac
     if dy[1] is None or xd[1] is None or (ud is not None and ud[1] is None):  # 0-dim
         _call_dlpack(_capi._backward, layout, act, alpha, limit, beta,
                      (dy[0], xd[0], None if ud is None else ud[0], None if w is None else w[0], xd[0],
-                      None if ud is None else ud[0], None if gw is None else gw[0]), _stream(xd[0]))
+                      None if ud is None else ud[0], None if gw is None else gw[0]), stream_of(xd[0]))
     else:
         _backward_2d(dy, xd, ud, w, xd, ud, gw, layout, act, alpha, limit, beta)
     if xd[0] is not x:
@@ -383,9 +383,3 @@ def glu_backward_inplace_body(grad_out, x, up, weights, grad_weights, layout, ac
         up.copy_(ud[0])
     if gw is not None and gw[0] is not grad_weights:
         grad_weights.copy_(gw[0])
-
-
-
-# The DLTensor description and the stream, for the fused grouped GEMMs' calls (_fused).
-dl = _dl
-stream_of = _stream

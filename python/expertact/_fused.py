@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from ._describe import dl as _dl, stream_of as _stream
+from ._describe import dl_tensor, stream_of
 
 __all__ = ["why_not", "forward", "backward"]
 
@@ -63,9 +63,9 @@ def forward(x, w13i, offsets, weights, act, alpha, limit, beta):
     gate_up = x.new_empty((T, 2 * F))
     h = x.new_empty((T, F))
     s = _WS.slots
-    _call(_capi.LIB.expertact_moe_fused_forward, _params(act, alpha, limit, beta), _dl(s[0], x),
-          _dl(s[1], w13i), _dl(s[2], offsets), None if weights is None else _dl(s[3], weights),
-          _dl(s[4], gate_up), _dl(s[5], h), _stream(x))
+    _call(_capi.LIB.expertact_moe_fused_forward, _params(act, alpha, limit, beta), dl_tensor(s[0], x),
+          dl_tensor(s[1], w13i), dl_tensor(s[2], offsets), None if weights is None else dl_tensor(s[3], weights),
+          dl_tensor(s[4], gate_up), dl_tensor(s[5], h), stream_of(x))
     return gate_up, h
 
 
@@ -76,8 +76,8 @@ def backward(dy, w2k, offsets, gate_up, weights, weights_grad, inplace, act, alp
     dweights = torch.empty(gate_up.shape[0], dtype=torch.float32, device=gate_up.device) \
         if weights_grad else None
     s = _WS.slots
-    _call(_capi.LIB.expertact_moe_fused_backward, _params(act, alpha, limit, beta), _dl(s[0], dy),
-          _dl(s[1], w2k), _dl(s[2], offsets), _dl(s[3], gate_up),
-          None if weights is None else _dl(s[4], weights), _dl(s[5], dgate_up),
-          None if dweights is None else _dl(s[6], dweights), _stream(dy))
+    _call(_capi.LIB.expertact_moe_fused_backward, _params(act, alpha, limit, beta), dl_tensor(s[0], dy),
+          dl_tensor(s[1], w2k), dl_tensor(s[2], offsets), dl_tensor(s[3], gate_up),
+          None if weights is None else dl_tensor(s[4], weights), dl_tensor(s[5], dgate_up),
+          None if dweights is None else dl_tensor(s[6], dweights), stream_of(dy))
     return dgate_up, dweights
