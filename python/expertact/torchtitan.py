@@ -212,6 +212,10 @@ _MODE_ATTRS = ("recompute", "inplace_backward", "compute_dtype")
 class _Modes:
     """The memory modes and compute dtype of the expertact classes, set from a config or by enable()."""
 
+    def __init__(self, config):
+        super().__init__(config)
+        self._set_modes(config.recompute, config.inplace_backward, config.compute_dtype)
+
     def _set_modes(self, recompute, inplace_backward, compute_dtype):
         self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
         self.compute_dtype = _dtype(compute_dtype)
@@ -225,7 +229,6 @@ class _Modes:
                 f"inplace_backward={self.inplace_backward}, compute_dtype={self.compute_dtype}")
 
 
-
 class ExpertactGroupedExperts(_Modes, GroupedExperts):
     """TorchTitan's ``GroupedExperts`` (same parameters, same state dict keys) whose forward is
     :func:`experts_forward`. Config fields beyond GroupedExperts.Config: ``recompute`` and
@@ -237,10 +240,6 @@ class ExpertactGroupedExperts(_Modes, GroupedExperts):
         recompute: bool = False
         inplace_backward: bool = False
         compute_dtype: Optional[torch.dtype] = torch.bfloat16
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self._set_modes(config.recompute, config.inplace_backward, config.compute_dtype)
 
 
 @override(target=GroupedExperts.Config,
@@ -274,10 +273,6 @@ if FusedGroupedExperts is not None:
             recompute: bool = False
             inplace_backward: bool = False
             compute_dtype: Optional[torch.dtype] = torch.bfloat16
-
-        def __init__(self, config: Config):
-            super().__init__(config)
-            self._set_modes(config.recompute, config.inplace_backward, config.compute_dtype)
 
     @override(target=GroupedExperts.Config,
               description="expertact: fused gate/up weight (TorchTitan's FusedGroupedExperts) read without a copy")
