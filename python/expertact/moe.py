@@ -468,7 +468,7 @@ def offsets_from_counts(num_tokens_per_expert: Tensor, where: str = "expertact.m
     error for anything else."""
     counts = num_tokens_per_expert
     if not isinstance(counts, torch.Tensor):
-        raise TypeError(f"{where}: num_tokens_per_expert must be a tensor, got {type(counts).__name__}")
+        raise TypeError(f"{where}: num_tokens_per_expert must be a torch.Tensor (got {type(counts).__name__})")
     if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex:
         raise ValueError(f"{where}: num_tokens_per_expert must be a 1-D integer tensor; got shape "
                          f"{tuple(counts.shape)}, dtype {counts.dtype}")
