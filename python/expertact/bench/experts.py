@@ -17,12 +17,11 @@ measure the same function, GPT-OSS's MLP without its biases.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
-from .common import GiB, log, resolve_device, versions, write_outputs
+from .common import clock_and_memory, log, measure, resolve_device, versions, write_outputs
 
 # name -> (transformers config class, its keyword arguments for the experts, K): the experts
 # shapes of the released models (hidden size D, expert width F, experts E, experts per token K).
@@ -65,13 +64,6 @@ def _routing(T, E, K, dtype, device, gen):
     return index, torch.softmax(weights, dim=-1).to(dtype)
 
 
-def _step(experts, impl, hidden, index, weights, dy):
-    experts.config._experts_implementation = impl
-    y = experts(hidden, index, weights)
-    y.backward(dy)
-    return y
-
-
 def _grads(experts, hidden, weights):
     """name -> gradient: the hidden states', the routing weights' and each weight's that got one
     (GPT-OSS's eager forward adds its zero biases, so they get gradients there only)."""
@@ -85,64 +77,47 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+class _Inputs:
+    """One step's arguments as common.measure takes them: args (hidden states and routing
+    weights as leaves wanting their gradient, the expert ids between them), grad (dy) and
+    clear() (every gradient dropped, the experts' too)."""
+
+    def __init__(self, experts, T, K, dtype, device):
+        gen = torch.Generator(device=device).manual_seed(1)
+        index, w = _routing(T, experts.num_experts, K, dtype, device, gen)
+        x = torch.randn(T, hidden_dim(experts), device=device, dtype=dtype, generator=gen)
+        self.grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
+        self.args = [x.requires_grad_(), index, w.requires_grad_()]
+        self.experts = experts
+
+    def clear(self):
+        self.experts.zero_grad(set_to_none=True)
+        self.args[0].grad = self.args[2].grad = None
+
+
 def measure_impl(experts, impl, T, K, dtype, device, iters, warmup, ref):
-    """(row dict, y, grads) of one implementation: median fwd+bwd ms over iters after warmup,
-    extra peak GiB of one step, relative differences to ref (None for the reference itself)."""
+    """(row dict, y, grads) of one implementation: common.measure's medians and memory, and
+    relative differences of y and the gradients to ref (None for the reference itself)."""
     from .. import transformers as ea_transformers  # registers "expertact"
 
-    name = impl
     if impl == "expertact_inplace":
         ea_transformers.register(impl, inplace_backward=True)
-    gen = torch.Generator(device=device).manual_seed(1)
-    index, w = _routing(T, experts.num_experts, K, dtype, device, gen)
-    D = hidden_dim(experts)
-    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
-    dy = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
-
-    def fresh():
-        experts.zero_grad(set_to_none=True)
-        h = x.clone().requires_grad_(True)
-        rw = w.clone().requires_grad_(True)
-        return h, rw
-
-    for _ in range(warmup):
-        h, rw = fresh()
-        _step(experts, name, h, index, rw, dy)
-    torch.cuda.synchronize(device)
-    fwd, bwd = [], []
-    y = None
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    for _ in range(iters):
-        h, rw = fresh()
-        ev[0].record()
-        experts.config._experts_implementation = name
-        y = experts(h, index, rw)
-        ev[1].record()
-        y.backward(dy)
-        ev[2].record()
-        ev[2].synchronize()
-        fwd.append(ev[0].elapsed_time(ev[1]))
-        bwd.append(ev[1].elapsed_time(ev[2]))
-    h, rw = fresh()
-    del y
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    y = _step(experts, name, h, index, rw, dy)
-    torch.cuda.synchronize(device)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / GiB
-    grads = _grads(experts, h, rw)
-    tot = [f + b for f, b in zip(fwd, bwd)]
-    row = dict(impl=impl, fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd), ms=statistics.median(tot),
-               extra_peak_gib=peak)
+    experts.config._experts_implementation = impl
+    inp = _Inputs(experts, T, K, dtype, device)
+    clock, memory = clock_and_memory(device)
+    row = dict(impl=impl, **measure(experts, inp, clock, memory, iters, warmup, refresh=False))
+    y = experts(*inp.args)  # one more step for the checks
+    y.backward(inp.grad)
+    grads = _grads(experts, inp.args[0], inp.args[2])
     if ref is not None:
         y_ref, g_ref = ref
         row["y_rel"] = _rel(y, y_ref)
         common = [n for n in grads if n in g_ref]
         row["grad_rel_max"] = max((_rel(grads[n], g_ref[n]) for n in common), default=float("nan"))
         row["finite"] = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(g).all()) for g in grads.values())
-    return row, y.detach(), {n: g.detach().clone() for n, g in grads.items()}
+    out = y.detach(), {n: g.detach().clone() for n, g in grads.items()}
+    inp.clear()
+    return (row,) + out
 
 
 def hidden_dim(experts) -> int:
