@@ -148,6 +148,62 @@ def _check(x, w13, w2, offsets, weights):
     return T, D, F, ends
 
 
+def _check_biases(x, w13, b13, b2):
+    E, D, f2 = w13.shape
+    for name, b, shape in (("b13", b13, (E, f2)), ("b2", b2, (E, D))):
+        _tensor(name, b, optional=True)
+        if b is None:
+            continue
+        if _shape(b) != shape:
+            raise ValueError(_err(f"{name} has shape {_shape(b)}; expected {list(shape)} from w13 "
+                                  f"{_shape(w13)}"))
+        if b.dtype != x.dtype:
+            raise DTypeError(_err(f"{name} has dtype {b.dtype} but x has {x.dtype}: cast it "
+                                  f"({name}.to(x.dtype))"))
+        if b.device != x.device:
+            raise ValueError(_err(f"{name} is on {b.device} but x is on {x.device}"))
+
+
+def _biased_composition(x, w13, w2, offsets, activation, alpha, limit, layout, weights, b13, b2, ends):
+    """The biased MLP composed of torch operations (a reference while the kernels land)."""
+    from . import functional
+    T = x.shape[0]
+    rows = torch.zeros(T, dtype=torch.long, device=x.device)
+    start = 0
+    end = ends[-1] if ends else 0
+    eidx = torch.full((T,), len(ends), dtype=torch.long, device=x.device)
+    for e, stop in enumerate(ends):
+        eidx[start:stop] = e
+        start = stop
+    del rows
+    gate_up = x.new_zeros((T, w13.shape[-1]))
+    parts = []
+    start = 0
+    for e, stop in enumerate(ends):
+        parts.append(x[start:stop] @ w13[e])
+        start = stop
+    gate_up = torch.cat(parts + [x.new_zeros((T - end, w13.shape[-1]))]) if parts else gate_up
+    if b13 is not None:
+        gate_up = gate_up + torch.cat((b13, b13.new_zeros((1, b13.shape[1]))))[eidx]
+    kw = {}
+    if activation == "swiglu_oai":
+        kw = dict(alpha=1.702 if alpha is None else alpha, limit=7.0 if limit is None else limit)
+    elif activation == "swiglu_clamped":
+        kw = dict(limit=7.0 if limit is None else limit)
+    h = getattr(functional, activation)(gate_up, layout=layout, **kw)
+    parts = []
+    start = 0
+    for e, stop in enumerate(ends):
+        parts.append(h[start:stop] @ w2[e])
+        start = stop
+    y = torch.cat(parts + [x.new_zeros((T - end, w2.shape[-1]))]) if parts else x.new_zeros(x.shape)
+    if b2 is not None:
+        y = y + torch.cat((b2, b2.new_zeros((1, b2.shape[1]))))[eidx]
+    if weights is not None:
+        y = y * weights.to(y.dtype)[:, None]
+    return y
+
+
 def _short(values, n=8):
     return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
 
@@ -478,7 +534,8 @@ def offsets_from_counts(num_tokens_per_expert: Tensor, where: str = "expertact.m
 def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: str = "swiglu", *,
                alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                weights: Optional[Tensor] = None, recompute: bool = False,
-               inplace_backward: bool = False, fused: bool = False) -> Tensor:
+               inplace_backward: bool = False, fused: bool = False, b13: Optional[Tensor] = None,
+               b2: Optional[Tensor] = None) -> Tensor:
     """The grouped expert MLP over rows sorted by expert (docs/spec.md section 7)::
 
         gate_up = x[rows of e] @ w13[e]        (grouped GEMM)
@@ -497,6 +554,10 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
         alpha, limit: for the forms that read them (default 1.702 and 7.0); others refuse them.
         layout: ``"halves"`` (gate first), ``"up_first"`` or ``"interleaved"`` (GPT-OSS).
         weights: optional float32 [T] routing weights multiplying h; differentiable.
+        b13: optional [E, 2F] expert biases of gate_up, in w13's column layout (GPT-OSS's
+            ``gate_up_proj_bias``): gate_up = x @ w13[e] + b13[e], the clamp after the bias.
+        b2: optional [E, D] expert biases of the output (GPT-OSS's ``down_proj_bias``):
+            y = (h @ w2[e] + b2[e]) * weights. Both take x's dtype and device; differentiable.
         recompute: keep x, the weights and gate_up only; h is recomputed in backward (one
             fused forward kernel) for w2's gradient: one [T, F] tensor less kept.
         inplace_backward: write gate_up's gradient over gate_up (the activation's in-place
@@ -520,6 +581,9 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     """
     glu = _glu_args(activation, alpha, limit, layout)
     T, D, F, ends = _check(x, w13, w2, offsets, weights)
+    _check_biases(x, w13, b13, b2)
+    if b13 is not None or b2 is not None:
+        return _biased_composition(x, w13, w2, offsets, activation, alpha, limit, layout, weights, b13, b2, ends)
     grouped = _use_grouped_mm(x, D, F)
     offs = offsets
     if grouped and offs.device != x.device:
