@@ -50,6 +50,17 @@ Status check_float64_device(const GluProblem& p, const char* xname) {
   return Status::kOk;
 }
 
+}  // namespace
+
+#if !EXPERTACT_WITH_CUDA
+Status no_cuda_path(Layout layout) {
+  return fail(Status::kUnsupported, layout == Layout::kSeparate ? "gate" : "gate_up",
+              " is a CUDA tensor but this expertact build has no CUDA path");
+}
+#endif
+
+namespace {
+
 // Validates the inputs shared by forward and backward and fills the problem.
 Status build_problem(const GluParams& params, Layout layout, const MatrixRef& x,
                      const MatrixRef* up, const VectorRef* weights, GluProblem& p) {
@@ -141,10 +152,9 @@ void gradient_pointers(Layout layout, const GluProblem& p, const MatrixRef& grad
 
 }  // namespace
 
-Status glu_forward_body(const GluParams& params, Layout layout, const MatrixRef& x,
-                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
-                        void* stream) {
-  GluProblem p;
+Status prepare_forward(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
+                       GluProblem& p, FwdOutput& o) {
   EA_TRY(build_problem(params, layout, x, up, weights, p));
   EA_TRY(check_matrix("out", out));
   EA_TRY(check_shape("out", out, p.rows, p.F, p.dtype, "the output is [rows, F] of the input's dtype"));
@@ -155,24 +165,31 @@ Status glu_forward_body(const GluParams& params, Layout layout, const MatrixRef&
   if (up) EA_TRY(check_no_overlap("out", eo, "up", extent_of(*up)));
   if (weights) EA_TRY(check_no_overlap("out", eo, "weights", extent_of(*weights)));
   EA_TRY(check_float64_device(p, xname));
+  o = FwdOutput{out.data, out.row_stride};
+  return Status::kOk;
+}
+
+Status glu_forward_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
+                        void* stream) {
+  GluProblem p;
+  FwdOutput o;
+  EA_TRY(prepare_forward(params, layout, x, up, weights, out, p, o));
   if (p.rows == 0 || p.F == 0) return Status::kOk;
-  FwdOutput o{out.data, out.row_stride};
   if (p.dtype == DType::kFloat64) return cpu_forward_f64(p, o);
   if (p.device == DeviceType::kCPU) return cpu_forward(p, o);
 #if EXPERTACT_WITH_CUDA
   return cuda_forward(p, o, stream);
 #else
   (void)stream;
-  return fail(Status::kUnsupported, xname,
-              " is a CUDA tensor but this expertact build has no CUDA path");
+  return no_cuda_path(layout);
 #endif
 }
 
-Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
-                         const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
-                         const MatrixRef& grad_x, const MatrixRef* grad_up,
-                         const VectorRef* grad_weights, void* stream) {
-  GluProblem p;
+Status prepare_backward(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                        const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                        const MatrixRef& grad_x, const MatrixRef* grad_up,
+                        const VectorRef* grad_weights, GluProblem& p, BwdIO& io) {
   EA_TRY(build_problem(params, layout, x, up, weights, p));
   const bool separate = layout == Layout::kSeparate;
   const char* xname = separate ? "gate" : "gate_up";
@@ -234,8 +251,6 @@ Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef
   EA_TRY(check_no_overlap("grad_weights", e_gw, "weights", e_w));
 
   EA_TRY(check_float64_device(p, xname));
-  if (p.rows == 0) return Status::kOk;
-  BwdIO io;
   io.dy = dy.data;
   io.dy_stride = dy.row_stride;
   gradient_pointers(layout, p, gx, grad_up, io);
@@ -243,6 +258,18 @@ Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef
     io.dw = grad_weights->data;
     io.dw_stride = grad_weights->stride;
   }
+  return Status::kOk;
+}
+
+Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                         const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                         const MatrixRef& grad_x, const MatrixRef* grad_up,
+                         const VectorRef* grad_weights, void* stream) {
+  GluProblem p;
+  BwdIO io;
+  EA_TRY(prepare_backward(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
+                          p, io));
+  if (p.rows == 0) return Status::kOk;
   // No columns and no weight gradient: nothing to compute. (With a weight gradient the
   // launcher zeroes it: a sum over an empty row.)
   if (p.F == 0 && io.dw == nullptr) return Status::kOk;
@@ -252,8 +279,7 @@ Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef
   return cuda_backward(p, io, stream);
 #else
   (void)stream;
-  return fail(Status::kUnsupported, xname,
-              " is a CUDA tensor but this expertact build has no CUDA path");
+  return no_cuda_path(layout);
 #endif
 }
 

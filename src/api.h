@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "core/problem.h"
 #include "expertact/expertact.hpp"
 
 namespace expertact::detail {
@@ -17,6 +18,38 @@ Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef
                          const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
                          const MatrixRef& grad_x, const MatrixRef* grad_up,
                          const VectorRef* grad_weights, void* stream);
+
+// Every check of a forward / backward call, and the problem they describe (the bodies
+// above are these plus the launch; the biased forms, src/api_bias.cpp, add their own).
+Status prepare_forward(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
+                       GluProblem& p, FwdOutput& o);
+Status prepare_backward(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                        const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                        const MatrixRef& grad_x, const MatrixRef* grad_up,
+                        const VectorRef* grad_weights, GluProblem& p, BwdIO& io);
+
+#if !EXPERTACT_WITH_CUDA
+// kUnsupported for a CUDA tensor in a build without the CUDA path, naming x.
+Status no_cuda_path(Layout layout);
+#endif
+
+// The per-expert biases (src/api_bias.cpp).
+Status glu_forward_bias_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                             const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                             const OffsetsRef& offsets, const MatrixRef& out, void* stream);
+Status glu_backward_bias_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                              const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                              const MatrixRef& bias, const OffsetsRef& offsets,
+                              const MatrixRef& grad_x, const MatrixRef* grad_up,
+                              const VectorRef* grad_weights, const MatrixRef* grad_bias,
+                              void* workspace, size_t workspace_bytes, void* stream);
+Status expert_bias_forward_body(const MatrixRef& x, const MatrixRef& bias, const OffsetsRef& offsets,
+                                const VectorRef* weights, const MatrixRef& out, void* stream);
+Status expert_bias_backward_body(const MatrixRef& grad_out, const MatrixRef& bias,
+                                 const OffsetsRef& offsets, const VectorRef* weights,
+                                 const MatrixRef* grad_bias, const VectorRef* grad_weights,
+                                 void* workspace, size_t workspace_bytes, void* stream);
 
 // The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
 Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,

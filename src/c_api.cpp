@@ -285,6 +285,43 @@ Status backward_entry(const expertact_params* params, int32_t layout, const Mat*
                            grad_weights ? &vgw : nullptr, stream);
 }
 
+// The offsets of the per-expert biases: an int32 vector description, contiguous.
+Status to_offsets(const expertact_vector* t, OffsetsRef& o) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, "offsets is null");
+  if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
+    return fail(Status::kInvalidDtype, "offsets must be int32 (got DLPack dtype code ",
+                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
+  if (t->size > 1 && t->stride != 1)
+    return fail(Status::kInvalidArgument, "offsets must be contiguous (stride ", t->stride, ")");
+  EA_TRY(to_device("offsets", t->device, o.device, o.device_id));
+  o.data = static_cast<const int32_t*>(t->data);
+  o.size = t->size;
+  return Status::kOk;
+}
+
+// The activation's operands of the 2-D forms (shared by the biased entry points).
+struct GluOperands {
+  MatrixRef x, up, out, grad_out, grad_x, grad_up;
+  VectorRef w, gw;
+  bool separate = false;
+};
+
+Status to_glu_operands(int32_t layout, const expertact_matrix* x, const expertact_matrix* up,
+                       const expertact_vector* weights, GluOperands& o) {
+  EA_TRY(check_layout(layout));
+  o.separate = layout == EXPERTACT_LAYOUT_SEPARATE;
+  EA_TRY(to_matrix(o.separate ? "gate" : "gate_up", x, o.x));
+  if (o.separate) {
+    if (up == nullptr)
+      return fail(Status::kInvalidArgument, "up is missing: the separate layout takes gate and up");
+    EA_TRY(to_matrix("up", up, o.up));
+  } else if (up != nullptr) {
+    return fail(Status::kInvalidArgument, "up must be null for a packed layout (gate_up holds both halves)");
+  }
+  if (weights) EA_TRY(to_vector("weights", weights, o.w));
+  return Status::kOk;
+}
+
 // One C entry point: fn's Status as the C code, inside the one exception guard.
 template <typename Fn>
 expertact_status guarded_c(const char* what, Fn&& fn) {
@@ -361,6 +398,106 @@ expertact_status expertact_glu_backward_2d(const expertact_params* params, int32
   return guarded_c("expertact_glu_backward_2d", [&] {
     return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
                           stream);
+  });
+}
+
+size_t expertact_glu_bias_workspace_bytes(int64_t rows, int64_t F, int64_t num_experts) {
+  return expertact::glu_bias_workspace_bytes(rows, F, num_experts);
+}
+size_t expertact_expert_bias_workspace_bytes(int64_t rows, int64_t cols, int64_t num_experts) {
+  return expertact::expert_bias_workspace_bytes(rows, cols, num_experts);
+}
+
+expertact_status expertact_glu_forward_bias_2d(const expertact_params* params, int32_t layout,
+                                               const expertact_matrix* x,
+                                               const expertact_matrix* up,
+                                               const expertact_vector* weights,
+                                               const expertact_matrix* bias,
+                                               const expertact_vector* offsets,
+                                               expertact_matrix* out, void* stream) {
+  return guarded_c("expertact_glu_forward_bias_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mb;
+    OffsetsRef offs;
+    EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix("out", out, o.out));
+    return glu_forward_bias_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                 weights ? &o.w : nullptr, mb, offs, o.out, stream);
+  });
+}
+
+expertact_status expertact_glu_backward_bias_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* x, const expertact_matrix* up, const expertact_vector* weights,
+    const expertact_matrix* bias, const expertact_vector* offsets, expertact_matrix* grad_x,
+    expertact_matrix* grad_up, expertact_vector* grad_weights, expertact_matrix* grad_bias,
+    void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded_c("expertact_glu_backward_bias_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    if (o.separate && grad_up == nullptr)
+      return fail(Status::kInvalidArgument, "grad_up is missing: the separate layout returns two gradients");
+    if (!o.separate && grad_up != nullptr)
+      return fail(Status::kInvalidArgument, "grad_up must be null for a packed layout");
+    MatrixRef mb, mgb;
+    OffsetsRef offs;
+    EA_TRY(to_matrix("grad_out", grad_out, o.grad_out));
+    EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix(o.separate ? "grad_gate" : "grad_gate_up", grad_x, o.grad_x));
+    if (grad_up) EA_TRY(to_matrix("grad_up", grad_up, o.grad_up));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, o.gw));
+    if (grad_bias) EA_TRY(to_matrix("grad_bias", grad_bias, mgb));
+    return glu_backward_bias_body(p, static_cast<Layout>(layout), o.grad_out, o.x,
+                                  o.separate ? &o.up : nullptr, weights ? &o.w : nullptr, mb, offs,
+                                  o.grad_x, o.separate ? &o.grad_up : nullptr,
+                                  grad_weights ? &o.gw : nullptr, grad_bias ? &mgb : nullptr,
+                                  workspace, workspace_bytes, stream);
+  });
+}
+
+expertact_status expertact_expert_bias_forward_2d(const expertact_matrix* x,
+                                                  const expertact_matrix* bias,
+                                                  const expertact_vector* offsets,
+                                                  const expertact_vector* weights,
+                                                  expertact_matrix* out, void* stream) {
+  return guarded_c("expertact_expert_bias_forward_2d", [&]() -> Status {
+    MatrixRef mx, mb, mo;
+    VectorRef vw;
+    OffsetsRef offs;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    EA_TRY(to_matrix("out", out, mo));
+    return expert_bias_forward_body(mx, mb, offs, weights ? &vw : nullptr, mo, stream);
+  });
+}
+
+expertact_status expertact_expert_bias_backward_2d(
+    const expertact_matrix* grad_out, const expertact_matrix* bias,
+    const expertact_vector* offsets, const expertact_vector* weights,
+    expertact_matrix* grad_bias, expertact_vector* grad_weights, void* workspace,
+    size_t workspace_bytes, void* stream) {
+  return guarded_c("expertact_expert_bias_backward_2d", [&]() -> Status {
+    MatrixRef mdy, mb, mgb;
+    VectorRef vw, vgw;
+    OffsetsRef offs;
+    EA_TRY(to_matrix("grad_out", grad_out, mdy));
+    EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    if (weights) EA_TRY(to_vector("weights", weights, vw));
+    if (grad_bias) EA_TRY(to_matrix("grad_bias", grad_bias, mgb));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    return expert_bias_backward_body(mdy, mb, offs, weights ? &vw : nullptr,
+                                     grad_bias ? &mgb : nullptr, grad_weights ? &vgw : nullptr,
+                                     workspace, workspace_bytes, stream);
   });
 }
 

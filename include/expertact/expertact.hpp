@@ -6,6 +6,7 @@
 // message naming the argument and its value. Nothing throws out of these calls.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -107,6 +108,63 @@ Status glu_backward(const GluParams& params, Layout layout, const MatrixRef& gra
 // expertact/experimental/fused_gemm.h (namespace expertact::experimental).
 
 // The message of the last failed call on this thread ("" after a success).
+// ---------------------------------------------------------------------------
+// Per-expert biases (docs/spec.md section 7): rows sorted by expert, expert e owning
+// rows [offsets[e - 1], offsets[e]) (offsets[-1] = 0), as torch._grouped_mm's offs.
+// Rows past offsets[E - 1] belong to no expert: they get no bias and add to no bias
+// gradient. The bias gradients are deterministic: fixed-order sums in float32 (float64
+// for float64 tensors), bit-identical from run to run, independent of thread counts.
+// ---------------------------------------------------------------------------
+
+// int32 [E] cumulative end rows, contiguous, on the tensors' device; non-decreasing with
+// offsets[E - 1] <= rows. The CPU path checks the values; on a GPU they are not read on
+// the host (values out of order give wrong sums there, never an access out of bounds).
+struct OffsetsRef {
+  const int32_t* data = nullptr;
+  int64_t size = 0;  // E
+  DeviceType device = DeviceType::kCPU;
+  int32_t device_id = 0;
+};
+
+// Bytes of the workspace the CUDA bias backwards need (below) for `rows` rows of `cols`
+// output columns (F for the activation, the columns for expert_bias) and E experts:
+// float32 partial sums, (rows / chunk + E) x bias columns, plus the per-row sums of
+// column tiles. The CPU path takes no workspace (pass nullptr, 0).
+size_t glu_bias_workspace_bytes(int64_t rows, int64_t F, int64_t num_experts);
+size_t expert_bias_workspace_bytes(int64_t rows, int64_t cols, int64_t num_experts);
+
+// glu_forward with a per-expert bias on gate and up before the activation (the clamp
+// applies after it): out = act(g + bias_g[e]) * (clamp(u + bias_u[e]) + beta) * w.
+// bias: [E, 2F] of x's dtype, its columns in the packed layout's order (kSeparate:
+// gate's F columns then up's). The input x is not changed: backward adds the bias again.
+Status glu_forward_bias(const GluParams& params, Layout layout, const MatrixRef& x,
+                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                        const OffsetsRef& offsets, const MatrixRef& out, void* stream = nullptr);
+
+// glu_backward of glu_forward_bias. grad_bias: [E, 2F] of bias's layout and dtype, the
+// column sums of each expert's rows of the input gradient (zero for an expert without
+// rows), or nullptr when not wanted. In place as glu_backward (grad_x may be x).
+Status glu_backward_bias(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                         const MatrixRef& x, const MatrixRef* up, const VectorRef* weights,
+                         const MatrixRef& bias, const OffsetsRef& offsets,
+                         const MatrixRef& grad_x, const MatrixRef* grad_up,
+                         const VectorRef* grad_weights, const MatrixRef* grad_bias,
+                         void* workspace, size_t workspace_bytes, void* stream = nullptr);
+
+// out = x + w[r] * bias[e] per row (w = 1 without weights): the output bias of an expert
+// MLP whose routing weights scale the whole expert output. out may be x (in place).
+Status expert_bias_forward(const MatrixRef& x, const MatrixRef& bias, const OffsetsRef& offsets,
+                           const VectorRef* weights, const MatrixRef& out,
+                           void* stream = nullptr);
+
+// Gradients of expert_bias_forward (x's gradient is grad_out itself): grad_bias[e] =
+// sum over e's rows of w[r] * grad_out[r] (or nullptr), grad_weights[r] =
+// grad_out[r] . bias[e] (float32 [rows], or nullptr; needs weights).
+Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
+                            const OffsetsRef& offsets, const VectorRef* weights,
+                            const MatrixRef* grad_bias, const VectorRef* grad_weights,
+                            void* workspace, size_t workspace_bytes, void* stream = nullptr);
+
 const char* last_error();
 
 // Whether this build has the CUDA path, and the number of CPU threads the CPU path uses.

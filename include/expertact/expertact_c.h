@@ -14,6 +14,7 @@
 #define EXPERTACT_C_H_
 
 #include <dlpack/dlpack.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -26,7 +27,7 @@ extern "C" {
 #define EXPERTACT_API __attribute__((visibility("default")))
 #endif
 
-#define EXPERTACT_ABI_VERSION 2 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE */
+#define EXPERTACT_ABI_VERSION 3 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: per-expert biases */
 
 typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_OK 0
@@ -120,6 +121,54 @@ EXPERTACT_API expertact_status expertact_glu_backward_2d(
     const expertact_matrix* x, const expertact_matrix* up, const expertact_vector* weights,
     expertact_matrix* grad_x, expertact_matrix* grad_up, expertact_vector* grad_weights,
     void* stream);
+
+/* Per-expert biases (added in ABI version 3), over the 2-D descriptions. Rows are sorted
+ * by expert: expert e owns rows [offsets[e - 1], offsets[e]) (offsets[-1] = 0), as
+ * torch._grouped_mm's offs; rows past offsets[E - 1] get no bias and add to no gradient.
+ * offsets: an expertact_vector of dtype int32 (code kDLInt, 32 bits), contiguous (stride
+ * 1), E >= 1 elements, on the tensors' device; non-decreasing with offsets[E - 1] <= rows
+ * (checked on the CPU; on a GPU the values are not read on the host). Bias gradients are
+ * fixed-order float32 sums: bit-identical from run to run.
+ *
+ * The CUDA backwards take a workspace of device memory, 256-byte aligned, of at least
+ * expertact_glu_bias_workspace_bytes (resp. expertact_expert_bias_workspace_bytes) bytes;
+ * the CPU takes none (NULL, 0). */
+EXPERTACT_API size_t expertact_glu_bias_workspace_bytes(int64_t rows, int64_t F, int64_t num_experts);
+EXPERTACT_API size_t expertact_expert_bias_workspace_bytes(int64_t rows, int64_t cols,
+                                                           int64_t num_experts);
+
+/* expertact_glu_forward_2d with bias [E, 2F] (x's dtype; columns in the packed layout's
+ * order, gate's F then up's for the separate layout) added to gate and up before the
+ * activation (the clamp applies after it). x is not changed. */
+EXPERTACT_API expertact_status expertact_glu_forward_bias_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* x,
+    const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
+    const expertact_vector* offsets, expertact_matrix* out, void* stream);
+
+/* Its backward: expertact_glu_backward_2d's outputs (in place allowed as there) and
+ * grad_bias [E, 2F] (bias's layout and dtype; NULL: not wanted), each expert's column sums
+ * of the input gradient (0 for an expert without rows). */
+EXPERTACT_API expertact_status expertact_glu_backward_bias_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* x, const expertact_matrix* up, const expertact_vector* weights,
+    const expertact_matrix* bias, const expertact_vector* offsets, expertact_matrix* grad_x,
+    expertact_matrix* grad_up, expertact_vector* grad_weights, expertact_matrix* grad_bias,
+    void* workspace, size_t workspace_bytes, void* stream);
+
+/* out[r] = x[r] + w[r] * bias[e] (w = 1 when weights is NULL); bias [E, cols]; out may
+ * describe x itself (in place). */
+EXPERTACT_API expertact_status expertact_expert_bias_forward_2d(
+    const expertact_matrix* x, const expertact_matrix* bias, const expertact_vector* offsets,
+    const expertact_vector* weights, expertact_matrix* out, void* stream);
+
+/* Its backward (x's gradient is grad_out): grad_bias[e] = sum over e's rows of w[r] *
+ * grad_out[r] (NULL: not wanted); grad_weights[r] = grad_out[r] . bias[e] (float32 [rows];
+ * NULL: not wanted; needs weights). */
+EXPERTACT_API expertact_status expertact_expert_bias_backward_2d(
+    const expertact_matrix* grad_out, const expertact_matrix* bias,
+    const expertact_vector* offsets, const expertact_vector* weights,
+    expertact_matrix* grad_bias, expertact_vector* grad_weights, void* workspace,
+    size_t workspace_bytes, void* stream);
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

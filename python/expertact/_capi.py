@@ -17,7 +17,7 @@ import sys
 import threading
 from ctypes import POINTER, byref, c_char_p, c_float, c_int32, c_int64, c_uint8, c_uint16, c_uint64, c_void_p
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # expertact_status values
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL, INVALID_DTYPE = 0, 1, 2, 3, 4, 5

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _capi, _fused
+from . import _bias, _capi, _fused
 from ._args import LAYOUTS, PRESETS, float_arg
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._capi import DTypeError
@@ -164,46 +164,6 @@ def _check_biases(x, w13, b13, b2):
             raise ValueError(_err(f"{name} is on {b.device} but x is on {x.device}"))
 
 
-def _biased_composition(x, w13, w2, offsets, activation, alpha, limit, layout, weights, b13, b2, ends):
-    """The biased MLP composed of torch operations (a reference while the kernels land)."""
-    from . import functional
-    T = x.shape[0]
-    rows = torch.zeros(T, dtype=torch.long, device=x.device)
-    start = 0
-    end = ends[-1] if ends else 0
-    eidx = torch.full((T,), len(ends), dtype=torch.long, device=x.device)
-    for e, stop in enumerate(ends):
-        eidx[start:stop] = e
-        start = stop
-    del rows
-    gate_up = x.new_zeros((T, w13.shape[-1]))
-    parts = []
-    start = 0
-    for e, stop in enumerate(ends):
-        parts.append(x[start:stop] @ w13[e])
-        start = stop
-    gate_up = torch.cat(parts + [x.new_zeros((T - end, w13.shape[-1]))]) if parts else gate_up
-    if b13 is not None:
-        gate_up = gate_up + torch.cat((b13, b13.new_zeros((1, b13.shape[1]))))[eidx]
-    kw = {}
-    if activation == "swiglu_oai":
-        kw = dict(alpha=1.702 if alpha is None else alpha, limit=7.0 if limit is None else limit)
-    elif activation == "swiglu_clamped":
-        kw = dict(limit=7.0 if limit is None else limit)
-    h = getattr(functional, activation)(gate_up, layout=layout, **kw)
-    parts = []
-    start = 0
-    for e, stop in enumerate(ends):
-        parts.append(h[start:stop] @ w2[e])
-        start = stop
-    y = torch.cat(parts + [x.new_zeros((T - end, w2.shape[-1]))]) if parts else x.new_zeros(x.shape)
-    if b2 is not None:
-        y = y + torch.cat((b2, b2.new_zeros((1, b2.shape[1]))))[eidx]
-    if weights is not None:
-        y = y * weights.to(y.dtype)[:, None]
-    return y
-
-
 def _short(values, n=8):
     return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
 
@@ -220,6 +180,7 @@ class _Plan(NamedTuple):
     recompute: bool
     inplace: bool
     layout: str = "halves"   # gate and up along w13's last dim (the fused path reorders them)
+    biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
 
 
 def _use_grouped_mm(x, D, F) -> bool:
@@ -308,13 +269,22 @@ def _gmm_wgrad(a, b, offs, plan, like=None):
     return out
 
 
-def _forward(x, w13, w2, weights, offs, plan):
+def _glu(gate_up, weights, glu, b13, offs):
+    """h = act(gate_up + b13[e]) * weights: the bias added inside the activation kernel."""
+    if b13 is None:
+        return glu_op(gate_up, None, weights, *glu, False)
+    return _bias.glu_forward(gate_up, None, b13, offs, weights, *glu)
+
+
+def _forward(x, w13, w2, weights, offs, plan, b13=None, b2=None):
     """(x as the GEMMs read it, gate_up, h, y) of the MLP."""
     if plan.grouped:
         x = _mm_operand(x, row_major=True)  # the copy, if any, is what backward reads
     gate_up = _gmm(x, w13, offs, plan)
-    h = glu_op(gate_up, None, weights, *plan.glu, False)
+    h = _glu(gate_up, weights, plan.glu, b13, offs)
     y = _gmm(h, w2, offs, plan)
+    if b2 is not None:  # y += weights * b2[e], in place over the GEMM's output
+        _bias.row_forward(y, b2, offs, weights, inplace=True)
     return x, gate_up, h, y
 
 
@@ -338,9 +308,12 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
+_KEPT = 8  # x, w13, w2, weights, offs, gate_up, b13, b2
+
+
 def _keep(ctx, plan, tensors, h):
-    """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, and h unless
-    recompute (then h is freed when the caller drops it).
+    """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, b13, b2 (None
+    without biases), and h unless recompute (then h is freed when the caller drops it).
 
     h is kept as a plain attribute, not through save_for_backward, so that backward can drop
     it as soon as w2's gradient is computed: a saved tensor lives until its node's backward
@@ -357,7 +330,7 @@ def _keep(ctx, plan, tensors, h):
 
 
 def _kept(ctx):
-    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, h or None).
+    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, b13, b2, h or None).
     An h kept as an attribute is handed over once: the caller drops it after w2's gradient,
     and a second backward (retain_graph=True) finds None and recomputes it (_w2_grad)."""
     if torch.is_grad_enabled():
@@ -365,9 +338,9 @@ def _kept(ctx):
     if ctx.spent:
         raise RuntimeError(SECOND_BACKWARD_MSG)
     saved = ctx.saved_tensors
-    h = saved[6] if len(saved) > 6 else ctx.h
+    h = saved[_KEPT] if len(saved) > _KEPT else ctx.h
     ctx.h = None
-    return (*saved[:6], h)
+    return (*saved[:_KEPT], h)
 
 
 class _ExpertMLP(torch.autograd.Function):
@@ -376,31 +349,40 @@ class _ExpertMLP(torch.autograd.Function):
     its input). recompute drops h and recomputes it in backward for w2's gradient."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, weights, offs, plan):
-        x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan)
-        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up), h)
+    def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
+        x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan, b13, b2)
+        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), h)
         del h  # with recompute, freed here: one [T, F] tensor less kept for backward
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w13, w2, weights, offs, gate_up, h = _kept(ctx)
+        x, w13, w2, weights, offs, gate_up, b13, b2, h = _kept(ctx)
         plan = ctx.plan
         need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
+        need_b13, need_b2 = ctx.needs_input_grad[6:8]
         if plan.grouped:
             dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
-        dx = dw13 = dw2 = dweights = None
+        dx = dw13 = dw2 = dweights = db13 = db2 = None
+        dweights_b2 = None
+        if b2 is not None:  # one pass over dy: b2's gradient and its term of the weights' gradient
+            db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
         # Order for the smallest peak: w2's gradient first, so that h (kept or recomputed) is freed
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
         # dh freed, then x's gradient.
         if need_w2:
-            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan, w2)
+            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan, w2, b13)
         h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
-        if need_x or need_w13 or need_w:
+        if need_x or need_w13 or need_w or need_b13:
             dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
             weights_grad = weights is not None and need_w
-            if plan.inplace and (need_x or need_w13):
+            inplace = plan.inplace and (need_x or need_w13 or need_b13)
+            if inplace:
                 ctx.spent = True
+            if b13 is not None:
+                dgate_up, _, dweights, db13 = _bias.glu_backward(dh, gate_up, None, b13, offs, weights, weights_grad,
+                                                                 need_b13, inplace, *plan.glu)
+            elif inplace:
                 gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
                 glu_backward_inplace_op(dh, gate_up, None, weights, gw, *plan.glu)
                 dgate_up, dweights = gate_up, gw
@@ -413,7 +395,9 @@ class _ExpertMLP(torch.autograd.Function):
                 dx = _gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
             if need_w13:
                 dw13 = _gmm_wgrad(x, dgate_up, offs, plan, like=w13)
-        return dx, dw13, dw2, dweights, None, None
+        if dweights_b2 is not None:
+            dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
+        return dx, dw13, dw2, dweights, None, None, db13, db2
 
 
 # ---------------------------------------------------------------------------
@@ -451,12 +435,12 @@ def _from_interleaved(dw13i, layout):
     return _pack(*_unpack(dw13i, "interleaved", dim=2), layout, dim=2)
 
 
-def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None):
+def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None, b13=None):
     """w2's gradient h^T dy per expert, h recomputed by the fused forward kernel from gate_up
-    (glu: layout, act, alpha, limit, beta) when the forward did not keep it (recompute=True);
-    laid out as w2 is, when given."""
+    (glu: layout, act, alpha, limit, beta; b13 added inside) when the forward did not keep it
+    (recompute=True); laid out as w2 is, when given."""
     if h is None:
-        h = glu_op(gate_up, None, weights, *glu, False)
+        h = _glu(gate_up, weights, glu, b13, offs)
     return _gmm_wgrad(h, dy, offs, plan, like=w2)
 
 
@@ -477,12 +461,12 @@ class _FusedExpertMLP(torch.autograd.Function):
             gate_up[end:].zero_()
             h[end:].zero_()
         y = _gmm(h, w2, offs, plan)
-        _keep(ctx, plan, (x, w13i, w2, weights, offs, gate_up), h)
+        _keep(ctx, plan, (x, w13i, w2, weights, offs, gate_up, None, None), h)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w13i, w2, weights, offs, gate_up, h = _kept(ctx)
+        x, w13i, w2, weights, offs, gate_up, _, _, h = _kept(ctx)
         plan = ctx.plan
         need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
         act, alpha, limit, beta = plan.glu[1:]
@@ -582,31 +566,32 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     glu = _glu_args(activation, alpha, limit, layout)
     T, D, F, ends = _check(x, w13, w2, offsets, weights)
     _check_biases(x, w13, b13, b2)
-    if b13 is not None or b2 is not None:
-        return _biased_composition(x, w13, w2, offsets, activation, alpha, limit, layout, weights, b13, b2, ends)
     grouped = _use_grouped_mm(x, D, F)
     offs = offsets
     if grouped and offs.device != x.device:
         offs = offs.to(x.device)
-    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout)
+    biased = b13 is not None or b2 is not None
+    if biased and offs.device != x.device:
+        offs = offs.to(x.device)  # the bias kernels read the offsets on x's device
+    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
     use_fused = False
     if fused:
-        reason = _fused.why_not(x, D, F)
+        reason = "expert biases (b13, b2) are not computed by the fused GEMMs" if biased else _fused.why_not(x, D, F)
         if reason is None and offs.device != x.device:
             offs = offs.to(x.device)  # the fused kernels read the offsets on the GPU
         use_fused = reason is None
         if not use_fused:
             _fused_fallback(reason)
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or w13.requires_grad or w2.requires_grad or (weights is not None and weights.requires_grad))
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w13, w2, weights, b13, b2))
     if use_fused:
         if needs_grad:
             return _FusedExpertMLP.apply(x, w13, w2, weights, offs, plan)
         with torch.no_grad():
             return _FusedExpertMLP.forward(_NoCtx(), x, w13, w2, weights, offs, plan)
     if needs_grad:
-        return _ExpertMLP.apply(x, w13, w2, weights, offs, plan)
-    return _forward(x, w13, w2, weights, offs, plan)[3]
+        return _ExpertMLP.apply(x, w13, w2, weights, offs, plan, b13, b2)
+    return _forward(x, w13, w2, weights, offs, plan, b13, b2)[3]
 
 
 class _NoCtx:
