@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from conftest import requires_cuda
 from expertact.bench import mlp
 
 
@@ -135,3 +136,19 @@ def test_bench_mlp_bias_rows_without_routing_weights(tmp_path):
     assert all("error" not in r for r in res.values()), res
     assert res["expertact-bias"]["y_rel_diff"] < 1e-5
     assert [r["impl"] for r in data["bias_check"]] == ["eager-bias", "expertact-bias"]
+
+
+@requires_cuda
+def test_bench_mlp_bias_table_on_the_gpu(tmp_path):
+    """--bias on the GPU (bf16) at a small shape: every row runs and the small-shape check of each
+    biased expert_mlp mode passes (y and every gradient within twice the eager composition's error
+    against float64, or the bf16 floor)."""
+    js = tmp_path / "b.json"
+    rc = mlp.main(["--bias", "--experts", "2", "--rows", "256", "--dim", "128", "--ffn", "128",
+                   "--iters", "2", "--warmup", "1", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["meta"]["dtype"] == "bfloat16"
+    assert all("error" not in r for r in data["results"] + data["bias_check"]), data
+    checks = [t for t in data["targets"] if t["text"].startswith("check ")]
+    assert len(checks) == 4 and all(t["passed"] for t in checks), checks
