@@ -4,7 +4,9 @@ what the memory modes promise: recompute keeps one [T, F] tensor less, in place 
 import json
 
 import pytest
+import torch
 
+from conftest import requires_cuda
 from expertact.bench import mlp
 
 
@@ -66,3 +68,87 @@ def test_bench_mlp_through_expertact_bench(tmp_path):
     data = json.loads(js.read_text())
     assert [r["impl"] for r in data["results"]] == ["gemms", "expertact"]
     assert data["meta"]["command"].startswith("python -m expertact.bench --mlp --device cpu")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_bench_mlp_bias_table(tmp_path):
+    """--bias: expert_mlp with and without the expert biases in each memory mode and the two
+    compositions with biases, the bias-cost ratios, and the small-shape check of y and every
+    gradient (b13's and b2's included) against the float64 reference."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    rc = mlp.main(["--bias", "--device", "cpu", "--experts", "2", "--rows", "64", "--dim", "32", "--ffn", "32",
+                   "--iters", "1", "--warmup", "0", "--json", str(js), "--markdown", str(md)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    meta = data["meta"]
+    assert meta["bias"] and meta["weighted"] and meta["layout"] == "interleaved" and meta["preset"] == "swiglu_oai"
+    res = {r["impl"]: r for r in data["results"]}
+    assert list(res) == list(mlp.BIAS_IMPLS) and all("error" not in r for r in res.values()), res
+    for name, r in res.items():
+        # float32: each row against the eager composition of its own kind (with or without biases)
+        assert r["y_rel_diff"] < 1e-5, (name, r["y_rel_diff"])
+        if name.endswith("-bias") and name[:-5] in ("expertact", "expertact-inplace", "expertact-recompute",
+                                                    "expertact-recompute-inplace"):
+            assert r["vs_unbiased"] == pytest.approx(r["ms"] / res[name[:-5]]["ms"])
+        else:
+            assert "vs_unbiased" not in r
+    check = {r["impl"]: r for r in data["bias_check"]}
+    assert set(check) == {i for i in mlp.BIAS_IMPLS if i.endswith("-bias")}
+    for name, r in check.items():
+        assert set(r["grad_rel"]) == {"x", "w13", "w2", "weights", "b13", "b2"}, name
+        # float32 against float64: a few float32 roundings, far below a dropped bias or a wrong gate
+        assert r["y_rel"] < 1e-5 and max(r["grad_rel"].values()) < 1e-5, r
+    text = md.read_text()
+    assert "| implementation | y | dx | dw13 | dw2 | dweights | db13 | db2 |" in text
+    assert "vs unbiased |" in text
+    assert "PASS: check expertact-bias:" in text and "target <= 1.03x" in text
+    assert "(target: faster, less extra peak)" in text
+
+
+def test_bench_mlp_bias_check_catches_a_dropped_bias(monkeypatch):
+    """The check compares every row with the float64 reference: an expert_mlp that ignored b2
+    fails it."""
+    import argparse
+
+    from expertact import moe
+
+    real = moe.expert_mlp
+    monkeypatch.setattr(moe, "expert_mlp", lambda *args, b2=None, **kw: real(*args, **kw))
+    a = argparse.Namespace(preset="swiglu_oai", layout="interleaved", alpha=1.702, limit=7.0)
+    s = mlp.settings(mlp.parse_args(["--device", "cpu", "--bias"]), torch.device("cpu"))
+    check = mlp.bias_check(["expertact-bias", "eager-bias"], a, s, torch.device("cpu"))
+    by = {r["impl"]: r for r in check}
+    assert by["eager-bias"]["y_rel"] < 1e-5
+    assert by["expertact-bias"]["y_rel"] > 1e-2 and by["expertact-bias"]["grad_rel"]["b2"] is None
+    (text, ok), = mlp.check_targets(check, s.dtype)
+    assert ok is False and "expertact-bias" in text
+
+
+def test_bench_mlp_bias_rows_without_routing_weights(tmp_path):
+    """A -bias row outside --bias: the biases are allocated, routing weights only with --weights."""
+    js = tmp_path / "m.json"
+    rc = mlp.main(["--device", "cpu", "--experts", "2", "--rows", "16", "--dim", "16", "--ffn", "16",
+                   "--impls", "eager,eager-bias,expertact-bias", "--iters", "1", "--warmup", "0", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert not data["meta"]["weighted"] and data["meta"]["layout"] == "halves"
+    res = {r["impl"]: r for r in data["results"]}
+    assert all("error" not in r for r in res.values()), res
+    assert res["expertact-bias"]["y_rel_diff"] < 1e-5
+    assert [r["impl"] for r in data["bias_check"]] == ["eager-bias", "expertact-bias"]
+
+
+@requires_cuda
+def test_bench_mlp_bias_table_on_the_gpu(tmp_path):
+    """--bias on the GPU (bf16) at a small shape: every row runs and the small-shape check of each
+    biased expert_mlp mode passes (y and every gradient within twice the eager composition's error
+    against float64, or the bf16 floor)."""
+    js = tmp_path / "b.json"
+    rc = mlp.main(["--bias", "--experts", "2", "--rows", "256", "--dim", "128", "--ffn", "128",
+                   "--iters", "2", "--warmup", "1", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["meta"]["dtype"] == "bfloat16"
+    assert all("error" not in r for r in data["results"] + data["bias_check"]), data
+    checks = [t for t in data["targets"] if t["text"].startswith("check ")]
+    assert len(checks) == 4 and all(t["passed"] for t in checks), checks

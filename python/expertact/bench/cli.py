@@ -8,6 +8,8 @@ implementations), chosen by the command line.
     python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
     python -m expertact.bench --mlp                 # the expert MLP (expertact.moe) and its memory modes
                                                     # (docs/python.md)
+    python -m expertact.bench --mlp --bias          # the same with and without GPT-OSS's expert biases, beside
+                                                    # the torch compositions with biases
     python -m expertact.bench --experts             # Hugging Face transformers' experts: eager, grouped_mm,
                                                     # expertact (expertact/bench/experts.py)
 """
@@ -62,7 +64,8 @@ def parse_args(argv=None):
                    help="calls per timed block of the host-cost table (default 200 on CUDA, 50 on the CPU); "
                         "0: no host-cost table")
     p.add_argument("--mlp", action="store_true",
-                   help="the expert-MLP table instead (expertact.bench.mlp; its own options follow)")
+                   help="the expert-MLP table instead (expertact.bench.mlp; its own options follow, e.g. --bias: "
+                        "with and without the expert biases)")
     p.add_argument("--experts", action="store_true",
                    help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
                         "its own options follow)")
