@@ -58,28 +58,30 @@ __device__ __forceinline__ int64_t my_pack() {
   return static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
 }
 
-// Sums rs[k] over the block's threads; thread k writes row q + k's sum (rows < end).
-// Two buffers: a buffer is written again only after every thread has passed the next
-// step's barrier, which the readers reach after reading.
-__device__ __forceinline__ void block_row_sums(const float (&rs)[kRowsPerStep],
-                                               float (&red)[2][32][kRowsPerStep], int& buf,
-                                               int64_t q, int64_t end, float* dst, int64_t stride) {
+// Per-row sums across the block (the routing weights' gradient): each warp reduces its
+// lanes' terms by shuffles and keeps the sum in shared memory, red[warp][row - r0]; after the
+// chunk's last row one barrier, then the warps' sums of each row are added in warp order.
+// One barrier per chunk rather than one per step.
+__device__ __forceinline__ void warp_row_sums(const float (&rs)[kRowsPerStep], float* red, int64_t R,
+                                              int64_t q, int64_t r0, int64_t end) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k < kRowsPerStep; ++k) {
     float v = rs[k];
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0) red[buf][warp][k] = v;
+    if (lane == 0 && q + k < end) red[warp * R + (q + k - r0)] = v;
   }
+}
+__device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int64_t r0, int64_t r1,
+                                               float* dst, int64_t stride) {
   __syncthreads();
-  if (threadIdx.x < kRowsPerStep && q + threadIdx.x < end) {
+  const int nw = blockDim.x >> 5;
+  for (int64_t i = threadIdx.x; i < r1 - r0; i += blockDim.x) {
     float s = 0.0f;
-    const int nw = blockDim.x >> 5;
-    for (int i = 0; i < nw; ++i) s += red[buf][i][threadIdx.x];
-    dst[(q + threadIdx.x) * stride] = s;
+    for (int w = 0; w < nw; ++w) s += red[w * R + i];
+    dst[(r0 + i) * stride] = s;
   }
-  buf ^= 1;
 }
 
 template <typename T, Activation A, int kStep, int V>
@@ -102,13 +104,19 @@ __global__ void __launch_bounds__(512) glu_bias_fwd_kernel(const BiasArgs<T> a) 
     }
     for (int64_t q = r; q < end; q += kRowsPerStep) {
       GuPack<T, V, kStep> in[kRowsPerStep];
+      float wk[kRowsPerStep];
 #pragma unroll
-      for (int k = 0; k < kRowsPerStep; ++k)
-        if (q + k < end) load_raw<T, V, kStep>(a.g + (q + k) * a.g_stride, a.u + (q + k) * a.u_stride, p, in[k]);
+      for (int k = 0; k < kRowsPerStep; ++k) {
+        wk[k] = 1.0f;
+        if (q + k < end) {
+          load_raw<T, V, kStep>(a.g + (q + k) * a.g_stride, a.u + (q + k) * a.u_stride, p, in[k]);
+          if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
+        }
+      }
 #pragma unroll
       for (int k = 0; k < kRowsPerStep; ++k) {
         if (q + k < end) {
-          const float w = a.w ? a.w[(q + k) * a.w_stride] : 1.0f;
+          const float w = wk[k];
           float ov[V];
 #pragma unroll
           for (int i = 0; i < V; ++i)
@@ -125,8 +133,7 @@ __global__ void __launch_bounds__(512) glu_bias_fwd_kernel(const BiasArgs<T> a) 
 // dg/du may be g/u (in place): each thread reads its packs of a row before writing them.
 template <typename T, Activation A, int kStep, int V>
 __global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) {
-  __shared__ float red[2][32][kRowsPerStep];
-  int buf = 0;
+  extern __shared__ float red[];  // [warps][R] when the row sums are wanted
   const int64_t p = my_pack();
   const bool live = p < a.packs;
   const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
@@ -147,19 +154,21 @@ __global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) 
     for (int64_t q = r; q < end; q += kRowsPerStep) {
       GuPack<T, V, kStep> in[kRowsPerStep];
       Pack<T, V> d[kRowsPerStep];
-      float rs[kRowsPerStep];
+      float rs[kRowsPerStep], wk[kRowsPerStep];
 #pragma unroll
       for (int k = 0; k < kRowsPerStep; ++k) {
         rs[k] = 0.0f;
+        wk[k] = 1.0f;
         if (live && q + k < end) {
           load_raw<T, V, kStep>(a.g + (q + k) * a.g_stride, a.u + (q + k) * a.u_stride, p, in[k]);
           d[k] = reinterpret_cast<const Pack<T, V>*>(a.dy + (q + k) * a.dy_stride)[p];
+          if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
         }
       }
 #pragma unroll
       for (int k = 0; k < kRowsPerStep; ++k) {
         if (live && q + k < end) {
-          const float w = a.w ? a.w[(q + k) * a.w_stride] : 1.0f;
+          const float w = wk[k];
           float dgv[V], duv[V];
 #pragma unroll
           for (int i = 0; i < V; ++i) {
@@ -173,9 +182,7 @@ __global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) 
           store_gu<T, V, kStep>(a.dg + (q + k) * a.dg_stride, a.du + (q + k) * a.du_stride, p, dgv, duv);
         }
       }
-      if (a.dw != nullptr)  // the same for every thread of the block
-        block_row_sums(rs, red, buf, q, end, a.dw + (gridDim.y > 1 ? blockIdx.y * a.rows : 0),
-                       gridDim.y > 1 ? 1 : a.dw_stride);
+      if (a.dw != nullptr) warp_row_sums(rs, red, a.R, q, r0, end);
     }
     if (a.part != nullptr && has && live) {
       float* row = a.part + (chunk + e) * a.acc_cols + p * V;
@@ -185,6 +192,9 @@ __global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) 
     r = end;
     if (e >= a.E) break;
   }
+  if (a.dw != nullptr)  // the same for every thread of the block
+    block_row_sums(red, a.R, r0, r1, a.dw + (gridDim.y > 1 ? blockIdx.y * a.rows : 0),
+                   gridDim.y > 1 ? 1 : a.dw_stride);
 }
 
 // out = x + w * bias[e] (g = x); out may be x.
@@ -204,13 +214,19 @@ __global__ void __launch_bounds__(512) row_bias_fwd_kernel(const BiasArgs<T> a) 
       for (int i = 0; i < V; ++i) bv[i] = has ? to_f(bp.v[i]) : 0.0f;
       for (int64_t q = r; q < end; q += kRowsPerStep) {
         Pack<T, V> in[kRowsPerStep];
+        float wk[kRowsPerStep];
 #pragma unroll
-        for (int k = 0; k < kRowsPerStep; ++k)
-          if (q + k < end) in[k] = reinterpret_cast<const Pack<T, V>*>(a.g + (q + k) * a.g_stride)[p];
+        for (int k = 0; k < kRowsPerStep; ++k) {
+          wk[k] = 1.0f;
+          if (q + k < end) {
+            in[k] = reinterpret_cast<const Pack<T, V>*>(a.g + (q + k) * a.g_stride)[p];
+            if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
+          }
+        }
 #pragma unroll
         for (int k = 0; k < kRowsPerStep; ++k) {
           if (q + k < end) {
-            const float w = a.w ? a.w[(q + k) * a.w_stride] : 1.0f;
+            const float w = wk[k];
             float ov[V];
 #pragma unroll
             for (int i = 0; i < V; ++i) ov[i] = to_f(in[k].v[i]) + w * bv[i];
@@ -227,8 +243,7 @@ __global__ void __launch_bounds__(512) row_bias_fwd_kernel(const BiasArgs<T> a) 
 // grad_bias partials: w * dy summed per run; per-row sums dy . bias[e] (routing weights).
 template <typename T, int V>
 __global__ void __launch_bounds__(512) row_bias_bwd_kernel(const BiasArgs<T> a) {
-  __shared__ float red[2][32][kRowsPerStep];
-  int buf = 0;
+  extern __shared__ float red[];  // [warps][R] when the row sums are wanted
   const int64_t p = my_pack();
   const bool live = p < a.packs;
   const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
@@ -247,16 +262,20 @@ __global__ void __launch_bounds__(512) row_bias_bwd_kernel(const BiasArgs<T> a) 
     }
     for (int64_t q = r; q < end; q += kRowsPerStep) {
       Pack<T, V> d[kRowsPerStep];
-      float rs[kRowsPerStep];
+      float rs[kRowsPerStep], wk[kRowsPerStep];
 #pragma unroll
       for (int k = 0; k < kRowsPerStep; ++k) {
         rs[k] = 0.0f;
-        if (live && has && q + k < end) d[k] = reinterpret_cast<const Pack<T, V>*>(a.dy + (q + k) * a.dy_stride)[p];
+        wk[k] = 1.0f;
+        if (live && has && q + k < end) {
+          d[k] = reinterpret_cast<const Pack<T, V>*>(a.dy + (q + k) * a.dy_stride)[p];
+          if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
+        }
       }
 #pragma unroll
       for (int k = 0; k < kRowsPerStep; ++k) {
         if (live && has && q + k < end) {
-          const float w = a.w ? a.w[(q + k) * a.w_stride] : 1.0f;
+          const float w = wk[k];
 #pragma unroll
           for (int i = 0; i < V; ++i) {
             const float dv = to_f(d[k].v[i]);
@@ -265,9 +284,7 @@ __global__ void __launch_bounds__(512) row_bias_bwd_kernel(const BiasArgs<T> a) 
           }
         }
       }
-      if (a.dw != nullptr)
-        block_row_sums(rs, red, buf, q, end, a.dw + (gridDim.y > 1 ? blockIdx.y * a.rows : 0),
-                       gridDim.y > 1 ? 1 : a.dw_stride);
+      if (a.dw != nullptr) warp_row_sums(rs, red, a.R, q, r0, end);
     }
     if (a.part != nullptr && has && live) {
       float* row = a.part + (chunk + e) * a.acc_cols + p * V;
@@ -277,6 +294,9 @@ __global__ void __launch_bounds__(512) row_bias_bwd_kernel(const BiasArgs<T> a) 
     r = end;
     if (e >= a.E) break;
   }
+  if (a.dw != nullptr)
+    block_row_sums(red, a.R, r0, r1, a.dw + (gridDim.y > 1 ? blockIdx.y * a.rows : 0),
+                   gridDim.y > 1 ? 1 : a.dw_stride);
 }
 
 // grad[e][c] = the sum of expert e's partial rows, in chunk order; column c < split goes
@@ -362,6 +382,13 @@ Grid grid_for(int64_t rows, int64_t R, int64_t packs) {
   g.block = dim3(static_cast<unsigned>(threads));
   g.grid = dim3(static_cast<unsigned>((rows + R - 1) / R), static_cast<unsigned>(g.tiles));
   return g;
+}
+
+// Shared memory of a backward block: one float per warp and row of its chunk when the
+// per-row sums are wanted (at most 16 warps x 512 rows: 32 KiB).
+template <typename T>
+size_t row_sums_smem(const BiasArgs<T>& a, const Grid& g) {
+  return a.dw == nullptr ? 0 : static_cast<size_t>(g.block.x / 32) * a.R * sizeof(float);
 }
 
 // The reduce kernels behind a backward: the bias gradient (when wanted) and the tiles'
@@ -481,7 +508,7 @@ Status glu_backward_t(const detail::GluProblem& p, const detail::GluBias& b,
           const Grid g = grid_for(p.rows, a.R, a.packs);
           carve(a, b.ws, b.dbg != nullptr, io.dw != nullptr, io.dw, io.dw_stride, g);
           if (p.rows > 0) {
-            glu_bias_bwd_kernel<T, decltype(act)::value, kStep, kV><<<g.grid, g.block, 0, st>>>(a);
+            glu_bias_bwd_kernel<T, decltype(act)::value, kStep, kV><<<g.grid, g.block, row_sums_smem(a, g), st>>>(a);
             EA_TRY(cuda_check(cudaGetLastError(), "glu bias backward kernel launch"));
           }
           return finish_backward<T>(a, g, io.dw, io.dw_stride, 2 * p.F, p.F, p.step,
@@ -551,7 +578,7 @@ Status row_backward_t(const detail::RowBias& p, cudaStream_t st) {
       const Grid g = grid_for(p.rows, a.R, a.packs);
       carve(a, p.ws, p.db != nullptr, p.dw != nullptr, p.dw, p.dw_stride, g);
       if (p.rows > 0) {
-        row_bias_bwd_kernel<T, kV><<<g.grid, g.block, 0, st>>>(a);
+        row_bias_bwd_kernel<T, kV><<<g.grid, g.block, row_sums_smem(a, g), st>>>(a);
         EA_TRY(cuda_check(cudaGetLastError(), "expert bias backward kernel launch"));
       }
       return finish_backward<T>(a, g, p.dw, p.dw_stride, p.cols, p.cols, 1, static_cast<T*>(p.db),

@@ -232,7 +232,8 @@ TEST_P(BiasTest, Refusals) {
     EXPECT_NE(std::string(expertact_last_error()).find("non-decreasing"), std::string::npos);
   } else {
     // the CUDA backward needs its workspace, and says how much
-    auto gb = mat(be, X, E, 2 * F);
+    Buf GB(be, std::vector<float>(E * 2 * F));
+    auto gb = mat(be, GB, E, 2 * F);
     EXPECT_EQ(expertact_glu_backward_bias_2d(&p, 1, &dy, &x, nullptr, nullptr, &bias, &ov, &gx, nullptr,
                                              nullptr, &gb, nullptr, 0, be.stream()),
               EXPERTACT_INVALID_ARGUMENT);
