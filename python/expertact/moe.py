@@ -639,22 +639,28 @@ class GroupedExperts(nn.Module):
     - ``fused_w13=True``: ``w13`` [E, 2F, D], gate and up along dim 1 in ``layout``, and
       ``w2`` [E, D, F]: no per-call copy.
 
+    ``bias=True`` adds expert biases (GPT-OSS's): ``b13`` [E, 2F], gate and up biases in
+    ``layout`` (the column order of w13's gate/up axis), and ``b2`` [E, D], zero at
+    initialisation; each expert computes ``(act(x W13^T + b13) W2^T + b2) * weights``
+    (expert_mlp's ``b13`` / ``b2``; the clamps of the clamped forms apply after the bias).
+
     ``load_state_dict`` also takes the other form's state dict, a DeepSpeed ``GroupedExperts``
     one (``w1``, ``w2``, ``w3``) and a GPT-OSS (HF transformers) experts one: ``gate_up_proj``
-    [E, D, 2F] with gate and up interleaved, ``down_proj`` [E, F, D]. GPT-OSS's
-    ``gate_up_proj_bias`` [E, 2F] and ``down_proj_bias`` [E, D] are not supported
-    (expert_mlp has no bias terms): all-zero biases are accepted and dropped, any other
-    value raises ValueError.
+    [E, D, 2F] with gate and up interleaved, ``down_proj`` [E, F, D], ``gate_up_proj_bias``
+    [E, 2F] interleaved and ``down_proj_bias`` [E, D]. With ``bias=True`` the biases load into
+    ``b13`` (reordered to ``layout``) and ``b2``; with ``bias=False`` all-zero biases are
+    accepted and dropped, and any other value raises ValueError (construct the module with
+    ``bias=True``).
 
     forward(x [T, D], num_tokens_per_expert [E], weights=None [T]) -> [T, D]; rows past
-    sum(num_tokens_per_expert) are padding and give 0. The weights are cast to x's dtype
-    (as DeepSpeed does), so float32 master weights work with bf16 activations.
+    sum(num_tokens_per_expert) are padding and give 0. The weights (and biases) are cast to
+    x's dtype (as DeepSpeed does), so float32 master weights work with bf16 activations.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "swiglu",
                  alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                  fused_w13: bool = False, recompute: bool = False, inplace_backward: bool = False,
-                 fused: bool = False, init_std: float = 0.02, device=None, dtype=None):
+                 fused: bool = False, init_std: float = 0.02, bias: bool = False, device=None, dtype=None):
         super().__init__()
         _glu_args(activation, alpha, limit, layout)  # an unknown form or layout fails here, not at forward
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
@@ -663,6 +669,8 @@ class GroupedExperts(nn.Module):
         self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
         self.fused = bool(fused)
         self.init_std = init_std
+        # has_bias, not bias: initialisation code often reads a module's .bias as a tensor or None
+        self.has_bias = bool(bias)
         kw = dict(device=device, dtype=dtype)
         if self.fused_w13:
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim, **kw))
@@ -670,12 +678,19 @@ class GroupedExperts(nn.Module):
             self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
             self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **kw))
+        if self.has_bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, **kw))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim, **kw))
         self.reset_parameters()
 
     def reset_parameters(self):
+        """The weights drawn from N(0, init_std^2), the biases zero."""
         with torch.no_grad():
-            for p in self.parameters():
-                p.normal_(0.0, self.init_std)
+            for name, p in self.named_parameters():
+                if name in ("b13", "b2"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, self.init_std)
 
     def _w13(self):
         """[E, 2F, D] in self.layout."""
@@ -686,9 +701,10 @@ class GroupedExperts(nn.Module):
         dt = x.dtype
         w13 = self._w13().to(dt).transpose(-2, -1)
         w2 = self.w2.to(dt).transpose(-2, -1)
+        b13, b2 = (self.b13.to(dt), self.b2.to(dt)) if self.has_bias else (None, None)
         return expert_mlp(x, w13, w2, offsets, self.activation, alpha=self.alpha, limit=self.limit,
                           layout=self.layout, weights=weights, recompute=self.recompute,
-                          inplace_backward=self.inplace_backward, fused=self.fused)
+                          inplace_backward=self.inplace_backward, fused=self.fused, b13=b13, b2=b2)
 
     def extra_repr(self) -> str:
         s = (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
@@ -702,6 +718,8 @@ class GroupedExperts(nn.Module):
             s += ", inplace_backward=True"
         if self.fused:
             s += ", fused=True"
+        if self.has_bias:
+            s += ", bias=True"
         return s
 
     # State dicts of the other forms -----------------------------------------------------
@@ -712,18 +730,25 @@ class GroupedExperts(nn.Module):
 
     def _convert_state(self, sd, prefix):
         """Rewrites, in the (copied) state dict load_state_dict passes down, a DeepSpeed,
-        fused or GPT-OSS form of this module's weights into this module's own form."""
+        fused or GPT-OSS form of this module's weights (and biases) into this module's own form."""
         k = {name: prefix + name for name in (
-            "w1", "w2", "w3", "w13", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")}
+            "w1", "w2", "w3", "w13", "b13", "b2", "gate_up_proj", "down_proj", "gate_up_proj_bias",
+            "down_proj_bias")}
         gate = up = None
-        if k["gate_up_proj"] in sd:  # GPT-OSS: [E, D, 2F] interleaved, down [E, F, D]
+        if k["gate_up_proj"] in sd:  # GPT-OSS: [E, D, 2F] interleaved, down [E, F, D], biases
             for b in ("gate_up_proj_bias", "down_proj_bias"):
-                if k[b] in sd:
-                    bias = sd.pop(k[b])
-                    if torch.count_nonzero(bias).item():
+                if k[b] in sd and not self.has_bias:
+                    if torch.count_nonzero(sd[k[b]]).item():
                         raise ValueError(_err(
-                            f"{k[b]} has non-zero values: GPT-OSS expert biases are not supported by "
-                            "GroupedExperts (expert_mlp has no bias terms); only all-zero biases load"))
+                            f"{k[b]} has non-zero values but this GroupedExperts has no biases: construct it "
+                            "with bias=True to load GPT-OSS's expert biases (all-zero biases load into a "
+                            "module without biases and are dropped)"))
+                    del sd[k[b]]
+            if k["gate_up_proj_bias"] in sd:  # interleaved, as gate_up_proj's columns
+                bgate, bup = _unpack(sd.pop(k["gate_up_proj_bias"]), "interleaved", dim=1)
+                sd[k["b13"]] = _pack(bgate, bup, self.layout, dim=1).contiguous()
+            if k["down_proj_bias"] in sd:
+                sd[k["b2"]] = sd.pop(k["down_proj_bias"])
             gate, up = _unpack(sd.pop(k["gate_up_proj"]).transpose(-2, -1), "interleaved", dim=1)
             if k["down_proj"] in sd:
                 sd[k["w2"]] = sd.pop(k["down_proj"]).transpose(-2, -1)

@@ -15,16 +15,19 @@ What one call does, for an experts module whose class carries transformers'
 ``@use_experts_implementation`` (hidden_states [T, D], top_k_index [T, K], top_k_weights [T, K]):
 the T*K (token, expert) pairs are sorted by expert (a stable sort), the token rows gathered in
 that order, and :func:`expertact.moe.expert_mlp` runs the whole MLP as one autograd node over
-the module's weights read as stored (``gate_up_proj`` / ``down_proj`` as transposed views: no
-copy of the weights per call), with the routing weights (as float32) multiplying the activation
-h. transformers multiplies the down projection's output instead; without expert biases the two
-are the same function, equal up to float rounding. The K contributions of each token are summed
-in float32 in a fixed order (no atomics: deterministic on the GPU) and cast to the hidden dtype,
-as transformers' own implementations do. Expert ids >= E (expert-parallel sentinels) sort past
-the last expert's rows and contribute nothing: zero output, zero gradient; negative ids raise.
-The routing weights get their gradient (back to the router), as with transformers' own
-implementations. Host reads per call: the smallest expert id (to refuse negative ids) and
-expert_mlp's read of the E offsets, two small device-to-host copies on the GPU.
+the module's weights read as stored (``gate_up_proj`` / ``down_proj`` as transposed views, the
+expert biases ``gate_up_proj_bias`` / ``down_proj_bias`` as they are: no copy of the weights
+per call), with the routing weights (as float32). Each pair's output is
+``(act(x @ W13[e] + b13[e]) @ W2[e] + b2[e]) * weight``, the routing weight multiplying the
+down projection's output, its bias included, as transformers' eager, batched_mm and
+grouped_mm implementations do. The K contributions of each token are summed in float32 in a
+fixed order (no atomics: deterministic on the GPU) and cast to the hidden dtype, as
+transformers' own implementations do. Expert ids >= E (expert-parallel sentinels) sort past
+the last expert's rows and contribute nothing: zero output, zero gradient (biases included);
+negative ids raise. The routing weights get their gradient (back to the router), as with
+transformers' own implementations; they may come in the model's dtype or in float32. Host
+reads per call: the smallest expert id (to refuse negative ids) and expert_mlp's read of the E
+offsets, two small device-to-host copies on the GPU.
 
 Supported: the classes whose gate expertact computes exactly (checked against transformers'
 eager experts, forward and backward, in tests/python/test_transformers.py with transformers
@@ -37,14 +40,18 @@ eager experts, forward and backward, in tests/python/test_transformers.py with t
 - MiniMax-M3 (``MiniMaxM3VLExperts``): "swiglu_oai", halves, with the config's
   ``swiglu_alpha`` and ``swiglu_limit`` (as the module holds them).
 - GPT-OSS (``GptOssExperts``): "swiglu_oai", interleaved, with the module's ``alpha`` (1.702)
-  and ``limit`` (7.0); but GPT-OSS has expert biases (below), so it is refused until the
-  kernels take biases.
+  and ``limit`` (7.0), and its expert biases (``has_bias=True``): ``gate_up_proj_bias``
+  [E, 2F], interleaved like ``gate_up_proj``'s columns, and ``down_proj_bias`` [E, D], passed
+  to expert_mlp as ``b13`` and ``b2``; the clamps apply after the bias.
 
-Refused, with an error naming the class and what is missing (never different math):
-expert biases (``has_bias=True``, GPT-OSS: NotImplementedError, not supported yet); experts
-without a gate (``has_gate=False``); any other ``act_fn`` (another GELU variant, ReLU, ...);
-a class with its own ``_apply_gate`` not listed above; gate_up / down weights of unexpected
-shape.
+Expert biases (``has_bias=True``) are taken with any supported gate, from the attributes
+transformers' own implementations read (``gate_up_proj_bias``, ``down_proj_bias``).
+
+Refused, with an error naming the class and what is missing (never different math): experts
+without a gate (``has_gate=False``); any other ``act_fn`` (another GELU variant, ReLU, ...); a
+class with its own ``_apply_gate`` not listed above (e.g. ``OpenAIPrivacyFilterExperts``,
+which computes in float32 whatever the model's dtype); ``has_bias=True`` without both bias
+tensors (NotImplementedError); weights or biases of unexpected shape (ValueError).
 """
 from __future__ import annotations
 
@@ -122,7 +129,7 @@ def _default_gate(module) -> _Gate:
 
 def _gpt_oss_gate(module) -> _Gate:
     # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit), gate and
-    # up interleaved: expertact's swiglu_oai.
+    # up interleaved: expertact's swiglu_oai (the biases, added before the clamps: _biases_of).
     return _Gate("swiglu_oai", "interleaved", _number(module, "alpha"), _number(module, "limit"))
 
 
@@ -157,11 +164,6 @@ def _gate_of(module) -> _Gate:
         raise NotImplementedError(_err(
             f"{name} has no {', '.join(missing)}: it is not an experts class set up by transformers' "
             "@use_experts_implementation, whose flags say how its weights are stored"))
-    if module.has_bias:
-        raise NotImplementedError(_err(
-            f"{name} has expert biases (has_bias=True: gate_up_proj_bias, down_proj_bias); expert biases are "
-            "not supported yet by expertact's expert MLP. Use experts_implementation='grouped_mm' or 'eager' "
-            "for this model"))
     if not module.has_gate:
         raise NotImplementedError(_err(
             f"{name} has no gate (has_gate=False: up_proj and act_fn(up) only); expertact computes gated "
@@ -209,6 +211,28 @@ def _weights_of(module, D: int):
     return w13, w2
 
 
+def _biases_of(module, w13: Tensor):
+    """(b13 [E, 2F], b2 [E, D]) of an experts module with has_bias=True, in w13's dtype (a cast
+    only if they are held in another dtype), else (None, None). gate_up_proj_bias is in
+    gate_up_proj's column layout, which is how expert_mlp reads b13: passed as it is."""
+    if not module.has_bias:
+        return None, None
+    name = type(module).__name__
+    b13 = getattr(module, "gate_up_proj_bias", None)
+    b2 = getattr(module, "down_proj_bias", None)
+    if not isinstance(b13, Tensor) or not isinstance(b2, Tensor):
+        raise NotImplementedError(_err(
+            f"{name} declares has_bias=True but has no gate_up_proj_bias and down_proj_bias tensors (the "
+            "biases transformers' experts implementations read)"))
+    E, D, f2 = w13.shape
+    if tuple(b13.shape) != (E, f2) or tuple(b2.shape) != (E, D):
+        raise ValueError(_err(
+            f"{name}: gate_up_proj_bias {tuple(b13.shape)} and down_proj_bias {tuple(b2.shape)} are not [E, 2F] = "
+            f"{[E, f2]} and [E, D] = {[E, D]} (from gate_up_proj and the hidden size)"))
+    dt = w13.dtype
+    return (b13 if b13.dtype == dt else b13.to(dt)), (b2 if b2.dtype == dt else b2.to(dt))
+
+
 # ---------------------------------------------------------------------------
 # Row permutations with deterministic backwards
 # ---------------------------------------------------------------------------
@@ -246,6 +270,7 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     """The experts of a transformers MoE block (the class's ``forward`` arguments) through
     :func:`expertact.moe.expert_mlp`: hidden_states [T, D], top_k_index [T, K] (expert ids;
     ids >= E contribute nothing), top_k_weights [T, K] -> [T, D] in hidden_states' dtype.
+    With expert biases (has_bias=True), each pair gives (act(x W13 + b13) W2 + b2) * weight.
     recompute / inplace_backward: expert_mlp's memory modes."""
     gate = _gate_of(module)
     name = type(module).__name__
@@ -253,6 +278,7 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
         raise ValueError(_err(f"{name}: hidden_states must be [T, D]; got shape {tuple(hidden_states.shape)}"))
     T, D = hidden_states.shape
     w13, w2 = _weights_of(module, D)
+    b13, b2 = _biases_of(module, w13)
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
         raise ValueError(_err(
             f"{name}: top_k_index and top_k_weights must both be [T, K] with T = {T}; got "
@@ -282,7 +308,7 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     flat_w = top_k_weights.reshape(-1)
     ws = _Gather.apply(flat_w, perm, inverse, 1).to(torch.float32)
     ys = expert_mlp(xs, w13, w2, offsets, gate.activation, alpha=gate.alpha, limit=gate.limit, layout=gate.layout,
-                    weights=ws, recompute=recompute, inplace_backward=inplace_backward)
+                    weights=ws, recompute=recompute, inplace_backward=inplace_backward, b13=b13, b2=b2)
     # Back to (token, k) order, then the K contributions of each token summed in float32.
     y = _Gather.apply(ys, inverse, perm, 1).view(T, K, D).sum(1, dtype=torch.float32)
     return y.to(hidden_states.dtype)

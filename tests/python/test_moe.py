@@ -2,7 +2,8 @@
 (forward and the gradients of x, w13, w2 and weights) for every preset x layout, with and
 without weights, in each memory mode, with empty experts, padding rows, E = 1, odd D and F;
 the tolerances shown to fail a wrong activation; what each mode keeps; the guards; bad
-input; GroupedExperts and the state dicts it loads (DeepSpeed's, GPT-OSS's).
+input; GroupedExperts (with and without GPT-OSS's expert biases) and the state dicts it loads
+(DeepSpeed's, GPT-OSS's).
 CPU everywhere; the CUDA cases skip without a GPU."""
 import math
 
@@ -644,16 +645,25 @@ def _gpt_oss_experts(x, counts, gate_up_proj, gate_up_bias, down_proj, down_bias
     return torch.cat(out + [x.new_zeros(x.shape[0] - start, x.shape[1])])
 
 
-@pytest.mark.parametrize("fused_w13,layout", [(True, "interleaved"), (True, "halves"), (False, "halves")])
-def test_loads_gpt_oss_state_dict(fused_w13, layout):
+def _gpt_oss_state(D, F, E, gen, biases=True):
+    return {
+        "gate_up_proj": torch.randn(E, D, 2 * F, generator=gen) * 0.5,
+        "gate_up_proj_bias": torch.randn(E, 2 * F, generator=gen) if biases else torch.zeros(E, 2 * F),
+        "down_proj": torch.randn(E, F, D, generator=gen) * 0.5,
+        "down_proj_bias": torch.randn(E, D, generator=gen) if biases else torch.zeros(E, D),
+    }
+
+
+GPT_OSS_FORMS = [(True, "interleaved"), (True, "halves"), (False, "halves"), (False, "up_first")]
+
+
+@pytest.mark.parametrize("fused_w13,layout", GPT_OSS_FORMS)
+def test_loads_gpt_oss_state_dict_without_biases(fused_w13, layout):
+    """All-zero GPT-OSS biases load into a module without biases (and are dropped); non-zero
+    ones raise, naming bias=True."""
     D, F, E = 16, 12, 4
     gen = torch.Generator().manual_seed(5)
-    sd = {
-        "gate_up_proj": torch.randn(E, D, 2 * F, generator=gen) * 0.5,
-        "gate_up_proj_bias": torch.zeros(E, 2 * F),
-        "down_proj": torch.randn(E, F, D, generator=gen) * 0.5,
-        "down_proj_bias": torch.zeros(E, D),
-    }
+    sd = _gpt_oss_state(D, F, E, gen, biases=False)
     ours = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout=layout, fused_w13=fused_w13)
     ours.load_state_dict(dict(sd))
     counts = [5, 3, 0, 9]
@@ -665,9 +675,97 @@ def test_loads_gpt_oss_state_dict(fused_w13, layout):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if fused_w13 and layout == "interleaved":  # GPT-OSS's own layout: the weights load as they are
         torch.testing.assert_close(ours.w13, sd["gate_up_proj"].transpose(-2, -1), rtol=0, atol=0)
-    sd["down_proj_bias"][2, 3] = 0.5
-    with pytest.raises(ValueError, match=r"down_proj_bias has non-zero values: GPT-OSS expert biases are not supported"):
-        ours.load_state_dict(dict(sd))
+    for key in ("down_proj_bias", "gate_up_proj_bias"):
+        bad = dict(sd)
+        bad[key] = sd[key].clone()
+        bad[key][2, 3] = 0.5
+        with pytest.raises(ValueError, match=rf"{key} has non-zero values but this GroupedExperts has no biases: "
+                                             r"construct it with bias=True"):
+            ours.load_state_dict(bad)
+
+
+def _max_rel(got, want):
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("fused_w13,layout", GPT_OSS_FORMS)
+def test_gpt_oss_biases(fused_w13, layout):
+    """A bias=True module loaded from a GPT-OSS state dict with non-zero biases: output and every
+    gradient (x, the routing weights, the weights, b13, b2) against GPT-OSS's own expression in
+    float64 autograd on the checkpoint's tensors; b13 is the checkpoint's bias reordered to the
+    module's layout. Padding rows give 0. Float32 (the module) against float64: the same
+    roundings as expert_mlp's float32 bound (TOL), relative to the largest magnitude; measured
+    2.7e-7 or less (CPU, torch 2.13). b13 left interleaved in a "halves" module errs by 0.25
+    on y."""
+    D, F, E = 16, 12, 4
+    gen = torch.Generator().manual_seed(7)
+    sd = _gpt_oss_state(D, F, E, gen)
+    ours = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout=layout, fused_w13=fused_w13, bias=True)
+    ours.load_state_dict(dict(sd))
+    gate, up = sd["gate_up_proj_bias"][:, 0::2], sd["gate_up_proj_bias"][:, 1::2]
+    assert torch.equal(ours.b13, moe._pack(gate, up, layout, dim=1)) and torch.equal(ours.b2, sd["down_proj_bias"])
+    counts = [5, 3, 0, 9]
+    T = sum(counts) + 2  # 2 padding rows
+    x = (torch.randn(T, D, generator=gen) * 3).requires_grad_()
+    routing = torch.rand(T, generator=gen).requires_grad_()
+    dy = torch.randn(T, D, generator=gen)
+    ref = {k: v.double().requires_grad_() for k, v in sd.items()}
+    xr, rr = x.detach().double().requires_grad_(), routing.detach().double().requires_grad_()
+    want = _gpt_oss_experts(xr, counts, ref["gate_up_proj"], ref["gate_up_proj_bias"], ref["down_proj"],
+                            ref["down_proj_bias"], rr)
+    want.backward(dy.double())
+    got = ours(x, torch.tensor(counts), weights=routing)
+    w13 = [ours.w13] if fused_w13 else [ours.w1, ours.w3]
+    grads = torch.autograd.grad(got, [x, routing, ours.w2, ours.b13, ours.b2] + w13, dy)
+    dx, dr, dw2, db13, db2 = grads[:5]
+    # the module's gradients in the checkpoint's layout
+    bg, bu = moe._unpack(db13, layout, dim=1)
+    if fused_w13:
+        wg, wu = moe._unpack(grads[5], layout, dim=1)
+    else:
+        wg, wu = grads[5], grads[6]
+    pairs = {
+        "y": (got, want), "dx": (dx, xr.grad), "d routing": (dr, rr.grad),
+        "d gate_up_proj": (moe._pack(wg, wu, "interleaved", dim=1).transpose(-2, -1), ref["gate_up_proj"].grad),
+        "d down_proj": (dw2.transpose(-2, -1), ref["down_proj"].grad),
+        "d gate_up_proj_bias": (moe._pack(bg, bu, "interleaved", dim=1), ref["gate_up_proj_bias"].grad),
+        "d down_proj_bias": (db2, ref["down_proj_bias"].grad),
+    }
+    for what, (g, w) in pairs.items():
+        assert g.shape == w.shape, what
+        assert torch.isfinite(g).all() and w.abs().max() > 0, what
+        assert _max_rel(g, w) <= TOL[torch.float32], f"{what}: {_max_rel(g, w):.3g}"
+    assert got[-2:].abs().max() == 0 and dx[-2:].abs().max() == 0
+    # a state dict of the module's own form (b13, b2) round-trips into the other weight form
+    other = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout=layout, fused_w13=not fused_w13, bias=True)
+    other.load_state_dict(ours.state_dict())
+    assert torch.equal(other(x, torch.tensor(counts), weights=routing), got)
+
+
+def test_bias_parameters():
+    D, F, E = 8, 6, 3
+    m = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout="interleaved", fused_w13=True, bias=True)
+    assert m.b13.shape == (E, 2 * F) and m.b2.shape == (E, D) and not m.b13.any() and not m.b2.any()
+    assert list(m.state_dict()) == ["w13", "w2", "b13", "b2"] and "bias=True" in repr(m)
+    assert m.w13.abs().max() > 0  # the weights are drawn, the biases zero
+    # zero biases: the same function as the module without biases
+    plain = moe.GroupedExperts(D, F, E, activation="swiglu_oai", layout="interleaved", fused_w13=True)
+    plain.load_state_dict({k: v for k, v in m.state_dict().items() if k not in ("b13", "b2")})
+    x, counts = torch.randn(7, D), torch.tensor([2, 0, 4])
+    torch.testing.assert_close(m(x, counts), plain(x, counts), rtol=1e-6, atol=1e-6)
+    # a GPT-OSS state dict without biases does not fill a module that has them
+    gen = torch.Generator().manual_seed(0)
+    sd = _gpt_oss_state(D, F, E, gen)
+    del sd["gate_up_proj_bias"], sd["down_proj_bias"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*b13.*b2"):
+        m.load_state_dict(sd)
+    # bf16 activations with float32 parameters: the biases are cast with the weights
+    m.b13.data.normal_()
+    m.b2.data.normal_()
+    xb = x.to(torch.bfloat16).requires_grad_()
+    y = m(xb, counts)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and m.b13.grad.dtype == torch.float32 and m.b2.grad.abs().max() > 0
 
 
 def test_grouped_experts_modes_and_casting():

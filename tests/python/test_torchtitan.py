@@ -1,9 +1,11 @@
-"""expertact.torchtitan against TorchTitan's own GroupedExperts (TorchTitan 0.3.0) on the same
-weights and inputs: forward output and every gradient (x, w1_EFD, w2_EDF, w3_EFD) in each memory
-mode, with token counts that include empty experts and padding rows past the last group; the
-override through TorchTitan's own override machinery (apply_overrides on a Qwen3-MoE debug config);
-a whole MoE layer (router, dispatcher, experts, combine) with the override on and off; state dict
-keys; enable()/disable(); the refusal of GPT-OSS's biased experts.
+"""expertact.torchtitan against TorchTitan's own GroupedExperts, FusedGroupedExperts and
+GptOssGroupedExperts (TorchTitan 0.3.0) on the same weights and inputs: forward output and every
+gradient (x, w1_EFD, w2_EDF, w3_EFD; GPT-OSS: mlp1_weight_EGD, mlp1_bias_EG, mlp2_weight_EDF,
+mlp2_bias_ED, with non-zero biases) in each memory mode, with token counts that include empty
+experts and padding rows past the last group; GPT-OSS under 2-way tensor parallelism (two gloo
+processes on the CPU); the overrides through TorchTitan's own override machinery (apply_overrides
+on Qwen3-MoE and GPT-OSS debug configs); whole MoE layers (router, dispatcher, experts, combine)
+with the override on and off; state dict keys; enable()/disable(); the refusal of other subclasses.
 CPU; skipped where TorchTitan is not importable. TorchTitan's model code needs only a few of its
 declared dependencies (not wandb, tensorboard, datasets, torchdata); without changing torch:
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
@@ -28,13 +30,16 @@ import expertact.torchtitan as et  # noqa: E402
 # precision. Largest absolute error of each tensor relative to its largest magnitude: what
 # legitimately differs is the order of the sums (torch's grouped-GEMM fallback against
 # expert_mlp's per-expert GEMMs) and silu's formula, a few float32 roundings of the unit
-# roundoff 6e-8: measured 5.4e-7 or less here (CPU, torch 2.13, TorchTitan 0.3.0). A swapped
-# gate and up misses y by 0.6 of its largest magnitude (test_a_wrong_mapping_fails). NaN or Inf never passes.
+# roundoff 6e-8: measured 5.4e-7 or less here, 1.8e-7 or less for GPT-OSS's biased experts (CPU,
+# torch 2.13, TorchTitan 0.3.0). A swapped gate and up misses y by 0.6 of its largest magnitude
+# (test_a_wrong_mapping_fails); GPT-OSS's mlp1 bias with gate and up swapped by 0.36, its mlp2 bias
+# left out by 0.07 (test_gpt_oss_a_wrong_bias_fails). NaN or Inf never passes.
 RTOL_F32 = 1e-5
 # In bf16, as TorchTitan computes: TorchTitan rounds silu(gate) to bf16 before the product,
 # expertact rounds the gated activation once; each side rounds gate, up, h and y to bf16 (unit
 # roundoff 3.9e-3), and the gradients' GEMMs once more each. Measured (relative to
-# the tensor's largest magnitude, CPU, torch 2.13, TorchTitan 0.3.0): 8.1e-3 or less; the bound
+# the tensor's largest magnitude, CPU, torch 2.13, TorchTitan 0.3.0): 8.1e-3 or less, 8.3e-3 for
+# GPT-OSS (whose biases TorchTitan adds in bf16 after rounding the GEMMs' results); the bound
 # allows a few bf16 roundings more.
 RTOL_BF16 = 2e-2
 
@@ -104,7 +109,13 @@ def _run(module, x, counts, dy):
     return y.detach(), x.grad, _grads(module)
 
 
-def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32):
+W_NAMES = {"w1_EFD", "w2_EDF", "w3_EFD"}
+GPT_OSS_NAMES = {"mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED"}
+
+
+def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32, names=W_NAMES, y_dtype=None):
+    """y_dtype: the output's dtype (x's unless given; TorchTitan's GPT-OSS experts return their
+    compute dtype)."""
     counts = torch.tensor(counts)
     end = int(counts.sum())
     torch.manual_seed(1)
@@ -116,9 +127,9 @@ def _compare(ref, ours, counts, pad, rtol, x_dtype=torch.float32):
     # over the groups' rows; expertact's are exactly zero.
     _close(y_o[:end], y_r[:end], rtol, "y")
     _close(dx_o[:end], dx_r[:end], rtol, "dx")
-    assert y_o.dtype == x.dtype and dx_o.dtype == x.dtype
+    assert y_o.dtype == y_r.dtype == (y_dtype or x.dtype) and dx_o.dtype == x.dtype
     assert not y_o[end:].any() and not dx_o[end:].any(), "padding rows must give 0 output and 0 gradient"
-    assert set(g_o) == set(g_r) == {"w1_EFD", "w2_EDF", "w3_EFD"}
+    assert set(g_o) == set(g_r) == names
     for n in g_r:
         assert g_o[n].dtype == g_r[n].dtype, n
         _close(g_o[n], g_r[n], rtol, f"d{n}")
@@ -325,28 +336,271 @@ def test_enable_disable(no_bf16_cast, fused):
     assert et.disable(model) == []
 
 
-def _gpt_oss_experts_config():
-    moe = pytest.importorskip("torchtitan.models.gpt_oss.moe")
-    return moe.GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E)
+# ---------------------------------------------------------------------------
+# GPT-OSS: GptOssGroupedExperts, biases and tensor parallelism
+# ---------------------------------------------------------------------------
 
 
-def test_gpt_oss_refused():
-    cfg = _gpt_oss_experts_config()
-    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
-        et.expertact_grouped_experts(cfg)
-    module = cfg.build()
-    ref, _ = _pair()
-    model = torch.nn.ModuleDict({"plain": ref, "oss": module})
-    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
-        et.enable(model)
-    assert type(ref) is GroupedExperts  # nothing switched
+def _gpt_oss_moe():
+    return pytest.importorskip("torchtitan.models.gpt_oss.moe")
 
 
-def test_gpt_oss_refused_through_the_hook():
+GPT_OSS_TARGET = "expertact.torchtitan.expertact_gpt_oss_grouped_experts"
+
+
+def _gpt_oss_pair(dtype=torch.float32, seed=0, limit=7.0, **modes):
+    """TorchTitan's GptOssGroupedExperts and expertact's, the same weights and non-zero biases
+    (std 0.25: the biases shift gate_up by about a fifth of its spread, and y by as much)."""
+    cfg = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=limit)
+    torch.manual_seed(seed)
+    ref = cfg.build()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.25)
+    ours = et.expertact_gpt_oss_grouped_experts(cfg, **modes).build()
+    ours.load_state_dict(ref.state_dict())
+    return ref.to(dtype), ours.to(dtype)
+
+
+@pytest.mark.parametrize("limit", [7.0, 1.0])
+@pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("pad", PADDING)
+def test_gpt_oss_matches_torchtitan_float32(no_bf16_cast, limit, modes, counts, pad):
+    """The config's swiglu_limit is the clamp: 7 (GPT-OSS's) and 1 (most gate and up values
+    past it)."""
+    ref, ours = _gpt_oss_pair(limit=limit, compute_dtype=None, **modes)
+    assert type(ours) is et.ExpertactGptOssGroupedExperts and ours.swiglu_limit == limit
+    _compare(ref, ours, counts, pad, RTOL_F32, names=GPT_OSS_NAMES)
+
+
+@pytest.mark.parametrize("modes", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_matches_torchtitan_bf16(modes, param_dtype):
+    """TorchTitan's own numerics (bf16 GEMMs, biases and activation; a bf16 result whatever x's
+    dtype), float32 or bf16 parameters, float32 activations."""
+    ref, ours = _gpt_oss_pair(param_dtype, **modes)
+    assert ours.compute_dtype is torch.bfloat16
+    _compare(ref, ours, COUNTS[1], 3, RTOL_BF16, names=GPT_OSS_NAMES, y_dtype=torch.bfloat16)
+
+
+def test_gpt_oss_weights_passed_to_expert_mlp(monkeypatch):
+    """With bf16 parameters the weights and biases reach expert_mlp as the parameters
+    themselves (views, no copy): mlp1 as the interleaved [E, D, 2F], its bias as b13."""
+    ref, ours = _gpt_oss_pair(torch.bfloat16)
+    seen = {}
+    real = et.expert_mlp
+
+    def spy(x, w13, w2, offsets, activation, **kw):
+        seen.update(kw, w13=w13, w2=w2, activation=activation)
+        return real(x, w13, w2, offsets, activation, **kw)
+
+    monkeypatch.setattr(et, "expert_mlp", spy)
+    ours(torch.randn(5, D), torch.tensor([1, 0, 2, 2, 0, 0]))
+    assert seen["activation"] == "swiglu_oai" and seen["layout"] == "interleaved"
+    assert seen["alpha"] == 1.702 and seen["limit"] == 7.0
+    for key, param in (("w13", ours.mlp1_weight_EGD), ("w2", ours.mlp2_weight_EDF), ("b13", ours.mlp1_bias_EG),
+                       ("b2", ours.mlp2_bias_ED)):
+        assert seen[key].data_ptr() == param.data_ptr(), key
+    assert seen["w13"].shape == (E, D, 2 * F) and seen["w2"].shape == (E, F, D)
+
+
+def test_gpt_oss_a_wrong_bias_fails(no_bf16_cast):
+    """The float32 bound catches mlp1's bias with its gate and up entries swapped, and a
+    down-projection bias left out."""
+    ref, ours = _gpt_oss_pair(compute_dtype=None)
+    with torch.no_grad():
+        ours.mlp1_bias_EG.copy_(ref.mlp1_bias_EG.view(E, F, 2).flip(-1).reshape(E, 2 * F))
+    with pytest.raises(AssertionError, match="max"):
+        _compare(ref, ours, COUNTS[1], 0, RTOL_F32, names=GPT_OSS_NAMES)
+    ref, ours = _gpt_oss_pair(compute_dtype=None)
+    with torch.no_grad():
+        ours.mlp2_bias_ED.zero_()
+    with pytest.raises(AssertionError, match="max"):
+        _compare(ref, ours, COUNTS[1], 0, RTOL_F32, names=GPT_OSS_NAMES)
+
+
+def test_gpt_oss_state_dict_and_config():
+    ref, ours = _gpt_oss_pair(recompute=True)
+    sd_r, sd_o = ref.state_dict(), ours.state_dict()
+    assert list(sd_o) == list(sd_r) == ["mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED"]
+    for k in sd_r:
+        assert torch.equal(sd_o[k], sd_r[k]), k
+    ref.load_state_dict(ours.state_dict())
+    moe = _gpt_oss_moe()
+    assert isinstance(ours, moe.GptOssGroupedExperts) and ours.recompute
+    cfg = moe.GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=3.0,
+                                          param_init={"mlp1_weight_EGD": torch.nn.init.zeros_,
+                                                      "mlp1_bias_EG": torch.nn.init.zeros_,
+                                                      "mlp2_weight_EDF": torch.nn.init.zeros_,
+                                                      "mlp2_bias_ED": torch.nn.init.ones_})
+    # each of the three factories makes the same config of a GPT-OSS node
+    for factory in (et.expertact_gpt_oss_grouped_experts, et.expertact_grouped_experts,
+                    et.expertact_fused_grouped_experts):
+        if factory is None:
+            continue
+        new = factory(cfg, inplace_backward=True, compute_dtype="float32")
+        assert type(new) is et.ExpertactGptOssGroupedExperts.Config
+        assert (new.dim, new.hidden_dim, new.num_experts, new.swiglu_limit) == (D, F, E, 3.0)
+        assert new.param_init == cfg.param_init and new.inplace_backward and new.compute_dtype is torch.float32
+        again = factory(new, recompute=True)  # an expertact config takes new modes
+        assert type(again) is type(new) and again.recompute and not again.inplace_backward
+    m = new.build()
+    m.init_states()
+    assert (m.mlp2_bias_ED == 1).all() and not m.mlp1_weight_EGD.any()
+
+    class Custom(moe.GptOssGroupedExperts):
+        from dataclasses import dataclass as _dc
+
+        @_dc(kw_only=True, slots=True)
+        class Config(moe.GptOssGroupedExperts.Config):
+            pass
+
+    for factory in (et.expertact_gpt_oss_grouped_experts, et.expertact_grouped_experts):
+        with pytest.raises(NotImplementedError, match="Custom"):
+            factory(Custom.Config(dim=D, hidden_dim=F, num_experts=E))
+
+
+def _gpt_oss_model_config():
     gpt_oss = pytest.importorskip("torchtitan.models.gpt_oss")
     cfg = gpt_oss.gptoss_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard")
-    with pytest.raises(NotImplementedError, match="GptOssGroupedExperts.*expert biases are not supported yet"):
-        apply_overrides(OverrideConfig(imports=[TARGET]), cfg)
+    cfg.layers = cfg.layers[:2]
+    return cfg
+
+
+@pytest.mark.parametrize("target", [GPT_OSS_TARGET, TARGET])
+def test_gpt_oss_override_hook_on_a_model_config(target):
+    cfg = _gpt_oss_model_config()
+    lines = apply_overrides(OverrideConfig(imports=[(target, {"recompute": True})]), cfg)
+    assert len(lines) == 2
+    for layer in cfg.layers:
+        inner = layer.moe.routed_experts.inner_experts
+        assert type(inner) is et.ExpertactGptOssGroupedExperts.Config
+        assert inner.recompute and inner.param_init is not None and inner.swiglu_limit == 7.0
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_gpt_oss_moe_layer_override_on_and_off(request, bf16):
+    """A GPT-OSS debug layer (router with bias, top-4 dispatch of 32 tokens over 8 experts,
+    biased experts, combine) built from its config with and without the override. In bf16 the
+    layer's parameters and activations are bf16, as under FSDP mixed precision: TorchTitan's
+    GPT-OSS experts return bf16, which its combine cannot add into float32 activations."""
+    cfg = _gpt_oss_model_config().layers[0].moe
+    torch.manual_seed(0)
+    ref = cfg.build()
+    ref.init_states()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if not bf16:
+        request.getfixturevalue("no_bf16_cast")
+    apply_overrides(OverrideConfig(imports=[(GPT_OSS_TARGET, {"compute_dtype": "bfloat16" if bf16 else None})]), cfg)
+    ours = cfg.build()
+    assert type(ours.routed_experts.inner_experts) is et.ExpertactGptOssGroupedExperts
+    ours.load_state_dict(ref.state_dict())
+    assert ref.routed_experts.inner_experts.mlp2_bias_ED.abs().min() > 0  # the biases are not zero
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, cfg.routed_experts.inner_experts.dim, dtype=dtype)
+    rtol = RTOL_BF16 if bf16 else RTOL_F32
+    outs = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.float().pow(2).mean().backward()
+        outs.append((y.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (y_r, dx_r, g_r), (y_o, dx_o, g_o) = outs
+    assert y_o.dtype == y_r.dtype
+    _close(y_o, y_r, rtol, "y")
+    _close(dx_o, dx_r, rtol, "dx")
+    assert set(g_o) == set(g_r) and {n.split(".")[-1] for n in g_r} >= GPT_OSS_NAMES
+    for n in g_r:
+        _close(g_o[n], g_r[n], rtol, f"d{n}")
+
+
+def test_gpt_oss_enable_disable(no_bf16_cast):
+    ref, _ = _gpt_oss_pair()
+    base = _gpt_oss_moe().GptOssGroupedExperts
+    module = base(base.Config(dim=D, hidden_dim=F, num_experts=E))
+    module.load_state_dict(ref.state_dict())
+    plain, _ = _pair()
+    model = torch.nn.ModuleDict({"oss": module, "plain": plain})
+    before = dict(vars(module))
+    counts = torch.tensor(COUNTS[1])
+    x = torch.randn(int(counts.sum()), D)
+    y_ref = ref(x, counts).detach()
+    assert et.enable(model, recompute=True, compute_dtype=None) == ["oss", "plain"]
+    assert type(module) is et.ExpertactGptOssGroupedExperts and module.recompute
+    assert type(plain) is et.ExpertactGroupedExperts
+    _close(module(x, counts).detach(), y_ref, RTOL_F32, "y after enable")
+    assert et.disable(model) == ["oss", "plain"]
+    assert type(module) is base and type(module).forward is base.forward and vars(module).keys() == before.keys()
+    assert torch.equal(module(x, counts).detach(), y_ref)
+
+
+def _tp_worker(rank, world, init_file, queue):
+    """One rank of test_gpt_oss_tensor_parallel: TorchTitan's GPT-OSS experts and expertact's,
+    both with their parameters as DTensors over a 1-D "tp" mesh in TorchTitan's tensor-parallel
+    layout (mlp1 and its bias sharded along 2F, mlp2 along F, mlp2's bias replicated), and a
+    plain unsharded TorchTitan module; float32. Puts the largest relative errors on the queue."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.Tensor.bfloat16 = lambda self, *a, **k: self  # float32 on both sides, as no_bf16_cast
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        full, ours = _gpt_oss_pair(limit=1.0, compute_dtype=None)
+        ref, _ = _gpt_oss_pair(limit=1.0)
+        layout = {"mlp1_weight_EGD": Shard(1), "mlp1_bias_EG": Shard(1), "mlp2_weight_EDF": Shard(2),
+                  "mlp2_bias_ED": Replicate()}
+        for m in (ref, ours):
+            for n, p in list(m.named_parameters()):
+                setattr(m, n, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [layout[n]])))
+        assert et._tp_degree(ours.mlp1_weight_EGD) == world
+        counts = torch.tensor(COUNTS[1])
+        torch.manual_seed(1)  # the same x and dy on every rank (replicated activations)
+        x = torch.randn(int(counts.sum()), D)
+        dy = torch.randn_like(x)
+        outs = []
+        for m in (ref, ours, full):
+            xi = x.clone().requires_grad_(True)
+            y = m(xi, counts)
+            y.backward(dy)
+            grads = {n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for n, p in m.named_parameters()}
+            outs.append((y.detach(), xi.grad, grads))
+        (y_r, dx_r, g_r), (y_o, dx_o, g_o), (y_f, _, g_f) = outs
+
+        def rel(a, b):
+            return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+        errs = {"y": rel(y_o, y_r), "dx": rel(dx_o, dx_r)}
+        errs.update({f"d{n}": rel(g_o[n], g_r[n]) for n in g_r})
+        total = y_o.clone()
+        dist.all_reduce(total)  # the partial sums of the ranks: the unsharded module's output
+        errs["sum of y over ranks"] = rel(total, y_f)
+        errs["dmlp2_bias_ED against the unsharded"] = rel(g_o["mlp2_bias_ED"], g_f["mlp2_bias_ED"])
+        queue.put((rank, errs))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gpt_oss_tensor_parallel(tmp_path):
+    """2-way tensor parallelism on the CPU (gloo): each rank's output (a partial sum, with
+    mlp2's bias divided by the TP degree) and gradients equal TorchTitan's on that rank; the
+    ranks' outputs sum to the unsharded module's; mlp2's bias gradient is the full one on each
+    rank."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "init"), queue), nprocs=2, start_method="spawn")
+    results = dict(queue.get() for _ in range(2))
+    for rank, errs in sorted(results.items()):
+        for what, err in errs.items():
+            assert err <= RTOL_F32, f"rank {rank}: {what}: max error {err:.3g} relative > {RTOL_F32}"
 
 
 def test_other_subclasses_refused():

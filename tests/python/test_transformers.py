@@ -1,9 +1,11 @@
 """expertact.transformers: the "expertact" experts implementation of Hugging Face transformers
 against transformers' own "eager" experts, on tiny random models of each supported family
 (Qwen3-MoE with SiLU and with tanh GELU, Mixtral, DeepSeek-V3, MiniMax-M3, and GPT-OSS with
-its biases switched off): loss, logits and every parameter's gradient after one forward and
-backward in train mode, in each memory mode; expert-parallel sentinel ids; the registry; the
-errors for what is not supported (GPT-OSS's biases, other activations and gates).
+non-zero expert biases, with its clamp limit of 7 and of 1, and with its biases switched off):
+loss, logits and every parameter's gradient (the expert biases' included) after one forward
+and backward in train mode, in each memory mode; expert-parallel sentinel ids; the registry;
+the errors for what is not supported (other activations and gates, biases missing or of the
+wrong shape).
 CPU, float32; skipped where transformers (>= 5, with its experts registry) is not installed."""
 import copy
 
@@ -23,12 +25,14 @@ import expertact.transformers as et  # noqa: E402
 # Largest absolute error of each compared tensor (loss, logits, one parameter's gradient),
 # relative to that tensor's largest magnitude. Both sides compute in float32 (unit roundoff
 # 6e-8); what legitimately differs is the order of the sums: per-expert GEMMs over rows in
-# another order, the routing weight applied to h before the down projection instead of to
-# its output, the K contributions summed in another order, alpha taken as a float32.
-# Measured on these models (CPU, transformers 5.17, torch 2.13): 2.1e-6 or less (GPT-OSS),
-# 1.2e-6 or less for the others. A wrong gate misses by orders of magnitude: MiniMax-M3's clamp
-# limit 1% too high errs by 0.1 on a gradient, 0.1% too high by 4.6e-3 (test_a_wrong_gate_fails
-# shows the first failing). NaN or Inf never passes.
+# another order, the routing weight applied to h or to the down projection's output (the
+# same function without expert biases), the K contributions summed in another order, alpha
+# taken as a float32. Measured on these models (CPU, transformers 5.17, torch 2.13): 1.9e-6
+# or less (GPT-OSS without biases), 8.7e-7 or less for the others, GPT-OSS with its biases
+# included. A wrong gate misses by orders of magnitude: MiniMax-M3's clamp limit 1% too high
+# errs by 0.1 on a gradient, 0.1% too high by 4.6e-3 (test_a_wrong_gate_fails shows the first
+# failing); GPT-OSS's gate_up bias read as halves, or either bias left out, errs by 0.7 or more
+# of the logits (test_a_wrong_bias_fails). NaN or Inf never passes.
 RTOL = 1e-5
 
 VOCAB, SEQ, BATCH = 64, 12, 2
@@ -72,17 +76,28 @@ def _gpt_oss():
     return transformers.GptOssForCausalLM(cfg)
 
 
-def _gpt_oss_without_biases():
-    """GPT-OSS with its expert biases zeroed and has_bias switched off on each experts module:
-    what transformers' grouped_mm computes then too. Checks the interleaved, stored-transposed
-    swiglu_oai mapping until the kernels take biases. limit 1 instead of 7 exercises the clamps."""
+def _gpt_oss_limit_1():
+    """GPT-OSS with the clamp limit 1 instead of 7: many biased gate and up values lie past it,
+    so the clamps (after the bias) shape the result."""
     model = _gpt_oss()
+    for m in _experts(model):
+        m.limit = 1.0
+    return model
+
+
+def _gpt_oss_without_biases():
+    """GPT-OSS with its expert biases zeroed and has_bias switched off on each experts module
+    (what transformers' grouped_mm computes then too): the interleaved, stored-transposed
+    swiglu_oai mapping without the bias arguments. limit 1 exercises the clamps. The zero
+    biases are frozen: eager adds them (and would give them a gradient) whatever has_bias says."""
+    model = _gpt_oss_limit_1()
     for m in _experts(model):
         with torch.no_grad():
             m.gate_up_proj_bias.zero_()
             m.down_proj_bias.zero_()
+        m.gate_up_proj_bias.requires_grad_(False)
+        m.down_proj_bias.requires_grad_(False)
         m.has_bias = False
-        m.limit = 1.0
     return model
 
 
@@ -92,6 +107,8 @@ MODELS = {
     "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3,
     "minimax_m3": _minimax_m3,
+    "gpt_oss": _gpt_oss,
+    "gpt_oss_limit_1": _gpt_oss_limit_1,
     "gpt_oss_without_biases": _gpt_oss_without_biases,
 }
 
@@ -126,11 +143,16 @@ def _build(name, seed=0):
     torch.manual_seed(seed)
     model = MODELS[name]().float().train()
     # Expert weights large enough that gate_up spreads over several units (RMS-normed inputs,
-    # D = 32: std ~1.4), so that SiLU's and GELU's curvature and the clamps matter.
+    # D = 32: std ~1.4), so that SiLU's and GELU's curvature and the clamps matter. Expert
+    # biases (GPT-OSS) drawn at random too: the model's initialisation may leave them zero,
+    # which would not tell a bias added in the wrong place or column from none.
     with torch.no_grad():
         for m in _experts(model):
             m.gate_up_proj.normal_(0.0, 0.25)
             m.down_proj.normal_(0.0, 0.25)
+            if m.has_bias:
+                m.gate_up_proj_bias.normal_(0.0, 0.5)
+                m.down_proj_bias.normal_(0.0, 0.5)
     return model
 
 
@@ -160,13 +182,11 @@ def _close(got, want, what, rtol=RTOL):
     return err / scale if scale else 0.0
 
 
-def _compare(got, want, skip=()):
+def _compare(got, want):
     loss, logits, grads = got
     rel = {"loss": _close(loss, want[0], "loss"), "logits": _close(logits, want[1], "logits")}
     assert grads.keys() == want[2].keys()
     for n, g in grads.items():
-        if n in skip:
-            continue
         w = want[2][n]
         assert (g is None) == (w is None), f"{n}: gradient {'missing' if g is None else 'unexpected'}"
         if g is not None:
@@ -179,16 +199,16 @@ def test_matches_eager(name):
     model = _build(name)
     ids = _inputs()
     eager = _step(model, "eager", ids)
-    skip = {n for n in eager[2] if n.endswith("_proj_bias")}  # GPT-OSS's biases: not computed by expertact
-    experts = [n for n in eager[2] if ".experts." in n and n not in skip]
+    experts = [n for n, p in model.named_parameters() if ".experts." in n and p.requires_grad]
     assert experts and all(eager[2][n] is not None and eager[2][n].abs().max() > 0 for n in experts)
+    biases = [n for n in experts if n.endswith("_proj_bias")]
+    assert bool(biases) == (name in ("gpt_oss", "gpt_oss_limit_1"))
     # The routers get the routing weights' gradient from the experts: it must reach them.
     routers = [n for n, g in eager[2].items() if (".gate." in n or ".router." in n) and g is not None]
     assert routers and any(eager[2][n].abs().max() > 0 for n in routers)
     for mode in MODES:
         got = _step(model, MODE_NAMES[mode], ids)
-        rel = _compare(got, eager, skip)
-        assert all(got[2][n] is None for n in skip), "expertact computed a bias gradient"
+        rel = _compare(got, eager)
         print(f"{name} {mode}: largest relative error {max(rel.values()):.2g}")
 
 
@@ -212,6 +232,24 @@ def test_a_wrong_gate_fails(monkeypatch):
         _compare(_step(model, "expertact", ids), eager)
 
 
+def test_a_wrong_bias_fails(monkeypatch):
+    """The tolerance catches GPT-OSS's biases misused: gate_up_proj_bias read as halves instead
+    of interleaved (its gate and up entries swapped over), or down_proj_bias left out."""
+    model = _build("gpt_oss")
+    ids = _inputs()
+    eager = _step(model, "eager", ids)
+    right = et._biases_of
+
+    def halves(module, w13):
+        b13, b2 = right(module, w13)
+        return torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1), b2
+
+    for wrong in (halves, lambda module, w13: (right(module, w13)[0], None)):
+        monkeypatch.setattr(et, "_biases_of", wrong)
+        with pytest.raises(AssertionError, match="max error"):
+            _compare(_step(model, "expertact", ids), eager)
+
+
 # ---------------------------------------------------------------------------
 # The experts module called directly: sentinels, dtypes, shapes
 # ---------------------------------------------------------------------------
@@ -228,8 +266,13 @@ def _module_case(name="qwen3_moe", T=20, seed=2):
     return experts, x, ids, w
 
 
+CALL_OUTPUTS = ("y", "x grad", "weights grad", "gate_up_proj grad", "down_proj grad", "gate_up_proj_bias grad",
+                "down_proj_bias grad")
+
+
 def _call(experts, impl, x, ids, w, weight_mask=None):
-    """Output and the gradients of x, the routing weights, gate_up_proj and down_proj."""
+    """Output and the gradients of x, the routing weights, gate_up_proj and down_proj (and of
+    the expert biases when the module has them)."""
     experts.config._experts_implementation = impl
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
@@ -237,10 +280,13 @@ def _call(experts, impl, x, ids, w, weight_mask=None):
     y = experts(x, ids, w if weight_mask is None else w * weight_mask)
     dy = torch.linspace(-1, 1, y.numel()).view_as(y)
     y.backward(dy)
-    return y.detach(), x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()
+    out = (y.detach(), x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    if experts.has_bias:
+        out += (experts.gate_up_proj_bias.grad.clone(), experts.down_proj_bias.grad.clone())
+    return out
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "minimax_m3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "minimax_m3", "gpt_oss"])
 def test_sentinel_ids_contribute_nothing(name):
     """Ids >= E (expert parallelism's sentinels) against eager with those pairs' weights zeroed
     (eager refuses the ids themselves), and against transformers' grouped_mm, which takes them."""
@@ -254,8 +300,8 @@ def test_sentinel_ids_contribute_nothing(name):
     got = _call(experts, "expertact", x, ids_s, w)
     want = _call(experts, "eager", x, torch.where(sentinel, 0, ids), w, weight_mask=(~sentinel).float())
     grouped = _call(experts, "grouped_mm", x, ids_s, w)
-    for what, g, e, gm in zip(("y", "x grad", "weights grad", "gate_up_proj grad", "down_proj grad"),
-                              got, want, grouped):
+    assert len(got) == len(want) == len(grouped) == (7 if name == "gpt_oss" else 5)
+    for what, g, e, gm in zip(CALL_OUTPUTS, got, want, grouped):
         _close(g, e, what)
         _close(g, gm, what + " (against grouped_mm)")
     assert torch.all(got[0][5] == 0) and torch.all(got[1][5] == 0)
@@ -280,16 +326,19 @@ def test_negative_id_raises():
         experts(x, ids, w)
 
 
-def test_bf16_and_routing_weights_dtype():
-    """bf16 weights and hidden states, float32 routing weights (MiniMax's router gives float32):
-    the output is bf16, close to eager's within bf16 rounding."""
-    experts, x, ids, w = _module_case("minimax_m3")
+@pytest.mark.parametrize("name,weights_dtype", [("minimax_m3", torch.float32), ("gpt_oss", torch.bfloat16)])
+def test_bf16_and_routing_weights_dtype(name, weights_dtype):
+    """bf16 weights and hidden states; float32 routing weights (MiniMax's router gives float32)
+    or bf16 ones (GPT-OSS's router gives them in the model's dtype): the output is bf16, close
+    to eager's within bf16 rounding, the routing weights' gradient in their dtype."""
+    experts, x, ids, w = _module_case(name)
     experts.to(torch.bfloat16)
-    xb = x.to(torch.bfloat16)
+    xb, w = x.to(torch.bfloat16), w.to(weights_dtype)
     got = _call(experts, "expertact", xb, ids, w)
     want = _call(experts, "eager", xb, ids, w)
-    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16 and got[2].dtype == torch.float32
-    for what, g, e in zip(("y", "x grad", "weights grad", "gate_up_proj grad", "down_proj grad"), got, want):
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.bfloat16 and got[2].dtype == weights_dtype
+    assert len(got) == len(want) == (7 if name == "gpt_oss" else 5)
+    for what, g, e in zip(CALL_OUTPUTS, got, want):
         _close(g.float(), e.float(), what, rtol=3e-2)
 
 
@@ -329,18 +378,17 @@ def test_from_pretrained(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-def test_gpt_oss_biases_refused():
-    model = _build("gpt_oss_without_biases")
-    for m in _experts(model):
-        m.has_bias = True  # as GptOssExperts is declared
-    model.set_experts_implementation("expertact")
-    with pytest.raises(NotImplementedError, match=r"GptOssExperts has expert biases.*not supported yet"):
-        model(input_ids=_inputs())
-    torch.manual_seed(0)
-    plain = transformers.GptOssForCausalLM(copy.deepcopy(model.config))
-    plain.set_experts_implementation("expertact")
-    with pytest.raises(NotImplementedError, match="GptOssExperts has expert biases"):
-        plain(input_ids=_inputs())
+def test_bias_refusals():
+    experts, x, ids, w = _module_case()
+    m = copy.deepcopy(experts)
+    m.has_bias = True  # a class declaring biases it does not hold
+    with pytest.raises(NotImplementedError, match=r"Qwen3MoeExperts declares has_bias=True but has no gate_up_proj_bias"):
+        et.experts_forward(m, x, ids, w)
+    experts, x, ids, w = _module_case("gpt_oss")
+    m = copy.deepcopy(experts)
+    m.down_proj_bias = nn.Parameter(m.down_proj_bias.detach()[:, :-1])
+    with pytest.raises(ValueError, match=r"GptOssExperts: gate_up_proj_bias \(8, 32\) and down_proj_bias \(8, 31\)"):
+        et.experts_forward(m, x, ids, w)
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_python_tanh", "relu"])
