@@ -23,6 +23,9 @@ Variants (--variants, comma-separated, run in this order; the first is the basel
   expertact_repeat   "expertact" again: are two identical runs bit-identical?
   grouped_mm_repeat  "grouped_mm" again (not run by default)
 
+A repeat is compared with the run it repeats, from the same command or from an earlier one into
+the same --out folder with the same setup (a comparison can be split over several commands).
+
 Data: the Python standard library's own .py files (found through sysconfig's "stdlib" path, not
 site-packages), in sorted path order, each file as <bos> + its bytes + <eos> (vocab 256 bytes + 2
 special ids: no tokenizer), cut into consecutive windows of seq + 1 tokens; the windows are
@@ -40,7 +43,8 @@ needed for determinism and would cost every variant extra memory traffic.
 
 Per variant the record holds: steady-state tokens/s (steps after --warmup, each step timed
 between two CUDA synchronisations), peak allocated memory (torch.cuda.max_memory_allocated,
-reset before the variant's model is moved to the device), the loss of every step, the final loss
+reset once the variant's model is on the device: parameters, gradients, AdamW's states and
+activations), the loss of every step, the final loss
 (mean of the last 10 steps), the largest |loss difference| against the baseline and against the
 yardstick over all steps, and for a repeat whether its losses and final parameters are
 bit-identical to the run it repeats. --arch qwen3_moe runs the same comparison on a Qwen3-MoE model
@@ -121,7 +125,7 @@ def parse_args(argv=None):
         p.error("a variant is listed twice")
     for v in names:
         rep = VARIANTS[v][2]
-        if rep is not None and rep not in names[:names.index(v)]:
+        if rep is not None and rep in names and names.index(rep) > names.index(v):
             p.error(f"{v} repeats {rep}: list {rep} before it")
     args.variant_names = names
     if args.steps < 1:
@@ -224,6 +228,14 @@ def register_variants(names):
         impl, modes, _ = VARIANTS[n]
         if modes is not None:
             xt.register(impl, **modes)
+
+
+def cast_params(model, dtype):
+    """Every parameter to `dtype` (pure bf16 training in a bf16 run); buffers such as the rotary
+    tables keep their dtype (float32), as when a model is loaded in bf16 rather than cast."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 def params_digest(model):
@@ -366,6 +378,8 @@ def markdown_table(result):
         if "bit_identical_losses" in r:
             same = (f"losses {'yes' if r['bit_identical_losses'] else 'no'}, params "
                     f"{'yes' if r['bit_identical_params'] else 'no'} (vs {r['repeats']})")
+        elif r.get("repeats"):
+            same = f"no {r['repeats']} run to compare with"
         else:
             same = ""
         rows.append(f"| {name} | {r['implementation']} | {_fmt(r['tokens_per_s'], ',.0f')} | "
@@ -565,11 +579,12 @@ def run(argv=None, log=print):
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        model = copy.deepcopy(base).to(device=device, dtype=dtype)
+        model = cast_params(copy.deepcopy(base), dtype).to(device)
         try:
             model.set_experts_implementation(impl)
             record["experts_implementation_set"] = model.config._experts_implementation
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             record.update(train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
             record["params_sha256"] = params_digest(model)
             summarise(record, args.warmup, tokens_per_step)

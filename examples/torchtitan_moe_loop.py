@@ -109,7 +109,7 @@ def check_variants(p, names):
         p.error("a variant is listed twice")
     for v in names:
         rep = VARIANTS[v][2]
-        if rep is not None and rep not in names[:names.index(v)]:
+        if rep is not None and rep in names and names.index(rep) > names.index(v):
             p.error(f"{v} repeats {rep}: list {rep} before it")
 
 
@@ -156,7 +156,7 @@ def build_variant(s, name, device, dtype, compute_dtype, state, deterministic):
     with torch.device(device):
         model = cfg.build()
         model.init_states(buffer_device=device)
-    model.to(dtype=dtype)
+    common.cast_params(model, dtype)
     model.load_state_dict(state)
     for m in model.modules():
         if isinstance(m, ScaledDotProductAttention) and deterministic:
@@ -233,11 +233,12 @@ def run(argv=None, log=print):
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
         model = None
         try:
             model, lines, experts = build_variant(s, name, device, dtype, compute_dtype, state, args.deterministic)
             record.update(override_log=lines, experts_class=experts)
+            if device.type == "cuda":  # the training's peak, not the model's setup
+                torch.cuda.reset_peak_memory_stats(device)
             record.update(common.train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
             record["params_sha256"] = common.params_digest(model)
             common.summarise(record, args.warmup, tokens_per_step)

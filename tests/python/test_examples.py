@@ -161,17 +161,23 @@ def test_a_wrong_mapping_is_caught(tmp_path, restore_flags, monkeypatch):
 
 
 def test_runs_merge_into_one_report(tmp_path, restore_flags):
-    """A comparison split over two commands into one --out folder gives one report; main()'s exit
-    status says whether a variant failed."""
-    with pytest.raises(SystemExit):  # a repeat needs the run it repeats listed before it
-        ft.parse_args(["--variants", "grouped_mm_repeat"])
+    """A comparison split over two commands into one --out folder gives one report, a repeat
+    compared with its run from the first command; main()'s exit status says whether a variant
+    failed."""
+    with pytest.raises(SystemExit):  # a repeat listed before the run it repeats
+        ft.parse_args(["--variants", "grouped_mm_repeat,grouped_mm"])
     assert ft.main(_args(tmp_path, ["grouped_mm"], "--steps", "3")) == 0
-    result = ft.run(_args(tmp_path, ["eager"], "--steps", "3"), log=_quiet)
-    assert list(result["variants"]) == ["grouped_mm", "eager"]
-    assert result["variants"]["eager"]["max_abs_loss_diff_vs_baseline"] is not None
-    # Another setup (here: another seed) starts a fresh report.
-    result = ft.run(_args(tmp_path, ["eager"], "--steps", "3", "--seed", "1"), log=_quiet)
-    assert list(result["variants"]) == ["eager"]
+    result = ft.run(_args(tmp_path, ["eager", "grouped_mm_repeat"], "--steps", "3"), log=_quiet)
+    v = result["variants"]
+    assert list(v) == ["grouped_mm", "eager", "grouped_mm_repeat"]
+    assert v["eager"]["max_abs_loss_diff_vs_baseline"] == _max_diff(v["eager"]["loss"], v["grouped_mm"]["loss"])
+    assert v["grouped_mm_repeat"]["bit_identical_losses"] == (v["grouped_mm_repeat"]["loss"] == v["grouped_mm"]["loss"])
+    # Another setup (here: another seed) starts a fresh report; the repeat then has nothing to
+    # compare with and says so.
+    result = ft.run(_args(tmp_path, ["grouped_mm_repeat"], "--steps", "3", "--seed", "1"), log=_quiet)
+    assert list(result["variants"]) == ["grouped_mm_repeat"]
+    assert "bit_identical_losses" not in result["variants"]["grouped_mm_repeat"]
+    assert "no grouped_mm run to compare with" in (tmp_path / "results.md").read_text()
 
 
 def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
