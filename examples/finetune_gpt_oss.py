@@ -429,10 +429,9 @@ def svg_plot(result, width=900, height=640):
             label = f"{10 ** val:.1e}" if logy else f"{val:.3g}"
             out.append(f'<line x1="{ml - 4}" y1="{y:.1f}" x2="{ml}" y2="{y:.1f}" stroke="#444"/>'
                        f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
-        for k in range(5):
-            i = (n - 1) * k / 4
-            x = ml + pw * k / 4
-            out.append(f'<text x="{x:.1f}" y="{y0 + ph + 15}" text-anchor="middle">{i:.0f}</text>')
+        for i in sorted({round((n - 1) * k / 4) for k in range(5)}):
+            x = ml + pw * i / max(1, n - 1)
+            out.append(f'<text x="{x:.1f}" y="{y0 + ph + 15}" text-anchor="middle">{i}</text>')
         for j, (name, ys, colour) in enumerate(series):
             seg, segs = [], []
             for i, v in enumerate(ys):
