@@ -63,6 +63,7 @@ import platform
 import sys
 import sysconfig
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -244,7 +245,7 @@ def params_digest(model):
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -316,6 +317,9 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
             log(f"[{tag}] step {step + 1:4d}/{args.steps} loss {losses[-1]:.4f} step {times[-1] * 1e3:8.1f} ms "
                 f"{tokens_per_step / times[-1]:10.0f} tok/s peak {peak:.2f} GiB", flush=True)
+    if seen:
+        log(f"[{tag}] determinism warnings in the first steps: " + " | ".join(m.splitlines()[0] for m in seen),
+            flush=True)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     del opt, sched
     return dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak)
@@ -587,10 +591,12 @@ def run(argv=None, log=print):
             record.update(train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
             record["params_sha256"] = params_digest(model)
             summarise(record, args.warmup, tokens_per_step)
-        except (NotImplementedError, ValueError, FloatingPointError, RuntimeError) as e:
-            # An implementation that refuses this model (expertact before it takes GPT-OSS's biases)
-            # or fails is recorded and the others still run; the exit status says so.
+        except Exception as e:  # noqa: BLE001
+            # An implementation that refuses this model (NotImplementedError), runs out of memory or
+            # fails otherwise is recorded and the others still run; the exit status says so.
             record["error"] = f"{type(e).__name__}: {e}"
+            record["traceback"] = traceback.format_exc()[-6000:]
+            log(record["traceback"], flush=True)
             log(f"[{name}] failed: {record['error']}", flush=True)
         del model
         variants[name] = record

@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -242,8 +243,10 @@ def run(argv=None, log=print):
             record.update(common.train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
             record["params_sha256"] = common.params_digest(model)
             common.summarise(record, args.warmup, tokens_per_step)
-        except (NotImplementedError, ValueError, FloatingPointError, RuntimeError, ImportError) as e:
+        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
             record["error"] = f"{type(e).__name__}: {e}"
+            record["traceback"] = traceback.format_exc()[-6000:]
+            log(record["traceback"], flush=True)
             log(f"[{name}] failed: {record['error']}", flush=True)
         del model
         variants[name] = record
