@@ -1,0 +1,620 @@
+"""Fine-tuning comparison of expert implementations on a GPT-OSS-architecture model.
+
+One command trains the same randomly initialised GPT-OSS model (transformers' GptOssConfig scaled
+down, fixed seed, non-zero expert biases, no download) on the same batches of real text for N
+steps with each of several experts implementations, and writes a JSON record, a markdown table
+and an SVG plot of the loss curves:
+
+    python examples/finetune_gpt_oss.py --out OUT/finetune            # on a GPU: --size h200, bf16
+    python examples/finetune_gpt_oss.py --size tiny --steps 20 --out /tmp/ft   # CPU smoke run, float32
+
+Variants (--variants, comma-separated, run in this order; the first is the baseline):
+
+  grouped_mm         transformers' "grouped_mm" experts (torch grouped GEMM): the baseline
+  eager              transformers' "eager" experts, the class's own per-expert loop: the same
+                     function computed with other kernels (one GEMM per expert instead of one
+                     grouped GEMM) and another accumulation (index_add_ of the K contributions in
+                     the hidden dtype instead of a float32 sum). Its distance from the baseline is
+                     the yardstick: how far two correct bf16 implementations drift apart
+  expertact          expertact.transformers' "expertact" (import expertact.transformers)
+  expertact_inplace  registered here with expertact.transformers.register("expertact_inplace",
+                     inplace_backward=True): gate_up's gradient written over gate_up
+  expertact_recompute  register(..., recompute=True): h recomputed in backward (not run by default)
+  expertact_repeat   "expertact" again: are two identical runs bit-identical?
+  grouped_mm_repeat  "grouped_mm" again (not run by default)
+
+A repeat is compared with the run it repeats, from the same command or from an earlier one into
+the same --out folder with the same setup (a comparison can be split over several commands).
+
+Data: the Python standard library's own .py files (found through sysconfig's "stdlib" path, not
+site-packages), in sorted path order, each file as <bos> + its bytes + <eos> (vocab 256 bytes + 2
+special ids: no tokenizer), cut into consecutive windows of seq + 1 tokens; the windows are
+visited in one fixed permutation (drawn from --seed), batch after batch, so every variant sees
+the same batches.
+
+Determinism (default on; --no-deterministic turns it off): CUBLAS_WORKSPACE_CONFIG=:4096:8 (set
+before CUDA starts) and torch.use_deterministic_algorithms(True, warn_only=True): ops with a
+deterministic implementation use it (index_put/index_add with accumulation, used by transformers'
+gathers' backward, sort-based instead of atomics) and the others warn; the warnings seen in each
+variant's first steps are recorded under "determinism_warnings". Attention is transformers'
+eager attention (GPT-OSS's sinks have no SDPA path), plain GEMMs and softmax. Uninitialised-memory
+filling is left off (torch.utils.deterministic.fill_uninitialized_memory = False): it is not
+needed for determinism and would cost every variant extra memory traffic.
+
+Per variant the record holds: steady-state tokens/s (steps after --warmup, each step timed
+between two CUDA synchronisations), peak allocated memory (torch.cuda.max_memory_allocated,
+reset once the variant's model is on the device: parameters, gradients, AdamW's states and
+activations), the loss of every step, the final loss
+(mean of the last 10 steps), the largest |loss difference| against the baseline and against the
+yardstick over all steps, and for a repeat whether its losses and final parameters are
+bit-identical to the run it repeats. --arch qwen3_moe runs the same comparison on a Qwen3-MoE model
+of the same sizes (no expert biases) as a control. See docs/finetune.md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+BOS, EOS = 256, 257
+VOCAB = 258
+
+# Model and batch presets. "h200": the experts see 65,536 tokens x top-4 = 262,144 rows per layer
+# and step (see docs/finetune.md for the FLOP estimate). "tiny": the CPU test, seconds.
+SIZES = {
+    "h200": dict(hidden=1024, intermediate=1024, experts=32, top_k=4, layers=4, heads=16, kv_heads=4,
+                 head_dim=64, seq=256, batch=256, sliding_window=128),
+    "tiny": dict(hidden=64, intermediate=64, experts=4, top_k=2, layers=2, heads=4, kv_heads=2,
+                 head_dim=16, seq=32, batch=4, sliding_window=16),
+}
+SIZE_KEYS = tuple(SIZES["h200"])
+
+# name -> (experts_implementation, memory modes for register() or None, the variant it repeats)
+VARIANTS = {
+    "grouped_mm": ("grouped_mm", None, None),
+    "eager": ("eager", None, None),
+    "expertact": ("expertact", None, None),
+    "expertact_inplace": ("expertact_inplace", dict(inplace_backward=True), None),
+    "expertact_recompute": ("expertact_recompute", dict(recompute=True), None),
+    "expertact_repeat": ("expertact", None, "expertact"),
+    "grouped_mm_repeat": ("grouped_mm", None, "grouped_mm"),
+}
+DEFAULT_VARIANTS = ("grouped_mm", "eager", "expertact", "expertact_inplace", "expertact_repeat")
+BASELINE, YARDSTICK = "grouped_mm", "eager"
+FINAL_WINDOW = 10
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--size", choices=tuple(SIZES), default=None,
+                   help="size preset: h200 (default on CUDA) or tiny (default on the CPU)")
+    for key in SIZE_KEYS:
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override the preset's {key}")
+    p.add_argument("--arch", choices=("gpt_oss", "qwen3_moe"), default="gpt_oss",
+                   help="gpt_oss (expert biases) or qwen3_moe (no biases; a control)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from {', '.join(VARIANTS)} (default: %(default)s)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="bf16 on CUDA, fp32 on the CPU by default")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bias-std", type=float, default=0.02,
+                   help="std of the random expert biases set after init (gpt_oss)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--out", default="finetune_out")
+    args = p.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        p.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+    if len(set(names)) != len(names):
+        p.error("a variant is listed twice")
+    for v in names:
+        rep = VARIANTS[v][2]
+        if rep is not None and rep in names and names.index(rep) > names.index(v):
+            p.error(f"{v} repeats {rep}: list {rep} before it")
+    args.variant_names = names
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------
+# data: the standard library's .py files, byte-level
+# ---------------------------------------------------------------------------
+
+def load_tokens():
+    """All .py files under the standard library (not site-packages), sorted by path, each as
+    <bos> bytes <eos>. Returns (int16 tensor of token ids, description)."""
+    import torch
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    parts, digest = [], hashlib.sha256()
+    for f in files:
+        b = f.read_bytes()
+        digest.update(b)
+        parts.append(torch.tensor([BOS], dtype=torch.int16))
+        parts.append(torch.frombuffer(bytearray(b), dtype=torch.uint8).to(torch.int16) if b else
+                     torch.empty(0, dtype=torch.int16))
+        parts.append(torch.tensor([EOS], dtype=torch.int16))
+    tokens = torch.cat(parts)
+    if tokens.numel() < 1 << 20:  # CPython's own sources are ~30 MB; a stripped install ships .pyc only
+        raise SystemExit(f"only {tokens.numel()} tokens of .py sources under {root}")
+    return tokens, dict(root=str(root), files=len(files), tokens=int(tokens.numel()), sha256=digest.hexdigest())
+
+
+class Batches:
+    """Step s's [batch, seq + 1] window: fixed consecutive windows of the token stream, visited in
+    one permutation drawn from the seed (wrapping round after an epoch)."""
+
+    def __init__(self, tokens, seq, batch, seed):
+        import torch
+        self.windows = tokens[:(tokens.numel() // (seq + 1)) * (seq + 1)].view(-1, seq + 1)
+        if self.windows.shape[0] < batch:
+            raise SystemExit(f"the corpus has {self.windows.shape[0]} windows of {seq + 1} tokens, fewer than "
+                             f"one batch ({batch})")
+        self.order = torch.randperm(self.windows.shape[0], generator=torch.Generator().manual_seed(seed))
+        self.batch = batch
+
+    def __call__(self, step):
+        import torch
+        n = self.order.numel()
+        idx = self.order[(step * self.batch + torch.arange(self.batch)) % n]
+        return self.windows[idx].long()
+
+    @property
+    def epoch_steps(self):
+        return self.order.numel() // self.batch
+
+
+# ---------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------
+
+def build_model(arch, s, seed, bias_std):
+    """A randomly initialised causal LM (float32, CPU), the same for the same arguments."""
+    import torch
+    common = dict(vocab_size=VOCAB, hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                  num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
+                  num_experts_per_tok=s["top_k"], use_cache=False,
+                  tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None)
+    if arch == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+        # max_position_embeddings stays GPT-OSS's (131072 = 32 x 4096, its YaRN rope scaling).
+        cfg = GptOssConfig(intermediate_size=s["intermediate"], num_local_experts=s["experts"],
+                           sliding_window=s["sliding_window"], **common)
+        cls = GptOssForCausalLM
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        cfg = Qwen3MoeConfig(intermediate_size=s["intermediate"], moe_intermediate_size=s["intermediate"],
+                             max_position_embeddings=s["seq"],
+                             num_experts=s["experts"], norm_topk_prob=True, decoder_sparse_step=1, **common)
+        cls = Qwen3MoeForCausalLM
+    # GPT-OSS's attention sinks have no SDPA path; eager attention (GEMMs and a softmax) for both.
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    if arch == "gpt_oss":
+        # transformers initialises the expert biases to zero; non-zero ones exercise the bias path.
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__ == "GptOssExperts":
+                    m.gate_up_proj_bias.copy_(torch.randn(m.gate_up_proj_bias.shape, generator=g) * bias_std)
+                    m.down_proj_bias.copy_(torch.randn(m.down_proj_bias.shape, generator=g) * bias_std)
+    return model, cfg
+
+
+def register_variants(names):
+    """Imports expertact.transformers (registering "expertact") and registers the memory-mode
+    variants that `names` use."""
+    import expertact.transformers as xt
+    for n in names:
+        impl, modes, _ = VARIANTS[n]
+        if modes is not None:
+            xt.register(impl, **modes)
+
+
+def cast_params(model, dtype):
+    """Every parameter to `dtype` (pure bf16 training in a bf16 run); buffers such as the rotary
+    tables keep their dtype (float32), as when a model is loaded in bf16 rather than cast."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def params_digest(model):
+    """sha256 of every parameter's bytes, in named_parameters order: equal digests = bit-identical."""
+    import torch
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# the training loop (shared with examples/torchtitan_moe_loop.py)
+# ---------------------------------------------------------------------------
+
+def setup_determinism(deterministic):
+    """Call before CUDA starts. Returns a description of what was set."""
+    if not deterministic:
+        return dict(deterministic=False)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return dict(deterministic=True, use_deterministic_algorithms="True, warn_only=True",
+                CUBLAS_WORKSPACE_CONFIG=os.environ["CUBLAS_WORKSPACE_CONFIG"], fill_uninitialized_memory=False)
+
+
+def make_optimizer(model, lr, steps):
+    """AdamW (betas 0.9/0.95, weight decay 0.1, torch's default foreach implementation) with a
+    linear warm-up over the first min(20, steps // 10) steps, then constant."""
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ramp = max(1, min(20, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / ramp))
+    return opt, sched
+
+
+def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=print):
+    """Trains `model` for args.steps steps; loss_fn(model, ids) returns the scalar loss. Returns
+    per-step losses and times, the determinism warnings seen in the first two steps and the peak
+    allocated bytes (CUDA) since the caller's reset."""
+    import torch
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    opt, sched = make_optimizer(model, args.lr, args.steps)
+    model.train()
+    losses, times, seen = [], [], []
+    for step in range(args.steps):
+        ids = batches(step).to(device, non_blocking=True)
+        sync()
+        with warnings.catch_warnings(record=True) as caught:
+            if step < 2:
+                warnings.simplefilter("always")
+            t0 = time.perf_counter()
+            loss = loss_fn(model, ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - t0)
+        for w in caught:
+            msg = str(w.message)
+            if "determinis" in msg and msg not in seen:
+                seen.append(msg)
+        losses.append(float(loss.detach().float().item()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"{tag}: loss {losses[-1]} at step {step}")
+        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+            log(f"[{tag}] step {step + 1:4d}/{args.steps} loss {losses[-1]:.4f} step {times[-1] * 1e3:8.1f} ms "
+                f"{tokens_per_step / times[-1]:10.0f} tok/s peak {peak:.2f} GiB", flush=True)
+    if seen:
+        log(f"[{tag}] determinism warnings in the first steps: " + " | ".join(m.splitlines()[0] for m in seen),
+            flush=True)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    del opt, sched
+    return dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak)
+
+
+def summarise(record, warmup, tokens_per_step):
+    """Adds tokens/s (steps from `warmup` on), mean step time and final loss to a variant record."""
+    times, losses = record["step_time_s"], record["loss"]
+    w = min(warmup, len(times) - 1)
+    steady = times[w:]
+    record["timed_from_step"] = w
+    record["mean_step_time_s"] = sum(steady) / len(steady)
+    record["tokens_per_s"] = tokens_per_step * len(steady) / sum(steady)
+    tail = losses[-FINAL_WINDOW:]
+    record["final_loss"] = sum(tail) / len(tail)
+    return record
+
+
+def compare(variants, baseline, yardstick):
+    """Fills max |loss difference| against the baseline and the yardstick, and for repeats whether
+    losses and parameters are bit-identical to the run they repeat."""
+    def maxdiff(a, b):
+        if a is None or b is None or "loss" not in a or "loss" not in b:
+            return None
+        n = min(len(a["loss"]), len(b["loss"]))
+        return max(abs(x - y) for x, y in zip(a["loss"][:n], b["loss"][:n]))
+
+    for name, r in variants.items():
+        if "loss" not in r:
+            continue
+        r["max_abs_loss_diff_vs_baseline"] = maxdiff(r, variants.get(baseline))
+        r["max_abs_loss_diff_vs_yardstick"] = maxdiff(r, variants.get(yardstick))
+        rep = r.get("repeats")
+        if rep is not None and "loss" in variants.get(rep, {}):
+            o = variants[rep]
+            r["bit_identical_losses"] = r["loss"] == o["loss"]
+            r["bit_identical_params"] = r.get("params_sha256") == o.get("params_sha256")
+            r["steps_with_different_loss"] = sum(x != y for x, y in zip(r["loss"], o["loss"]))
+
+
+# ---------------------------------------------------------------------------
+# outputs: JSON, markdown table, SVG
+# ---------------------------------------------------------------------------
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(result):
+    rows = ["| variant | implementation | tokens/s | step (ms) | peak memory (GiB) | final loss | "
+            f"max abs loss diff vs {result['baseline']} | max abs loss diff vs {result['yardstick']} | "
+            "repeat bit-identical |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in result["variants"].items():
+        if "error" in r:
+            rows.append(f"| {name} | {r['implementation']} | failed: {r['error'].splitlines()[0][:160]} "
+                        "| | | | | | |")
+            continue
+        peak = None if r.get("peak_allocated_bytes") is None else r["peak_allocated_bytes"] / 2**30
+        if "bit_identical_losses" in r:
+            same = (f"losses {'yes' if r['bit_identical_losses'] else 'no'}, params "
+                    f"{'yes' if r['bit_identical_params'] else 'no'} (vs {r['repeats']})")
+        elif r.get("repeats"):
+            same = f"no {r['repeats']} run to compare with"
+        else:
+            same = ""
+        rows.append(f"| {name} | {r['implementation']} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+                    f"{_fmt(r['mean_step_time_s'] * 1e3, '.1f')} | {_fmt(peak, '.2f')} | {_fmt(r['final_loss'], '.4f')} | "
+                    f"{_fmt(r.get('max_abs_loss_diff_vs_baseline'), '.3g')} | "
+                    f"{_fmt(r.get('max_abs_loss_diff_vs_yardstick'), '.3g')} | {same} |")
+    s = result["setup"]
+    head = (f"{result['title']}: {s['steps']} steps, {s['tokens_per_step']:,} tokens per step, "
+            f"{s['expert_rows_per_layer']:,} expert rows per layer and step, {s['dtype']}, "
+            f"{result['versions'].get('device', '?')}, {result['date']}.\n"
+            f"Command: `{result['command']}`\n\n"
+            f"tokens/s over steps {s['warmup']}..{s['steps'] - 1}; final loss: mean of the last {FINAL_WINDOW} steps; "
+            f"loss differences: largest over all steps.\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def svg_plot(result, width=900, height=640):
+    """Two panels: the loss of each variant per step, and |loss - baseline loss| (log scale)."""
+    colours = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    runs = [(n, r) for n, r in result["variants"].items() if "loss" in r]
+    base = result["variants"].get(result["baseline"], {}).get("loss")
+    ml, mr, top, gap = 70, 170, 30, 60
+    ph = (height - top - gap - 40) // 2
+    pw = width - ml - mr
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
+
+    def panel(y0, series, title, logy):
+        pts = [v for _, ys, _ in series for v in ys if v is not None and (not logy or v > 0)]
+        out.append(f'<text x="{ml}" y="{y0 - 8}" font-size="13">{title}</text>')
+        out.append(f'<rect x="{ml}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>')
+        if not pts:
+            out.append(f'<text x="{ml + 10}" y="{y0 + 20}">no data</text>')
+            return
+        tr = (lambda v: math.log10(v)) if logy else (lambda v: v)
+        lo, hi = tr(min(pts)), tr(max(pts))
+        if hi - lo < 1e-12:
+            lo, hi = lo - 1, hi + 1
+        n = max(len(ys) for _, ys, _ in series)
+
+        def xy(i, v):
+            return ml + pw * i / max(1, n - 1), y0 + ph * (1 - (tr(v) - lo) / (hi - lo))
+
+        for k in range(5):
+            val = lo + (hi - lo) * k / 4
+            y = y0 + ph * (1 - k / 4)
+            label = f"{10 ** val:.1e}" if logy else f"{val:.3g}"
+            out.append(f'<line x1="{ml - 4}" y1="{y:.1f}" x2="{ml}" y2="{y:.1f}" stroke="#444"/>'
+                       f'<text x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
+        for i in sorted({round((n - 1) * k / 4) for k in range(5)}):
+            x = ml + pw * i / max(1, n - 1)
+            out.append(f'<text x="{x:.1f}" y="{y0 + ph + 15}" text-anchor="middle">{i}</text>')
+        for j, (name, ys, colour) in enumerate(series):
+            seg, segs = [], []
+            for i, v in enumerate(ys):
+                if v is None or (logy and v <= 0):
+                    if seg:
+                        segs.append(seg)
+                    seg = []
+                    continue
+                seg.append("%.1f,%.1f" % xy(i, v))
+            if seg:
+                segs.append(seg)
+            dash = ' stroke-dasharray="5,3"' if "repeat" in name else ""
+            for sg in segs:
+                out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.2"{dash} points="{" ".join(sg)}"/>')
+            ly = y0 + 14 + 16 * j
+            out.append(f'<line x1="{ml + pw + 10}" y1="{ly - 4}" x2="{ml + pw + 30}" y2="{ly - 4}" stroke="{colour}" '
+                       f'stroke-width="2"{dash}/><text x="{ml + pw + 35}" y="{ly}">{name}</text>')
+
+    series = [(n, r["loss"], colours[i % len(colours)]) for i, (n, r) in enumerate(runs)]
+    panel(top, series, f"{result['title']}: training loss per step", False)
+    diffs = [(n, [abs(a - b) for a, b in zip(r["loss"], base)], colours[i % len(colours)])
+             for i, (n, r) in enumerate(runs) if base is not None and n != result["baseline"]]
+    panel(top + ph + gap, diffs, f"|loss - {result['baseline']} loss| per step (log scale; zero not drawn)", True)
+    out.append(f'<text x="{ml + pw / 2}" y="{height - 8}" text-anchor="middle">step</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(result, out):
+    """results.json, results.md and loss_curves.svg in `out`."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown_table(result))
+    with open(os.path.join(out, "loss_curves.svg"), "w") as f:
+        f.write(svg_plot(result))
+
+
+def previous_variants(out, setup_key):
+    """Variant records of an earlier run into the same folder with the same setup (so a run can be
+    split into several commands, each listing some variants); {} otherwise."""
+    try:
+        with open(os.path.join(out, "results.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return old.get("variants", {}) if old.get("setup_key") == setup_key else {}
+
+
+def versions(device):
+    import torch
+    v = dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform())
+    for mod in ("transformers", "torchtitan"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:  # not every example imports both
+            pass
+    try:
+        import expertact
+        v.update(expertact=getattr(expertact, "__version__", "?"),
+                 expertact_library=str(getattr(expertact, "LIBRARY_PATH", "?")), expertact_cuda=expertact.has_cuda())
+    except Exception as e:  # pragma: no cover
+        v["expertact"] = f"not importable: {e}"
+    if device.type == "cuda":
+        v.update(cuda=torch.version.cuda, device=torch.cuda.get_device_name(device))
+    else:
+        v["device"] = "cpu"
+    return v
+
+
+def resolve_device(args):
+    import torch
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    return torch.device(args.device)
+
+
+def resolve_sizes(args, device):
+    size = args.size or ("h200" if device.type == "cuda" else "tiny")
+    s = dict(SIZES[size])
+    for key in SIZE_KEYS:
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return size, s, dtype
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+def run(argv=None, log=print):
+    """Runs the comparison; returns the result dict (also written to --out)."""
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    det = setup_determinism(args.deterministic)
+    import torch
+
+    device = resolve_device(args)
+    size, s, dtype_name = resolve_sizes(args, device)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    t0 = time.perf_counter()
+    tokens, corpus = load_tokens()
+    batches = Batches(tokens, s["seq"], s["batch"], args.seed)
+    t1 = time.perf_counter()
+    base, cfg = build_model(args.arch, s, args.seed, args.bias_std)
+    t2 = time.perf_counter()
+    n_params = sum(p.numel() for p in base.parameters())
+    tokens_per_step = s["batch"] * s["seq"]
+    setup = dict(arch=args.arch, size=size, sizes=s, steps=args.steps, warmup=args.warmup, lr=args.lr,
+                 seed=args.seed, bias_std=args.bias_std if args.arch == "gpt_oss" else None, dtype=dtype_name,
+                 tokens_per_step=tokens_per_step, expert_rows_per_layer=tokens_per_step * s["top_k"],
+                 params=n_params, corpus=corpus, epoch_steps=batches.epoch_steps, determinism=det,
+                 attention="eager", optimizer="AdamW(betas=(0.9, 0.95), weight_decay=0.1), clip 1.0, "
+                 f"linear warm-up {max(1, min(20, args.steps // 10))} steps")
+    setup_key = hashlib.sha256(json.dumps([setup, str(device)], sort_keys=True, default=str).encode()).hexdigest()
+    log(f"{args.arch} ({size}): {n_params / 1e6:.1f}M parameters, {tokens_per_step:,} tokens/step, "
+        f"{tokens_per_step * s['top_k']:,} expert rows per layer and step, {dtype_name} on {device}; corpus "
+        f"{corpus['files']} files, {corpus['tokens']:,} tokens ({batches.epoch_steps} steps per epoch); setup "
+        f"{t1 - t0:.1f} s data, {t2 - t1:.1f} s model", flush=True)
+
+    result = dict(title=f"{args.arch} fine-tuning, expert implementations", baseline=BASELINE, yardstick=YARDSTICK,
+                  setup=setup, setup_key=setup_key, versions=versions(device),
+                  command=" ".join([os.path.basename(sys.executable)] + [sys.argv[0]] + list(argv or sys.argv[1:])),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    variants = previous_variants(args.out, setup_key)
+    for name in args.variant_names:
+        variants.pop(name, None)
+    result["variants"] = variants
+
+    if any(VARIANTS[n][0].startswith("expertact") for n in args.variant_names):
+        register_variants(args.variant_names)
+
+    def loss_fn(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    for name in args.variant_names:
+        impl, _, repeats = VARIANTS[name]
+        record = dict(implementation=impl, repeats=repeats)
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        model = cast_params(copy.deepcopy(base), dtype).to(device)
+        try:
+            model.set_experts_implementation(impl)
+            record["experts_implementation_set"] = model.config._experts_implementation
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            record.update(train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
+            record["params_sha256"] = params_digest(model)
+            summarise(record, args.warmup, tokens_per_step)
+        except Exception as e:  # noqa: BLE001
+            # An implementation that refuses this model (NotImplementedError), runs out of memory or
+            # fails otherwise is recorded and the others still run; the exit status says so.
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["traceback"] = traceback.format_exc()[-6000:]
+            log(record["traceback"], flush=True)
+            log(f"[{name}] failed: {record['error']}", flush=True)
+        del model
+        variants[name] = record
+        compare(variants, BASELINE, YARDSTICK)
+        write_outputs(result, args.out)
+        if "error" not in record:
+            log(f"[{name}] {record['tokens_per_s']:,.0f} tok/s, final loss {record['final_loss']:.4f}, peak "
+                f"{_fmt(None if record['peak_allocated_bytes'] is None else record['peak_allocated_bytes'] / 2**30, '.2f')}"
+                f" GiB", flush=True)
+    log(markdown_table(result), flush=True)
+    log(f"wrote {args.out}/results.json, results.md, loss_curves.svg", flush=True)
+    return result
+
+
+def main(argv=None):
+    result = run(argv)
+    return 1 if any("error" in r for r in result["variants"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
