@@ -16,6 +16,7 @@
 #include "cuda/common.cuh"
 #include "cuda/device.h"
 #include "cuda/glu_kernels.cuh"
+#include "cuda/glu_launch.cuh"
 
 namespace expertact::cuda {
 namespace {
@@ -84,49 +85,40 @@ __device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int6
   }
 }
 
+// The forwards keep the row kernels' shape (glu_kernels.cuh): a group of G lanes owns a
+// row, blocks follow each other along the rows, so the GPU streams through memory in
+// order. A row finds its expert once (a binary search of the offsets, cached reads); the
+// bias packs come from L1/L2 (E rows of 2F: kilobytes).
 template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(512) glu_bias_fwd_kernel(const BiasArgs<T> a) {
-  const int64_t p = my_pack();
-  if (p >= a.packs) return;
-  const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
-  int64_t e = detail::expert_of(a.offs, a.E, r0);
-  for (int64_t r = r0; r < r1; ++e) {
-    const int64_t end = detail::run_end(a.offs, a.E, e, r, r1);
-    float bgv[V], buv[V];
-    if (e < a.E) {
-      GuPack<T, V, kStep> bp;
-      load_raw<T, V, kStep>(a.bg + e * a.b_stride, a.bu + e * a.b_stride, p, bp);
+__global__ void __launch_bounds__(256) glu_bias_fwd_kernel(const BiasArgs<T> a, int G, int64_t splits) {
+  constexpr int U = fwd_unroll_for(sizeof(T) * V * kStep);
+  const RowSpan s = row_span<U>(G, a.packs, splits);
+  if (s.row >= a.rows) return;
+  const int64_t e = detail::expert_of(a.offs, a.E, s.row);
+  const bool has = e < a.E;
+  const T* g = a.g + s.row * a.g_stride;
+  const T* u = a.u + s.row * a.u_stride;
+  T* out = a.out + s.row * a.out_stride;
+  const T* bg = a.bg + (has ? e : 0) * a.b_stride;
+  const T* bu = a.bu + (has ? e : 0) * a.b_stride;
+  const float w = a.w ? a.w[s.row * a.w_stride] : 1.0f;
+  for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
+    GuPack<T, V, kStep> in[U], bp[U];
+    load_tile<T, V, kStep, U>(g, u, p0, G, s.end, in);
+    if (has) load_tile<T, V, kStep, U>(bg, bu, p0, G, s.end, bp);
 #pragma unroll
-      for (int i = 0; i < V; ++i) bgv[i] = gate_of(bp, i), buv[i] = up_of(bp, i);
-    } else {
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) {
+        float ov[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) bgv[i] = buv[i] = 0.0f;
-    }
-    for (int64_t q = r; q < end; q += kRowsPerStep) {
-      GuPack<T, V, kStep> in[kRowsPerStep];
-      float wk[kRowsPerStep];
-#pragma unroll
-      for (int k = 0; k < kRowsPerStep; ++k) {
-        wk[k] = 1.0f;
-        if (q + k < end) {
-          load_raw<T, V, kStep>(a.g + (q + k) * a.g_stride, a.u + (q + k) * a.u_stride, p, in[k]);
-          if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
+        for (int i = 0; i < V; ++i) {
+          const float gb = has ? gate_of(bp[k], i) : 0.0f, ub = has ? up_of(bp[k], i) : 0.0f;
+          ov[i] = math::glu_fwd<A>(gate_of(in[k], i) + gb, up_of(in[k], i) + ub, w, a.c);
         }
-      }
-#pragma unroll
-      for (int k = 0; k < kRowsPerStep; ++k) {
-        if (q + k < end) {
-          const float w = wk[k];
-          float ov[V];
-#pragma unroll
-          for (int i = 0; i < V; ++i)
-            ov[i] = math::glu_fwd<A>(gate_of(in[k], i) + bgv[i], up_of(in[k], i) + buv[i], w, a.c);
-          store_v<T, V>(a.out + (q + k) * a.out_stride, p, ov);
-        }
+        store_v<T, V>(out, p, ov);
       }
     }
-    r = end;
-    if (e >= a.E) break;
   }
 }
 
@@ -197,46 +189,47 @@ __global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) 
                    gridDim.y > 1 ? 1 : a.dw_stride);
 }
 
-// out = x + w * bias[e] (g = x); out may be x.
+// out = x + w * bias[e] (g = x); out may be x. The row kernels' shape, as the forward above.
 template <typename T, int V>
-__global__ void __launch_bounds__(512) row_bias_fwd_kernel(const BiasArgs<T> a) {
-  const int64_t p = my_pack();
-  if (p >= a.packs) return;
-  const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
-  int64_t e = detail::expert_of(a.offs, a.E, r0);
-  for (int64_t r = r0; r < r1; ++e) {
-    const int64_t end = detail::run_end(a.offs, a.E, e, r, r1);
-    const bool has = e < a.E;
-    if (has || a.out != a.g) {
-      float bv[V];
-      const Pack<T, V> bp = reinterpret_cast<const Pack<T, V>*>(a.bg + (has ? e : 0) * a.b_stride)[p];
+__global__ void __launch_bounds__(256) row_bias_fwd_kernel(const BiasArgs<T> a, int G, int64_t splits) {
+  constexpr int U = fwd_unroll_for(sizeof(T) * V * 2);
+  const RowSpan s = row_span<U>(G, a.packs, splits);
+  if (s.row >= a.rows) return;
+  const int64_t e = detail::expert_of(a.offs, a.E, s.row);
+  const T* x = a.g + s.row * a.g_stride;
+  T* out = a.out + s.row * a.out_stride;
+  if (e >= a.E) {  // no expert: out = x
+    if (out == x) return;
+    for (int64_t p0 = s.first; p0 < s.end; p0 += s.step)
 #pragma unroll
-      for (int i = 0; i < V; ++i) bv[i] = has ? to_f(bp.v[i]) : 0.0f;
-      for (int64_t q = r; q < end; q += kRowsPerStep) {
-        Pack<T, V> in[kRowsPerStep];
-        float wk[kRowsPerStep];
+      for (int k = 0; k < U; ++k) {
+        const int64_t p = p0 + static_cast<int64_t>(k) * G;
+        if (p < s.end) reinterpret_cast<Pack<T, V>*>(out)[p] = reinterpret_cast<const Pack<T, V>*>(x)[p];
+      }
+    return;
+  }
+  const T* b = a.bg + e * a.b_stride;
+  const float w = a.w ? a.w[s.row * a.w_stride] : 1.0f;
+  for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
+    Pack<T, V> in[U], bp[U];
 #pragma unroll
-        for (int k = 0; k < kRowsPerStep; ++k) {
-          wk[k] = 1.0f;
-          if (q + k < end) {
-            in[k] = reinterpret_cast<const Pack<T, V>*>(a.g + (q + k) * a.g_stride)[p];
-            if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kRowsPerStep; ++k) {
-          if (q + k < end) {
-            const float w = wk[k];
-            float ov[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) ov[i] = to_f(in[k].v[i]) + w * bv[i];
-            store_v<T, V>(a.out + (q + k) * a.out_stride, p, ov);
-          }
-        }
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) {
+        in[k] = reinterpret_cast<const Pack<T, V>*>(x)[p];
+        bp[k] = reinterpret_cast<const Pack<T, V>*>(b)[p];
       }
     }
-    r = end;
-    if (e >= a.E) break;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) {
+        float ov[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) ov[i] = to_f(in[k].v[i]) + w * to_f(bp[k].v[i]);
+        store_v<T, V>(out, p, ov);
+      }
+    }
   }
 }
 
@@ -471,8 +464,10 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
       } else {
         return detail::dispatch_act(p.params.act, [&](auto act) {
           a.packs = p.F / kV;
-          const Grid g = grid_for(p.rows, a.R, a.packs);
-          glu_bias_fwd_kernel<T, decltype(act)::value, kStep, kV><<<g.grid, g.block, 0, st>>>(a);
+          const LaunchShape sh = shape_for(p.rows, a.packs, fwd_unroll_for(sizeof(T) * kV * kStep), false,
+                                           p.device_id, kThreads);
+          glu_bias_fwd_kernel<T, decltype(act)::value, kStep, kV>
+              <<<static_cast<unsigned>(sh.blocks), sh.threads, 0, st>>>(a, sh.G, sh.splits);
           return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
         });
       }
@@ -551,8 +546,9 @@ Status row_forward_t(const detail::RowBias& p, cudaStream_t st) {
       return detail::fail(Status::kInternal, "bias: pack of ", kV);
     } else {
       a.packs = p.cols / kV;
-      const Grid g = grid_for(p.rows, a.R, a.packs);
-      row_bias_fwd_kernel<T, kV><<<g.grid, g.block, 0, st>>>(a);
+      const LaunchShape sh = shape_for(p.rows, a.packs, fwd_unroll_for(sizeof(T) * kV * 2), false, p.device_id,
+                                       kThreads);
+      row_bias_fwd_kernel<T, kV><<<static_cast<unsigned>(sh.blocks), sh.threads, 0, st>>>(a, sh.G, sh.splits);
       return cuda_check(cudaGetLastError(), "expert bias forward kernel launch");
     }
   });
