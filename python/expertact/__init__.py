@@ -30,7 +30,7 @@ from ._capi import (
 __version__ = "0.1.0"
 
 _TORCH_NAMES = (
-    "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "LAYOUTS", "ACTIVATIONS", "PRESETS",
+    "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "expert_bias", "LAYOUTS", "ACTIVATIONS", "PRESETS",
     "deepspeed", "ops", "moe",
 )
 
@@ -46,7 +46,8 @@ except ImportError:  # the C library alone
 if _torch is not None:
     from . import _autograd  # noqa: F401  (registers the torch.ops.expertact operators, autograd included)
     from . import deepspeed, moe
-    from .functional import ACTIVATIONS, LAYOUTS, PRESETS, geglu_tanh, glu, swiglu, swiglu_clamped, swiglu_oai
+    from .functional import (ACTIVATIONS, LAYOUTS, PRESETS, expert_bias, geglu_tanh, glu, swiglu, swiglu_clamped,
+                             swiglu_oai)
 
     ops = _torch.ops.expertact
 

@@ -1,11 +1,13 @@
-// CUDA path of the per-expert biases (src/core/bias.h). One block owns a chunk of rows
-// and a tile of up to kBiasTilePacks packs of each row; each thread owns one pack (V
-// elements) of every row of its chunk, walking the chunk's runs of one expert's rows four
-// rows at a time. The bias pack of a run is read once and kept in registers; the bias
-// gradient of a run is summed in registers (float32) and written to the run's partial row
-// (slot chunk + expert), which a second kernel adds up per expert in chunk order. Per-row
-// sums (the routing weights' gradient) are reduced across the block: shuffles, then the
-// warps' sums added by thread k for row k. No atomics: every sum has a fixed order.
+// CUDA path of the per-expert biases (src/core/bias.h). The activation's kernels and
+// expert_bias's backward: one block owns a chunk of rows and a tile of up to kBiasTilePacks
+// packs of each row; each thread owns one pack (V elements) of every row of its chunk,
+// walking the chunk's runs of one expert's rows four rows at a time. The bias pack of a run
+// is read once and kept in registers; the bias gradient of a run is summed in registers
+// (float32) and written to the run's partial row (slot chunk + expert), which a second kernel
+// adds up per expert in chunk order. Per-row sums (the routing weights' gradient) are reduced
+// across the block in a fixed order. No atomics: every sum has a fixed order. expert_bias's
+// forward (no sums) takes the row kernels' shape instead. Measurements and the forms tried:
+// docs/perf-notes.md section 12.
 #include <algorithm>
 #include <cstdint>
 
@@ -76,9 +78,10 @@ __device__ __forceinline__ void warp_row_sums(const float (&rs)[kRowsPerStep], f
 }
 // The same sums with a barrier every step (two buffers: a buffer is written again only
 // after every thread has passed the next step's barrier, which its readers reach after
-// reading). Faster for expert_bias's backward on the H200 (2.15 against 2.94 ms at 4 x
-// 261,280 rows of 3,072), whose steps are loads and sums only: the barrier keeps the
-// block's warps on the same rows.
+// reading), for expert_bias's backward, whose steps are loads and sums only. On the H200
+// (4 x 261,280 rows of 3,072, bf16) it took 2.15 ms in a form that loaded each row's weight
+// after its data and 3.06-3.16 ms in this one (weights loaded with the data); the per-chunk
+// form above took 2.94-2.99 ms here. Not understood yet: docs/perf-notes.md section 12.
 __device__ __forceinline__ void step_row_sums(const float (&rs)[kRowsPerStep],
                                               float (&red)[2][32][kRowsPerStep], int& buf,
                                               int64_t q, int64_t end, float* dst, int64_t stride) {

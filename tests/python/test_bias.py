@@ -344,3 +344,12 @@ def test_c_abi_bias_workspace_and_checks():
         _bias.glu_forward(z, None, b, torch.tensor([6, 4], dtype=torch.int32), None, 1, 0, 1.0, float("inf"), 0.0)
     with pytest.raises(ValueError, match="past the last row"):
         _bias.row_forward(z, b, torch.tensor([4, 12], dtype=torch.int32), None)
+
+
+def test_bias_kernels_bench_runs_on_cpu(tmp_path, capsys):
+    from expertact.bench import bias_kernels
+    out = tmp_path / "k.json"
+    assert bias_kernels.main(["--device", "cpu", "--rows", "64", "--ffn", "32", "--iters", "1", "--warmup", "0",
+                              "--json", str(out)]) == 0
+    assert "bit-identical: True" in capsys.readouterr().out
+    assert out.exists()

@@ -1,0 +1,110 @@
+"""The per-expert bias kernels beside the unbiased activation, one kernel call each:
+
+    python -m expertact.bench.bias_kernels                 # CUDA: 4 experts x 261,280 rows, F = 3,072, bf16
+    python -m expertact.bench.bias_kernels --rows 4096 --ffn 256 --device cpu
+
+Rows: the activation's forward and backward without bias (the fused activation kernels) and
+with b13 (glu_forward_bias / glu_backward_bias, b13's gradient included), and expert_bias's
+forward (in place) and backward (b2's and the weights' gradients); swiglu_oai, interleaved
+gate_up, routing weights. Medians of CUDA-event times (wall time on the CPU), and the bytes
+each kernel must move over that time. Then: two backward calls' bias gradients compared bit
+for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .. import _bias
+from .._args import PRESETS
+from .._describe import glu_backward_body, glu_forward_body
+
+
+def _median(fn, device, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run(rows_per_expert, ffn, experts, device, dtype, iters, warmup):
+    T, F, E = rows_per_expert * experts, ffn, experts
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(device)
+    gu, dy, y = mk(T, 2 * F), mk(T, F), mk(T, F)
+    b13, b2 = mk(E, 2 * F), mk(E, F)
+    w = torch.rand(T, generator=g).to(device)
+    offs = torch.arange(1, E + 1, dtype=torch.int32).mul_(rows_per_expert).to(device)
+    act, _, _, beta = PRESETS["swiglu_oai"]
+    args = (3, act, 1.702, 7.0, beta)  # interleaved
+    es = gu.element_size()
+    cases = {
+        "forward": (lambda: glu_forward_body(gu, None, w, *args), 3 * F),
+        "forward + b13": (lambda: _bias.glu_forward(gu, None, b13, offs, w, *args), 3 * F),
+        "backward": (lambda: glu_backward_body(dy, gu, None, w, True, *args), 5 * F),
+        "backward + b13 (its gradient too)": (
+            lambda: _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args), 5 * F),
+        "expert_bias forward (in place)": (lambda: _bias.row_forward(y, b2, offs, w, inplace=True), 2 * F),
+        "expert_bias backward (b2, weights)": (lambda: _bias.row_backward(dy, b2, offs, w, True, True), F),
+    }
+    rows = []
+    for name, (fn, elems) in cases.items():
+        ms = _median(fn, device, iters, warmup)
+        rows.append({"kernel": name, "ms": ms, "GB": T * elems * es / 1e9, "TB/s": T * elems * es / ms / 1e9})
+    r1 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)
+    r2 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)
+    s1 = _bias.row_backward(dy, b2, offs, w, True, True)
+    s2 = _bias.row_backward(dy, b2, offs, w, True, True)
+    same = all(torch.equal(a, b) for a, b in ((r1[3], r2[3]), (r1[2], r2[2]), (s1[0], s2[0]), (s1[1], s2[1])))
+    return rows, same
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m expertact.bench.bias_kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--rows", type=int, default=None, help="rows per expert (default 261,280 on CUDA, 1,024 on the CPU)")
+    p.add_argument("--ffn", type=int, default=None, help="F (default 3,072 on CUDA, 256 on the CPU)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default="")
+    a = p.parse_args(argv)
+    dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if a.device == "auto" else a.device))
+    cuda = dev.type == "cuda"
+    rows = a.rows or (261280 if cuda else 1024)
+    ffn = a.ffn or (3072 if cuda else 256)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    table, same = run(rows, ffn, a.experts, dev, dtype, a.iters, a.warmup)
+    where = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    print(f"{where}: {a.experts} experts x {rows:,} rows, F = {ffn:,}, {str(dtype).replace('torch.', '')}, "
+          f"swiglu_oai interleaved, routing weights; medians of {a.iters}")
+    print("| kernel | ms | GB moved | TB/s |\n|---|---:|---:|---:|")
+    for r in table:
+        print(f"| {r['kernel']} | {r['ms']:.3f} | {r['GB']:.2f} | {r['TB/s']:.2f} |")
+    print(f"bias gradients of two identical calls bit-identical: {same}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": where, "rows_per_expert": rows, "ffn": ffn, "experts": a.experts,
+                       "dtype": str(dtype), "rows": table, "bit_identical": same}, f, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
