@@ -10,6 +10,8 @@
 // docs/perf-notes.md section 12.
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <vector>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -384,7 +386,7 @@ bool aligned(const Op& o, int V, int es) {
 }
 
 // The widest pack (16 bytes, 4 bytes, one element) every operand allows and that divides F.
-int pick_v(std::initializer_list<Op> ops, int64_t F, int es, int step) {
+int pick_v(const std::vector<Op>& ops, int64_t F, int es, int step) {
   for (int V : {16 / es / step, 4 / es, 1}) {
     if (V < 1 || F % V != 0) continue;
     bool ok = true;
@@ -487,17 +489,15 @@ BiasArgs<T> glu_args(const detail::GluProblem& p, const detail::GluBias& b) {
   return a;
 }
 
-template <typename T>
-Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
-                     const detail::FwdOutput& o, cudaStream_t st) {
-  BiasArgs<T> a = glu_args<T>(p, b);
-  a.out = static_cast<T*>(o.out);
-  a.out_stride = o.out_stride;
-  const int es = sizeof(T);
-  const int V = pick_v({{p.g, p.g_stride, p.rows, p.step}, {p.u, p.u_stride, p.rows, p.step},
-                        {b.bg, b.b_stride, b.er.experts, p.step}, {b.bu, b.b_stride, b.er.experts, p.step},
-                        {o.out, o.out_stride, p.rows, 1}},
-                       p.F, es, p.step);
+// The activation's kernels at compile time: the pack width every operand allows (the
+// inputs, the bias and `more`), the element step and the activation; go(V, step, act tags).
+template <typename T, typename Go>
+Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, std::initializer_list<Op> more,
+                    Go&& go) {
+  std::vector<Op> ops = {{p.g, p.g_stride, p.rows, p.step}, {p.u, p.u_stride, p.rows, p.step},
+                         {b.bg, b.b_stride, b.er.experts, p.step}, {b.bu, b.b_stride, b.er.experts, p.step}};
+  ops.insert(ops.end(), more.begin(), more.end());
+  const int V = pick_v(ops, p.F, sizeof(T), p.step);
   return dispatch_v(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     return detail::dispatch_step(p.step, [&](auto s) {
@@ -505,14 +505,24 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
       if constexpr (kV * kStep * sizeof(T) > 16) {
         return detail::fail(Status::kInternal, "bias: pack of ", kV, " x ", kStep);
       } else {
-        return detail::dispatch_act(p.params.act, [&](auto act) {
-          a.packs = p.F / kV;
-          const Grid g = grid_for(p.rows, a.R, a.packs);
-          glu_bias_fwd_kernel<T, decltype(act)::value, kStep, kV><<<g.grid, g.block, 0, st>>>(a);
-          return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
-        });
+        return detail::dispatch_act(p.params.act, [&](auto act) { return go(v, s, act); });
       }
     });
+  });
+}
+
+template <typename T>
+Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
+                     const detail::FwdOutput& o, cudaStream_t st) {
+  BiasArgs<T> a = glu_args<T>(p, b);
+  a.out = static_cast<T*>(o.out);
+  a.out_stride = o.out_stride;
+  return dispatch_glu<T>(p, b, {{o.out, o.out_stride, p.rows, 1}}, [&](auto v, auto s, auto act) {
+    constexpr int kV = decltype(v)::value;
+    a.packs = p.F / kV;
+    const Grid g = grid_for(p.rows, a.R, a.packs);
+    glu_bias_fwd_kernel<T, decltype(act)::value, decltype(s)::value, kV><<<g.grid, g.block, 0, st>>>(a);
+    return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
   });
 }
 
@@ -526,32 +536,20 @@ Status glu_backward_t(const detail::GluProblem& p, const detail::GluBias& b,
   a.du = static_cast<T*>(io.du);
   a.dg_stride = io.dg_stride;
   a.du_stride = io.du_stride;
-  const int es = sizeof(T);
-  const int V = pick_v({{p.g, p.g_stride, p.rows, p.step}, {p.u, p.u_stride, p.rows, p.step},
-                        {b.bg, b.b_stride, b.er.experts, p.step}, {b.bu, b.b_stride, b.er.experts, p.step},
-                        {io.dy, io.dy_stride, p.rows, 1}, {io.dg, io.dg_stride, p.rows, p.step},
-                        {io.du, io.du_stride, p.rows, p.step}},
-                       p.F, es, p.step);
-  return dispatch_v(V, [&](auto v) {
+  const std::initializer_list<Op> outs = {{io.dy, io.dy_stride, p.rows, 1}, {io.dg, io.dg_stride, p.rows, p.step},
+                                          {io.du, io.du_stride, p.rows, p.step}};
+  return dispatch_glu<T>(p, b, outs, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
-    return detail::dispatch_step(p.step, [&](auto s) {
-      constexpr int kStep = decltype(s)::value;
-      if constexpr (kV * kStep * sizeof(T) > 16) {
-        return detail::fail(Status::kInternal, "bias: pack of ", kV, " x ", kStep);
-      } else {
-        return detail::dispatch_act(p.params.act, [&](auto act) {
-          a.packs = p.F / kV;
-          const Grid g = grid_for(p.rows, a.R, a.packs);
-          carve(a, b.ws, b.dbg != nullptr, io.dw != nullptr, io.dw, io.dw_stride, g);
-          if (p.rows > 0) {
-            glu_bias_bwd_kernel<T, decltype(act)::value, kStep, kV><<<g.grid, g.block, row_sums_smem(a, g), st>>>(a);
-            EA_TRY(cuda_check(cudaGetLastError(), "glu bias backward kernel launch"));
-          }
-          return finish_backward<T>(a, g, io.dw, io.dw_stride, 2 * p.F, p.F, p.step,
-                                    static_cast<T*>(b.dbg), static_cast<T*>(b.dbu), b.db_stride, st);
-        });
-      }
-    });
+    a.packs = p.F / kV;
+    const Grid g = grid_for(p.rows, a.R, a.packs);
+    carve(a, b.ws, b.dbg != nullptr, io.dw != nullptr, io.dw, io.dw_stride, g);
+    if (p.rows > 0) {
+      glu_bias_bwd_kernel<T, decltype(act)::value, decltype(s)::value, kV>
+          <<<g.grid, g.block, row_sums_smem(a, g), st>>>(a);
+      EA_TRY(cuda_check(cudaGetLastError(), "glu bias backward kernel launch"));
+    }
+    return finish_backward<T>(a, g, io.dw, io.dw_stride, 2 * p.F, p.F, p.step, static_cast<T*>(b.dbg),
+                              static_cast<T*>(b.dbu), b.db_stride, st);
   });
 }
 

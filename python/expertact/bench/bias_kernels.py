@@ -14,33 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from .. import _bias
 from .._args import PRESETS
 from .._describe import glu_backward_body, glu_forward_body
-
-
-def _median(fn, device, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+from .common import median_ms
 
 
 def run(rows_per_expert, ffn, experts, device, dtype, iters, warmup):
@@ -65,7 +45,7 @@ def run(rows_per_expert, ffn, experts, device, dtype, iters, warmup):
     }
     rows = []
     for name, (fn, elems) in cases.items():
-        ms = _median(fn, device, iters, warmup)
+        ms = median_ms(fn, iters, warmup, device)
         rows.append({"kernel": name, "ms": ms, "GB": T * elems * es / 1e9, "TB/s": T * elems * es / ms / 1e9})
     r1 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)
     r2 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)

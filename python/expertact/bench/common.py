@@ -290,6 +290,28 @@ def copy_bandwidth(nbytes, device):
 # ---------------------------------------------------------------------------
 
 
+def median_ms(fn, iters, warmup, device=None) -> float:
+    """Median ms of fn over iters calls after warmup calls: CUDA events around each call on a
+    GPU (the default), wall time on the CPU (device of type cpu)."""
+    cuda = device is None or torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def resolve_device(name: str) -> torch.device:
     """--device: auto (cuda if available), cuda, cuda:N or cpu; a CUDA device becomes current."""
     if name == "auto":

@@ -25,20 +25,12 @@ import torch
 import expertact
 from expertact import _fused
 
+from .common import median_ms
+
 
 def _time(fn, iters, warmup):
     """Median ms of fn over iters CUDA-event-timed calls after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, iters, warmup)
 
 
 def main(argv=None):
