@@ -36,7 +36,9 @@
 #            ~2-3 minutes: the same at five sizes took 243 s on the H200 (2026-11-30).
 #   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
 #            (4 experts x 261,280 rows, D = F = 3,072, bf16), the fused rows when built
-#            (MLP_ARGS adds options). 59 s on the H200 (2026-11-30).
+#            (MLP_ARGS adds options). 59 s on the H200 (2026-11-30). Then --mlp --bias (the
+#            same with and without GPT-OSS's expert biases, about 110 s on the H200, 2026-12-01)
+#            and python -m expertact.bench.bias_kernels (the bias kernels alone, ~20 s).
 #   fuzz     the differential fuzzer on CUDA over this build: scripts/reliability_gpu.sh's fuzz
 #            stage, FUZZ_SECONDS (default 60) or FUZZ_PROBLEMS per process. 71 s wall for 60 s
 #            on the H200 (2026-11-30).
@@ -256,6 +258,15 @@ if has mlp && need_build mlp; then
     { fail "python -m expertact.bench --mlp (mlp.progress)"; tail -20 "$R/mlp.progress"; }
   cat "$R/mlp.log"
   note "python -m expertact.bench --mlp: $((SECONDS - t)) s"
+  # The expert biases: the MLP with and without them, then their kernels alone (docs/BENCHMARKS.md)
+  t=$SECONDS
+  (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${MLP_TIMEOUT:-300}" python3 -m expertact.bench --mlp --bias \
+      --json "$R/mlp-bias.json" --markdown "$R/mlp-bias.md" &&
+    PYTHONPATH=$PKG_PATH python3 -m expertact.bench.bias_kernels --json "$R/bias-kernels.json") \
+    > "$R/mlp-bias.log" 2> "$R/mlp-bias.progress" ||
+    { fail "python -m expertact.bench --mlp --bias / bench.bias_kernels (mlp-bias.progress)"; tail -20 "$R/mlp-bias.progress"; }
+  cat "$R/mlp-bias.log"
+  note "the expert biases' benchmarks: $((SECONDS - t)) s"
 fi
 
 # ---- fuzz, sanitize, wheel: their own scripts, over this build
