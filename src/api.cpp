@@ -152,6 +152,12 @@ void gradient_pointers(Layout layout, const GluProblem& p, const MatrixRef& grad
 
 }  // namespace
 
+Status prepare_inputs(const GluParams& params, Layout layout, const MatrixRef& x,
+                      const MatrixRef* up, const VectorRef* weights, GluProblem& p) {
+  EA_TRY(build_problem(params, layout, x, up, weights, p));
+  return check_float64_device(p, layout == Layout::kSeparate ? "gate" : "gate_up");
+}
+
 Status prepare_forward(const GluParams& params, Layout layout, const MatrixRef& x,
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& out,
                        GluProblem& p, FwdOutput& o) {

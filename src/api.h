@@ -19,6 +19,11 @@ Status glu_backward_body(const GluParams& params, Layout layout, const MatrixRef
                          const MatrixRef& grad_x, const MatrixRef* grad_up,
                          const VectorRef* grad_weights, void* stream);
 
+// The checks of the activation's inputs (params, layout, x, up, weights; float64 on the CPU
+// only) and the problem they describe, without an output (the FP8 form has its own).
+Status prepare_inputs(const GluParams& params, Layout layout, const MatrixRef& x,
+                      const MatrixRef* up, const VectorRef* weights, GluProblem& p);
+
 // Every check of a forward / backward call, and the problem they describe (the bodies
 // above are these plus the launch; the biased forms, src/api_bias.cpp, add their own).
 Status prepare_forward(const GluParams& params, Layout layout, const MatrixRef& x,
@@ -50,6 +55,13 @@ Status expert_bias_backward_body(const MatrixRef& grad_out, const MatrixRef& bia
                                  const OffsetsRef& offsets, const VectorRef* weights,
                                  const MatrixRef* grad_bias, const VectorRef* grad_weights,
                                  void* workspace, size_t workspace_bytes, void* stream);
+
+// FP8 rowwise quantisation (src/api_fp8.cpp).
+Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                                 void* stream);
+Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                            const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
+                            const VectorRef& scale, void* stream);
 
 // The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
 Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,

@@ -51,6 +51,8 @@ Status to_dtype(const char* name, const DLDataType& t, DType& out) {
     out = DType::kBFloat16;
   } else if (t.lanes == 1 && t.code == kDLFloat && t.bits == 64) {
     out = DType::kFloat64;
+  } else if (t.lanes == 1 && t.code == EXPERTACT_DL_FLOAT8_E4M3FN && t.bits == 8) {
+    out = DType::kFloat8E4M3;  // the FP8 outputs only (the other entry points refuse it)
   } else {
     return fail(Status::kInvalidDtype, name, " has unsupported DLPack dtype (code ",
                 static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
@@ -498,6 +500,36 @@ expertact_status expertact_expert_bias_backward_2d(
     return expert_bias_backward_body(mdy, mb, offs, weights ? &vw : nullptr,
                                      grad_bias ? &mgb : nullptr, grad_weights ? &vgw : nullptr,
                                      workspace, workspace_bytes, stream);
+  });
+}
+
+expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, expertact_matrix* q,
+                                                   expertact_vector* scale, void* stream) {
+  return guarded_c("expertact_fp8_quantize_rowwise_2d", [&]() -> Status {
+    MatrixRef mx, mq;
+    VectorRef vs;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_vector("scale", scale, vs));
+    return fp8_quantize_rowwise_body(mx, mq, vs, stream);
+  });
+}
+
+expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, int32_t layout,
+                                              const expertact_matrix* x, const expertact_matrix* up,
+                                              const expertact_vector* weights, expertact_matrix* q,
+                                              expertact_vector* scale, void* stream) {
+  return guarded_c("expertact_fp8_glu_rowwise_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mq;
+    VectorRef vs;
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_vector("scale", scale, vs));
+    return fp8_glu_rowwise_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                weights ? &o.w : nullptr, mq, vs, stream);
   });
 }
 

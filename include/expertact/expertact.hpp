@@ -37,8 +37,9 @@ enum class Layout : int32_t {
 
 // float64 is accepted on the CPU only and computed in float64 throughout: it
 // exists for gradient checking (torch.autograd.gradcheck); the kernels' dtypes
-// are the other three, computed in float32.
-enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+// are the other three, computed in float32. kFloat8E4M3 (float8 e4m3fn: no infinities,
+// 0x7f / 0xff NaN, largest finite 448) is the type of the FP8 outputs below only.
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3, kFloat8E4M3 = 4 };
 
 enum class DeviceType : int32_t { kCPU = 0, kCUDA = 1 };
 
@@ -164,6 +165,26 @@ Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
                             const OffsetsRef& offsets, const VectorRef* weights,
                             const MatrixRef* grad_bias, const VectorRef* grad_weights,
                             void* workspace, size_t workspace_bytes, void* stream = nullptr);
+
+// ---------------------------------------------------------------------------
+// FP8 (docs/spec.md section 10): rowwise float8 e4m3fn with power-of-two scales, as torchao
+// computes them for its FP8 grouped GEMMs: amax = max |v| over the row (NaN ignored),
+// s = 2^floor(log2(float32(448 / double(max(amax, 1e-12f))))), q = e4m3fn(clamp(v * s,
+// -448, 448)) rounded to nearest even, and scale = 1 / s, the dequantisation scale a scaled
+// GEMM takes. A NaN element stays NaN in q; an infinite one gives s = 0 (scale = +inf), so the
+// row's GEMM output is NaN, never finite. CPU only for now: CUDA tensors return kUnsupported.
+// ---------------------------------------------------------------------------
+
+// q [rows, C] (kFloat8E4M3) and scale (float32 [rows]) of x [rows, C] (float32, float16 or
+// bfloat16).
+Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                            void* stream = nullptr);
+
+// The activation (glu_forward's arguments) quantized as above from its float32 values, one
+// rounding: q [rows, F] (kFloat8E4M3), scale float32 [rows].
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
+                       const VectorRef& scale, void* stream = nullptr);
 
 const char* last_error();
 

@@ -27,7 +27,7 @@ extern "C" {
 #define EXPERTACT_API __attribute__((visibility("default")))
 #endif
 
-#define EXPERTACT_ABI_VERSION 3 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: per-expert biases */
+#define EXPERTACT_ABI_VERSION 3 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: per-expert biases, FP8 */
 
 typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_OK 0
@@ -169,6 +169,22 @@ EXPERTACT_API expertact_status expertact_expert_bias_backward_2d(
     const expertact_vector* offsets, const expertact_vector* weights,
     expertact_matrix* grad_bias, expertact_vector* grad_weights, void* workspace,
     size_t workspace_bytes, void* stream);
+
+/* FP8 (added in ABI version 3): rowwise float8 e4m3fn with power-of-two scales, torchao's
+ * recipe (expertact.hpp, fp8_quantize_rowwise, says it exactly). q: an expertact_matrix of
+ * DLPack dtype code EXPERTACT_DL_FLOAT8_E4M3FN, 8 bits (DLPack 1.1's kDLFloat8_e4m3fn);
+ * scale: float32 [rows], the dequantisation scale 1 / s of each row. CPU tensors only for now
+ * (CUDA: EXPERTACT_UNSUPPORTED). */
+#define EXPERTACT_DL_FLOAT8_E4M3FN 10
+EXPERTACT_API expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x,
+                                                                 expertact_matrix* q,
+                                                                 expertact_vector* scale,
+                                                                 void* stream);
+/* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values. */
+EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* x,
+    const expertact_matrix* up, const expertact_vector* weights, expertact_matrix* q,
+    expertact_vector* scale, void* stream);
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

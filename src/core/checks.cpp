@@ -10,7 +10,9 @@
 
 namespace expertact::detail {
 
-int64_t dtype_size(DType d) { return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : 2; }
+int64_t dtype_size(DType d) {
+  return d == DType::kFloat64 ? 8 : d == DType::kFloat32 ? 4 : d == DType::kFloat8E4M3 ? 1 : 2;
+}
 
 bool valid_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
@@ -35,6 +37,10 @@ Status check_matrix(const char* name, const MatrixRef& m) {
   if (!valid_dtype(m.dtype))
     return fail(Status::kInvalidDtype, name, ".dtype ", static_cast<int>(m.dtype),
                 " is not supported (expected float32, float16 or bfloat16; float64 on the CPU)");
+  return check_matrix_view(name, m);
+}
+
+Status check_matrix_view(const char* name, const MatrixRef& m) {
   if (m.device != DeviceType::kCPU && m.device != DeviceType::kCUDA)
     return fail(Status::kInvalidArgument, name, ".device ", static_cast<int>(m.device),
                 " is not supported (expected cpu or cuda)");

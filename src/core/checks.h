@@ -14,6 +14,8 @@ bool valid_dtype(DType d);
 Status check_params(const GluParams& p);
 // Shape, dtype, device, stride and alignment of one matrix operand.
 Status check_matrix(const char* name, const MatrixRef& m);
+// The same without the dtype's check (the caller checks it: the FP8 outputs).
+Status check_matrix_view(const char* name, const MatrixRef& m);
 Status check_vector(const char* name, const VectorRef& v, int64_t rows);
 Status check_same_device(const char* name, DeviceType d, int32_t id, DeviceType ref_d,
                          int32_t ref_id, const char* ref_name);

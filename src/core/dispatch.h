@@ -21,6 +21,7 @@ Status dispatch_dtype(DType d, Fn&& fn) {
     case DType::kFloat32: return fn(DTypeTag<DType::kFloat32>{});
     case DType::kFloat16: return fn(DTypeTag<DType::kFloat16>{});
     case DType::kBFloat16: return fn(DTypeTag<DType::kBFloat16>{});
+    default: break;
   }
   return fail(Status::kInvalidDtype, "unsupported dtype ", static_cast<int>(d),
               " (expected float32, float16 or bfloat16)");

@@ -39,6 +39,7 @@ std::string to_str(DType d) {
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat64: return "float64";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
   }
   return "dtype(" + std::to_string(static_cast<int>(d)) + ")";
 }

@@ -32,6 +32,7 @@ Status dispatch_host_dtype(DType d, Fn&& fn) {
     case DType::kFloat16: return fn(host::f16{});
     case DType::kBFloat16: return fn(host::bf16{});
     case DType::kFloat64: return fn(double{});
+    default: break;
   }
   return fail(Status::kInternal, "bias: unexpected dtype ", static_cast<int>(d));
 }

@@ -177,6 +177,7 @@ Status cuda_forward(const GluProblem& p, const FwdOutput& o, void* stream) {
     case DType::kFloat32: return cuda::forward_f32(p, o, k, st);
     case DType::kFloat16: return cuda::forward_f16(p, o, k, st);
     case DType::kBFloat16: return cuda::forward_bf16(p, o, k, st);
+    default: break;
   }
   return fail(Status::kInternal, "cuda_forward: unexpected dtype ", static_cast<int>(p.dtype));
 }
@@ -200,6 +201,7 @@ Status cuda_backward(const GluProblem& p, const BwdIO& io, void* stream) {
     case DType::kFloat32: return cuda::backward_f32(p, io, k, st);
     case DType::kFloat16: return cuda::backward_f16(p, io, k, st);
     case DType::kBFloat16: return cuda::backward_bf16(p, io, k, st);
+    default: break;
   }
   return fail(Status::kInternal, "cuda_backward: unexpected dtype ", static_cast<int>(p.dtype));
 }

@@ -1,0 +1,110 @@
+"""expertact.fp8: rowwise float8 e4m3fn with power-of-two scales, for users composing their own
+FP8 GEMMs (``torch._scaled_grouped_mm``), computed as torchao computes its FP8 grouped GEMMs'
+operands (docs/spec.md section 10)::
+
+    amax  = max |v| over the row (NaN ignored)
+    s     = 2 ** floor(log2(float32(448 / float64(max(amax, 1e-12)))))
+    q     = float8_e4m3fn(clamp(v * s, -448, 448))      (nearest even)
+    scale = 1 / s                                         (float32: the GEMM's dequantisation scale)
+
+A NaN element stays NaN in q; an infinite one gives s = 0 and scale = inf, so the row's GEMM
+output is NaN, never finite garbage.
+
+    q, scale = expertact.fp8.quantize_rowwise(t)                       # t [..., C]
+    h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
+
+CPU only for now: CUDA tensors raise NotImplementedError (the CUDA kernels are planned).
+No autograd: these are operand producers for a custom FP8 backward.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import byref, c_int32
+from typing import Optional, Tuple
+
+import torch
+
+from . import _capi
+from ._args import PRESETS, float_arg, layout_code, tensor_arg
+from ._bias import _matrix, _params_ref, _vector
+
+__all__ = ["quantize_rowwise", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
+
+#: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
+DL_FLOAT8_E4M3FN = 10
+
+_LIB = _capi.LIB
+_LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
+_LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
+
+
+def _fp8_matrix(q):
+    """An expertact_matrix over a float8_e4m3fn tensor [rows, cols] (contiguous)."""
+    m = _capi.Matrix()
+    rows = q.numel() // max(q.shape[-1], 1) if q.dim() else 0
+    m.data, m.rows, m.cols, m.row_stride = q.data_ptr(), rows, q.shape[-1], q.shape[-1]
+    m.dtype.code, m.dtype.bits, m.dtype.lanes = DL_FLOAT8_E4M3FN, 8, 1
+    m.device.device_type = _capi.DL_CUDA if q.is_cuda else _capi.DL_CPU
+    m.device.device_id = max(q.get_device(), 0)
+    return q, m
+
+
+def _outputs(like, cols):
+    shape = (*like.shape[:-1], cols)
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=like.device)
+    scale = torch.empty(shape[:-1], dtype=torch.float32, device=like.device)
+    return q, scale
+
+
+def _check(status):
+    if status:
+        _capi.raise_for(status)
+
+
+def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): t [..., C] (float32, float16 or bfloat16) as float8_e4m3fn [..., C] with one
+    float32 dequantisation scale per row ([...]); t ~= q.float() * scale[..., None]."""
+    tensor_arg("t", t)
+    if t.dim() < 1:
+        raise ValueError("expertact.fp8.quantize_rowwise: t must have at least one dimension [..., C]")
+    q, scale = _outputs(t, t.shape[-1])
+    xs, qs, ss = _matrix(t), _fp8_matrix(q), _vector(scale.view(-1))
+    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), None))
+    return q, scale
+
+
+def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,
+                alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
+                weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(h_q, scale): the gated activation of gate_up [..., 2F] (or gate [..., F] with ``up``,
+    the separate layout) times ``weights``, quantised per row from its float32 values (one
+    rounding) as :func:`quantize_rowwise` does: h_q float8_e4m3fn [..., F], scale float32 [...].
+    ``activation`` is a preset name; ``alpha`` / ``limit`` for the forms that read them
+    (default 1.702 and 7.0)."""
+    tensor_arg("gate_up" if up is None else "gate", gate_up)
+    tensor_arg("up", up, optional=True)
+    tensor_arg("weights", weights, optional=True)
+    params = PRESETS.get(activation) if isinstance(activation, str) else None
+    if params is None:
+        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} is not one of {tuple(PRESETS)}")
+    act, a, lim, beta = params
+    if a is None:
+        a = 1.702 if alpha is None else float_arg("alpha", alpha)
+    elif alpha is not None:
+        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} has no alpha")
+    if lim is None:
+        lim = 7.0 if limit is None else float_arg("limit", limit)
+    elif limit is not None:
+        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} has no clamp (limit)")
+    code = layout_code(layout, up is None)
+    if gate_up.dim() < 1:
+        raise ValueError("expertact.fp8.glu_rowwise: gate_up must have at least one dimension")
+    cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
+    q, scale = _outputs(gate_up, cols)
+    xs, qs, ss = _matrix(gate_up), _fp8_matrix(q), _vector(scale.view(-1))
+    us = None if up is None else _matrix(up)
+    ws = None if weights is None else _vector(weights)
+    pref, _keep = _params_ref(act, a, lim, beta)
+    _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]), None if us is None else byref(us[1]),
+                                             None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]), None))
+    return q, scale

@@ -1,0 +1,58 @@
+// float8 e4m3fn and the rowwise power-of-two scales of the FP8 paths (docs/spec.md section
+// 10), shared by the CPU and CUDA code: the conversion rounds to nearest even and saturates
+// at +-448 (the e4m3fn format has no infinities; 0x7f is NaN).
+#pragma once
+
+#include <cstdint>
+
+#include "core/math.h"
+
+namespace expertact::fp8 {
+
+constexpr float kMax = 448.0f;     // the largest finite e4m3fn value
+constexpr float kAmaxFloor = 1e-12f;  // amax below this is taken as this (no division by 0)
+
+// f (any float) -> e4m3fn bits: nearest even, |f| >= 448 -> +-448, NaN -> 0x7f with f's sign.
+EA_HD uint8_t from_float(float f) {
+  const uint32_t b = math::as_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80u);
+  const uint32_t a = b & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;
+  const float af = math::as_float(a);
+  if (af >= kMax) return sign | 0x7e;
+  if (af < 0.015625f) {  // below 2^-6: subnormals, m x 2^-9 (m = 8 is the smallest normal)
+    const float m = af * 512.0f;  // exact
+    float r = static_cast<float>(static_cast<int32_t>(m));
+    const float frac = m - r;
+    if (frac > 0.5f || (frac == 0.5f && (static_cast<int32_t>(r) & 1))) r += 1.0f;
+    return sign | static_cast<uint8_t>(static_cast<int32_t>(r));
+  }
+  const uint32_t e = (a >> 23) - 127 + 7;  // 1..15
+  const uint32_t mant = a & 0x7fffffu;
+  const uint32_t rounded = mant + 0x7ffffu + ((mant >> 20) & 1u);  // nearest even at 3 bits
+  const uint32_t v = (e << 3) + (rounded >> 20);                   // a carry bumps the exponent
+  return sign | static_cast<uint8_t>(v);
+}
+
+// e4m3fn bits -> float (exact).
+EA_HD float to_float(uint8_t q) {
+  const uint32_t sign = static_cast<uint32_t>(q & 0x80) << 24;
+  const uint32_t e = (q >> 3) & 0xf, m = q & 0x7;
+  if (e == 0xf && m == 0x7) return math::as_float(sign | 0x7fc00000u);
+  const float mag = e == 0 ? static_cast<float>(m) * 0.001953125f  // m x 2^-9
+                           : math::as_float(((e - 7 + 127) << 23) | (m << 20));
+  return math::as_float(sign | math::as_bits(mag));
+}
+
+// The quantisation multiplier of a row with largest magnitude amax (NaN-free; +inf allowed):
+// 2^floor(log2(float32(448 / double(max(amax, 1e-12))))); 0 when amax is +inf.
+EA_HD float scale_of(float amax) {
+  const float a = amax > kAmaxFloor ? amax : kAmaxFloor;
+  const float s = static_cast<float>(static_cast<double>(kMax) / static_cast<double>(a));
+  return math::as_float(math::as_bits(s) & 0x7f800000u);  // s is normal or 0 here
+}
+
+// One value quantised with multiplier s: e4m3fn(clamp(v * s, -448, 448)).
+EA_HD uint8_t quantize(float v, float s) { return from_float(v * s); }
+
+}  // namespace expertact::fp8

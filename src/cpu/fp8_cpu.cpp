@@ -1,0 +1,80 @@
+// CPU path of the FP8 rowwise quantisation (src/core/fp8.h): threads over rows, each row in
+// two passes (its amax, then the scaled cast), plain loops. The GLU form computes the row's
+// float32 activation once into a per-thread buffer and quantises it from there.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/convert.h"
+#include "core/dispatch.h"
+#include "core/error.h"
+#include "core/fp8.h"
+#include "core/math.h"
+#include "cpu/fp8_cpu.h"
+#include "cpu/parallel.h"
+
+namespace expertact::detail {
+namespace {
+
+template <typename T>
+float load(const T& v) { return host::Io<T>::load(v); }
+
+// amax (NaN ignored), then q and the dequantisation scale 1 / s of one row of float32 values.
+void quantize_row(const float* v, int64_t n, uint8_t* q, float* scale_out) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < n; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+  const float s = fp8::scale_of(amax);
+  for (int64_t j = 0; j < n; ++j) q[j] = fp8::quantize(v[j], s);
+  *scale_out = 1.0f / s;
+}
+
+template <typename Fn>
+Status dispatch_io(DType d, Fn&& fn) {
+  switch (d) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kFloat16: return fn(host::f16{});
+    case DType::kBFloat16: return fn(host::bf16{});
+    default: break;
+  }
+  return fail(Status::kInternal, "fp8: unexpected dtype ", static_cast<int>(d));
+}
+
+}  // namespace
+
+Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
+  return dispatch_io(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    cpu::parallel_for(p.rows, 2 * p.cols, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(static_cast<size_t>(p.cols));
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
+        for (int64_t j = 0; j < p.cols; ++j) buf[j] = load(x[j]);
+        quantize_row(buf.data(), p.cols, static_cast<uint8_t*>(p.q) + r * p.q_stride, p.scale + r * p.scale_stride);
+      }
+    });
+    return Status::kOk;
+  });
+}
+
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
+  return dispatch_io(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    return dispatch_act(p.params.act, [&](auto act) {
+      constexpr Activation A = decltype(act)::value;
+      const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+      cpu::parallel_for(p.rows, 4 * p.F, [&](int64_t r0, int64_t r1) {
+        std::vector<float> h(static_cast<size_t>(p.F));
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
+          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
+          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
+          for (int64_t j = 0; j < p.F; ++j) h[j] = math::glu_fwd<A>(load(g[j * p.step]), load(u[j * p.step]), w, c);
+          quantize_row(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
+        }
+      });
+      return Status::kOk;
+    });
+  });
+}
+
+}  // namespace expertact::detail

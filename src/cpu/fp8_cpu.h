@@ -1,0 +1,29 @@
+// The FP8 rowwise problems handed from src/api_fp8.cpp to the CPU path (src/cpu/fp8_cpu.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "core/problem.h"
+
+namespace expertact::detail {
+
+// The outputs: q (e4m3fn bytes, row-strided) and the per-row dequantisation scale.
+struct Fp8Out {
+  void* q = nullptr;
+  int64_t q_stride = 0;
+  float* scale = nullptr;
+  int64_t scale_stride = 1;
+};
+
+// x [rows, cols] -> q, scale.
+struct Fp8Rows : Fp8Out {
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0, cols = 0;
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+};
+
+Status cpu_fp8_quantize_rowwise(const Fp8Rows& p);
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o);
+
+}  // namespace expertact::detail
