@@ -764,7 +764,7 @@ TEST(CAbi, LastErrorIsClearedBySuccess) {
 
 TEST(CAbi, Queries) {
   EXPECT_EQ(expertact_abi_version(), EXPERTACT_ABI_VERSION);
-  EXPECT_EQ(expertact_abi_version(), 2);  // 2: dtype errors return EXPERTACT_INVALID_DTYPE
+  EXPECT_EQ(expertact_abi_version(), 3);  // 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: biases, FP8
   EXPECT_EQ(expertact_has_cuda(), EXPERTACT_WITH_CUDA ? 1 : 0);
   EXPECT_EQ(expertact::has_cuda(), EXPERTACT_WITH_CUDA != 0);
   expertact_set_cpu_threads(3);
