@@ -24,6 +24,7 @@ DLDataType dl_dtype(DType d) {
     case DType::kFloat16: return DLDataType{kDLFloat, 16, 1};
     case DType::kBFloat16: return DLDataType{kDLBfloat, 16, 1};
     case DType::kFloat64: return DLDataType{kDLFloat, 64, 1};
+    default: break;
   }
   return DLDataType{kDLFloat, 32, 1};
 }

