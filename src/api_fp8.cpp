@@ -67,6 +67,60 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
 #endif
 }
 
+Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
+                                        const MatrixRef& q_t, const MatrixRef& scale, void* stream) {
+  (void)stream;
+  EA_TRY(check_matrix("x", x));
+  if (x.dtype == DType::kFloat64)
+    return fail(Status::kInvalidDtype, "x is float64: FP8 quantisation takes float32, float16 or bfloat16");
+  if (offsets.size < 1 || offsets.data == nullptr)
+    return fail(Status::kInvalidArgument, "offsets has ", offsets.size, " elements; expected E >= 1");
+  EA_TRY(check_same_device("offsets", offsets.device, offsets.device_id, x.device, x.device_id, "x"));
+  if (q_t.dtype != DType::kFloat8E4M3)
+    return fail(Status::kInvalidDtype, "q_t has dtype ", q_t.dtype, "; the FP8 output is float8_e4m3fn");
+  EA_TRY(check_matrix_view("q_t", q_t));
+  if (q_t.rows != x.cols || q_t.cols != x.rows)
+    return fail(Status::kInvalidArgument, "q_t is [", q_t.rows, ", ", q_t.cols, "]; expected x transposed, [",
+                x.cols, ", ", x.rows, "]");
+  EA_TRY(check_same_device("q_t", q_t.device, q_t.device_id, x.device, x.device_id, "x"));
+  EA_TRY(check_matrix("scale", scale));
+  if (scale.dtype != DType::kFloat32 || scale.rows != offsets.size || scale.cols != x.cols)
+    return fail(Status::kInvalidArgument, "scale must be float32 [E, C] = [", offsets.size, ", ", x.cols,
+                "] (got ", scale.dtype, " [", scale.rows, ", ", scale.cols, "])");
+  EA_TRY(check_same_device("scale", scale.device, scale.device_id, x.device, x.device_id, "x"));
+  const Extent ex = extent_of(x), eq = extent_of(q_t), es = extent_of(scale);
+  EA_TRY(check_no_overlap("q_t", eq, "x", ex));
+  EA_TRY(check_no_overlap("scale", es, "x", ex));
+  EA_TRY(check_no_overlap("scale", es, "q_t", eq));
+  if (x.device != DeviceType::kCPU)
+    return fail(Status::kUnsupported, "x is a CUDA tensor: quantize_colwise_grouped has no CUDA path yet");
+  int64_t prev = 0;
+  for (int64_t e = 0; e < offsets.size; ++e) {
+    const int64_t v = offsets.data[e];
+    if (v < prev)
+      return fail(Status::kInvalidArgument, "offsets must be non-decreasing cumulative end rows: offsets[", e,
+                  "] = ", v, (e ? " < the previous one" : " is negative"));
+    prev = v;
+  }
+  if (prev > x.rows)
+    return fail(Status::kInvalidArgument, "offsets[", offsets.size - 1, "] = ", prev, " is past the last row (",
+                x.rows, " rows)");
+  if (x.cols == 0) return Status::kOk;
+  Fp8Cols p;
+  p.dtype = x.dtype;
+  p.rows = x.rows;
+  p.cols = x.cols;
+  p.x = x.data;
+  p.x_stride = x.row_stride;
+  p.offsets = offsets.data;
+  p.experts = offsets.size;
+  p.q_t = q_t.data;
+  p.q_stride = q_t.row_stride;
+  p.scale = static_cast<float*>(scale.data);
+  p.scale_stride = scale.row_stride;
+  return cpu_fp8_quantize_colwise_grouped(p);
+}
+
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                             const VectorRef& scale, void* stream) {
@@ -105,6 +159,13 @@ Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const Vector
                             void* stream) {
   return detail::guarded("fp8_quantize_rowwise",
                          [&] { return detail::fp8_quantize_rowwise_body(x, q, scale, stream); });
+}
+
+Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                    const MatrixRef& q_t, const MatrixRef& scale, void* stream) {
+  return detail::guarded("fp8_quantize_colwise_grouped", [&] {
+    return detail::fp8_quantize_colwise_grouped_body(x, offsets, q_t, scale, stream);
+  });
 }
 
 Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,

@@ -515,6 +515,21 @@ expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, ex
   });
 }
 
+expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matrix* x,
+                                                           const expertact_vector* offsets,
+                                                           expertact_matrix* q_t, expertact_matrix* scale,
+                                                           void* stream) {
+  return guarded_c("expertact_fp8_quantize_colwise_grouped_2d", [&]() -> Status {
+    MatrixRef mx, mq, ms;
+    OffsetsRef offs;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix("q_t", q_t, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    return fp8_quantize_colwise_grouped_body(mx, offs, mq, ms, stream);
+  });
+}
+
 expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, int32_t layout,
                                               const expertact_matrix* x, const expertact_matrix* up,
                                               const expertact_vector* weights, expertact_matrix* q,

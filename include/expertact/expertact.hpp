@@ -180,6 +180,16 @@ Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
 Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                             void* stream = nullptr);
 
+// Per expert and column, for the operands of the weight-gradient GEMMs (whose sums run over
+// an expert's rows) and of the weights ([E, K, N] as [E * K, N] with offsets (e + 1) * K):
+// the same recipe with amax taken over the rows of expert e in column c. x [T, C]; offsets as
+// OffsetsRef (the bias section); q_t [C, T] (kFloat8E4M3): the quantised x transposed, i.e. x
+// in column-major order, as the GEMM reads it; scale float32 [E, C]. Rows past the last offset
+// are written as 0.
+Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                    const MatrixRef& q_t, const MatrixRef& scale,
+                                    void* stream = nullptr);
+
 // The activation (glu_forward's arguments) quantized as above from its float32 values, one
 // rounding: q [rows, F] (kFloat8E4M3), scale float32 [rows].
 Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,

@@ -180,6 +180,11 @@ EXPERTACT_API expertact_status expertact_fp8_quantize_rowwise_2d(const expertact
                                                                  expertact_matrix* q,
                                                                  expertact_vector* scale,
                                                                  void* stream);
+/* Per expert (offsets: as for the biases) and column: x [T, C] -> q_t [C, T] (x quantised and
+ * transposed) and scale float32 [E, C]; rows past the last offset are written as 0. */
+EXPERTACT_API expertact_status expertact_fp8_quantize_colwise_grouped_2d(
+    const expertact_matrix* x, const expertact_vector* offsets, expertact_matrix* q_t,
+    expertact_matrix* scale, void* stream);
 /* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values. */
 EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,

@@ -26,10 +26,10 @@ import torch
 
 from . import _capi
 from ._args import PRESETS, float_arg, layout_code, tensor_arg
-from ._bias import _matrix, _params_ref, _vector
+from ._bias import _matrix, _offsets, _params_ref, _vector, check_offsets
 from ._describe import stream_of
 
-__all__ = ["quantize_rowwise", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
+__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = 10
@@ -37,6 +37,7 @@ DL_FLOAT8_E4M3FN = 10
 _LIB = _capi.LIB
 _LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
+_LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
 
 
 def _fp8_matrix(q):
@@ -72,6 +73,27 @@ def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     xs, qs, ss = _matrix(t), _fp8_matrix(q), _vector(scale.view(-1))
     _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), stream_of(t)))
     return q, scale
+
+
+def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) per expert and column: t [T, C] (rows sorted by expert; ``offsets`` int32 [E],
+    each expert's cumulative end row) quantised with one scale per expert and column, taken over
+    that expert's rows (the operands of the weight-gradient GEMMs; for weights [E, K, N], pass
+    them as [E * K, N] with offsets (e + 1) * K). q: float8_e4m3fn [T, C] in column-major order
+    (strides (1, T)), as torch._scaled_grouped_mm reads the reduction-major operand; scale:
+    float32 [E, C]; t[r, c] ~= q[r, c] * scale[e(r), c]. Rows past offsets[-1] are 0 in q."""
+    tensor_arg("t", t)
+    if t.dim() != 2:
+        raise ValueError(f"expertact.fp8.quantize_colwise_grouped: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
+    T, C = t.shape
+    offsets = check_offsets(offsets, T, t, "expertact.fp8.quantize_colwise_grouped")
+    E = offsets.numel()
+    q_t = torch.empty((C, T), dtype=torch.float8_e4m3fn, device=t.device)
+    scale = torch.empty((E, C), dtype=torch.float32, device=t.device)
+    xs, qs, ss, offs = _matrix(t), _fp8_matrix(q_t), _matrix(scale), _offsets(offsets)
+    _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]), byref(qs[1]), byref(ss[1]),
+                                                          None))
+    return q_t.t(), scale
 
 
 def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,

@@ -56,6 +56,32 @@ Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
   });
 }
 
+Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
+  return dispatch_io(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    // Threads over columns: each column's experts in row order (reads stride down rows).
+    cpu::parallel_for(p.cols, 2 * p.rows, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        uint8_t* qc = static_cast<uint8_t*>(p.q_t) + c * p.q_stride;
+        int64_t start = 0;
+        for (int64_t e = 0; e < p.experts; ++e) {
+          const int64_t end = p.offsets[e];
+          float amax = 0.0f;
+          for (int64_t r = start; r < end; ++r)
+            amax = std::fmax(amax, std::fabs(load(static_cast<const T*>(p.x)[r * p.x_stride + c])));
+          const float s = fp8::scale_of(amax);
+          for (int64_t r = start; r < end; ++r)
+            qc[r] = fp8::quantize(load(static_cast<const T*>(p.x)[r * p.x_stride + c]), s);
+          p.scale[e * p.scale_stride + c] = 1.0f / s;
+          start = end;
+        }
+        for (int64_t r = start; r < p.rows; ++r) qc[r] = 0;  // past the last offset
+      }
+    });
+    return Status::kOk;
+  });
+}
+
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
   return dispatch_io(p.dtype, [&](auto t) {
     using T = decltype(t);

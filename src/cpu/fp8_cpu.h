@@ -25,6 +25,21 @@ struct Fp8Rows : Fp8Out {
 };
 
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p);
+
+// x [rows, cols] -> q_t [cols, rows] and scale [E, cols], per expert and column.
+struct Fp8Cols {
+  DType dtype = DType::kFloat32;
+  int64_t rows = 0, cols = 0;
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  const int32_t* offsets = nullptr;
+  int64_t experts = 0;
+  void* q_t = nullptr;
+  int64_t q_stride = 0;  // q_t's row stride (one row per column of x)
+  float* scale = nullptr;
+  int64_t scale_stride = 0;
+};
+Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o);
 #if EXPERTACT_WITH_CUDA
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);

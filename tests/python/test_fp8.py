@@ -180,3 +180,54 @@ def test_cuda_glu_rowwise_against_float64(activation, layout):
     assert torch.equal(scale.cpu(), rs)
     diff = (_bits(q).cpu().int() - rq.int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    if torch.cuda.is_available():
+        with pytest.raises(NotImplementedError, match="no CUDA path"):
+            fp8.quantize_rowwise(torch.randn(4, 8, device="cuda"))
+
+
+def _recipe_grouped(t, ends):
+    """torchao's per-group column-wise recipe in torch: (q [T, C] bits, scale [E, C])."""
+    v = t.float()
+    qs, ss, start = [], [], 0
+    for end in ends:
+        blk = v[start:end]
+        a = torch.where(torch.isnan(blk), torch.zeros_like(blk), blk.abs()).amax(0) if end > start else \
+            torch.zeros(v.shape[1])
+        a = torch.clamp(a, min=torch.tensor(1e-12, dtype=torch.float32))
+        s = (448.0 / a.double()).float()
+        s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
+        qs.append(torch.clamp(blk * s, -448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8))
+        ss.append(1.0 / s)
+        start = end
+    qs.append(torch.zeros(v.shape[0] - start, v.shape[1], dtype=torch.uint8))
+    return torch.cat(qs), torch.stack(ss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_colwise_grouped_matches_recipe(dtype):
+    g = torch.Generator().manual_seed(5)
+    ends = [30, 30, 95, 120]  # an empty expert, 5 rows past the end
+    t = (torch.randn(125, 40, generator=g, dtype=torch.float64) *
+         torch.logspace(-3, 3, 40, dtype=torch.float64)).to(dtype)
+    t[40, 3] = float("nan")
+    q, scale = fp8.quantize_colwise_grouped(t, torch.tensor(ends, dtype=torch.int32))
+    assert q.shape == (125, 40) and q.stride() == (1, 125) and scale.shape == (4, 40)
+    rq, rs = _recipe_grouped(t, ends)
+    assert torch.equal(scale, rs)
+    assert torch.equal(q.contiguous().view(torch.uint8), rq)
+    assert torch.isnan(q[40, 3].float())
+
+
+def test_colwise_grouped_weights_and_refusals():
+    w = torch.randn(3, 16, 24)  # [E, K, N]: per expert and column over K
+    q, scale = fp8.quantize_colwise_grouped(w.reshape(48, 24), torch.tensor([16, 32, 48], dtype=torch.int32))
+    for e in range(3):
+        rq, rs = _recipe(w[e].t())
+        assert torch.equal(scale[e], rs)
+        assert torch.equal(q[16 * e:16 * (e + 1)].t().contiguous().view(torch.uint8), rq)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fp8.quantize_colwise_grouped(torch.randn(8, 4), torch.tensor([5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="past the last row"):
+        fp8.quantize_colwise_grouped(torch.randn(8, 4), torch.tensor([5, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        fp8.quantize_colwise_grouped(torch.randn(8), torch.tensor([8], dtype=torch.int32))
