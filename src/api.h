@@ -39,7 +39,10 @@ Status prepare_backward(const GluParams& params, Layout layout, const MatrixRef&
 Status no_cuda_path(Layout layout);
 #endif
 
-// The per-expert biases (src/api_bias.cpp).
+// The per-expert biases (src/api_bias.cpp). check_offsets: the offsets' description against the
+// tensors' device, and on the CPU their values (non-decreasing, within the rows).
+Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t dev_id,
+                     const char* ref_name);
 Status glu_forward_bias_body(const GluParams& params, Layout layout, const MatrixRef& x,
                              const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
                              const OffsetsRef& offsets, const MatrixRef& out, void* stream);

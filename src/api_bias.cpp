@@ -21,7 +21,6 @@ size_t expert_bias_workspace_bytes(int64_t rows, int64_t cols, int64_t num_exper
 }
 
 namespace detail {
-namespace {
 
 // The offsets' description, and on the CPU their values (read there without cost).
 Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t dev_id,
@@ -48,6 +47,8 @@ Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t 
                 " is past the last row (", rows, " rows)");
   return Status::kOk;
 }
+
+namespace {
 
 // A bias (or its gradient): [E, cols] of x's dtype and device.
 Status check_bias(const char* name, const MatrixRef& b, int64_t E, int64_t cols, DType dtype,

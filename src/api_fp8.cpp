@@ -73,9 +73,7 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
   EA_TRY(check_matrix("x", x));
   if (x.dtype == DType::kFloat64)
     return fail(Status::kInvalidDtype, "x is float64: FP8 quantisation takes float32, float16 or bfloat16");
-  if (offsets.size < 1 || offsets.data == nullptr)
-    return fail(Status::kInvalidArgument, "offsets has ", offsets.size, " elements; expected E >= 1");
-  EA_TRY(check_same_device("offsets", offsets.device, offsets.device_id, x.device, x.device_id, "x"));
+  EA_TRY(check_offsets(offsets, x.rows, x.device, x.device_id, "x"));
   if (q_t.dtype != DType::kFloat8E4M3)
     return fail(Status::kInvalidDtype, "q_t has dtype ", q_t.dtype, "; the FP8 output is float8_e4m3fn");
   EA_TRY(check_matrix_view("q_t", q_t));
@@ -94,17 +92,6 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
   EA_TRY(check_no_overlap("scale", es, "q_t", eq));
   if (x.device != DeviceType::kCPU)
     return fail(Status::kUnsupported, "x is a CUDA tensor: quantize_colwise_grouped has no CUDA path yet");
-  int64_t prev = 0;
-  for (int64_t e = 0; e < offsets.size; ++e) {
-    const int64_t v = offsets.data[e];
-    if (v < prev)
-      return fail(Status::kInvalidArgument, "offsets must be non-decreasing cumulative end rows: offsets[", e,
-                  "] = ", v, (e ? " < the previous one" : " is negative"));
-    prev = v;
-  }
-  if (prev > x.rows)
-    return fail(Status::kInvalidArgument, "offsets[", offsets.size - 1, "] = ", prev, " is past the last row (",
-                x.rows, " rows)");
   if (x.cols == 0) return Status::kOk;
   Fp8Cols p;
   p.dtype = x.dtype;
