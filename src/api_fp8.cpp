@@ -13,23 +13,35 @@ namespace expertact {
 namespace detail {
 namespace {
 
+// The input's dtype: the kernels quantise float32, float16 or bfloat16 (float64 is the CPU's
+// gradient-checking type, with nothing to quantise for).
+Status check_fp8_input(const char* name, DType d) {
+  if (d == DType::kFloat64)
+    return fail(Status::kInvalidDtype, name, " is float64: FP8 quantisation takes float32, float16 or bfloat16");
+  return Status::kOk;
+}
+
+// One output: [rows, cols] of `dtype` (float8 for the quantised values, float32 for matrix
+// scales), on the input's device, not overlapping it.
+Status check_fp8_output(const char* name, const MatrixRef& m, int64_t rows, int64_t cols, DType dtype,
+                        const char* why, DeviceType dev, int32_t dev_id, const char* in_name,
+                        const Extent& in) {
+  EA_TRY(check_matrix_view(name, m));  // its dtype by check_shape: float8 is no input dtype
+  EA_TRY(check_shape(name, m, rows, cols, dtype, why));
+  EA_TRY(check_same_device(name, m.device, m.device_id, dev, dev_id, in_name));
+  return check_no_overlap(name, extent_of(m), in_name, in);
+}
+
 // q [rows, cols] of kFloat8E4M3 and scale float32 [rows], on `dev`, not overlapping `in`.
 Status check_fp8_outputs(const MatrixRef& q, const VectorRef& scale, int64_t rows, int64_t cols,
                          DeviceType dev, int32_t dev_id, const char* in_name, const Extent& in) {
-  if (q.dtype != DType::kFloat8E4M3)
-    return fail(Status::kInvalidDtype, "q has dtype ", q.dtype, "; the FP8 output is float8_e4m3fn");
-  EA_TRY(check_matrix_view("q", q));
-  if (q.rows != rows || q.cols != cols)
-    return fail(Status::kInvalidArgument, "q is [", q.rows, ", ", q.cols, "]; expected [", rows, ", ",
-                cols, "]");
-  EA_TRY(check_same_device("q", q.device, q.device_id, dev, dev_id, in_name));
+  EA_TRY(check_fp8_output("q", q, rows, cols, DType::kFloat8E4M3, "the quantised input", dev, dev_id,
+                          in_name, in));
   EA_TRY(check_vector("scale", scale, rows));
   EA_TRY(check_same_device("scale", scale.device, scale.device_id, dev, dev_id, in_name));
-  const Extent eq = extent_of(q), es = extent_of(scale);
-  EA_TRY(check_no_overlap("q", eq, in_name, in));
+  const Extent es = extent_of(scale);
   EA_TRY(check_no_overlap("scale", es, in_name, in));
-  EA_TRY(check_no_overlap("scale", es, "q", eq));
-  return Status::kOk;
+  return check_no_overlap("scale", es, "q", extent_of(q));
 }
 
 #if !EXPERTACT_WITH_CUDA
@@ -43,8 +55,7 @@ Status no_fp8_cuda(const char* name) {
 Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                                  void* stream) {
   EA_TRY(check_matrix("x", x));
-  if (x.dtype == DType::kFloat64)
-    return fail(Status::kInvalidDtype, "x is float64: FP8 quantisation takes float32, float16 or bfloat16");
+  EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_fp8_outputs(q, scale, x.rows, x.cols, x.device, x.device_id, "x", extent_of(x)));
   if (x.rows == 0) return Status::kOk;
   Fp8Rows p;
@@ -71,25 +82,14 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
                                         const MatrixRef& q_t, const MatrixRef& scale, void* stream) {
   (void)stream;
   EA_TRY(check_matrix("x", x));
-  if (x.dtype == DType::kFloat64)
-    return fail(Status::kInvalidDtype, "x is float64: FP8 quantisation takes float32, float16 or bfloat16");
+  EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_offsets(offsets, x.rows, x.device, x.device_id, "x"));
-  if (q_t.dtype != DType::kFloat8E4M3)
-    return fail(Status::kInvalidDtype, "q_t has dtype ", q_t.dtype, "; the FP8 output is float8_e4m3fn");
-  EA_TRY(check_matrix_view("q_t", q_t));
-  if (q_t.rows != x.cols || q_t.cols != x.rows)
-    return fail(Status::kInvalidArgument, "q_t is [", q_t.rows, ", ", q_t.cols, "]; expected x transposed, [",
-                x.cols, ", ", x.rows, "]");
-  EA_TRY(check_same_device("q_t", q_t.device, q_t.device_id, x.device, x.device_id, "x"));
-  EA_TRY(check_matrix("scale", scale));
-  if (scale.dtype != DType::kFloat32 || scale.rows != offsets.size || scale.cols != x.cols)
-    return fail(Status::kInvalidArgument, "scale must be float32 [E, C] = [", offsets.size, ", ", x.cols,
-                "] (got ", scale.dtype, " [", scale.rows, ", ", scale.cols, "])");
-  EA_TRY(check_same_device("scale", scale.device, scale.device_id, x.device, x.device_id, "x"));
-  const Extent ex = extent_of(x), eq = extent_of(q_t), es = extent_of(scale);
-  EA_TRY(check_no_overlap("q_t", eq, "x", ex));
-  EA_TRY(check_no_overlap("scale", es, "x", ex));
-  EA_TRY(check_no_overlap("scale", es, "q_t", eq));
+  const Extent ex = extent_of(x);
+  EA_TRY(check_fp8_output("q_t", q_t, x.cols, x.rows, DType::kFloat8E4M3, "x quantised, transposed",
+                          x.device, x.device_id, "x", ex));
+  EA_TRY(check_fp8_output("scale", scale, offsets.size, x.cols, DType::kFloat32,
+                          "one scale per expert and column", x.device, x.device_id, "x", ex));
+  EA_TRY(check_no_overlap("scale", extent_of(scale), "q_t", extent_of(q_t)));
   if (x.device != DeviceType::kCPU)
     return fail(Status::kUnsupported, "x is a CUDA tensor: quantize_colwise_grouped has no CUDA path yet");
   if (x.cols == 0) return Status::kOk;
@@ -114,8 +114,7 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
   const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
-  if (p.dtype == DType::kFloat64)
-    return fail(Status::kInvalidDtype, xname, " is float64: FP8 quantisation takes float32, float16 or bfloat16");
+  EA_TRY(check_fp8_input(xname, p.dtype));
   EA_TRY(check_fp8_outputs(q, scale, p.rows, p.F, p.device, p.device_id, xname, extent_of(x)));
   if (up) {
     EA_TRY(check_no_overlap("q", extent_of(q), "up", extent_of(*up)));

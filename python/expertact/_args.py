@@ -39,6 +39,34 @@ PRESETS = {
 }
 
 
+# The defaults of the forms that read alpha / limit: DeepSpeed's registry defaults (alpha
+# 1.702, limit 7.0), which are also GPT-OSS's.
+DEFAULT_ALPHA = 1.702
+DEFAULT_LIMIT = 7.0
+
+
+def preset_coeffs(activation, alpha, limit, where: str):
+    """(act, alpha, limit, beta) of a preset by name, alpha and limit defaulted for the forms
+    that read them. A form that does not read alpha or limit refuses them: silently dropping
+    limit=10 from "swiglu" would train an unclamped model that was meant to be clamped.
+    ``where`` prefixes the messages."""
+    params = PRESETS.get(activation) if isinstance(activation, str) else None
+    if params is None:
+        raise ValueError(f"{where}: activation={activation!r} is not one of {tuple(PRESETS)}")
+    act, a, lim, beta = params
+    if a is None:
+        a = DEFAULT_ALPHA if alpha is None else float_arg("alpha", alpha)
+    elif alpha is not None:
+        raise ValueError(f"{where}: activation={activation!r} has no alpha (got alpha={alpha!r}); "
+                         "'swiglu_oai' is the form with a sigmoid scale")
+    if lim is None:
+        lim = DEFAULT_LIMIT if limit is None else float_arg("limit", limit)
+    elif limit is not None:
+        raise ValueError(f"{where}: activation={activation!r} has no clamp (got limit={limit!r}); "
+                         "'swiglu_clamped' and 'swiglu_oai' are the clamped forms")
+    return act, a, lim, beta
+
+
 def tensor_arg(name: str, t, optional: bool = False):
     """t when it is a tensor (or None with optional); else TypeError naming the argument."""
     if isinstance(t, Tensor) or (optional and t is None):

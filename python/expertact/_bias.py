@@ -18,6 +18,8 @@ from ctypes import byref, c_int32, c_size_t, c_void_p
 import torch
 
 from . import _capi
+from ._args import tensor_arg
+from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._describe import _as_rows, _as_vector, _params, _tail, stream_of
 
 __all__ = ["glu_forward", "glu_backward", "row_forward", "row_backward", "check_offsets", "glu_bias_call",
@@ -41,15 +43,18 @@ def _matrix(t):
         raise ValueError(f"expertact: a 0-dim tensor where [rows, columns] is expected")
     m = _M()
     m.data, m.rows, m.cols, m.row_stride = t.data_ptr(), rows, cols, stride
-    ctypes.memmove(ctypes.addressof(m) + _M.dtype.offset, _tail(t), len(_tail(t)))
+    tail = _tail(t)
+    ctypes.memmove(ctypes.addressof(m) + _M.dtype.offset, tail, len(tail))
     return t, m
 
 
 def _vector(t):
+    """(tensor kept alive, expertact_vector) of a per-row vector (float32 weights, int32 offsets)."""
     t, n, stride = _as_vector(t)
     v = _V()
     v.data, v.size, v.stride = t.data_ptr(), n, stride
-    ctypes.memmove(ctypes.addressof(v) + _V.dtype.offset, _tail(t), len(_tail(t)))
+    tail = _tail(t)
+    ctypes.memmove(ctypes.addressof(v) + _V.dtype.offset, tail, len(tail))
     return t, v
 
 
@@ -69,8 +74,9 @@ def _check(status):
         _capi.raise_for(status)
 
 
-def check_offsets(offsets, rows: int, like, where: str = "expertact"):
-    """offsets as the kernels read them: int32, 1-D, contiguous, on like's device. Their
+def check_offsets(offsets, like, where: str = "expertact"):
+    """offsets as the kernels read them: int32, 1-D, contiguous, on the device of like, the
+    [..., C] tensor whose rows they index (its leading dims collapsed into rows). Their
     values are read once on the host (a device-to-host copy of E values on a GPU) and
     checked, so that offsets out of order raise here, naming them, rather than giving
     wrong sums on the GPU."""
@@ -81,6 +87,7 @@ def check_offsets(offsets, rows: int, like, where: str = "expertact"):
                                "(offsets.to(torch.int32))")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
+    rows = like.numel() // max(like.shape[-1], 1) if like.dim() else 0
     ends = offsets.tolist()
     prev = 0
     for e, end in enumerate(ends):
@@ -93,15 +100,6 @@ def check_offsets(offsets, rows: int, like, where: str = "expertact"):
     if offsets.device != like.device:
         offsets = offsets.to(like.device)
     return offsets.contiguous()
-
-
-def _offsets(offsets):
-    v = _V()
-    v.data, v.size, v.stride = offsets.data_ptr(), offsets.numel(), 1
-    v.dtype.code, v.dtype.bits, v.dtype.lanes = _capi.DL_INT, 32, 1
-    v.device.device_type = _capi.DL_CUDA if offsets.is_cuda else _capi.DL_CPU
-    v.device.device_id = max(offsets.get_device(), 0)
-    return offsets, v
 
 
 def _workspace(like, nbytes: int):
@@ -119,7 +117,7 @@ def glu_forward(x, up, bias, offsets, weights, layout, act, alpha, limit, beta):
     f = xs[1].cols if up is not None else xs[1].cols // 2
     out = x.new_empty((*x.shape[:-1], f))
     outs = _matrix(out)
-    bs, offs = _matrix(bias), _offsets(offsets)
+    bs, offs = _matrix(bias), _vector(offsets)
     ws = None if weights is None else _vector(weights)
     pref, _keep = _params_ref(act, alpha, limit, beta)
     _check(_LIB.expertact_glu_forward_bias_2d(pref, c_int32(layout), _ref(xs), _ref(ups), _ref(ws), _ref(bs),
@@ -143,7 +141,7 @@ def glu_backward(grad_out, x, up, bias, offsets, weights, weights_grad, bias_gra
         gus = None if gu is None else _matrix(gu)
     gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
     gb = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else None
-    bs, offs = _matrix(bias), _offsets(offsets)
+    bs, offs = _matrix(bias), _vector(offsets)
     ws = None if weights is None else _vector(weights)
     gws = None if gw is None else _vector(gw)
     gbs = None if gb is None else _matrix(gb)
@@ -162,7 +160,7 @@ def row_forward(x, bias, offsets, weights, inplace=False):
     xs = _matrix(x)
     out = x if inplace else torch.empty_like(x, memory_format=torch.contiguous_format)
     outs = xs if inplace else _matrix(out)
-    bs, offs = _matrix(bias), _offsets(offsets)
+    bs, offs = _matrix(bias), _vector(offsets)
     ws = None if weights is None else _vector(weights)
     _check(_LIB.expertact_expert_bias_forward_2d(_ref(xs), _ref(bs), _ref(offs), _ref(ws), _ref(outs),
                                                  stream_of(x)))
@@ -176,7 +174,7 @@ def row_backward(grad_out, bias, offsets, weights, weights_grad, bias_grad):
     gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
     if gb is None and gw is None:
         return None, None
-    bs, offs = _matrix(bias), _offsets(offsets)
+    bs, offs = _matrix(bias), _vector(offsets)
     ws = None if weights is None else _vector(weights)
     gbs = None if gb is None else _matrix(gb)
     gws = None if gw is None else _vector(gw)
@@ -191,13 +189,6 @@ def row_backward(grad_out, bias, offsets, weights, weights_grad, bias_grad):
 # ---------------------------------------------------------------------------
 # Autograd: functional's biased forms (functional.glu(..., bias=, offsets=), expert_bias)
 # ---------------------------------------------------------------------------
-
-
-def _tensor(name, t, optional=False):
-    if isinstance(t, torch.Tensor) or (optional and t is None):
-        return t
-    raise TypeError(f"expertact: {name} must be a torch.Tensor{' or None' if optional else ''} "
-                    f"(got {type(t).__name__})")
 
 
 def _pair(bias, offsets):
@@ -215,7 +206,6 @@ class _GluBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
         if torch.is_grad_enabled():
             raise RuntimeError(CREATE_GRAPH_MSG)
         if ctx.spent:
@@ -232,9 +222,8 @@ def glu_bias_call(gate, up, layout_code, act, alpha, limit, beta, weights, inpla
     """functional.glu's biased form: the activation of gate (and up) + bias[e], differentiable
     in every tensor argument (offsets excepted)."""
     _pair(bias, offsets)
-    _tensor("bias", bias)
-    rows = gate.numel() // max(gate.shape[-1], 1) if gate.dim() else 0
-    offsets = check_offsets(offsets, rows, gate)
+    tensor_arg("bias", bias)
+    offsets = check_offsets(offsets, gate)
     return _GluBias.apply(gate, up, weights, bias, offsets, (layout_code, act, alpha, limit, beta),
                           bool(inplace_backward))
 
@@ -255,9 +244,8 @@ class _ExpertBias(torch.autograd.Function):
 
 def expert_bias(x, bias, offsets, weights=None):
     """x + weights[r] * bias[e] per row: see functional.expert_bias."""
-    _tensor("x", x)
-    _tensor("bias", bias)
-    _tensor("weights", weights, optional=True)
-    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
-    offsets = check_offsets(offsets, rows, x)
+    tensor_arg("x", x)
+    tensor_arg("bias", bias)
+    tensor_arg("weights", weights, optional=True)
+    offsets = check_offsets(offsets, x)
     return _ExpertBias.apply(x, bias, offsets, weights)

@@ -44,6 +44,9 @@ _DL_CODES = {
     torch.complex64: (_capi.DL_COMPLEX, 64),
     torch.complex128: (_capi.DL_COMPLEX, 128),
 }
+# float8_e4m3fn (DLPack 1.1's code 10): the library takes it for the FP8 outputs only.
+if hasattr(torch, "float8_e4m3fn"):
+    _DL_CODES[torch.float8_e4m3fn] = (_capi.DL_FLOAT8_E4M3FN, 8)
 _UNKNOWN_DTYPE_CODE = 255
 _DL_CPU, _DL_CUDA = _capi.DL_CPU, _capi.DL_CUDA
 _SEPARATE = _capi.LAYOUT_SEPARATE

@@ -18,37 +18,25 @@ custom FP8 backward.
 """
 from __future__ import annotations
 
-import ctypes
 from ctypes import byref, c_int32
 from typing import Optional, Tuple
 
 import torch
 
 from . import _capi
-from ._args import PRESETS, float_arg, layout_code, tensor_arg
-from ._bias import _matrix, _offsets, _params_ref, _vector, check_offsets
+from ._args import layout_code, preset_coeffs, tensor_arg
+from ._bias import _check, _matrix, _params_ref, _vector, check_offsets
 from ._describe import stream_of
 
 __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
-DL_FLOAT8_E4M3FN = 10
+DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
 
 _LIB = _capi.LIB
 _LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
-
-
-def _fp8_matrix(q):
-    """An expertact_matrix over a float8_e4m3fn tensor [rows, cols] (contiguous)."""
-    m = _capi.Matrix()
-    rows = q.numel() // max(q.shape[-1], 1) if q.dim() else 0
-    m.data, m.rows, m.cols, m.row_stride = q.data_ptr(), rows, q.shape[-1], q.shape[-1]
-    m.dtype.code, m.dtype.bits, m.dtype.lanes = DL_FLOAT8_E4M3FN, 8, 1
-    m.device.device_type = _capi.DL_CUDA if q.is_cuda else _capi.DL_CPU
-    m.device.device_id = max(q.get_device(), 0)
-    return q, m
 
 
 def _outputs(like, cols):
@@ -58,11 +46,6 @@ def _outputs(like, cols):
     return q, scale
 
 
-def _check(status):
-    if status:
-        _capi.raise_for(status)
-
-
 def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): t [..., C] (float32, float16 or bfloat16) as float8_e4m3fn [..., C] with one
     float32 dequantisation scale per row ([...]); t ~= q.float() * scale[..., None]."""
@@ -70,7 +53,7 @@ def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if t.dim() < 1:
         raise ValueError("expertact.fp8.quantize_rowwise: t must have at least one dimension [..., C]")
     q, scale = _outputs(t, t.shape[-1])
-    xs, qs, ss = _matrix(t), _fp8_matrix(q), _vector(scale.view(-1))
+    xs, qs, ss = _matrix(t), _matrix(q), _vector(scale.view(-1))
     _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), stream_of(t)))
     return q, scale
 
@@ -86,11 +69,11 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor) -> Tuple[to
     if t.dim() != 2:
         raise ValueError(f"expertact.fp8.quantize_colwise_grouped: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
     T, C = t.shape
-    offsets = check_offsets(offsets, T, t, "expertact.fp8.quantize_colwise_grouped")
+    offsets = check_offsets(offsets, t, "expertact.fp8.quantize_colwise_grouped")
     E = offsets.numel()
     q_t = torch.empty((C, T), dtype=torch.float8_e4m3fn, device=t.device)
     scale = torch.empty((E, C), dtype=torch.float32, device=t.device)
-    xs, qs, ss, offs = _matrix(t), _fp8_matrix(q_t), _matrix(scale), _offsets(offsets)
+    xs, qs, ss, offs = _matrix(t), _matrix(q_t), _matrix(scale), _vector(offsets)
     _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]), byref(qs[1]), byref(ss[1]),
                                                           None))
     return q_t.t(), scale
@@ -107,24 +90,13 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     tensor_arg("gate_up" if up is None else "gate", gate_up)
     tensor_arg("up", up, optional=True)
     tensor_arg("weights", weights, optional=True)
-    params = PRESETS.get(activation) if isinstance(activation, str) else None
-    if params is None:
-        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} is not one of {tuple(PRESETS)}")
-    act, a, lim, beta = params
-    if a is None:
-        a = 1.702 if alpha is None else float_arg("alpha", alpha)
-    elif alpha is not None:
-        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} has no alpha")
-    if lim is None:
-        lim = 7.0 if limit is None else float_arg("limit", limit)
-    elif limit is not None:
-        raise ValueError(f"expertact.fp8.glu_rowwise: activation={activation!r} has no clamp (limit)")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, "expertact.fp8.glu_rowwise")
     code = layout_code(layout, up is None)
     if gate_up.dim() < 1:
         raise ValueError("expertact.fp8.glu_rowwise: gate_up must have at least one dimension")
     cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
     q, scale = _outputs(gate_up, cols)
-    xs, qs, ss = _matrix(gate_up), _fp8_matrix(q), _vector(scale.view(-1))
+    xs, qs, ss = _matrix(gate_up), _matrix(q), _vector(scale.view(-1))
     us = None if up is None else _matrix(up)
     ws = None if weights is None else _vector(weights)
     pref, _keep = _params_ref(act, a, lim, beta)

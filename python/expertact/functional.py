@@ -11,6 +11,8 @@ import torch
 
 from ._args import ACTIVATIONS, INF, LAYOUTS, PRESETS, float_arg
 from ._args import layout_code
+from ._bias import expert_bias as _expert_bias
+from ._bias import glu_bias_call
 from ._route import glu_call
 
 __all__ = ["glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "expert_bias", "LAYOUTS", "ACTIVATIONS",
@@ -66,7 +68,6 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, *, layout: Optional[str] = No
 def _call(gate, up, layout, act, alpha, limit, beta, weights, inplace_backward, bias, offsets):
     if bias is None and offsets is None:
         return glu_call(gate, up, layout, act, alpha, limit, beta, weights, inplace_backward)
-    from ._bias import glu_bias_call
     if not isinstance(gate, Tensor):
         raise TypeError(f"expertact: {'gate_up' if up is None else 'gate'} must be a torch.Tensor "
                         f"(got {type(gate).__name__})")
@@ -90,7 +91,6 @@ def expert_bias(x: Tensor, bias: Tensor, offsets: Tensor, *, weights: Optional[T
     The bias's gradient sums weights[r] * grad_out[r] over each expert's rows in a fixed
     order: bit-identical from run to run. Runs eagerly (a graph break under torch.compile).
     """
-    from ._bias import expert_bias as _expert_bias
     return _expert_bias(x, bias, offsets, weights)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from . import _bias, _capi, _fused
-from ._args import LAYOUTS, PRESETS, float_arg
+from ._args import LAYOUTS, preset_coeffs
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._capi import DTypeError
 from ._library import glu_backward_inplace_op, glu_backward_op, glu_op
@@ -27,11 +27,6 @@ Tensor = torch.Tensor
 
 #: The layouts of gate and up along w13's last dim (and so along gate_up's).
 PACKED_LAYOUTS = ("halves", "up_first", "interleaved")
-
-# The defaults of the forms that read alpha / limit: DeepSpeed's registry defaults
-# (alpha 1.702, limit 7.0), which are also GPT-OSS's.
-_DEFAULT_ALPHA = 1.702
-_DEFAULT_LIMIT = 7.0
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -47,22 +42,7 @@ def _err(msg: str) -> str:
 
 def _glu_args(activation, alpha, limit, layout) -> Tuple[int, int, float, float, float]:
     """(layout code, act, alpha, limit, beta) for the glu operators, from a preset name."""
-    params = PRESETS.get(activation) if isinstance(activation, str) else None
-    if params is None:
-        raise ValueError(_err(f"activation={activation!r} is not one of {tuple(PRESETS)}"))
-    act, a, lim, beta = params
-    # A form that does not read alpha or limit refuses them: silently dropping limit=10 from
-    # "swiglu" would train an unclamped model that was meant to be clamped.
-    if a is None:
-        a = _DEFAULT_ALPHA if alpha is None else float_arg("alpha", alpha)
-    elif alpha is not None:
-        raise ValueError(_err(f"activation={activation!r} has no alpha (got alpha={alpha!r}); "
-                              "'swiglu_oai' is the form with a sigmoid scale"))
-    if lim is None:
-        lim = _DEFAULT_LIMIT if limit is None else float_arg("limit", limit)
-    elif limit is not None:
-        raise ValueError(_err(f"activation={activation!r} has no clamp (got limit={limit!r}); "
-                              "'swiglu_clamped' and 'swiglu_oai' are the clamped forms"))
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, "expertact.moe")
     code = LAYOUTS.get(layout) if isinstance(layout, str) else None
     if code is None or code == _capi.LAYOUT_SEPARATE:
         raise ValueError(_err(f"layout={layout!r} is not one of {PACKED_LAYOUTS} (w13 holds gate and up "

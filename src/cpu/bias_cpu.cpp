@@ -5,37 +5,13 @@
 #include <vector>
 
 #include "core/bias.h"
-#include "core/convert.h"
 #include "core/dispatch.h"
 #include "core/error.h"
+#include "cpu/host_dtype.h"
 #include "cpu/parallel.h"
 
 namespace expertact::detail {
 namespace {
-
-// Storage <-> arithmetic type (S: float, or double for float64).
-template <typename T> struct Cv {
-  using S = float;
-  static float ld(T v) { return host::Io<T>::load(v); }
-  static T st(float f) { return host::Io<T>::store(f); }
-};
-template <> struct Cv<double> {
-  using S = double;
-  static double ld(double v) { return v; }
-  static double st(double v) { return v; }
-};
-
-template <typename Fn>
-Status dispatch_host_dtype(DType d, Fn&& fn) {
-  switch (d) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat16: return fn(host::f16{});
-    case DType::kBFloat16: return fn(host::bf16{});
-    case DType::kFloat64: return fn(double{});
-    default: break;
-  }
-  return fail(Status::kInternal, "bias: unexpected dtype ", static_cast<int>(d));
-}
 
 // Calls fn(e, r0, r1) for each run of one expert's rows in chunk c (e == E: past the last
 // offset), in row order.
@@ -209,7 +185,7 @@ void row_bwd(const RowBias& p) {
 }  // namespace
 
 Status cpu_glu_bias_forward(const GluProblem& p, const GluBias& b, const FwdOutput& o) {
-  return dispatch_host_dtype(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<true>(p.dtype, "bias", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
       glu_fwd<T, decltype(act)::value>(p, b, o);
@@ -219,7 +195,7 @@ Status cpu_glu_bias_forward(const GluProblem& p, const GluBias& b, const FwdOutp
 }
 
 Status cpu_glu_bias_backward(const GluProblem& p, const GluBias& b, const BwdIO& io) {
-  return dispatch_host_dtype(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<true>(p.dtype, "bias", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
       glu_bwd<T, decltype(act)::value>(p, b, io);
@@ -229,14 +205,14 @@ Status cpu_glu_bias_backward(const GluProblem& p, const GluBias& b, const BwdIO&
 }
 
 Status cpu_row_bias_forward(const RowBias& p) {
-  return dispatch_host_dtype(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<true>(p.dtype, "bias", [&](auto t) {
     row_fwd<decltype(t)>(p);
     return Status::kOk;
   });
 }
 
 Status cpu_row_bias_backward(const RowBias& p) {
-  return dispatch_host_dtype(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<true>(p.dtype, "bias", [&](auto t) {
     row_bwd<decltype(t)>(p);
     return Status::kOk;
   });

@@ -5,19 +5,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/convert.h"
 #include "core/dispatch.h"
 #include "core/error.h"
 #include "core/fp8.h"
 #include "core/math.h"
 #include "cpu/fp8_cpu.h"
+#include "cpu/host_dtype.h"
 #include "cpu/parallel.h"
 
 namespace expertact::detail {
 namespace {
-
-template <typename T>
-float load(const T& v) { return host::Io<T>::load(v); }
 
 // amax (NaN ignored), then q and the dequantisation scale 1 / s of one row of float32 values.
 void quantize_row(const float* v, int64_t n, uint8_t* q, float* scale_out) {
@@ -28,27 +25,16 @@ void quantize_row(const float* v, int64_t n, uint8_t* q, float* scale_out) {
   *scale_out = 1.0f / s;
 }
 
-template <typename Fn>
-Status dispatch_io(DType d, Fn&& fn) {
-  switch (d) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat16: return fn(host::f16{});
-    case DType::kBFloat16: return fn(host::bf16{});
-    default: break;
-  }
-  return fail(Status::kInternal, "fp8: unexpected dtype ", static_cast<int>(d));
-}
-
 }  // namespace
 
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
-  return dispatch_io(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     cpu::parallel_for(p.rows, 2 * p.cols, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(static_cast<size_t>(p.cols));
       for (int64_t r = r0; r < r1; ++r) {
         const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
-        for (int64_t j = 0; j < p.cols; ++j) buf[j] = load(x[j]);
+        for (int64_t j = 0; j < p.cols; ++j) buf[j] = Cv<T>::ld(x[j]);
         quantize_row(buf.data(), p.cols, static_cast<uint8_t*>(p.q) + r * p.q_stride, p.scale + r * p.scale_stride);
       }
     });
@@ -57,7 +43,7 @@ Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
 }
 
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
-  return dispatch_io(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     // Threads over columns: each column's experts in row order (reads stride down rows).
     cpu::parallel_for(p.cols, 2 * p.rows, [&](int64_t c0, int64_t c1) {
@@ -68,10 +54,10 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
           const int64_t end = p.offsets[e];
           float amax = 0.0f;
           for (int64_t r = start; r < end; ++r)
-            amax = std::fmax(amax, std::fabs(load(static_cast<const T*>(p.x)[r * p.x_stride + c])));
+            amax = std::fmax(amax, std::fabs(Cv<T>::ld(static_cast<const T*>(p.x)[r * p.x_stride + c])));
           const float s = fp8::scale_of(amax);
           for (int64_t r = start; r < end; ++r)
-            qc[r] = fp8::quantize(load(static_cast<const T*>(p.x)[r * p.x_stride + c]), s);
+            qc[r] = fp8::quantize(Cv<T>::ld(static_cast<const T*>(p.x)[r * p.x_stride + c]), s);
           p.scale[e * p.scale_stride + c] = 1.0f / s;
           start = end;
         }
@@ -83,7 +69,7 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
 }
 
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
-  return dispatch_io(p.dtype, [&](auto t) {
+  return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
       constexpr Activation A = decltype(act)::value;
@@ -94,7 +80,7 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
           const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
           const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
           const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
-          for (int64_t j = 0; j < p.F; ++j) h[j] = math::glu_fwd<A>(load(g[j * p.step]), load(u[j * p.step]), w, c);
+          for (int64_t j = 0; j < p.F; ++j) h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
           quantize_row(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
       });

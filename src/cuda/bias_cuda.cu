@@ -370,32 +370,6 @@ __global__ void zero_rows_kernel(float* x, int64_t n, int64_t stride) {
   if (i < n) x[i * stride] = 0.0f;
 }
 
-// One operand of the pack-width proof, with its own row count (a bias has E rows).
-struct Op {
-  const void* ptr;
-  int64_t stride;
-  int64_t rows;
-  int mult;  // elements per pack element: 2 for an interleaved gate_up row
-};
-
-bool aligned(const Op& o, int V, int es) {
-  const int64_t bytes = std::min<int64_t>(16, static_cast<int64_t>(o.mult) * V * es);
-  if (o.ptr == nullptr) return true;
-  if (reinterpret_cast<uintptr_t>(o.ptr) % bytes != 0) return false;
-  return o.rows <= 1 || (o.stride * es) % bytes == 0;
-}
-
-// The widest pack (16 bytes, 4 bytes, one element) every operand allows and that divides F.
-int pick_v(const std::vector<Op>& ops, int64_t F, int es, int step) {
-  for (int V : {16 / es / step, 4 / es, 1}) {
-    if (V < 1 || F % V != 0) continue;
-    bool ok = true;
-    for (const Op& o : ops) ok = ok && aligned(o, V, es);
-    if (ok) return V;
-  }
-  return 1;
-}
-
 template <typename Fn>
 Status dispatch_v(int V, Fn&& fn) {
   switch (V) {
@@ -492,12 +466,12 @@ BiasArgs<T> glu_args(const detail::GluProblem& p, const detail::GluBias& b) {
 // The activation's kernels at compile time: the pack width every operand allows (the
 // inputs, the bias and `more`), the element step and the activation; go(V, step, act tags).
 template <typename T, typename Go>
-Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, std::initializer_list<Op> more,
+Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, std::initializer_list<Operand> more,
                     Go&& go) {
-  std::vector<Op> ops = {{p.g, p.g_stride, p.rows, p.step}, {p.u, p.u_stride, p.rows, p.step},
-                         {b.bg, b.b_stride, b.er.experts, p.step}, {b.bu, b.b_stride, b.er.experts, p.step}};
+  std::vector<Operand> ops = {{p.g, p.g_stride, p.step}, {p.u, p.u_stride, p.step},
+                              {b.bg, b.b_stride, p.step, b.er.experts}, {b.bu, b.b_stride, p.step, b.er.experts}};
   ops.insert(ops.end(), more.begin(), more.end());
-  const int V = pick_v(ops, p.F, sizeof(T), p.step);
+  const int V = pick_pack(ops.data(), static_cast<int>(ops.size()), p.F, p.rows, sizeof(T), p.step);
   return dispatch_v(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     return detail::dispatch_step(p.step, [&](auto s) {
@@ -517,7 +491,7 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
   BiasArgs<T> a = glu_args<T>(p, b);
   a.out = static_cast<T*>(o.out);
   a.out_stride = o.out_stride;
-  return dispatch_glu<T>(p, b, {{o.out, o.out_stride, p.rows, 1}}, [&](auto v, auto s, auto act) {
+  return dispatch_glu<T>(p, b, {{o.out, o.out_stride, 1}}, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
     const Grid g = grid_for(p.rows, a.R, a.packs);
@@ -536,8 +510,8 @@ Status glu_backward_t(const detail::GluProblem& p, const detail::GluBias& b,
   a.du = static_cast<T*>(io.du);
   a.dg_stride = io.dg_stride;
   a.du_stride = io.du_stride;
-  const std::initializer_list<Op> outs = {{io.dy, io.dy_stride, p.rows, 1}, {io.dg, io.dg_stride, p.rows, p.step},
-                                          {io.du, io.du_stride, p.rows, p.step}};
+  const std::initializer_list<Operand> outs = {{io.dy, io.dy_stride, 1}, {io.dg, io.dg_stride, p.step},
+                                               {io.du, io.du_stride, p.step}};
   return dispatch_glu<T>(p, b, outs, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
@@ -576,9 +550,8 @@ Status row_forward_t(const detail::RowBias& p, cudaStream_t st) {
   a.g_stride = p.x_stride;
   a.out = static_cast<T*>(p.out);
   a.out_stride = p.out_stride;
-  const int V = pick_v({{p.x, p.x_stride, p.rows, 1}, {p.out, p.out_stride, p.rows, 1},
-                        {p.b, p.b_stride, p.er.experts, 1}},
-                       p.cols, sizeof(T), 1);
+  const Operand ops[] = {{p.x, p.x_stride, 1}, {p.out, p.out_stride, 1}, {p.b, p.b_stride, 1, p.er.experts}};
+  const int V = pick_pack(ops, 3, p.cols, p.rows, sizeof(T), 1);
   return dispatch_v(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     if constexpr (kV * sizeof(T) > 16) {
@@ -602,8 +575,8 @@ Status row_backward_t(const detail::RowBias& p, cudaStream_t st) {
     zero_rows_kernel<<<static_cast<unsigned>((p.rows + 255) / 256), 256, 0, st>>>(p.dw, p.rows, p.dw_stride);
     return cuda_check(cudaGetLastError(), "zero kernel launch");
   }
-  const int V = pick_v({{p.dy, p.dy_stride, p.rows, 1}, {p.b, p.b_stride, p.er.experts, 1}},
-                       p.cols, sizeof(T), 1);
+  const Operand ops[] = {{p.dy, p.dy_stride, 1}, {p.b, p.b_stride, 1, p.er.experts}};
+  const int V = pick_pack(ops, 2, p.cols, p.rows, sizeof(T), 1);
   return dispatch_v(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     if constexpr (kV * sizeof(T) > 16) {

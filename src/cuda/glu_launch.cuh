@@ -18,11 +18,13 @@ namespace expertact::cuda {
 constexpr int kThreads = 128;
 
 // One operand as seen by the alignment proof: its base pointer, row stride (in
-// elements) and the elements one pack of it holds.
+// elements) and the elements one pack of it holds; rows: its own row count when it
+// differs from the call's (a per-expert bias has E rows), else -1.
 struct Operand {
   const void* ptr;
   int64_t stride;
   int mult;  // elements per output element: 1, or 2 for an interleaved gate_up row
+  int64_t rows = -1;
 };
 
 inline bool operand_aligned(const Operand& o, int V, int es, int64_t rows) {
@@ -42,7 +44,8 @@ inline int pick_pack(const Operand* ops, int n, int64_t F, int64_t rows, int es,
   for (int V : {widest, narrow, 1}) {
     if (V < 1 || F % V != 0) continue;
     bool ok = true;
-    for (int i = 0; i < n && ok; ++i) ok = operand_aligned(ops[i], V, es, rows);
+    for (int i = 0; i < n && ok; ++i)
+      ok = operand_aligned(ops[i], V, es, ops[i].rows >= 0 ? ops[i].rows : rows);
     if (ok) return V;
   }
   return 1;

@@ -7,32 +7,13 @@ import torch
 import expertact
 from expertact import functional as Fn
 from expertact.moe import expert_mlp
+from support.oracle import glu64
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 _ACT_KW = {"swiglu": {}, "swiglu_clamped": {"limit": 2.5}, "swiglu_oai": {"alpha": 1.702, "limit": 2.0},
            "geglu_tanh": {}}
-
-
-def _act64(z, activation, layout, F):
-    """The gated activation of gate_up z (float64), as torch computes it."""
-    if layout == "interleaved":
-        g, u = z[..., 0::2], z[..., 1::2]
-    elif layout == "up_first":
-        u, g = z[..., :F], z[..., F:]
-    else:
-        g, u = z[..., :F], z[..., F:]
-    kw = _ACT_KW[activation]
-    if activation == "swiglu":
-        return torch.nn.functional.silu(g) * u
-    if activation == "geglu_tanh":
-        return torch.nn.functional.gelu(g, approximate="tanh") * u
-    L = kw["limit"]
-    g, u = g.clamp(max=L), u.clamp(-L, L)
-    if activation == "swiglu_clamped":
-        return torch.nn.functional.silu(g) * u
-    return g * torch.sigmoid(kw["alpha"] * g) * (u + 1)
 
 
 def _experts_of(offsets, T):
@@ -43,7 +24,7 @@ def _bias_rows(b, eidx):
     return torch.cat((b, b.new_zeros((1, b.shape[1]))))[eidx.to(b.device)]
 
 
-def _reference(x, w13, w2, offsets, activation, layout, weights, b13, b2):
+def _reference(x, w13, w2, offsets, activation, layout, weights, b13, b2, **act_kw):
     """y of the biased expert MLP, float64, GPT-OSS's order: (act(x w13 + b13) w2 + b2) * weights."""
     T = x.shape[0]
     F = w13.shape[-1] // 2
@@ -56,7 +37,7 @@ def _reference(x, w13, w2, offsets, activation, layout, weights, b13, b2):
     gate_up = torch.cat(parts + [x.new_zeros((T - start, w13.shape[-1]))])
     if b13 is not None:
         gate_up = gate_up + _bias_rows(b13, eidx)
-    h = _act64(gate_up, activation, layout, F)
+    h = glu64(gate_up, layout, activation, **act_kw)
     start, parts = 0, []
     for e, stop in enumerate(ends):
         parts.append(h[start:stop] @ w2[e])
@@ -96,7 +77,7 @@ def test_expert_mlp_biases_float64(activation, layout, mode):
     kw = dict(_ACT_KW[activation])
     y = expert_mlp(x, w13, w2, offsets, activation, layout=layout, weights=weights, b13=b13, b2=b2,
                    recompute=mode == "recompute", inplace_backward=mode == "inplace", **kw)
-    ref = _reference(x, w13, w2, offsets, activation, layout, weights, b13, b2)
+    ref = _reference(x, w13, w2, offsets, activation, layout, weights, b13, b2, **kw)
     # alpha and limit reach the kernels as float32: a few 1e-8 of difference in float64
     assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6), (y - ref).abs().max()
     assert torch.all(y[31:] == 0)
@@ -114,8 +95,6 @@ def test_expert_mlp_one_bias(which):
     b2 = b2 if which in ("b2", "both") else None
     leaves = [t.requires_grad_() for t in (x, w13, w2, weights) + tuple(t for t in (b13, b2) if t is not None)]
     y = expert_mlp(x, w13, w2, offsets, "swiglu_oai", layout="interleaved", weights=weights, b13=b13, b2=b2)
-    ref = _reference(x, w13, w2, offsets, "swiglu_oai", "interleaved", weights, b13, b2)
-    _ACT_KW["swiglu_oai"]  # alpha 1.702, limit 7 are the defaults here
     ref = _reference_defaults(x, w13, w2, offsets, weights, b13, b2)
     assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
     dy = torch.randn_like(y)
@@ -124,12 +103,8 @@ def test_expert_mlp_one_bias(which):
 
 
 def _reference_defaults(x, w13, w2, offsets, weights, b13, b2):
-    saved = _ACT_KW["swiglu_oai"]
-    _ACT_KW["swiglu_oai"] = {"alpha": 1.702, "limit": 7.0}
-    try:
-        return _reference(x, w13, w2, offsets, "swiglu_oai", "interleaved", weights, b13, b2)
-    finally:
-        _ACT_KW["swiglu_oai"] = saved
+    """The reference of expert_mlp's swiglu_oai defaults (alpha 1.702, limit 7), interleaved."""
+    return _reference(x, w13, w2, offsets, "swiglu_oai", "interleaved", weights, b13, b2, alpha=1.702, limit=7.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,14 +1,13 @@
 """expertact.fp8 (CPU): float8 e4m3fn bits against torch's own cast, scales against torchao's
 recipe written in torch here (float64 division, power-of-two floor), NaN and Inf rows, the GLU
 form against a float64 oracle, and the refusals."""
-import math
 
 import pytest
 import torch
 
 import expertact
 from expertact import fp8
-from expertact import functional as Fn
+from support.oracle import glu64
 
 
 def _recipe(t):
@@ -85,23 +84,6 @@ def test_nan_and_inf_surface():
     assert torch.equal(_bits(q[2:]), rq) and torch.equal(scale[2:], rs)
 
 
-def _glu64(z, layout, activation, F, alpha=1.702, limit=7.0):
-    if layout == "interleaved":
-        g, u = z[..., 0::2], z[..., 1::2]
-    elif layout == "up_first":
-        u, g = z[..., :F], z[..., F:]
-    else:
-        g, u = z[..., :F], z[..., F:]
-    if activation == "swiglu":
-        return torch.nn.functional.silu(g) * u
-    if activation == "geglu_tanh":
-        return torch.nn.functional.gelu(g, approximate="tanh") * u
-    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    if activation == "swiglu_clamped":
-        return torch.nn.functional.silu(g) * u
-    return g * torch.sigmoid(alpha * g) * (u + 1)
-
-
 @pytest.mark.parametrize("activation", ["swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh"])
 @pytest.mark.parametrize("layout", ["halves", "up_first", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,7 +94,7 @@ def test_glu_rowwise_against_float64(activation, layout, dtype):
     w = torch.rand(T, generator=g)
     q, scale = fp8.glu_rowwise(z, activation, layout=layout, weights=w)
     kw = {"limit": 7.0} if activation == "swiglu_clamped" else {}
-    h = _glu64(z.double(), layout, activation, F, **kw) * w.double()[:, None]
+    h = glu64(z.double(), layout, activation, **kw) * w.double()[:, None]
     rq, rs = _recipe(h.float())  # the float32 activation, one rounding, then the recipe
     assert torch.equal(scale, rs)
     # the library's float32 activation may differ from the float64 one rounded by an ulp:
@@ -125,7 +107,7 @@ def test_glu_rowwise_separate_and_alpha_limit():
     g = torch.Generator().manual_seed(2)
     gate, up = torch.randn(20, 16, generator=g) * 4, torch.randn(20, 16, generator=g) * 4
     q, scale = fp8.glu_rowwise(gate, "swiglu_oai", up=up, alpha=1.5, limit=3.0)
-    h = _glu64(torch.cat((gate, up), 1).double(), "halves", "swiglu_oai", 16, alpha=1.5, limit=3.0)
+    h = glu64(torch.cat((gate, up), 1).double(), "halves", "swiglu_oai", alpha=1.5, limit=3.0)
     rq, rs = _recipe(h.float())
     assert torch.equal(scale, rs)
     assert (_bits(q).int() - rq.int()).abs().max() <= 1
@@ -175,7 +157,7 @@ def test_cuda_glu_rowwise_against_float64(activation, layout):
     z = (torch.randn(T, 2 * F, generator=g) * 3).to(torch.bfloat16)
     w = torch.rand(T, generator=g)
     q, scale = fp8.glu_rowwise(z.cuda(), activation, layout=layout, weights=w.cuda())
-    h = _glu64(z.double(), layout, activation, F) * w.double()[:, None]
+    h = glu64(z.double(), layout, activation) * w.double()[:, None]
     rq, rs = _recipe(h.float())
     assert torch.equal(scale.cpu(), rs)
     diff = (_bits(q).cpu().int() - rq.int()).abs()
