@@ -1,6 +1,6 @@
 // The FP8 entry points (src/core/fp8.h): the input checks of the activation's forward
 // (prepare_forward, src/api.cpp) or of one matrix, those of the e4m3fn output and the scales,
-// then the CPU path. The CUDA kernels are not built yet: CUDA tensors get kUnsupported.
+// then the CPU or CUDA path.
 #include <cstdint>
 
 #include "api.h"
@@ -44,22 +44,22 @@ Status check_fp8_outputs(const MatrixRef& q, const VectorRef& scale, int64_t row
   return check_no_overlap("scale", es, "q", extent_of(q));
 }
 
+#if !EXPERTACT_WITH_CUDA
 Status no_fp8_cuda(const char* name) {
-  return fail(Status::kUnsupported, name, " is a CUDA tensor: the FP8 kernels have no CUDA path yet "
-              "(CPU only; docs/spec.md section 10)");
+  return fail(Status::kUnsupported, name, " is a CUDA tensor but this expertact build has no CUDA path");
 }
+#endif
 
 }  // namespace
 
 Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                                  void* stream) {
-  (void)stream;
   EA_TRY(check_matrix("x", x));
   EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_fp8_outputs(q, scale, x.rows, x.cols, x.device, x.device_id, "x", extent_of(x)));
-  if (x.device != DeviceType::kCPU) return no_fp8_cuda("x");
   if (x.rows == 0) return Status::kOk;
   Fp8Rows p;
+  p.device_id = x.device_id;
   p.dtype = x.dtype;
   p.rows = x.rows;
   p.cols = x.cols;
@@ -69,7 +69,13 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
   p.q_stride = q.row_stride;
   p.scale = scale.data;
   p.scale_stride = scale.stride;
-  return cpu_fp8_quantize_rowwise(p);
+  if (x.device == DeviceType::kCPU) return cpu_fp8_quantize_rowwise(p);
+#if EXPERTACT_WITH_CUDA
+  return cuda_fp8_quantize_rowwise(p, stream);
+#else
+  (void)stream;
+  return no_fp8_cuda("x");
+#endif
 }
 
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
@@ -84,7 +90,8 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
   EA_TRY(check_fp8_output("scale", scale, offsets.size, x.cols, DType::kFloat32,
                           "one scale per expert and column", x.device, x.device_id, "x", ex));
   EA_TRY(check_no_overlap("scale", extent_of(scale), "q_t", extent_of(q_t)));
-  if (x.device != DeviceType::kCPU) return no_fp8_cuda("x");
+  if (x.device != DeviceType::kCPU)
+    return fail(Status::kUnsupported, "x is a CUDA tensor: quantize_colwise_grouped has no CUDA path yet");
   if (x.cols == 0) return Status::kOk;
   Fp8Cols p;
   p.dtype = x.dtype;
@@ -104,7 +111,6 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                             const VectorRef& scale, void* stream) {
-  (void)stream;
   const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
@@ -118,14 +124,19 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
     EA_TRY(check_no_overlap("q", extent_of(q), "weights", extent_of(*weights)));
     EA_TRY(check_no_overlap("scale", extent_of(scale), "weights", extent_of(*weights)));
   }
-  if (p.device != DeviceType::kCPU) return no_fp8_cuda(xname);
   if (p.rows == 0) return Status::kOk;
   Fp8Out o;
   o.q = q.data;
   o.q_stride = q.row_stride;
   o.scale = scale.data;
   o.scale_stride = scale.stride;
-  return cpu_fp8_glu_rowwise(p, o);
+  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_rowwise(p, o);
+#if EXPERTACT_WITH_CUDA
+  return cuda_fp8_glu_rowwise(p, o, stream);
+#else
+  (void)stream;
+  return no_fp8_cuda(xname);
+#endif
 }
 
 }  // namespace detail

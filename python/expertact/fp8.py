@@ -13,8 +13,8 @@ output is NaN, never finite garbage.
     q, scale = expertact.fp8.quantize_rowwise(t)                       # t [..., C]
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
 
-CPU only for now: CUDA tensors raise NotImplementedError (the CUDA kernels are planned).
-No autograd: these are operand producers for a custom FP8 backward.
+CPU and CUDA (a warp per row, two passes). No autograd: these are operand producers for a
+custom FP8 backward.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 from . import _capi
 from ._args import layout_code, preset_coeffs, tensor_arg
 from ._bias import _check, _matrix, _params_ref, _vector, check_offsets
+from ._describe import stream_of
 
 __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
 
@@ -53,7 +54,7 @@ def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("expertact.fp8.quantize_rowwise: t must have at least one dimension [..., C]")
     q, scale = _outputs(t, t.shape[-1])
     xs, qs, ss = _matrix(t), _matrix(q), _vector(scale.view(-1))
-    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), None))
+    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), stream_of(t)))
     return q, scale
 
 
@@ -100,5 +101,6 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     ws = None if weights is None else _vector(weights)
     pref, _keep = _params_ref(act, a, lim, beta)
     _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]), None if us is None else byref(us[1]),
-                                             None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]), None))
+                                             None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]),
+                                             stream_of(gate_up)))
     return q, scale

@@ -18,6 +18,7 @@ struct Fp8Out {
 // x [rows, cols] -> q, scale.
 struct Fp8Rows : Fp8Out {
   DType dtype = DType::kFloat32;
+  int32_t device_id = 0;
   int64_t rows = 0, cols = 0;
   const void* x = nullptr;
   int64_t x_stride = 0;
@@ -40,5 +41,9 @@ struct Fp8Cols {
 };
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o);
+#if EXPERTACT_WITH_CUDA
+Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);
+Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream);
+#endif
 
 }  // namespace expertact::detail

@@ -126,6 +126,42 @@ def test_refusals():
         fp8.glu_rowwise(torch.randn(4, 8), "swiglu", limit=3.0)
     with pytest.raises(ValueError, match="odd"):
         fp8.glu_rowwise(torch.randn(4, 7), "swiglu")
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 3, 333, 3072])
+def test_cuda_quantize_matches_cpu(dtype, cols):
+    g = torch.Generator().manual_seed(3)
+    mags = torch.logspace(-9, 4, 97, dtype=torch.float64)
+    t = (torch.randn(97, cols, generator=g, dtype=torch.float64) * mags[:, None]).to(dtype)
+    t[3] = 0
+    t[4, 0] = float("nan")
+    if cols > 1:
+        t[5, 1] = float("inf")
+    q, scale = fp8.quantize_rowwise(t.cuda())
+    rq, rs = fp8.quantize_rowwise(t)
+    assert torch.equal(scale.cpu(), rs)
+    assert torch.equal(_bits(q).cpu(), _bits(rq))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "geglu_tanh"])
+@pytest.mark.parametrize("layout", ["halves", "interleaved"])
+def test_cuda_glu_rowwise_against_float64(activation, layout):
+    g = torch.Generator().manual_seed(4)
+    T, F = 1000, 3072
+    z = (torch.randn(T, 2 * F, generator=g) * 3).to(torch.bfloat16)
+    w = torch.rand(T, generator=g)
+    q, scale = fp8.glu_rowwise(z.cuda(), activation, layout=layout, weights=w.cuda())
+    h = glu64(z.double(), layout, activation) * w.double()[:, None]
+    rq, rs = _recipe(h.float())
+    assert torch.equal(scale.cpu(), rs)
+    diff = (_bits(q).cpu().int() - rq.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
     if torch.cuda.is_available():
         with pytest.raises(NotImplementedError, match="no CUDA path"):
             fp8.quantize_rowwise(torch.randn(4, 8, device="cuda"))
