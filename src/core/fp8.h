@@ -52,7 +52,13 @@ EA_HD float scale_of(float amax) {
   return math::as_float(math::as_bits(s) & 0x7f800000u);  // s is normal or 0 here
 }
 
-// One value quantised with multiplier s: e4m3fn(clamp(v * s, -448, 448)).
-EA_HD uint8_t quantize(float v, float s) { return from_float(v * s); }
+// One value quantised with multiplier s: e4m3fn(clamp(v * s, -448, 448)); a NaN product is
+// written 0x7f whatever its sign, because the sign of the NaN that 0 x inf makes differs
+// between platforms (negative on x86, positive on NVIDIA GPUs) and the CPU and CUDA paths must
+// give the same bytes.
+EA_HD uint8_t quantize(float v, float s) {
+  const float x = v * s;
+  return x != x ? static_cast<uint8_t>(0x7f) : from_float(x);
+}
 
 }  // namespace expertact::fp8

@@ -468,8 +468,14 @@ BiasArgs<T> glu_args(const detail::GluProblem& p, const detail::GluBias& b) {
 template <typename T, typename Go>
 Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, std::initializer_list<Operand> more,
                     Go&& go) {
-  std::vector<Operand> ops = {{p.g, p.g_stride, p.step}, {p.u, p.u_stride, p.step},
-                              {b.bg, b.b_stride, p.step, b.er.experts}, {b.bu, b.b_stride, p.step, b.er.experts}};
+  // An interleaved row's pack holds gate and up together: it is aligned when gate's is (up sits
+  // one element after it), so only the gate pointers count; checking up's too gave one-element
+  // packs, at 2.8 TB/s forward and 2.35 backward on the H200 (docs/perf-notes.md section 12).
+  std::vector<Operand> ops = {{p.g, p.g_stride, p.step}, {b.bg, b.b_stride, p.step, b.er.experts}};
+  if (p.step == 1) {
+    ops.push_back({p.u, p.u_stride, 1});
+    ops.push_back({b.bu, b.b_stride, 1, b.er.experts});
+  }
   ops.insert(ops.end(), more.begin(), more.end());
   const int V = pick_pack(ops.data(), static_cast<int>(ops.size()), p.F, p.rows, sizeof(T), p.step);
   return dispatch_v(V, [&](auto v) {
@@ -510,8 +516,8 @@ Status glu_backward_t(const detail::GluProblem& p, const detail::GluBias& b,
   a.du = static_cast<T*>(io.du);
   a.dg_stride = io.dg_stride;
   a.du_stride = io.du_stride;
-  const std::initializer_list<Operand> outs = {{io.dy, io.dy_stride, 1}, {io.dg, io.dg_stride, p.step},
-                                               {io.du, io.du_stride, p.step}};
+  const Operand du = p.step == 1 ? Operand{io.du, io.du_stride, 1} : Operand{io.dg, io.dg_stride, p.step};
+  const std::initializer_list<Operand> outs = {{io.dy, io.dy_stride, 1}, {io.dg, io.dg_stride, p.step}, du};
   return dispatch_glu<T>(p, b, outs, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;

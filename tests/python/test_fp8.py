@@ -18,11 +18,13 @@ def _recipe(t):
     s = (448.0 / a.double()).float()
     s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
     q = torch.clamp(v * s[..., None], -448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), (1.0 / s)
+    return _bits(q), (1.0 / s)
 
 
 def _bits(q):
-    return q.view(torch.uint8)
+    """q's bytes, NaN written 0x7f: the library does not keep a NaN's sign (fp8.h's quantize)."""
+    b = q.view(torch.uint8)
+    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
 
 
 def test_every_bf16_value_converts_as_torch():
@@ -162,9 +164,6 @@ def test_cuda_glu_rowwise_against_float64(activation, layout):
     assert torch.equal(scale.cpu(), rs)
     diff = (_bits(q).cpu().int() - rq.int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
-    if torch.cuda.is_available():
-        with pytest.raises(NotImplementedError, match="no CUDA path"):
-            fp8.quantize_rowwise(torch.randn(4, 8, device="cuda"))
 
 
 def _recipe_grouped(t, ends):
