@@ -21,6 +21,8 @@ Variants (--variants, comma-separated, run in this order; the first is the basel
                      inplace_backward=True): gate_up's gradient written over gate_up
   expertact_recompute  register(..., recompute=True): h recomputed in backward (not run by default)
   expertact_repeat   "expertact" again: are two identical runs bit-identical?
+  expertact_fp8      register(..., fp8="rowwise"): the expert GEMMs in float8 e4m3 with rowwise
+                     scales (Hopper only; not run by default)
   grouped_mm_repeat  "grouped_mm" again (not run by default)
 
 A repeat is compared with the run it repeats, from the same command or from an earlier one into
@@ -88,6 +90,7 @@ VARIANTS = {
     "expertact_inplace": ("expertact_inplace", dict(inplace_backward=True), None),
     "expertact_recompute": ("expertact_recompute", dict(recompute=True), None),
     "expertact_repeat": ("expertact", None, "expertact"),
+    "expertact_fp8": ("expertact_fp8", dict(fp8="rowwise"), None),
     "grouped_mm_repeat": ("grouped_mm", None, "grouped_mm"),
 }
 DEFAULT_VARIANTS = ("grouped_mm", "eager", "expertact", "expertact_inplace", "expertact_repeat")

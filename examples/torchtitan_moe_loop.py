@@ -48,6 +48,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import finetune_gpt_oss as common  # noqa: E402  (the data, loop and outputs of the other example)
 
+
+def _fsdp_name_for_older_torch():
+    """TorchTitan 0.3.0 imports FSDP's DataParallelMeshDims (torch >= 2.12) when its model
+    packages load, for FSDP wrapping this loop never calls. On an older torch a placeholder of
+    that name lets the model classes import (calling it fails); returns whether one was needed,
+    which the record notes."""
+    import torch.distributed.fsdp as fsdp
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return False
+
+    class DataParallelMeshDims:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("placeholder for torch >= 2.12's FSDP DataParallelMeshDims")
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return True
+
 SIZES = {
     "h200": dict(hidden=1024, intermediate=1024, experts=32, top_k=4, layers=4, heads=16, kv_heads=4,
                  head_dim=64, seq=256, batch=256),
@@ -188,6 +204,7 @@ def run(argv=None, log=print):
     else:
         names = [v for v in args.variants.split(",") if v]
     check_variants(p, names)
+    fsdp_placeholder = _fsdp_name_for_older_torch()
 
     t0 = time.perf_counter()
     tokens, corpus = common.load_tokens()
@@ -205,6 +222,7 @@ def run(argv=None, log=print):
                  lr=args.lr, seed=args.seed, dtype=dtype_name, expertact_compute_dtype=compute_dtype,
                  tokens_per_step=tokens_per_step, expert_rows_per_layer=tokens_per_step * s["top_k"], params=n_params,
                  corpus=corpus, epoch_steps=batches.epoch_steps, determinism=det,
+                 fsdp_placeholder=fsdp_placeholder,
                  attention="SDPA math backend" if args.deterministic else "SDPA (cuDNN, flash, math)",
                  optimizer="AdamW(betas=(0.9, 0.95), weight_decay=0.1), clip 1.0, "
                  f"linear warm-up {max(1, min(20, args.steps // 10))} steps")

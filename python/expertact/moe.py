@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _bias, _capi, _fused
+from . import _bias, _capi, _fp8_mlp, _fused
 from ._args import LAYOUTS, preset_coeffs
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._capi import DTypeError
@@ -323,6 +323,29 @@ def _kept(ctx):
     return (*saved[:_KEPT], h)
 
 
+def _glu_grad(ctx, dh, gate_up, weights, b13, offs):
+    """(dgate_up, the weights' gradient or None, db13 or None) from dh: the activation's
+    backward in the node's memory mode (in place over gate_up with inplace_backward, which
+    spends the node), b13's gradient fused when b13 is given."""
+    plan = ctx.plan
+    need_x, need_w13, _, need_w = ctx.needs_input_grad[:4]
+    need_b13 = ctx.needs_input_grad[ctx.b13_index]
+    weights_grad = weights is not None and need_w
+    inplace = plan.inplace and (need_x or need_w13 or need_b13)
+    if inplace:
+        ctx.spent = True
+    if b13 is not None:
+        dgate_up, _, dweights, db13 = _bias.glu_backward(dh, gate_up, None, b13, offs, weights, weights_grad,
+                                                         need_b13, inplace, *plan.glu)
+        return dgate_up, dweights, db13
+    if inplace:
+        gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
+        glu_backward_inplace_op(dh, gate_up, None, weights, gw, *plan.glu)
+        return gate_up, gw, None
+    res = glu_backward_op(dh, gate_up, None, weights, weights_grad, *plan.glu)
+    return res[0], (res[-1] if weights_grad else None), None
+
+
 class _ExpertMLP(torch.autograd.Function):
     """Keeps x, w13, w2, weights, gate_up and (unless recompute) h: what torch's autograd
     keeps for the unfused composition (torch._grouped_mm saves its inputs, the activation
@@ -332,6 +355,7 @@ class _ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
         x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan, b13, b2)
         _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), h)
+        ctx.b13_index = 6
         del h  # with recompute, freed here: one [T, F] tensor less kept for backward
         return y
 
@@ -355,21 +379,7 @@ class _ExpertMLP(torch.autograd.Function):
         h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
         if need_x or need_w13 or need_w or need_b13:
             dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
-            weights_grad = weights is not None and need_w
-            inplace = plan.inplace and (need_x or need_w13 or need_b13)
-            if inplace:
-                ctx.spent = True
-            if b13 is not None:
-                dgate_up, _, dweights, db13 = _bias.glu_backward(dh, gate_up, None, b13, offs, weights, weights_grad,
-                                                                 need_b13, inplace, *plan.glu)
-            elif inplace:
-                gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
-                glu_backward_inplace_op(dh, gate_up, None, weights, gw, *plan.glu)
-                dgate_up, dweights = gate_up, gw
-            else:
-                res = glu_backward_op(dh, gate_up, None, weights, weights_grad, *plan.glu)
-                dgate_up = res[0]
-                dweights = res[-1] if weights_grad else None
+            dgate_up, dweights, db13 = _glu_grad(ctx, dh, gate_up, weights, b13, offs)
             del dh
             if need_x:
                 dx = _gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
@@ -378,6 +388,32 @@ class _ExpertMLP(torch.autograd.Function):
         if dweights_b2 is not None:
             dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
         return dx, dw13, dw2, dweights, None, None, db13, db2
+
+
+class _Fp8ExpertMLP(torch.autograd.Function):
+    """expert_mlp(fp8="rowwise") (_fp8_mlp): keeps what recompute=True keeps (x, the weights,
+    gate_up in bf16); h is recomputed in backward for w2's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
+        x, gate_up, y = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)
+        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), None)
+        ctx.fplan = fplan
+        ctx.b13_index = 7
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13, w2, weights, offs, gate_up, b13, b2, _ = _kept(ctx)
+        plan = ctx.plan
+        n = ctx.needs_input_grad
+        needs = (n[0], n[1], n[2], n[3], n[7], n[8])
+        grads = _fp8_mlp.backward(
+            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan,
+            glu_grad=lambda dh: _glu_grad(ctx, dh, gate_up, weights, b13, offs),
+            h_of=lambda: _glu(gate_up, weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad)
+        dx, dw13, dw2, dweights, db13, db2 = grads
+        return dx, dw13, dw2, dweights, None, None, None, db13, db2
 
 
 # ---------------------------------------------------------------------------
@@ -499,7 +535,7 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
                alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
                weights: Optional[Tensor] = None, recompute: bool = False,
                inplace_backward: bool = False, fused: bool = False, b13: Optional[Tensor] = None,
-               b2: Optional[Tensor] = None) -> Tensor:
+               b2: Optional[Tensor] = None, fp8: Optional[str] = None, fp8_wgrad: bool = True) -> Tensor:
     """The grouped expert MLP over rows sorted by expert (docs/spec.md section 7)::
 
         gate_up = x[rows of e] @ w13[e]        (grouped GEMM)
@@ -536,6 +572,15 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
             path runs, with a warning once per reason. Same numerics: h from gate_up rounded
             to bf16, rounded once; dgate_up from dh rounded to bf16, as the unfused path
             stores them.
+        fp8: ``"rowwise"`` runs the six grouped GEMMs as ``torch._scaled_grouped_mm`` in float8
+            e4m3fn with float32 power-of-two scales (torchao's rowwise recipe: rowwise for the
+            token-major operands, per expert and column for the weights and for the
+            weight-gradient operands), on Hopper (sm90), bf16, D and F multiples of 16; the
+            activation writes h in e4m3 with its scales from its float32 values. The node keeps
+            what ``recompute=True`` keeps (h is recomputed in backward). Anything else (the CPU,
+            other GPUs, other dtypes) raises NotImplementedError naming what is missing.
+        fp8_wgrad: with ``fp8="rowwise"``, False keeps the two weight-gradient GEMMs in bf16
+            (the accuracy fallback).
 
     Returns:
         y [T, D], differentiable in x, w13, w2 and weights.
@@ -553,6 +598,22 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     biased = b13 is not None or b2 is not None
     if biased and offs.device != x.device:
         offs = offs.to(x.device)  # the bias kernels read the offsets on x's device
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w13, w2, weights, b13, b2))
+    if fp8 is not None:
+        if fp8 != "rowwise":
+            raise ValueError(_err(f"fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for bf16)"))
+        if fused:
+            raise ValueError(_err("fp8='rowwise' and fused=True are exclusive: the fused GEMMs are bf16"))
+        reason = _fp8_mlp.why_not(x, D, F)
+        if reason is not None:
+            raise NotImplementedError(_err(f"fp8='rowwise' cannot run here: {reason}"))
+        offs = offs.to(x.device)
+        plan = _Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased)
+        fplan = _fp8_mlp.Fp8Plan(activation, alpha, limit, layout, bool(fp8_wgrad))
+        if needs_grad:
+            return _Fp8ExpertMLP.apply(x, w13, w2, weights, offs, plan, fplan, b13, b2)
+        return _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)[2]
     plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
     use_fused = False
     if fused:
@@ -562,8 +623,6 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
         use_fused = reason is None
         if not use_fused:
             _fused_fallback(reason)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w13, w2, weights, b13, b2))
     if use_fused:
         if needs_grad:
             return _FusedExpertMLP.apply(x, w13, w2, weights, offs, plan)

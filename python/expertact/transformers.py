@@ -266,12 +266,14 @@ class _Gather(torch.autograd.Function):
 
 
 def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *,
-                    recompute: bool = False, inplace_backward: bool = False) -> Tensor:
+                    recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None,
+                    fp8_wgrad: bool = True) -> Tensor:
     """The experts of a transformers MoE block (the class's ``forward`` arguments) through
     :func:`expertact.moe.expert_mlp`: hidden_states [T, D], top_k_index [T, K] (expert ids;
     ids >= E contribute nothing), top_k_weights [T, K] -> [T, D] in hidden_states' dtype.
     With expert biases (has_bias=True), each pair gives (act(x W13 + b13) W2 + b2) * weight.
-    recompute / inplace_backward: expert_mlp's memory modes."""
+    recompute / inplace_backward: expert_mlp's memory modes; fp8 / fp8_wgrad: its FP8 GEMMs
+    (fp8="rowwise", Hopper only)."""
     gate = _gate_of(module)
     name = type(module).__name__
     if hidden_states.dim() != 2:
@@ -308,7 +310,8 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     flat_w = top_k_weights.reshape(-1)
     ws = _Gather.apply(flat_w, perm, inverse, 1).to(torch.float32)
     ys = expert_mlp(xs, w13, w2, offsets, gate.activation, alpha=gate.alpha, limit=gate.limit, layout=gate.layout,
-                    weights=ws, recompute=recompute, inplace_backward=inplace_backward, b13=b13, b2=b2)
+                    weights=ws, recompute=recompute, inplace_backward=inplace_backward, b13=b13, b2=b2,
+                    fp8=fp8, fp8_wgrad=fp8_wgrad)
     # Back to (token, k) order, then the K contributions of each token summed in float32.
     y = _Gather.apply(ys, inverse, perm, 1).view(T, K, D).sum(1, dtype=torch.float32)
     return y.to(hidden_states.dtype)
@@ -317,10 +320,12 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
 _REGISTERED: Dict[str, Callable] = {}
 
 
-def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward: bool = False) -> Callable:
+def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward: bool = False,
+             fp8: Optional[str] = None, fp8_wgrad: bool = True) -> Callable:
     """Registers expertact under ``name`` in transformers' experts registry, with expert_mlp's
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
-    is written over gate_up, so the graph runs backward once only). Returns the registered
+    is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8="rowwise":
+    Hopper only; fp8_wgrad=False keeps the weight gradients in bf16). Returns the registered
     function. Re-registering a name this module registered replaces it; transformers' own names
     ("eager", "grouped_mm", ...) are refused."""
     if not isinstance(name, str) or not name:
@@ -335,12 +340,13 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute=recompute,
-                               inplace_backward=inplace_backward)
+                               inplace_backward=inplace_backward, fp8=fp8, fp8_wgrad=fp8_wgrad)
 
     forward.__name__ = forward.__qualname__ = "expertact_experts_forward"
     forward.__doc__ = (f"expertact's experts implementation {name!r} (recompute={recompute}, "
-                       f"inplace_backward={inplace_backward}): see expertact.transformers.experts_forward.")
-    forward.recompute, forward.inplace_backward = recompute, inplace_backward
+                       f"inplace_backward={inplace_backward}, fp8={fp8!r}, fp8_wgrad={fp8_wgrad}): see "
+                       "expertact.transformers.experts_forward.")
+    forward.recompute, forward.inplace_backward, forward.fp8 = recompute, inplace_backward, fp8
     _hf_moe.ALL_EXPERTS_FUNCTIONS.register(name, forward)
     _REGISTERED[name] = forward
     return forward

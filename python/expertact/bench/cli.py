@@ -8,6 +8,7 @@ implementations), chosen by the command line.
     python -m expertact.bench --peers               # beside DeepSpeed's Triton kernels, several sizes
     python -m expertact.bench --mlp                 # the expert MLP (expertact.moe) and its memory modes
                                                     # (docs/python.md)
+    python -m expertact.bench --mlp --fp8           # the FP8 expert MLP beside bf16, torchao and the FP8 GEMM floor
     python -m expertact.bench --mlp --bias          # the same with and without GPT-OSS's expert biases, beside
                                                     # the torch compositions with biases
     python -m expertact.bench --experts             # Hugging Face transformers' experts: eager, grouped_mm,
@@ -74,6 +75,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--mlp" in argv and "--fp8" in argv:  # the FP8 expert-MLP table, with its own options
+        from . import fp8
+
+        return fp8.main([x for x in argv if x not in ("--mlp", "--fp8")])
     if "--mlp" in argv:  # the expert-MLP table, with its own options
         from . import mlp
 

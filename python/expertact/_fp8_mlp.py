@@ -1,0 +1,171 @@
+"""expert_mlp(fp8="rowwise"): the grouped expert MLP with its six GEMMs as
+torch._scaled_grouped_mm in float8 e4m3fn on Hopper (docs/spec.md section 10).
+
+Operands, in the formats that operator takes on sm90 (A row-major, B column-major, float32
+dequantisation scales):
+
+    forward   gate_up = x_q  @ w13_q   x rowwise [T];  w13 per expert and column [E, 2F]
+              y       = h_q  @ w2_q    h rowwise [T] (expertact.fp8.glu_rowwise: the activation
+                                       writes h in e4m3 from its float32 values); w2 [E, D]
+    backward  dh      = dy_q @ w2^T_q  dy rowwise;  w2^T per expert and column [E, F]
+              dx      = dg_q @ w13^T_q dgate_up rowwise; w13^T [E, D]
+              dw2     = h^T dy         both per expert and column over the expert's rows,
+              dw13    = x^T dgate_up   written transposed and padded to 16-row groups (the 2-D x
+                                       2-D form asserts on the device for other sizes)
+
+Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored), so
+each GEMM's operands can be compared bit for bit with torchao's. ``fp8_wgrad=False`` keeps the
+two weight-gradient GEMMs in bf16 (torch._grouped_mm). h is not kept: backward recomputes it
+from gate_up (bf16) for w2's gradient, so the node keeps what ``recompute=True`` keeps.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _bias, fp8
+
+Tensor = torch.Tensor
+
+ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and N multiples of it
+
+
+class Fp8Plan(NamedTuple):
+    activation: str
+    alpha: Optional[float]
+    limit: Optional[float]
+    layout: str
+    wgrad: bool  # the weight-gradient GEMMs in FP8 too
+
+
+def why_not(x: Tensor, D: int, F: int) -> Optional[str]:
+    """Why fp8="rowwise" cannot run on these operands, or None."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
+    if not x.is_cuda:
+        return f"x is on {x.device}: the FP8 grouped GEMMs run on CUDA (Hopper, sm90) only"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major != 9:
+        return (f"{torch.cuda.get_device_name(x.device)} is sm{major}{minor}: the FP8 rowwise grouped GEMMs "
+                "are taken on Hopper (sm90) only")
+    if x.dtype != torch.bfloat16:
+        return f"x has dtype {x.dtype}: the FP8 path takes bfloat16 operands"
+    if D % ALIGN or F % ALIGN:
+        return f"D = {D} and F = {F} must be multiples of {ALIGN} (the FP8 GEMMs' K and N)"
+    return None
+
+
+def _sgmm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm with bf16 output and fast accumulation, as torchao calls it."""
+    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+
+def _quant_b(w_kn: Tensor):
+    """A GEMM's B operand [E, K, N] -> (e4m3 [E, K, N] column-major, scale [E, N]): one scale per
+    expert and output column, over K. Weights are small (a few hundred MB): one contiguous copy
+    when their storage is not [E, N, K] already, then expertact's rowwise kernel."""
+    wt = w_kn.transpose(-2, -1).contiguous()
+    q, s = fp8.quantize_rowwise(wt)
+    return q.transpose(-2, -1), s
+
+
+def _zero_tail(t: Tensor, end: int) -> Tensor:
+    if end < t.shape[0]:
+        t[end:].zero_()  # rows past the last offset: the grouped GEMM leaves them unwritten
+    return t
+
+
+def _padded_offsets(ends, device) -> Tensor:
+    out, acc, prev = [], 0, 0
+    for end in ends:
+        acc += -(-(end - prev) // ALIGN) * ALIGN
+        out.append(acc)
+        prev = end
+    return torch.tensor(out, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Optional[Tensor]):
+    """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols]; laid out as ``like``
+    (a weight held as a transposed view gets its gradient in the weight's storage order)."""
+    if like is not None and like.stride(-2) == 1 and like.stride(-1) != 1:
+        return _wgrad(b, a, offs, poffs, ends, None).transpose(-2, -1)
+    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN)  # [Tp, M] column-major, [E, M]
+    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN)  # [Tp, N] column-major, [E, N]
+    out = _sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs)
+    start = 0
+    for e, stop in enumerate(ends):
+        if stop == start:
+            out[e].zero_()  # an empty group's block may be left unwritten
+        start = stop
+    return out
+
+
+def _h_fp8(gate_up, weights, fplan, b13, offs, glu_args):
+    """h in e4m3 with its rowwise scales: from the activation kernel's float32 values (one
+    rounding) without bias; with b13, the biased activation in bf16, then quantised."""
+    if b13 is None:
+        return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
+                               layout=fplan.layout, weights=weights)
+    h = _bias.glu_forward(gate_up, None, b13, offs, weights, *glu_args)
+    return fp8.quantize_rowwise(h)
+
+
+def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
+    """(x as kept, gate_up, y)."""
+    end = plan.ends[-1] if plan.ends else 0
+    x = x.contiguous()
+    xq, sx = fp8.quantize_rowwise(x)
+    w13q, s13 = _quant_b(w13)
+    gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
+    del xq, sx, w13q, s13
+    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.glu)
+    w2q, s2 = _quant_b(w2)
+    y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
+    if b2 is not None:
+        _bias.row_forward(y, b2, offs, weights, inplace=True)
+    return x, gate_up, y
+
+
+def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad):
+    """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
+
+    glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
+    memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
+    weight-gradient GEMM (fp8_wgrad=False)."""
+    need_x, need_w13, need_w2, need_w, need_b13, need_b2 = ctx_needs
+    ends = plan.ends
+    end = ends[-1] if ends else 0
+    dy = dy.contiguous()
+    dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
+    if b2 is not None:
+        db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
+    poffs = _padded_offsets(ends, dy.device) if fplan.wgrad and (need_w2 or need_w13) else None
+    if need_w2:  # first, so that h is freed before dh exists
+        h = h_of()
+        if fplan.wgrad:
+            dw2 = _wgrad(h, dy, offs, poffs, ends, w2)
+        else:
+            dw2 = gmm_wgrad(h, dy, offs, plan, like=w2)
+        del h
+    if need_x or need_w13 or need_w or need_b13:
+        dyq, sdy = fp8.quantize_rowwise(dy)
+        w2tq, s2t = _quant_b(w2.transpose(-2, -1))
+        dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
+        del dyq, sdy, w2tq, s2t
+        dgate_up, dweights, db13 = glu_grad(dh)
+        del dh
+        if need_x:
+            dgq, sdg = fp8.quantize_rowwise(dgate_up)
+            w13tq, s13t = _quant_b(w13.transpose(-2, -1))
+            dx = _zero_tail(_sgmm(dgq, w13tq, sdg, s13t, offs), end)
+            del dgq, sdg, w13tq, s13t
+        if need_w13:
+            if fplan.wgrad:
+                dw13 = _wgrad(x, dgate_up, offs, poffs, ends, w13)
+            else:
+                dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
+    if dweights_b2 is not None:
+        dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
+    return dx, dw13, dw2, dweights, db13, db2

@@ -1,0 +1,313 @@
+"""The FP8 expert-MLP table: expert_mlp(fp8="rowwise") beside the bf16 expert_mlp, torchao's FP8
+grouped GEMMs and the six FP8 GEMMs alone, forward + backward, in one run.
+
+    python -m expertact.bench --mlp --fp8            # CUDA (Hopper): 4 experts x 261,280 rows, D = F = 3,072
+    python -m expertact.bench --mlp --fp8 --rows 32768 --quick
+    python -m expertact.bench --mlp --fp8 --device cpu   # the bf16 row only (the FP8 rows need an H200)
+
+Rows (--impls):
+  expertact           expert_mlp in bf16 (torch._grouped_mm), plain mode
+  expertact-recompute expert_mlp in bf16 with recompute=True (what the FP8 node keeps)
+  fp8                 expert_mlp(fp8="rowwise"): the six GEMMs as torch._scaled_grouped_mm (e4m3, rowwise
+                      scales, fast accumulation), h written in e4m3 by the activation kernel
+  fp8-bf16-wgrad      ... fp8_wgrad=False: the two weight-gradient GEMMs in bf16
+  torchao             torchao's _to_fp8_rowwise_then_scaled_grouped_mm for both GEMMs (its Triton
+                      quantisation kernels, the same recipe) around expertact's bf16 activation, under
+                      autograd: the composition a torchao user writes today
+  fp8-gemms           the six FP8 GEMMs alone on operands quantised beforehand (the floor): forward = the
+                      two forward GEMMs, backward = the other four
+
+Columns: fwd / bwd / fwd+bwd medians (CUDA events), the FP8 GEMM floor's share of the time, extra
+peak and kept memory (as --mlp measures them), and ||a - ref|| / ||ref|| of y, dx, dw13 and dw2
+against a float32 reference (torch.mm per expert, TF32 off, the same bf16 inputs).
+
+Targets (PASS / FAIL below the table): fp8 fwd+bwd at most TARGET_MS and at least
+TARGET_VS_TORCHAO times faster than torchao's composition; its extra peak at or below the bf16
+expert_mlp's; each of its errors within ERROR_VS_TORCHAO times torchao's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import expertact
+from expertact import _fp8_mlp, moe
+
+from . import mlp
+from .common import (
+    OOM, clock_and_memory, fmt_mem, log, measure, method, parse_list, resolve_device, write_outputs,
+)
+
+IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
+TARGET_MS = 200.0
+TARGET_VS_TORCHAO = 1.25
+ERROR_VS_TORCHAO = 1.25
+GRADS = ("x", "w13", "w2")
+
+
+def _torchao_mm():
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+    except Exception as e:  # noqa: BLE001 - not installed, or not importable with this torch
+        raise ImportError(f"torchao's FP8 grouped GEMM is not importable ({type(e).__name__}: {str(e)[:120]})")
+    return _to_fp8_rowwise_then_scaled_grouped_mm
+
+
+def make_fn(impl, a, offsets, F):
+    """fn(x, w13, w2) -> y; the weights are [E, N, K] leaves read through .transpose(-2, -1)."""
+    kw = {"swiglu_oai": dict(alpha=a.alpha, limit=a.limit), "swiglu_clamped": dict(limit=a.limit)}.get(a.preset, {})
+    modes = {"expertact": {}, "expertact-recompute": dict(recompute=True), "fp8": dict(fp8="rowwise"),
+             "fp8-bf16-wgrad": dict(fp8="rowwise", fp8_wgrad=False)}
+    if impl in modes:
+        def run(x, w13, w2):
+            return moe.expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), offsets, a.preset,
+                                  layout=a.layout, **kw, **modes[impl])
+        return run
+    if impl == "torchao":
+        tao = _torchao_mm()
+        act = getattr(expertact, a.preset)
+
+        def run(x, w13, w2):
+            gu = tao(x, w13.transpose(-2, -1), offsets, pad_token_groups_for_grouped_mm=False)
+            return tao(act(gu, layout=a.layout, **kw), w2.transpose(-2, -1), offsets,
+                       pad_token_groups_for_grouped_mm=False)
+        return run
+    raise ValueError(impl)
+
+
+def gemm_floor(inp, s, iters, warmup):
+    """The six FP8 GEMMs alone at this shape (random e4m3 operands in the sm90 formats, unit scales):
+    medians of forward (gate_up, y) and backward (dh, dx, dw13, dw2) in ms."""
+    dev, T, D, F, E = inp.x.device, s.T, s.D, s.F, s.E
+    offs = inp.offsets
+    f8 = torch.float8_e4m3fn
+
+    def r8(*shape):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16).to(f8)
+
+    ones = lambda n: torch.ones(n, device=dev)  # noqa: E731
+    x8, h8, dy8, dg8 = r8(T, D), r8(T, F), r8(T, D), r8(T, 2 * F)
+    w13t, w2t = r8(E, 2 * F, D).transpose(-2, -1), r8(E, D, F).transpose(-2, -1)
+    w2b, w13b = r8(E, F, D).transpose(-2, -1), r8(E, D, 2 * F).transpose(-2, -1)
+    xt, ht, dgc, dyc = r8(D, T), r8(F, T), r8(2 * F, T).t(), r8(D, T).t()
+    sg = _fp8_mlp._sgmm
+
+    def fwd():
+        sg(x8, w13t, ones(T), ones((E, 2 * F)), offs)
+        sg(h8, w2t, ones(T), ones((E, D)), offs)
+
+    def bwd():
+        sg(dy8, w2b, ones(T), ones((E, F)), offs)
+        sg(dg8, w13b, ones(T), ones((E, D)), offs)
+        sg(xt, dgc, ones(D * E), ones(2 * F * E), offs)
+        sg(ht, dyc, ones(F * E), ones(D * E), offs)
+
+    def med(fn):
+        for _ in range(warmup):
+            fn()
+        ts = []
+        for _ in range(iters):
+            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            b.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(b.elapsed_time(e))
+        return sorted(ts)[len(ts) // 2]
+
+    f, b = med(fwd), med(bwd)
+    del x8, h8, dy8, dg8, w13t, w2t, w2b, w13b, xt, ht, dgc, dyc
+    torch.cuda.empty_cache()
+    return f, b
+
+
+def reference32(inp, a):
+    """y, dx, dw13, dw2 in float32 from the same bf16 inputs, one expert at a time (TF32 off)."""
+    kw = {"swiglu_oai": dict(alpha=a.alpha, limit=a.limit), "swiglu_clamped": dict(limit=a.limit)}.get(a.preset, {})
+    act = getattr(expertact, a.preset)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        T, D = inp.x.shape
+        y = torch.zeros(T, D, device=inp.x.device)
+        dx = torch.zeros(T, D, device=inp.x.device)
+        dw13 = torch.zeros(inp.w13.shape, device=inp.x.device)
+        dw2 = torch.zeros(inp.w2.shape, device=inp.x.device)
+        start = 0
+        for e, stop in enumerate(inp.offsets.tolist()):
+            if stop > start:
+                x = inp.x.detach()[start:stop].float().requires_grad_()
+                w13 = inp.w13.detach()[e].float().requires_grad_()
+                w2 = inp.w2.detach()[e].float().requires_grad_()
+                ye = act(x @ w13.t(), layout=a.layout, **kw) @ w2.t()
+                ye.backward(inp.grad[start:stop].float())
+                y[start:stop], dx[start:stop], dw13[e], dw2[e] = ye.detach(), x.grad, w13.grad, w2.grad
+                del x, w13, w2, ye
+            start = stop
+        return {"y": y, "x": dx, "w13": dw13, "w2": dw2}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _rel(a, ref):
+    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def errors(fn, inp, ref):
+    inp.clear()
+    y = fn(*inp.args)
+    y.backward(inp.grad)
+    out = {"y": _rel(y.detach(), ref["y"])}
+    del y
+    for n in GRADS:
+        g = getattr(inp, n).grad
+        out["d" + n] = None if g is None else _rel(g, ref[n])
+    inp.clear()
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m expertact.bench --mlp --fp8", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--rows", type=int, default=None, help="rows per expert (default 261,280 on CUDA, 256 on the CPU)")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--preset", default="swiglu_oai", choices=mlp.PRESETS)
+    p.add_argument("--layout", default="halves", choices=moe.PACKED_LAYOUTS)
+    p.add_argument("--alpha", type=float, default=1.702)
+    p.add_argument("--limit", type=float, default=7.0)
+    p.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
+    p.add_argument("--json", default="", metavar="PATH")
+    p.add_argument("--markdown", default="", metavar="PATH")
+    return p.parse_args(argv)
+
+
+def targets(results):
+    by = {r["impl"]: r for r in results if "error" not in r}
+    out = []
+    f, t, b = by.get("fp8"), by.get("torchao"), by.get("expertact")
+    if f:
+        out.append((f"fp8 fwd+bwd {f['ms']:.1f} ms (target <= {TARGET_MS:.0f} ms at the busiest rank's shape)",
+                    f["ms"] <= TARGET_MS))
+    if f and t:
+        out.append((f"fp8 {t['ms'] / f['ms']:.2f}x faster than torchao's composition ({t['ms']:.1f} ms; target >= "
+                    f"{TARGET_VS_TORCHAO}x)", t["ms"] >= TARGET_VS_TORCHAO * f["ms"]))
+    if f and b and f["extra_peak_gib"] is not None:
+        out.append((f"fp8 extra peak {f['extra_peak_gib']:.2f} GiB vs bf16 expert_mlp's {b['extra_peak_gib']:.2f} GiB "
+                    "(target: at or below)", f["extra_peak_gib"] <= b["extra_peak_gib"]))
+    if f and t and f.get("err") and t.get("err"):
+        worst = max(f["err"][k] / max(t["err"][k], 1e-30) for k in f["err"] if f["err"][k] is not None)
+        out.append((f"fp8 errors within {worst:.2f}x of torchao's (y, dx, dw13, dw2; target <= {ERROR_VS_TORCHAO}x)",
+                    worst <= ERROR_VS_TORCHAO))
+    return out
+
+
+def markdown(meta, results, checks):
+    unit = "GiB"
+    floor = meta.get("floor_ms")
+    lines = [f"## expertact FP8 expert-MLP benchmark: {meta['device_name']}", "",
+             f"- shape: {meta['experts']} experts x {meta['rows']:,} rows (T = {meta['tokens']:,}), D = {meta['dim']:,}, "
+             f"F = {meta['ffn']:,}, {meta['dtype']} inputs; activation {meta['preset']}, layout {meta['layout']}; "
+             "weights held [E, N, K] and read through .transpose(-2, -1)",
+             f"- timing: {meta['timer']}, median of {meta['iters']} after {meta['warmup']} warm-up; memory: "
+             f"{meta['memory_source']}",
+             f"- torch {meta['torch']}, torchao {meta['torchao']}, expertact {expertact.__version__}, "
+             f"Python {meta['python']}",
+             f"- command: `{meta['command']}`", "",
+             "| implementation | fwd ms | bwd ms | fwd+bwd ms | FP8 GEMM floor / time | extra peak GiB | kept GiB | "
+             "y err | dx err | dw13 err | dw2 err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 9)
+            continue
+        share = f"{floor / r['ms']:.0%}" if floor else "n/a"
+        e = r.get("err") or {}
+        cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in ("y", "dx", "dw13", "dw2")]
+        lines.append(f"| {r['impl']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['ms']:.2f} | {share} | "
+                     f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "err: ||a - ref|| / ||ref|| against float32 (torch.mm per expert, TF32 off) from the same bf16 "
+              "inputs; extra peak: max allocated during forward+backward minus before; kept: allocated after "
+              "forward minus before, minus y. fp8-gemms: random e4m3 operands, no quantisation, no activation."]
+    if checks:
+        lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = resolve_device(a.device)
+    cuda = device.type == "cuda"
+    d = mlp.CUDA_DEFAULT if cuda else mlp.CPU_DEFAULT
+    E, rows = a.experts or d["experts"], a.rows if a.rows is not None else d["rows"]
+    D, F = a.dim or d["dim"], a.ffn or d["ffn"]
+    iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
+    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    impls = parse_list(a.impls or ",".join(IMPLS), IMPLS, "impls")
+    try:
+        import torchao
+        tao_v = torchao.__version__
+    except Exception:  # noqa: BLE001
+        tao_v = "not importable"
+    meta = dict(device_name=torch.cuda.get_device_name(device) if cuda else "CPU", experts=E, rows=rows,
+                tokens=E * rows, dim=D, ffn=F, preset=a.preset, layout=a.layout, iters=iters, warmup=warmup,
+                dtype="bfloat16" if cuda else "float32", **method(device),
+                torch=torch.__version__, torchao=tao_v, python=sys.version.split()[0],
+                command="python -m expertact.bench --mlp --fp8 " + " ".join(sys.argv[1:] if argv is None else argv))
+    log(f"FP8 expert-MLP bench on {meta['device_name']}: {E} x {rows:,} rows, D {D}, F {F}")
+    inp = mlp.MlpInputs(E, rows, D, F, torch.bfloat16 if cuda else torch.float32, device, False)
+    s = mlp.types.SimpleNamespace(E=E, T=E * rows, D=D, F=F)
+    ref = None
+    if not a.no_errors:
+        t0 = time.time()
+        ref = reference32(inp, a)
+        log(f"float32 reference in {time.time() - t0:.1f} s")
+    clock, memory = clock_and_memory(device)
+    results = []
+    why = _fp8_mlp.why_not(inp.x, D, F)
+    for impl in impls:
+        r = dict(impl=impl)
+        try:
+            if impl.startswith("fp8") and why is not None:
+                raise ImportError(why)
+            if impl == "fp8-gemms":
+                f, b = gemm_floor(inp, s, iters, warmup)
+                r.update(fwd_ms=f, bwd_ms=b, ms=f + b, extra_peak_gib=None, kept_gib=None)
+                meta["floor_ms"] = f + b
+            else:
+                fn = make_fn(impl, a, inp.offsets, F)
+                r.update(measure(fn, inp, clock, memory, iters, warmup, refresh=False))
+                if ref is not None:
+                    r["err"] = errors(fn, inp, ref)
+        except OOM:
+            r["error"] = "OOM"
+        except ImportError as e:
+            r["error"], r["skipped"] = f"skipped: {e}", True
+        except Exception as e:  # noqa: BLE001 - one failing row does not end the table
+            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        inp.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+        results.append(r)
+        log(f"{impl}: " + (r["error"] if "error" in r else f"{r['ms']:.2f} ms, err {r.get('err')}"))
+    checks = targets(results)
+    md = markdown(meta, results, checks)
+    print()
+    print(md)
+    write_outputs(a.json, a.markdown, dict(meta=meta, results=results,
+                                           targets=[dict(text=t, passed=ok) for t, ok in checks]), md)
+    return 1 if any("error" in r and not r.get("skipped") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
