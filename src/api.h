@@ -63,7 +63,8 @@ Status expert_bias_backward_body(const MatrixRef& grad_out, const MatrixRef& bia
 Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                                  void* stream);
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
-                                        const MatrixRef& q_t, const MatrixRef& scale, void* stream);
+                                        const OffsetsRef* padded_offsets, const MatrixRef& q_t,
+                                        const MatrixRef& scale, void* stream);
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                             const VectorRef& scale, void* stream);

@@ -44,6 +44,47 @@ Status check_fp8_outputs(const MatrixRef& q, const VectorRef& scale, int64_t row
   return check_no_overlap("scale", es, "q", extent_of(q));
 }
 
+// The bytes an int32 offsets vector spans, for the overlap checks.
+Extent offsets_extent(const OffsetsRef& o) {
+  Extent e;
+  if (o.size == 0 || o.data == nullptr) return e;
+  e.begin = reinterpret_cast<uintptr_t>(o.data);
+  e.end = e.begin + static_cast<uintptr_t>(o.size * 4);
+  e.row_bytes = o.size * 4;
+  e.empty = false;
+  return e;
+}
+
+// padded_offsets (the padded cumulative end rows, one per expert) against offsets and q_t's
+// padded row count: on the CPU its values are read and checked (non-decreasing, each
+// expert's block at least its rows, the last end within q_t); on a GPU they are not read on
+// the host (the kernels keep every access in bounds whatever the values).
+Status check_padded_offsets(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows,
+                            DeviceType dev, int32_t dev_id) {
+  if (pad.size != offsets.size)
+    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
+                offsets.size, " (one padded end row per expert)");
+  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
+  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
+    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
+  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, "x"));
+  if (dev != DeviceType::kCPU) return Status::kOk;
+  int64_t prev = 0, prev_end = 0;
+  for (int64_t e = 0; e < pad.size; ++e) {
+    const int64_t v = pad.data[e], n = offsets.data[e] - prev_end;
+    if (v - prev < n)
+      return fail(Status::kInvalidArgument, "padded_offsets[", e, "] = ", v, " gives expert ", e,
+                  " a block of ", v - prev, " rows (from ", prev, "), fewer than its ", n,
+                  " rows in offsets");
+    prev = v;
+    prev_end = offsets.data[e];
+  }
+  if (prev > out_rows)
+    return fail(Status::kInvalidArgument, "padded_offsets[", pad.size - 1, "] = ", prev,
+                " is past q_t's last column (", out_rows, " padded rows)");
+  return Status::kOk;
+}
+
 #if !EXPERTACT_WITH_CUDA
 Status no_fp8_cuda(const char* name) {
   return fail(Status::kUnsupported, name, " is a CUDA tensor but this expertact build has no CUDA path");
@@ -79,33 +120,53 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
 }
 
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
-                                        const MatrixRef& q_t, const MatrixRef& scale, void* stream) {
-  (void)stream;
+                                        const OffsetsRef* padded, const MatrixRef& q_t,
+                                        const MatrixRef& scale, void* stream) {
   EA_TRY(check_matrix("x", x));
   EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_offsets(offsets, x.rows, x.device, x.device_id, "x"));
   const Extent ex = extent_of(x);
-  EA_TRY(check_fp8_output("q_t", q_t, x.cols, x.rows, DType::kFloat8E4M3, "x quantised, transposed",
+  // With padding, q_t's column count is the padded row count (checked against the padded
+  // offsets below); without, it is x's.
+  const int64_t out_rows = padded ? q_t.cols : x.rows;
+  EA_TRY(check_fp8_output("q_t", q_t, x.cols, out_rows, DType::kFloat8E4M3,
+                          padded ? "x quantised, transposed, each expert's rows at its padded offset"
+                                 : "x quantised, transposed",
                           x.device, x.device_id, "x", ex));
+  if (padded) EA_TRY(check_padded_offsets(*padded, offsets, out_rows, x.device, x.device_id));
   EA_TRY(check_fp8_output("scale", scale, offsets.size, x.cols, DType::kFloat32,
                           "one scale per expert and column", x.device, x.device_id, "x", ex));
-  EA_TRY(check_no_overlap("scale", extent_of(scale), "q_t", extent_of(q_t)));
-  if (x.device != DeviceType::kCPU)
-    return fail(Status::kUnsupported, "x is a CUDA tensor: quantize_colwise_grouped has no CUDA path yet");
+  const Extent eq = extent_of(q_t), es = extent_of(scale);
+  EA_TRY(check_no_overlap("scale", es, "q_t", eq));
+  EA_TRY(check_no_overlap("q_t", eq, "offsets", offsets_extent(offsets)));
+  EA_TRY(check_no_overlap("scale", es, "offsets", offsets_extent(offsets)));
+  if (padded) {
+    EA_TRY(check_no_overlap("q_t", eq, "padded_offsets", offsets_extent(*padded)));
+    EA_TRY(check_no_overlap("scale", es, "padded_offsets", offsets_extent(*padded)));
+  }
   if (x.cols == 0) return Status::kOk;
   Fp8Cols p;
   p.dtype = x.dtype;
+  p.device_id = x.device_id;
   p.rows = x.rows;
   p.cols = x.cols;
   p.x = x.data;
   p.x_stride = x.row_stride;
   p.offsets = offsets.data;
+  p.padded = padded ? padded->data : nullptr;
   p.experts = offsets.size;
   p.q_t = q_t.data;
   p.q_stride = q_t.row_stride;
+  p.out_rows = out_rows;
   p.scale = static_cast<float*>(scale.data);
   p.scale_stride = scale.row_stride;
-  return cpu_fp8_quantize_colwise_grouped(p);
+  if (x.device == DeviceType::kCPU) return cpu_fp8_quantize_colwise_grouped(p);
+#if EXPERTACT_WITH_CUDA
+  return cuda_fp8_quantize_colwise_grouped(p, stream);
+#else
+  (void)stream;
+  return no_fp8_cuda("x");
+#endif
 }
 
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
@@ -148,9 +209,10 @@ Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const Vector
 }
 
 Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
-                                    const MatrixRef& q_t, const MatrixRef& scale, void* stream) {
+                                    const OffsetsRef* padded_offsets, const MatrixRef& q_t,
+                                    const MatrixRef& scale, void* stream) {
   return detail::guarded("fp8_quantize_colwise_grouped", [&] {
-    return detail::fp8_quantize_colwise_grouped_body(x, offsets, q_t, scale, stream);
+    return detail::fp8_quantize_colwise_grouped_body(x, offsets, padded_offsets, q_t, scale, stream);
   });
 }
 

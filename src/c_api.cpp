@@ -288,14 +288,14 @@ Status backward_entry(const expertact_params* params, int32_t layout, const Mat*
 }
 
 // The offsets of the per-expert biases: an int32 vector description, contiguous.
-Status to_offsets(const expertact_vector* t, OffsetsRef& o) {
-  if (t == nullptr) return fail(Status::kInvalidArgument, "offsets is null");
+Status to_offsets(const expertact_vector* t, OffsetsRef& o, const char* name = "offsets") {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
   if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
-    return fail(Status::kInvalidDtype, "offsets must be int32 (got DLPack dtype code ",
+    return fail(Status::kInvalidDtype, name, " must be int32 (got DLPack dtype code ",
                 static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
   if (t->size > 1 && t->stride != 1)
-    return fail(Status::kInvalidArgument, "offsets must be contiguous (stride ", t->stride, ")");
-  EA_TRY(to_device("offsets", t->device, o.device, o.device_id));
+    return fail(Status::kInvalidArgument, name, " must be contiguous (stride ", t->stride, ")");
+  EA_TRY(to_device(name, t->device, o.device, o.device_id));
   o.data = static_cast<const int32_t*>(t->data);
   o.size = t->size;
   return Status::kOk;
@@ -517,16 +517,18 @@ expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, ex
 
 expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matrix* x,
                                                            const expertact_vector* offsets,
+                                                           const expertact_vector* padded_offsets,
                                                            expertact_matrix* q_t, expertact_matrix* scale,
                                                            void* stream) {
   return guarded_c("expertact_fp8_quantize_colwise_grouped_2d", [&]() -> Status {
     MatrixRef mx, mq, ms;
-    OffsetsRef offs;
+    OffsetsRef offs, pads;
     EA_TRY(to_matrix("x", x, mx));
     EA_TRY(to_offsets(offsets, offs));
+    if (padded_offsets) EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
     EA_TRY(to_matrix("q_t", q_t, mq));
     EA_TRY(to_matrix("scale", scale, ms));
-    return fp8_quantize_colwise_grouped_body(mx, offs, mq, ms, stream);
+    return fp8_quantize_colwise_grouped_body(mx, offs, padded_offsets ? &pads : nullptr, mq, ms, stream);
   });
 }
 

@@ -172,7 +172,7 @@ Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
 // s = 2^floor(log2(float32(448 / double(max(amax, 1e-12f))))), q = e4m3fn(clamp(v * s,
 // -448, 448)) rounded to nearest even, and scale = 1 / s, the dequantisation scale a scaled
 // GEMM takes. A NaN element stays NaN in q; an infinite one gives s = 0 (scale = +inf), so the
-// row's GEMM output is NaN, never finite. CPU only for now: CUDA tensors return kUnsupported.
+// row's GEMM output is NaN, never finite. CPU and CUDA; a NaN product is written 0x7f.
 // ---------------------------------------------------------------------------
 
 // q [rows, C] (kFloat8E4M3) and scale (float32 [rows]) of x [rows, C] (float32, float16 or
@@ -183,12 +183,20 @@ Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const Vector
 // Per expert and column, for the operands of the weight-gradient GEMMs (whose sums run over
 // an expert's rows) and of the weights ([E, K, N] as [E * K, N] with offsets (e + 1) * K):
 // the same recipe with amax taken over the rows of expert e in column c. x [T, C]; offsets as
-// OffsetsRef (the bias section); q_t [C, T] (kFloat8E4M3): the quantised x transposed, i.e. x
-// in column-major order, as the GEMM reads it; scale float32 [E, C]. Rows past the last offset
-// are written as 0.
+// OffsetsRef (the bias section); q_t (kFloat8E4M3): the quantised x transposed, i.e. x in
+// column-major order, as the GEMM reads it; scale float32 [E, C].
+// Without padded_offsets (nullptr), q_t is [C, T], row r of x at column r, and the columns
+// past the last offset are 0. With padded_offsets (int32 [E], cumulative like offsets, on x's
+// device), q_t is [C, Tp] for any Tp >= padded_offsets[E - 1]: expert e's block of columns
+// is [padded_offsets[e - 1], padded_offsets[e]) (from 0 for e = 0), its rows first, in order,
+// then 0 to the block's end (each block must hold its expert's rows); columns past
+// padded_offsets[E - 1] are 0. Blocks padded to a multiple of 16 rows are what
+// torch._scaled_grouped_mm's 2d x 2d form needs on sm90. On the CPU the padded offsets' values
+// are checked; on a GPU neither offsets are read on the host (values that break these rules
+// give wrong output there, never an access out of bounds). CPU and CUDA write the same bytes.
 Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
-                                    const MatrixRef& q_t, const MatrixRef& scale,
-                                    void* stream = nullptr);
+                                    const OffsetsRef* padded_offsets, const MatrixRef& q_t,
+                                    const MatrixRef& scale, void* stream = nullptr);
 
 // The activation (glu_forward's arguments) quantized as above from its float32 values, one
 // rounding: q [rows, F] (kFloat8E4M3), scale float32 [rows].

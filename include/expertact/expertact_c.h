@@ -173,18 +173,22 @@ EXPERTACT_API expertact_status expertact_expert_bias_backward_2d(
 /* FP8 (added in ABI version 3): rowwise float8 e4m3fn with power-of-two scales, torchao's
  * recipe (expertact.hpp, fp8_quantize_rowwise, says it exactly). q: an expertact_matrix of
  * DLPack dtype code EXPERTACT_DL_FLOAT8_E4M3FN, 8 bits (DLPack 1.1's kDLFloat8_e4m3fn);
- * scale: float32 [rows], the dequantisation scale 1 / s of each row. CPU tensors only for now
- * (CUDA: EXPERTACT_UNSUPPORTED). */
+ * scale: float32 [rows], the dequantisation scale 1 / s of each row. CPU and CUDA tensors. */
 #define EXPERTACT_DL_FLOAT8_E4M3FN 10
 EXPERTACT_API expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x,
                                                                  expertact_matrix* q,
                                                                  expertact_vector* scale,
                                                                  void* stream);
-/* Per expert (offsets: as for the biases) and column: x [T, C] -> q_t [C, T] (x quantised and
- * transposed) and scale float32 [E, C]; rows past the last offset are written as 0. */
+/* Per expert (offsets: as for the biases) and column: x [T, C] -> q_t (x quantised and
+ * transposed) and scale float32 [E, C]. padded_offsets NULL: q_t [C, T], columns past the last
+ * offset written as 0. padded_offsets (int32 [E], cumulative, on x's device): q_t [C, Tp],
+ * expert e's rows from column padded_offsets[e - 1] (0 for e = 0) on, the rest of its block
+ * and the columns past padded_offsets[E - 1] written as 0 (expertact.hpp,
+ * fp8_quantize_colwise_grouped, says it exactly). */
 EXPERTACT_API expertact_status expertact_fp8_quantize_colwise_grouped_2d(
-    const expertact_matrix* x, const expertact_vector* offsets, expertact_matrix* q_t,
-    expertact_matrix* scale, void* stream);
+    const expertact_matrix* x, const expertact_vector* offsets,
+    const expertact_vector* padded_offsets, expertact_matrix* q_t, expertact_matrix* scale,
+    void* stream);
 /* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values. */
 EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,

@@ -12,12 +12,16 @@ output is NaN, never finite garbage.
 
     q, scale = expertact.fp8.quantize_rowwise(t)                       # t [..., C]
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
+    # per expert and column, each expert's rows padded to a multiple of 16 (the weight gradients)
+    x_q, x_scale = expertact.fp8.quantize_colwise_grouped(x, offsets, pad_to=16, ends=ends)
+    offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
 
-CPU and CUDA (a warp per row, two passes). No autograd: these are operand producers for a
-custom FP8 backward.
+CPU and CUDA, the same bytes and scales on both. No autograd: these are operand producers for
+a custom FP8 backward.
 """
 from __future__ import annotations
 
+import operator
 from ctypes import byref, c_int32
 from typing import Optional, Tuple
 
@@ -25,10 +29,10 @@ import torch
 
 from . import _capi
 from ._args import layout_code, preset_coeffs, tensor_arg
-from ._bias import _check, _matrix, _params_ref, _vector, check_offsets
+from ._bias import _check, _matrix, _params_ref, _vector
 from ._describe import stream_of
 
-__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
+__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -58,24 +62,125 @@ def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _pad_arg(pad_to, where):
+    try:
+        P = None if isinstance(pad_to, bool) else operator.index(pad_to)
+    except TypeError:
+        P = None
+    if P is None or not 1 <= P < 2 ** 31:
+        raise ValueError(f"{where}: pad_to must be an int from 1 to 2**31 - 1 (got {pad_to!r})")
+    return P
+
+
+def padded_offsets(offsets, pad_to: int):
+    """The cumulative end rows of the experts' blocks once each block is padded to a multiple
+    of ``pad_to`` rows: ``sum over e' <= e of ceil(n_e' / pad_to) * pad_to`` (n_e: the rows of
+    expert e), the ``offs`` of a GEMM over :func:`quantize_colwise_grouped`'s padded q.
+
+    ``offsets``: the experts' cumulative end rows, either a sequence of ints (returns a list
+    of ints, computed on the host) or an int32 tensor (returns an int32 tensor on its device,
+    computed with torch ops: no host synchronisation on a GPU). The values are not checked
+    here (quantize_colwise_grouped checks them)."""
+    where = "expertact.fp8.padded_offsets"
+    P = _pad_arg(pad_to, where)
+    if isinstance(offsets, torch.Tensor):
+        if offsets.dtype != torch.int32 or offsets.dim() != 1:
+            raise ValueError(f"{where}: offsets must be a 1-D int32 tensor (got {offsets.dtype}, "
+                             f"shape {tuple(offsets.shape)})")
+        n = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return torch.cumsum((n + (P - 1)) // P * P, 0, dtype=torch.int32)
+    out, prev, acc = [], 0, 0
+    for end in offsets:
+        end = int(end)
+        acc += -(-(end - prev) // P) * P
+        prev = end
+        out.append(acc)
+    return out
+
+
+def _check_ends(ends, rows, where, name):
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            what = f"{name}[0] = {end} is negative" if e == 0 else f"{name}[{e}] = {end} < {name}[{e - 1}] = {prev}"
+            raise ValueError(f"{where}: {name} must be non-decreasing cumulative end rows; {what}")
+        prev = end
+    if prev > rows:
+        raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")
+
+
+def _grouped_offsets(offsets, t, ends, where):
+    """(offsets on t's device, contiguous; the end rows as a host list)."""
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"{where}: offsets must be a torch.Tensor (got {type(offsets).__name__})")
+    if offsets.dtype != torch.int32:
+        raise _capi.DTypeError(f"{where}: offsets has dtype {offsets.dtype}; it must be int32 "
+                               "(offsets.to(torch.int32))")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
+    if ends is None:
+        host = offsets.tolist()  # a device-to-host copy on a GPU
+        _check_ends(host, t.shape[0], where, "offsets")
+    else:
+        try:
+            host = [int(v) for v in ends]
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: ends must be a sequence of ints (got {type(ends).__name__})") from None
+        if len(host) != offsets.numel():
+            raise ValueError(f"{where}: ends has {len(host)} values; offsets has {offsets.numel()}")
+        _check_ends(host, t.shape[0], where, "ends")
+    if offsets.device != t.device:
+        offsets = offsets.to(t.device)
+    return offsets.contiguous(), host
+
+
+def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: int = 1,
+                             ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) per expert and column: t [T, C] (rows sorted by expert; ``offsets`` int32 [E],
     each expert's cumulative end row) quantised with one scale per expert and column, taken over
     that expert's rows (the operands of the weight-gradient GEMMs; for weights [E, K, N], pass
-    them as [E * K, N] with offsets (e + 1) * K). q: float8_e4m3fn [T, C] in column-major order
-    (strides (1, T)), as torch._scaled_grouped_mm reads the reduction-major operand; scale:
-    float32 [E, C]; t[r, c] ~= q[r, c] * scale[e(r), c]. Rows past offsets[-1] are 0 in q."""
+    them as [E * K, N] with offsets (e + 1) * K). scale: float32 [E, C]; t[r, c] ~= q[r', c] *
+    scale[e(r), c], r' the output row of r. CPU and CUDA (same bytes).
+
+    ``pad_to`` = 1: q is float8_e4m3fn [T, C] in column-major order (strides (1, T)), as
+    torch._scaled_grouped_mm reads the reduction-major operand, r' = r; rows past offsets[-1]
+    are 0.
+
+    ``pad_to`` = P > 1: each expert's block of rows starts at a multiple of P: q is [Tp, C]
+    column-major (strides (1, Tp)), Tp = sum over e of ceil(n_e / P) * P (n_e: expert e's
+    rows; rows past offsets[-1] are left out), expert e's rows start at row
+    ``padded_offsets(offsets, P)[e - 1]`` (0 for e = 0), and the rest of its block is 0
+    (bytes 0x00). torch._scaled_grouped_mm's 2d x 2d form (the weight gradients) takes groups
+    of a multiple of 16 along its reduction dimension on sm90: pad_to=16 with
+    ``offs=padded_offsets(offsets, 16)``.
+
+    ``ends``: offsets' values as a host sequence of ints (the caller's copy). Without it the
+    offsets are read on the host (a device-to-host copy, which synchronises, on a GPU) for
+    their checks and Tp; with it nothing is read from the device (ends must then hold
+    offsets' values: if they differ, the output is wrong, never written out of bounds).
+    The padded offsets the kernels take are computed from ``offsets`` on its device."""
+    where = "expertact.fp8.quantize_colwise_grouped"
     tensor_arg("t", t)
     if t.dim() != 2:
-        raise ValueError(f"expertact.fp8.quantize_colwise_grouped: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
+        raise ValueError(f"{where}: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
+    P = _pad_arg(pad_to, where)
     T, C = t.shape
-    offsets = check_offsets(offsets, t, "expertact.fp8.quantize_colwise_grouped")
+    offsets, host = _grouped_offsets(offsets, t, ends, where)
     E = offsets.numel()
-    q_t = torch.empty((C, T), dtype=torch.float8_e4m3fn, device=t.device)
+    if P == 1:
+        rows, pads = T, None
+    else:
+        rows = padded_offsets(host, P)[-1]
+        if rows >= 2 ** 31:
+            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
+        pads = padded_offsets(offsets, P)
+    q_t = torch.empty((C, rows), dtype=torch.float8_e4m3fn, device=t.device)
     scale = torch.empty((E, C), dtype=torch.float32, device=t.device)
     xs, qs, ss, offs = _matrix(t), _matrix(q_t), _matrix(scale), _vector(offsets)
-    _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]), byref(qs[1]), byref(ss[1]),
-                                                          None))
+    ps = None if pads is None else _vector(pads)
+    _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]),
+                                                          None if ps is None else byref(ps[1]), byref(qs[1]),
+                                                          byref(ss[1]), stream_of(t)))
     return q_t.t(), scale
 
 

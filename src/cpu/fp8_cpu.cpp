@@ -43,25 +43,28 @@ Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
 }
 
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
+  const int32_t* padded = p.padded ? p.padded : p.offsets;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     // Threads over columns: each column's experts in row order (reads stride down rows).
     cpu::parallel_for(p.cols, 2 * p.rows, [&](int64_t c0, int64_t c1) {
+      const T* x = static_cast<const T*>(p.x);
       for (int64_t c = c0; c < c1; ++c) {
         uint8_t* qc = static_cast<uint8_t*>(p.q_t) + c * p.q_stride;
-        int64_t start = 0;
+        int64_t start = 0, pstart = 0;
         for (int64_t e = 0; e < p.experts; ++e) {
-          const int64_t end = p.offsets[e];
+          const int64_t end = p.offsets[e], pend = padded[e];
           float amax = 0.0f;
-          for (int64_t r = start; r < end; ++r)
-            amax = std::fmax(amax, std::fabs(Cv<T>::ld(static_cast<const T*>(p.x)[r * p.x_stride + c])));
+          for (int64_t r = start; r < end; ++r) amax = std::fmax(amax, std::fabs(Cv<T>::ld(x[r * p.x_stride + c])));
           const float s = fp8::scale_of(amax);
-          for (int64_t r = start; r < end; ++r)
-            qc[r] = fp8::quantize(Cv<T>::ld(static_cast<const T*>(p.x)[r * p.x_stride + c]), s);
+          uint8_t* qe = qc + (pstart - start);  // row r at pstart + (r - start)
+          for (int64_t r = start; r < end; ++r) qe[r] = fp8::quantize(Cv<T>::ld(x[r * p.x_stride + c]), s);
+          for (int64_t j = pstart + (end - start); j < pend; ++j) qc[j] = 0;  // the block's padding
           p.scale[e * p.scale_stride + c] = 1.0f / s;
           start = end;
+          pstart = pend;
         }
-        for (int64_t r = start; r < p.rows; ++r) qc[r] = 0;  // past the last offset
+        for (int64_t j = pstart; j < p.out_rows; ++j) qc[j] = 0;  // past the last block
       }
     });
     return Status::kOk;

@@ -26,16 +26,23 @@ struct Fp8Rows : Fp8Out {
 
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p);
 
-// x [rows, cols] -> q_t [cols, rows] and scale [E, cols], per expert and column.
+// x [rows, cols] -> q_t [cols, out_rows] and scale [E, cols], per expert and column. Expert
+// e's rows [start_e, end_e) (start_e = offsets[e - 1], 0 for e = 0) land in q_t's columns
+// from pstart_e = padded[e - 1] (0 for e = 0) on; the rest of its block [pstart_e,
+// padded[e]) and q_t's columns past padded[E - 1] are 0. Without padding (padded null),
+// padded = offsets and out_rows = rows.
 struct Fp8Cols {
   DType dtype = DType::kFloat32;
+  int32_t device_id = 0;
   int64_t rows = 0, cols = 0;
   const void* x = nullptr;
   int64_t x_stride = 0;
   const int32_t* offsets = nullptr;
+  const int32_t* padded = nullptr;  // null: no padding
   int64_t experts = 0;
   void* q_t = nullptr;
   int64_t q_stride = 0;  // q_t's row stride (one row per column of x)
+  int64_t out_rows = 0;  // q_t's columns (Tp)
   float* scale = nullptr;
   int64_t scale_stride = 0;
 };
@@ -44,6 +51,7 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o);
 #if EXPERTACT_WITH_CUDA
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);
 Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream);
+Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream);
 #endif
 
 }  // namespace expertact::detail

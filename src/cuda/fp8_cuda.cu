@@ -1,22 +1,37 @@
-// CUDA path of the FP8 rowwise quantisation (src/core/fp8.h): a warp per row. Pass 1 reads
-// the row (or computes the activation) and reduces its amax (NaN ignored) across the warp;
-// pass 2 reads it again (from L1/L2: the warp has just read it) and writes e4m3fn bytes, four
-// per lane and store. The arithmetic per element is fp8.h's, shared with the CPU path, so the
-// two give the same bytes and scales.
+// CUDA path of the FP8 quantisation (src/core/fp8.h). The arithmetic per element is fp8.h's,
+// shared with the CPU path, so the two give the same bytes and scales.
+//
+// Rowwise: a warp per row. Pass 1 reads the row (or computes the activation) and reduces its
+// amax (NaN ignored) across the warp; pass 2 reads it again (from L1/L2: the warp has just
+// read it) and writes e4m3fn bytes, four per lane and store.
+//
+// Per expert and column (quantize_colwise_grouped), four launches on the stream: the scales
+// zeroed; pass 1, each block a chunk of rows x 256 columns, every row read once in 16-byte
+// packs along the row, the max |v| of each expert's run of rows and column merged into the
+// scale buffer by atomicMax on the float's bits (non-negative floats order as their bits, so
+// the result is the same whatever the order); the amax turned into the scale 1 / s in place;
+// pass 2, each block a tile of 128 output rows x 64 columns: its rows read in 16-byte packs,
+// quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
+// word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
+// transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
+#include <algorithm>
 #include <cstdint>
 
+#include "core/bias.h"
 #include "core/dispatch.h"
+#include "core/checks.h"
 #include "core/error.h"
 #include "core/fp8.h"
 #include "core/math.h"
 #include "cpu/fp8_cpu.h"
 #include "cuda/common.cuh"
 #include "cuda/device.h"
+#include "cuda/glu_launch.cuh"
 
 namespace expertact::cuda {
 namespace {
 
-constexpr int kThreads = 256;  // 8 rows per block, a warp each
+constexpr int kRowThreads = 256;  // rowwise: 8 rows per block, a warp each
 
 __device__ __forceinline__ float warp_amax(float v) {
 #pragma unroll
@@ -44,10 +59,10 @@ __device__ __forceinline__ void store_row(uint8_t* q, int64_t n, float s, int la
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* x, int64_t x_stride, int64_t rows,
+__global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(const T* x, int64_t x_stride, int64_t rows,
                                                                 int64_t cols, uint8_t* q, int64_t q_stride,
                                                                 float* scale, int64_t scale_stride) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const T* xr = x + row * x_stride;
@@ -60,12 +75,12 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* x, int
 }
 
 template <typename T, Activation A>
-__global__ void __launch_bounds__(kThreads) glu_rows_kernel(const T* g, const T* u, int64_t g_stride,
+__global__ void __launch_bounds__(kRowThreads) glu_rows_kernel(const T* g, const T* u, int64_t g_stride,
                                                            int64_t u_stride, int step, const float* w,
                                                            int64_t w_stride, int64_t rows, int64_t F,
                                                            math::Coeffs c, uint8_t* q, int64_t q_stride,
                                                            float* scale, int64_t scale_stride) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const T* gr = g + row * g_stride;
@@ -80,7 +95,194 @@ __global__ void __launch_bounds__(kThreads) glu_rows_kernel(const T* g, const T*
   if (lane == 0) scale[row * scale_stride] = 1.0f / s;
 }
 
-unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kThreads / 32 - 1) / (kThreads / 32)); }
+// ---- per expert and column ----
+
+constexpr int kAmaxThreads = 256;  // pass 1: 8 warps, each a row at a time
+constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
+constexpr int kAmaxUnroll = 4;     // pass 1: rows in flight per lane
+constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
+constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per block
+
+// Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
+// (two for float32) when kVec and all 8 lie in the row, else one by one.
+template <typename T, bool kVec>
+__device__ __forceinline__ void load8(const T* row, int64_t c, int64_t cols, Pack<T, 8>& p) {
+  if (kVec && c + 8 <= cols) {
+    p = *reinterpret_cast<const Pack<T, 8>*>(row + c);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p.v[i] = c + i < cols ? row[c + i] : from_f<T>(0.0f);
+  }
+}
+
+// The scale buffer before pass 1 (kFinal false: 0, the amax's identity) and after it
+// (kFinal true: the amax, as bits, -> 1 / s).
+template <bool kFinal>
+__global__ void __launch_bounds__(256) col_scale_kernel(float* scale, int64_t stride, int64_t experts, int64_t cols) {
+  const int64_t n = experts * cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float* p = scale + (i / cols) * stride + i % cols;
+    if constexpr (kFinal) *p = 1.0f / fp8::scale_of(*p); else *p = 0.0f;
+  }
+}
+
+// Pass 1: block b covers rows [chunk * (b / col_tiles), + chunk) and columns
+// [256 * (b % col_tiles), + 256); warp w reads rows w, w + 8, ... of each expert's run in the
+// chunk, lane l columns 8 l .. 8 l + 7. Every access stays inside x whatever the offsets
+// hold (runs are clamped to the chunk).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kAmaxThreads) col_amax_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                               int64_t rows, int64_t cols,
+                                                               const int32_t* __restrict__ offsets, int64_t E,
+                                                               int64_t chunk, int64_t col_tiles,
+                                                               unsigned* amax, int64_t amax_stride) {
+  __shared__ float part[kAmaxThreads / 32][kAmaxCols];
+  const int64_t b = blockIdx.x;
+  const int64_t r0 = (b / col_tiles) * chunk;
+  const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+  const int64_t tc0 = (b % col_tiles) * kAmaxCols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c = tc0 + 8 * lane;
+  int64_t e = detail::expert_of(offsets, E, r0);
+  int64_t start = e == 0 ? 0 : offsets[e - 1];
+  for (; e < E; ++e) {  // the same runs in every thread: the barriers below are uniform
+    const int64_t end = offsets[e];
+    const int64_t lo = start > r0 ? start : r0, hi = end < r1 ? end : r1;
+    start = end;
+    if (lo >= r1) break;
+    if (hi <= lo) continue;
+    float m[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m[i] = 0.0f;
+    if (c < cols) {
+      for (int64_t r = lo + warp; r < hi; r += 8 * kAmaxUnroll) {
+        Pack<T, 8> in[kAmaxUnroll];
+#pragma unroll
+        for (int k = 0; k < kAmaxUnroll; ++k)
+          if (r + 8 * k < hi) load8<T, kVec>(x + (r + 8 * k) * x_stride, c, cols, in[k]);
+#pragma unroll
+        for (int k = 0; k < kAmaxUnroll; ++k)
+          if (r + 8 * k < hi) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], fabsf(to_f(in[k].v[i])));  // NaN ignored
+          }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) part[warp][8 * lane + i] = m[i];
+    __syncthreads();
+    float mm = part[0][threadIdx.x];
+#pragma unroll
+    for (int w = 1; w < kAmaxThreads / 32; ++w) mm = fmaxf(mm, part[w][threadIdx.x]);
+    const int64_t cc = tc0 + threadIdx.x;
+    if (cc < cols && mm > 0.0f) atomicMax(amax + e * amax_stride + cc, __float_as_uint(mm));
+    __syncthreads();
+  }
+}
+
+// Pass 2: block b covers output rows [128 * (b / col_tiles), + 128) and columns
+// [64 * (b % col_tiles), + 64); thread t reads output rows 4 (t / 8) .. + 3 (its source rows,
+// or none: padding) at columns 8 (t % 8) .. + 7, and packs each column's 4 bytes into one word
+// of the tile (64 columns x 32 words). Word w of column j sits at j * 32 + (w ^ 4 (j / 8)): the
+// stores (a warp: 4 words x 8 column groups) and the 16-byte loads of the write-out (8 lanes a
+// column) each hit 32 distinct banks. pends: padded cumulative ends (offsets when unpadded).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                             int64_t rows, int64_t cols,
+                                                             const int32_t* __restrict__ offsets,
+                                                             const int32_t* __restrict__ pends, int64_t E,
+                                                             const float* __restrict__ scale, int64_t scale_stride,
+                                                             uint8_t* __restrict__ q, int64_t q_stride,
+                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
+  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
+  const int64_t b = blockIdx.x;
+  const int64_t p0 = (b / col_tiles) * kQRows, c0 = (b % col_tiles) * kQCols;
+  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
+  const int64_t c = c0 + 8 * cg;
+  const int64_t pf = p0 + 4 * rq;
+  // Each output row's source row (-1: padding or past the blocks) and expert; both fit 32
+  // bits (a source row is below an int32 offset).
+  int32_t src[4], ex[4];
+  int64_t e = detail::expert_of(pends, E, pf);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t p = pf + k;
+    while (e < E && pends[e] <= p) ++e;
+    src[k] = -1;
+    ex[k] = static_cast<int32_t>(e);
+    if (e < E && p < out_rows) {
+      const int64_t start = e == 0 ? 0 : offsets[e - 1];
+      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
+      const int64_t r = start + local;
+      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src[k] = static_cast<int32_t>(r);
+    }
+  }
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = 0;
+  if (c < cols) {
+    Pack<T, 8> in[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (src[k] >= 0) load8<T, kVec>(x + static_cast<int64_t>(src[k]) * x_stride, c, cols, in[k]);
+    // The scaled values (0 for padding rows and columns past the end: bytes 0x00), each row
+    // with its expert's multipliers s = 1 / scale.
+    float xs[4][8];
+    float s[8];
+    int32_t se = -1;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (src[k] < 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
+        continue;
+      }
+      if (ex[k] != se) {
+        se = ex[k];
+        const float* sr = scale + se * scale_stride + c;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[k].v[i]) * s[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
+  __syncthreads();
+#pragma unroll
+  for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
+    const int idx = threadIdx.x + it * kQThreads;
+    const int cl = idx >> 3, wg = idx & 7;
+    const int64_t cc = c0 + cl;
+    const int64_t pw = p0 + 16 * wg;
+    if (cc >= cols || pw >= out_rows) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
+    uint8_t* dst = q + cc * q_stride + pw;
+    const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
+    if (q_align == 16 && n == 16) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (q_align >= 4 && 4 * j + 4 <= n) {
+          reinterpret_cast<uint32_t*>(dst)[j] = words[j];
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (4 * j + k < n) dst[4 * j + k] = static_cast<uint8_t>(words[j] >> (8 * k));
+        }
+      }
+    }
+  }
+}
+
+unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kRowThreads / 32 - 1) / (kRowThreads / 32)); }
 
 template <typename Fn>
 Status dispatch_storage(DType d, Fn&& fn) {
@@ -98,7 +300,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   if (p.rows > 0x7fffffffLL * 8) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   return cuda::dispatch_storage(p.dtype, [&](auto t) {
     using T = decltype(t);
-    cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows), cuda::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+    cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows), cuda::kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, static_cast<uint8_t*>(p.q), p.q_stride, p.scale,
         p.scale_stride);
     return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
@@ -116,10 +318,66 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream) 
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
       cuda::glu_rows_kernel<T, decltype(act)::value>
-          <<<cuda::blocks_for(p.rows), cuda::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          <<<cuda::blocks_for(p.rows), cuda::kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
               static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w,
               p.w_stride, p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale, o.scale_stride);
       return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
+    });
+  });
+}
+
+Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_TRY(enter_operands(p.device_id, guard,
+                        {{"x", p.x}, {"offsets", p.offsets}, {"padded_offsets", p.padded}, {"q_t", p.q_t},
+                         {"scale", p.scale}}));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t es = detail::dtype_size(p.dtype);
+  // 16-byte packs of x when its pointer and row stride allow (any column count: a row's last
+  // partial pack is read element by element).
+  const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
+  const auto q_addr = reinterpret_cast<uintptr_t>(p.q_t);
+  const bool one_q_row = p.cols <= 1;
+  const int q_align = q_addr % 16 == 0 && (one_q_row || p.q_stride % 16 == 0) ? 16
+                      : q_addr % 4 == 0 && (one_q_row || p.q_stride % 4 == 0)  ? 4
+                                                                                : 1;
+  const int32_t* pends = p.padded ? p.padded : p.offsets;
+  const int device = p.device_id;
+  const int64_t sm = cuda::sm_count(device);
+  // The scales: zeroed, then (after pass 1) turned from amax into 1 / s.
+  const int64_t n_scales = p.experts * p.cols;
+  const unsigned scale_blocks = static_cast<unsigned>(std::min<int64_t>((n_scales + 255) / 256, sm * 8));
+  cuda::col_scale_kernel<false><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
+  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
+    using T = decltype(t);
+    return detail::dispatch_bool(vec, [&](auto vt) -> Status {
+      constexpr bool kVec = decltype(vt)::value;
+      if (p.rows > 0) {
+        // Chunks of rows (a multiple of the 32 rows a block has in flight) for about 64 blocks
+        // per SM in all: enough waves to even out the tail; fewer chunks, fewer atomics.
+        const int64_t col_tiles = (p.cols + cuda::kAmaxCols - 1) / cuda::kAmaxCols;
+        const int64_t want = std::max<int64_t>(1, sm * 64 / col_tiles);
+        int64_t chunk = (p.rows + want - 1) / want;
+        chunk = (chunk + 31) / 32 * 32;
+        const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
+        if (blocks > 0x7fffffff) return fail(Status::kInvalidArgument, "x is too large (", p.rows, " x ", p.cols, ")");
+        cuda::col_amax_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kAmaxThreads, 0, st>>>(
+            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, p.experts, chunk, col_tiles,
+            reinterpret_cast<unsigned*>(p.scale), p.scale_stride);
+        EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise amax kernel launch"));
+      }
+      cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
+      EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+      if (p.out_rows == 0) return Status::kOk;
+      const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
+      const int64_t blocks = col_tiles * ((p.out_rows + cuda::kQRows - 1) / cuda::kQRows);
+      if (blocks > 0x7fffffff)
+        return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
+      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
+          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
 }

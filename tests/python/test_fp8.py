@@ -166,8 +166,10 @@ def test_cuda_glu_rowwise_against_float64(activation, layout):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
 
 
-def _recipe_grouped(t, ends):
-    """torchao's per-group column-wise recipe in torch: (q [T, C] bits, scale [E, C])."""
+def _recipe_grouped(t, ends, pad_to=1):
+    """torchao's per-group column-wise recipe in torch: (q bits [T or Tp, C], scale [E, C]).
+    pad_to > 1: expert e's rows start at a multiple of pad_to, the rest of its block 0, rows
+    past ends[-1] left out."""
     v = t.float()
     qs, ss, start = [], [], 0
     for end in ends:
@@ -177,11 +179,20 @@ def _recipe_grouped(t, ends):
         a = torch.clamp(a, min=torch.tensor(1e-12, dtype=torch.float32))
         s = (448.0 / a.double()).float()
         s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
-        qs.append(torch.clamp(blk * s, -448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8))
+        qs.append(_bits(torch.clamp(blk * s, -448.0, 448.0).to(torch.float8_e4m3fn)))
+        if pad_to > 1:
+            n = end - start
+            qs.append(torch.zeros(-(-n // pad_to) * pad_to - n, v.shape[1], dtype=torch.uint8))
         ss.append(1.0 / s)
         start = end
-    qs.append(torch.zeros(v.shape[0] - start, v.shape[1], dtype=torch.uint8))
+    if pad_to == 1:
+        qs.append(torch.zeros(v.shape[0] - start, v.shape[1], dtype=torch.uint8))
     return torch.cat(qs), torch.stack(ss)
+
+
+def _colwise_bits(q):
+    """q [rows, C] column-major -> its bytes [rows, C] (NaN as 0x7f)."""
+    return _bits(q.contiguous())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -195,7 +206,7 @@ def test_colwise_grouped_matches_recipe(dtype):
     assert q.shape == (125, 40) and q.stride() == (1, 125) and scale.shape == (4, 40)
     rq, rs = _recipe_grouped(t, ends)
     assert torch.equal(scale, rs)
-    assert torch.equal(q.contiguous().view(torch.uint8), rq)
+    assert torch.equal(_colwise_bits(q), rq)
     assert torch.isnan(q[40, 3].float())
 
 
@@ -205,10 +216,250 @@ def test_colwise_grouped_weights_and_refusals():
     for e in range(3):
         rq, rs = _recipe(w[e].t())
         assert torch.equal(scale[e], rs)
-        assert torch.equal(q[16 * e:16 * (e + 1)].t().contiguous().view(torch.uint8), rq)
+        assert torch.equal(_bits(q[16 * e:16 * (e + 1)].t().contiguous()), rq)
     with pytest.raises(ValueError, match="non-decreasing"):
         fp8.quantize_colwise_grouped(torch.randn(8, 4), torch.tensor([5, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="past the last row"):
         fp8.quantize_colwise_grouped(torch.randn(8, 4), torch.tensor([5, 9], dtype=torch.int32))
     with pytest.raises(ValueError, match="2-D"):
         fp8.quantize_colwise_grouped(torch.randn(8), torch.tensor([8], dtype=torch.int32))
+
+
+def _grouped_input(T, C, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(T, C, generator=g, dtype=torch.float64) *
+         torch.logspace(-4, 4, C, dtype=torch.float64)).to(dtype)
+    return t
+
+
+# expert sizes 0, 1, 17, 33, 16, 0, 5 (ends below), then 4 rows past the last offset
+_PAD_ENDS = [0, 1, 18, 51, 67, 67, 72]
+
+
+def test_padded_offsets_host_and_tensor():
+    assert fp8.padded_offsets(_PAD_ENDS, 16) == [0, 16, 48, 96, 112, 112, 128]
+    assert fp8.padded_offsets((3, 3, 20), 8) == [8, 8, 32]
+    assert fp8.padded_offsets([5, 9], 1) == [5, 9]
+    dev = fp8.padded_offsets(torch.tensor(_PAD_ENDS, dtype=torch.int32), 16)
+    assert dev.dtype == torch.int32 and dev.tolist() == fp8.padded_offsets(_PAD_ENDS, 16)
+    with pytest.raises(ValueError, match="pad_to"):
+        fp8.padded_offsets([4], 0)
+    with pytest.raises(ValueError, match="int32"):
+        fp8.padded_offsets(torch.tensor([4]), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pad_to", [16, 5])
+def test_colwise_grouped_padded_matches_recipe(dtype, pad_to):
+    t = _grouped_input(76, 37, dtype, 6)
+    t[20, 3] = float("nan")
+    t[30, 5] = float("inf")  # expert 3's column 5: s = 0, scale inf, q NaN where v * 0 is
+    t[31, 6] = float("-inf")
+    offs = torch.tensor(_PAD_ENDS, dtype=torch.int32)
+    q, scale = fp8.quantize_colwise_grouped(t, offs, pad_to=pad_to)
+    Tp = fp8.padded_offsets(_PAD_ENDS, pad_to)[-1]
+    assert q.shape == (Tp, 37) and q.stride() == (1, Tp) and q.dtype == torch.float8_e4m3fn
+    assert scale.shape == (7, 37)
+    rq, rs = _recipe_grouped(t, _PAD_ENDS, pad_to)
+    assert rq.shape == (Tp, 37)
+    assert torch.equal(scale, rs)
+    assert torch.equal(_colwise_bits(q), rq)
+    assert scale[3, 5] == float("inf") and scale[3, 6] == float("inf")
+    # the padding rows are bytes 0x00, and each expert's rows start at its padded offset
+    starts = [0] + fp8.padded_offsets(_PAD_ENDS, pad_to)[:-1]
+    assert torch.equal(_colwise_bits(q[starts[2]:starts[2] + 17]), rq[starts[2]:starts[2] + 17])
+    pads = torch.ones(Tp, dtype=torch.bool)
+    lo = 0
+    for e, end in enumerate(_PAD_ENDS):
+        pads[starts[e]:starts[e] + end - lo] = False
+        lo = end
+    assert torch.all(q.contiguous().view(torch.uint8)[pads] == 0)
+
+
+def test_colwise_grouped_ends_strides_and_empty():
+    t = _grouped_input(80, 48, torch.bfloat16, 7)
+    offs = torch.tensor(_PAD_ENDS, dtype=torch.int32)
+    q, scale = fp8.quantize_colwise_grouped(t, offs, pad_to=16)
+    q2, s2 = fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=_PAD_ENDS)  # nothing read from offsets
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, s2)
+    q3, s3 = fp8.quantize_colwise_grouped(t, offs, ends=tuple(_PAD_ENDS))
+    rq, rs = _recipe_grouped(t, _PAD_ENDS)
+    assert q3.shape == (80, 48) and torch.equal(_colwise_bits(q3), rq) and torch.equal(s3, rs)
+    # a column slice (row stride 48, read in place) at an odd element offset
+    v = t[:, 3:40]
+    qv, sv = fp8.quantize_colwise_grouped(v, offs, pad_to=16)
+    rqv, rsv = _recipe_grouped(v.contiguous(), _PAD_ENDS, 16)
+    assert torch.equal(_colwise_bits(qv), rqv) and torch.equal(sv, rsv)
+    # no rows at all: every expert empty, Tp = 0, the scales those of amax = 0 (s = 2^48)
+    q0, s0 = fp8.quantize_colwise_grouped(torch.empty(0, 24), torch.zeros(3, dtype=torch.int32), pad_to=16)
+    assert q0.shape == (0, 24) and torch.equal(s0, torch.full((3, 24), 2.0 ** -48))
+    q1, s1 = fp8.quantize_colwise_grouped(torch.empty(0, 24), torch.zeros(3, dtype=torch.int32))
+    assert q1.shape == (0, 24) and torch.equal(s1, s0)
+
+
+def test_colwise_grouped_padding_refusals():
+    t = torch.randn(8, 4)
+    offs = torch.tensor([5, 8], dtype=torch.int32)
+    for bad in (0, -1, True, 1.5, "16"):
+        with pytest.raises(ValueError, match="pad_to"):
+            fp8.quantize_colwise_grouped(t, offs, pad_to=bad)
+    with pytest.raises(ValueError, match="ends has 3 values; offsets has 2"):
+        fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=[1, 2, 8])
+    with pytest.raises(ValueError, match="ends must be non-decreasing"):
+        fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=[6, 5])
+    with pytest.raises(ValueError, match="past the last row"):
+        fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=[5, 9])
+    with pytest.raises(TypeError, match="ends must be a sequence of ints"):
+        fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=5)
+    # ends that disagree with offsets: the CPU path reads both and refuses (padded_offsets
+    # computed from offsets overrun q, sized from ends)
+    with pytest.raises(ValueError, match="padded_offsets"):
+        fp8.quantize_colwise_grouped(t, torch.tensor([5, 8], dtype=torch.int32), pad_to=4, ends=[4, 4])
+
+
+def _call_colwise(x, offsets, padded, q_t, scale):
+    xs, qs, ss, offs = fp8._matrix(x), fp8._matrix(q_t), fp8._matrix(scale), fp8._vector(offsets)
+    ps = None if padded is None else fp8._vector(padded)
+    fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
+        fp8.byref(xs[1]), fp8.byref(offs[1]), None if ps is None else fp8.byref(ps[1]), fp8.byref(qs[1]),
+        fp8.byref(ss[1]), None))
+
+
+def test_colwise_grouped_c_abi_padded_offsets():
+    """The C ABI takes any padded ends that hold each expert's rows (not only multiples of a
+    pad), and checks them on the CPU, naming the argument."""
+    x = _grouped_input(10, 6, torch.float32, 8)
+    offs = torch.tensor([3, 3, 10], dtype=torch.int32)
+    q_t = torch.full((6, 16), 0x55, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.empty(3, 6)
+    _call_colwise(x, offs, torch.tensor([4, 6, 13], dtype=torch.int32), q_t, scale)
+    rq, rs = _recipe_grouped(x, [3, 3, 10])
+    b = q_t.view(torch.uint8).t()
+    assert torch.equal(b[0:3], rq[0:3]) and torch.all(b[3:6] == 0)
+    assert torch.equal(b[6:13], rq[3:10]) and torch.all(b[13:] == 0)  # past padded_offsets[-1]: 0
+    assert torch.equal(scale, rs)
+    cases = [
+        (torch.tensor([4, 13], dtype=torch.int32), "padded_offsets has 2 elements; offsets has 3"),
+        (torch.tensor([2, 6, 13], dtype=torch.int32), r"padded_offsets\[0\] = 2 gives expert 0 a block of 2 rows"),
+        (torch.tensor([4, 3, 13], dtype=torch.int32), r"padded_offsets\[1\] = 3"),
+        (torch.tensor([4, 6, 12], dtype=torch.int32), r"padded_offsets\[2\] = 12 gives expert 2"),
+        (torch.tensor([4, 6, 17], dtype=torch.int32), r"padded_offsets\[2\] = 17 is past q_t's last column"),
+    ]
+    for pads, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            _call_colwise(x, offs, pads, q_t, scale)
+    with pytest.raises(expertact.DTypeError, match="padded_offsets must be int32"):
+        _call_colwise(x, offs, torch.tensor([4, 6, 13], dtype=torch.int64), q_t, scale)
+    with pytest.raises(ValueError, match="q_t"):  # without padding q_t must be [C, T]
+        _call_colwise(x, offs, None, q_t, scale)
+
+
+def _cuda_vs_cpu(t, ends, **kw):
+    offs = torch.tensor(ends, dtype=torch.int32)
+    q, scale = fp8.quantize_colwise_grouped(t.cuda(), offs.cuda(), **kw)
+    rq, rs = fp8.quantize_colwise_grouped(t, offs, **kw)
+    assert q.shape == rq.shape and q.stride() == rq.stride()
+    assert torch.equal(scale.cpu(), rs)
+    assert torch.equal(_colwise_bits(q).cpu(), _colwise_bits(rq))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 37, 300, 3072])
+@pytest.mark.parametrize("pad_to", [1, 16])
+def test_cuda_colwise_grouped_matches_cpu(dtype, cols, pad_to):
+    t = _grouped_input(76, cols, dtype, 9)
+    t[20, 0] = float("nan")
+    t[30, cols - 1] = float("inf")
+    _cuda_vs_cpu(t, _PAD_ENDS, pad_to=pad_to)
+    rq, _ = _recipe_grouped(t, _PAD_ENDS, pad_to)
+    q, _ = fp8.quantize_colwise_grouped(t.cuda(), torch.tensor(_PAD_ENDS, dtype=torch.int32).cuda(), pad_to=pad_to)
+    assert torch.equal(_colwise_bits(q).cpu(), rq)
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("pad_to", [1, 16])
+def test_cuda_colwise_grouped_large_and_many_experts(pad_to):
+    g = torch.Generator().manual_seed(10)
+    # several row chunks and tiles per expert, experts ending mid-chunk, rows past the end
+    t = _grouped_input(70_001, 200, torch.bfloat16, 11)
+    _cuda_vs_cpu(t, [0, 17_001, 17_001, 40_000, 69_990], pad_to=pad_to)
+    # 1024 experts, a quarter of them empty, a few rows each
+    sizes = torch.randint(0, 12, (1024,), generator=g)
+    sizes[torch.randperm(1024, generator=g)[:256]] = 0
+    ends = torch.cumsum(sizes, 0).tolist()
+    t2 = _grouped_input(ends[-1] + 3, 72, torch.float16, 12)
+    _cuda_vs_cpu(t2, ends, pad_to=pad_to)
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_cuda_colwise_grouped_strides_ends_and_empty():
+    base = _grouped_input(300, 520, torch.bfloat16, 13)
+    ends = [0, 33, 250, 251]
+    for view in (base[:, 8:392], base[:, 1:386], base[::2, :512]):  # aligned rows, unaligned, gapped
+        for pad_to in (1, 16):
+            offs = torch.tensor(ends, dtype=torch.int32)
+            q, s = fp8.quantize_colwise_grouped(view.cuda(), offs.cuda(), pad_to=pad_to)
+            rq, rs = fp8.quantize_colwise_grouped(view, offs, pad_to=pad_to)
+            assert torch.equal(s.cpu(), rs) and torch.equal(_colwise_bits(q).cpu(), _colwise_bits(rq))
+    # ends given: the same bytes, nothing read from the device
+    t = base[:252].contiguous().cuda()
+    offs = torch.tensor(ends, dtype=torch.int32).cuda()
+    q1, s1 = fp8.quantize_colwise_grouped(t, offs, pad_to=16)
+    q2, s2 = fp8.quantize_colwise_grouped(t, offs, pad_to=16, ends=ends)
+    assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
+    assert fp8.padded_offsets(offs, 16).tolist() == fp8.padded_offsets(ends, 16)
+    # no rows
+    q0, s0 = fp8.quantize_colwise_grouped(torch.empty(0, 40, device="cuda"), torch.zeros(2, dtype=torch.int32,
+                                                                                          device="cuda"), pad_to=16)
+    assert q0.shape == (0, 40) and torch.equal(s0.cpu(), torch.full((2, 40), 2.0 ** -48))
+    q0, s0 = fp8.quantize_colwise_grouped(torch.empty(0, 40, device="cuda"), torch.zeros(2, dtype=torch.int32,
+                                                                                          device="cuda"))
+    assert q0.shape == (0, 40) and torch.equal(s0.cpu(), torch.full((2, 40), 2.0 ** -48))
+    # an odd padded row count without padding (byte stores at the tile's end)
+    _cuda_vs_cpu(_grouped_input(131, 40, torch.float32, 14), [50, 131])
+
+
+def _conversion_cases():
+    """float32 values for the e4m3fn conversion with s = 1: every bf16 value in range, every
+    e4m3fn midpoint (ties) and its float32 neighbours, the subnormal range, values near 448,
+    float32 subnormals, signed zeros, NaN, and random bit patterns; rows of 255 with 448 added
+    (s = 1)."""
+    g = torch.Generator().manual_seed(15)
+    bf = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    bf = bf[bf.isnan() | (bf.abs() <= 448)]
+    e4 = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    e4 = torch.sort(e4[torch.isfinite(e4) & (e4 >= 0)]).values
+    mids = (e4[1:] + e4[:-1]) / 2  # exact in float32
+    near = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    bits = torch.randint(0x30000000, 0x43e00000, (20000,), generator=g, dtype=torch.int32).view(torch.float32)
+    misc = torch.tensor([0.0, 1e-40, 1e-45, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -9, 447.9, 448.0,
+                         torch.nextafter(torch.tensor(448.0), torch.tensor(0.0)).item(), float("nan")])
+    v = torch.cat([bf, mids, near, bits, misc])
+    v = torch.cat([v, -v])
+    n = -(-v.numel() // 255) * 255
+    v = torch.cat([v, torch.zeros(n - v.numel())]).reshape(-1, 255)
+    return torch.cat([v, torch.full((v.shape[0], 1), 448.0)], 1)
+
+
+def test_conversion_cases_on_cpu():
+    rows = _conversion_cases()
+    q, scale = fp8.quantize_rowwise(rows)
+    assert torch.all(scale == 1.0)
+    assert torch.equal(_bits(q), _bits(rows.to(torch.float8_e4m3fn)))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_cuda_conversion_matches_cpu():
+    """The GPU kernels' conversion (fp8.h from_scaled2: the cvt instruction on sm_89+) against
+    the CPU's from_float, byte for byte, through every kernel that quantises."""
+    rows = _conversion_cases()
+    rq, _ = fp8.quantize_rowwise(rows)
+    q, scale = fp8.quantize_rowwise(rows.cuda())
+    assert torch.all(scale.cpu() == 1.0)
+    assert torch.equal(_bits(q).cpu(), _bits(rq))
+    t = rows.t().contiguous()  # every column holds 448
+    cq, cs = fp8.quantize_colwise_grouped(t.cuda(), torch.tensor([t.shape[0]], dtype=torch.int32).cuda(),
+                                          pad_to=16)
+    assert torch.all(cs.cpu() == 1.0)
+    assert torch.equal(_colwise_bits(cq).cpu()[:t.shape[0]], _bits(rq).t())
