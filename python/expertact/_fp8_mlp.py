@@ -77,22 +77,13 @@ def _zero_tail(t: Tensor, end: int) -> Tensor:
     return t
 
 
-def _padded_offsets(ends, device) -> Tensor:
-    out, acc, prev = [], 0, 0
-    for end in ends:
-        acc += -(-(end - prev) // ALIGN) * ALIGN
-        out.append(acc)
-        prev = end
-    return torch.tensor(out, dtype=torch.int32).to(device, non_blocking=True)
-
-
 def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Optional[Tensor]):
     """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols]; laid out as ``like``
     (a weight held as a transposed view gets its gradient in the weight's storage order)."""
     if like is not None and like.stride(-2) == 1 and like.stride(-1) != 1:
         return _wgrad(b, a, offs, poffs, ends, None).transpose(-2, -1)
-    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN)  # [Tp, M] column-major, [E, M]
-    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN)  # [Tp, N] column-major, [E, N]
+    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN, ends=ends)  # [Tp, M] column-major, [E, M]
+    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN, ends=ends)  # [Tp, N] column-major, [E, N]
     out = _sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs)
     start = 0
     for e, stop in enumerate(ends):
@@ -141,7 +132,7 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
     if b2 is not None:
         db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
-    poffs = _padded_offsets(ends, dy.device) if fplan.wgrad and (need_w2 or need_w13) else None
+    poffs = fp8.padded_offsets(offs, ALIGN) if fplan.wgrad and (need_w2 or need_w13) else None
     if need_w2:  # first, so that h is freed before dh exists
         h = h_of()
         if fplan.wgrad:
