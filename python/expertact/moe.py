@@ -397,7 +397,11 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
         x, gate_up, y = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)
-        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), None)
+        # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
+        # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
+        hooked = _saved_tensor_hooks_active()
+        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up if hooked else None, b13, b2), None)
+        ctx.gate_up = None if hooked else gate_up
         ctx.fplan = fplan
         ctx.b13_index = 7
         return y
@@ -405,13 +409,23 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w13, w2, weights, offs, gate_up, b13, b2, _ = _kept(ctx)
+        held = {"gate_up": gate_up if gate_up is not None else ctx.gate_up}
+        ctx.gate_up = gate_up = None
+        if held["gate_up"] is None:  # taken by an earlier backward (retain_graph=True)
+            raise RuntimeError(_err("expert_mlp(fp8='rowwise') frees gate_up during its backward, so its graph "
+                                    "runs backward once (a second backward, retain_graph=True, is not supported)"))
         plan = ctx.plan
         n = ctx.needs_input_grad
         needs = (n[0], n[1], n[2], n[3], n[7], n[8])
+
+        def glu_grad(dh):
+            out = _glu_grad(ctx, dh, held["gate_up"], weights, b13, offs)
+            held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
+            return out
+
         grads = _fp8_mlp.backward(
-            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan,
-            glu_grad=lambda dh: _glu_grad(ctx, dh, gate_up, weights, b13, offs),
-            h_of=lambda: _glu(gate_up, weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad)
+            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
+            h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad)
         dx, dw13, dw2, dweights, db13, db2 = grads
         return dx, dw13, dw2, dweights, None, None, None, db13, db2
 

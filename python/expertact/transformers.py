@@ -331,9 +331,9 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
     if not isinstance(name, str) or not name:
         raise ValueError(_err(f"name must be a non-empty string; got {name!r}"))
     taken = {"eager"} | set(_hf_moe.ALL_EXPERTS_FUNCTIONS.keys())
-    fp8 = getattr(_fp8_registry(), "keys", None)
-    if fp8 is not None:
-        taken |= set(fp8())
+    fp8_names = getattr(_fp8_registry(), "keys", None)
+    if fp8_names is not None:
+        taken |= set(fp8_names())
     if name in taken and name not in _REGISTERED:
         raise ValueError(_err(f"{name!r} is already an experts implementation of transformers; pick another name"))
     recompute, inplace_backward = bool(recompute), bool(inplace_backward)

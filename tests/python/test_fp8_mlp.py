@@ -167,6 +167,15 @@ def test_emulated_fp8_no_grad_forward(emulated):
     assert torch.equal(y, y0)
 
 
+def test_emulated_fp8_second_backward_refused(emulated):
+    _, low, dy, offsets = _problem()
+    x = low["x"].clone().requires_grad_()
+    y = expert_mlp(x, low["w13"], low["w2"], offsets, "swiglu", fp8="rowwise")
+    y.backward(dy.to(y.dtype), retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs backward once"):
+        y.backward(dy.to(y.dtype))
+
+
 def test_fp8_errors():
     _, low, dy, offsets = _problem()
     args = (low["x"], low["w13"], low["w2"], offsets, "swiglu")
