@@ -1,9 +1,12 @@
 // CUDA path of the FP8 quantisation (src/core/fp8.h). The arithmetic per element is fp8.h's,
 // shared with the CPU path, so the two give the same bytes and scales.
 //
-// Rowwise: a warp per row. Pass 1 reads the row (or computes the activation) and reduces its
-// amax (NaN ignored) across the warp; pass 2 reads it again (from L1/L2: the warp has just
-// read it) and writes e4m3fn bytes, four per lane and store.
+// Rowwise: a warp per row. Rows whose input allows 16-byte packs are read in them and held in
+// registers (for the GLU form, the float32 activation, computed once) while the row's amax
+// (NaN ignored) is reduced across the warp, then quantised from there and written as 2, 4 or
+// 8 bytes per pack; rows too long to hold are read twice. Other rows take a scalar form that
+// reads one element at a time, twice. The conversions go two at a time through
+// fp8::from_scaled2 (one instruction on sm_89+).
 //
 // Per expert and column (quantize_colwise_grouped), four launches on the stream: the scales
 // zeroed; pass 1, each block a chunk of rows x 256 columns, every row read once in 16-byte
@@ -16,6 +19,7 @@
 // transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -31,13 +35,266 @@
 namespace expertact::cuda {
 namespace {
 
-constexpr int kRowThreads = 256;  // rowwise: 8 rows per block, a warp each
-
 __device__ __forceinline__ float warp_amax(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
+
+// ---- rowwise, 16-byte packs: G lanes per row (32, 64 or 128) ----
+
+constexpr int kRowThreads = 128;  // 128 / G rows per block
+constexpr int kStreamUnroll = 4;  // packs in flight per lane for rows too long to hold
+
+// One pack of V scaled values written as V e4m3fn bytes (V = 2, 4 or 8): one store of V bytes
+// when q's rows allow it (vec), else byte by byte.
+template <int V>
+__device__ __forceinline__ void store_q(uint8_t* q, int p, const float (&x)[V], bool vec) {
+  static_assert(V == 2 || V == 4 || V == 8, "a pack of 2, 4 or 8 values");
+  uint32_t w[(V + 3) / 4];
+#pragma unroll
+  for (int i = 0; i < (V + 3) / 4; ++i) w[i] = 0;
+#pragma unroll
+  for (int i = 0; i < V / 2; ++i) w[i / 2] |= fp8::from_scaled2(x[2 * i], x[2 * i + 1]) << (16 * (i % 2));
+  if (vec) {
+    if constexpr (V == 8) reinterpret_cast<uint2*>(q)[p] = make_uint2(w[0], w[1]);
+    else if constexpr (V == 4) reinterpret_cast<uint32_t*>(q)[p] = w[0];
+    else reinterpret_cast<uint16_t*>(q)[p] = static_cast<uint16_t>(w[0]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) q[static_cast<int64_t>(p) * V + i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+  }
+}
+
+// The running max |v| of a lane (NaN ignored, exact): float32 fmaxf, or for 16-bit packs two
+// values at a time in their own type (max.bf16x2 / max.f16x2 return the other input for a NaN,
+// as fmaxf does). Keeping a plain row's amax in its own type also keeps the compiler from
+// holding its values converted to float32 (twice the registers) until the second pass.
+template <typename T>
+struct AbsMax {
+  float m = 0.0f;
+  __device__ __forceinline__ void add(float v) { m = fmaxf(m, fabsf(v)); }
+  template <int V>
+  __device__ __forceinline__ void add(const Pack<T, V>& p) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) add(to_f(p.v[i]));
+  }
+  __device__ __forceinline__ float get() const { return m; }
+};
+template <typename T, typename T2>
+struct AbsMax16 {
+  T2 m;
+  __device__ __forceinline__ AbsMax16() : m(from_f<T>(0.0f), from_f<T>(0.0f)) {}
+  template <int V>
+  __device__ __forceinline__ void add(const Pack<T, V>& p) {
+    static_assert(V % 2 == 0, "pairs");
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) m = __hmax2(m, __habs2(reinterpret_cast<const T2*>(p.v)[i]));
+  }
+  __device__ __forceinline__ float get() const { return fmaxf(to_f(m.x), to_f(m.y)); }
+};
+template <>
+struct AbsMax<__nv_bfloat16> : AbsMax16<__nv_bfloat16, __nv_bfloat162> {};
+template <>
+struct AbsMax<__half> : AbsMax16<__half, __half2> {};
+
+// The values of one row, in packs of V: Raw is what one pack's load brings, Held what a lane
+// keeps of it between the amax and the quantisation (the raw elements for a plain row, the
+// float32 activation for the GLU form: computed once).
+template <typename T, int V>
+struct PlainSrc {
+  using Raw = Pack<T, V>;
+  using Held = Pack<T, V>;
+  using Max = AbsMax<T>;
+  const T* x;
+  __device__ __forceinline__ void load(int p, Raw& r) const { r = reinterpret_cast<const Raw*>(x)[p]; }
+  __device__ __forceinline__ void finish(const Raw& r, Held& h) const { h = r; }
+  __device__ __forceinline__ void absmax(const Held& h, Max& m) const { m.add(h); }
+  __device__ __forceinline__ float value(const Held& h, int i) const { return to_f(h.v[i]); }
+};
+
+template <typename T, Activation A, int kStep, int V>
+struct GluSrc {
+  using Raw = GuPack<T, V, kStep>;
+  struct Held {
+    float v[V];
+  };
+  using Max = AbsMax<float>;
+  const T* g;
+  const T* u;
+  float w;
+  const math::Coeffs& c;
+  __device__ __forceinline__ void load(int p, Raw& r) const { load_raw<T, V, kStep>(g, u, p, r); }
+  __device__ __forceinline__ void finish(const Raw& r, Held& h) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i) h.v[i] = math::glu_fwd<A>(gate_of(r, i), up_of(r, i), w, c);
+  }
+  __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i) m.add(h.v[i]);
+  }
+  __device__ __forceinline__ float value(const Held& h, int i) const { return h.v[i]; }
+};
+
+// The amax of a row across its G lanes: a warp's shuffles, then for G > 32 the row's warps
+// through shared memory (a block-wide barrier: every thread of the block calls this).
+__device__ __forceinline__ float row_amax(float a, int G, float* red) {
+  a = warp_amax(a);
+  if (G > 32) {
+    const int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) red[warp] = a;
+    __syncthreads();
+    const int w0 = warp & ~(G / 32 - 1);
+    a = red[w0];
+    for (int k = 1; k < G / 32; ++k) a = fmaxf(a, red[w0 + k]);
+  }
+  return a;
+}
+
+// Packs of the row a lane takes: lane, lane + G, ... N > 0: at most N of them, held in
+// registers, the loads U at a time (U = N where a pack's raw load is no larger than what is
+// held of it, so a lane has all its loads in flight at once), the row read once. N = 0 (rows
+// longer than the instances hold): the row is read twice, kStreamUnroll packs in flight per
+// lane, the second read mostly from L2. live: whether the lane's row exists (a block's last
+// rows may not; they still take part in row_amax's barrier).
+template <typename Src, int V, int N>
+__device__ __forceinline__ void quantize_row(const Src& src, bool live, int packs, int lane, int G, uint8_t* q,
+                                             bool q_vec, float* scale_out, float* red) {
+  typename Src::Max m;
+  if constexpr (N > 0) {
+    constexpr int U = sizeof(typename Src::Raw) <= sizeof(typename Src::Held) ? N : (N + 1) / 2;
+    typename Src::Held h[N];
+#pragma unroll
+    for (int j0 = 0; j0 < N; j0 += U) {
+      typename Src::Raw r[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (j0 + k < N && live && lane + G * (j0 + k) < packs) src.load(lane + G * (j0 + k), r[k]);
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
+          src.finish(r[k], h[j0 + k]);
+          src.absmax(h[j0 + k], m);
+        }
+      }
+    }
+    const float s = fp8::scale_of(row_amax(m.get(), G, red));
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (lane + G * j < packs) {
+        float x[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) x[i] = src.value(h[j], i) * s;
+        store_q<V>(q, lane + G * j, x, q_vec);
+      }
+    }
+    if (lane == 0) *scale_out = 1.0f / s;
+  } else {
+    constexpr int kU = kStreamUnroll;
+    const int end = live ? packs : 0;
+    for (int p0 = lane; p0 < end; p0 += G * kU) {
+      typename Src::Raw r[kU];
+#pragma unroll
+      for (int k = 0; k < kU; ++k)
+        if (p0 + G * k < end) src.load(p0 + G * k, r[k]);
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        if (p0 + G * k < end) {
+          typename Src::Held h;
+          src.finish(r[k], h);
+          src.absmax(h, m);
+        }
+      }
+    }
+    const float s = fp8::scale_of(row_amax(m.get(), G, red));
+    for (int p0 = lane; p0 < end; p0 += G * kU) {
+      typename Src::Raw r[kU];
+#pragma unroll
+      for (int k = 0; k < kU; ++k)
+        if (p0 + G * k < end) src.load(p0 + G * k, r[k]);
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        if (p0 + G * k < end) {
+          typename Src::Held h;
+          src.finish(r[k], h);
+          float x[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) x[i] = src.value(h, i) * s;
+          store_q<V>(q, p0 + G * k, x, q_vec);
+        }
+      }
+    }
+    if (live && lane == 0) *scale_out = 1.0f / s;
+  }
+}
+
+template <typename T, int V, int N>
+__global__ void __launch_bounds__(kRowThreads) quantize_rows_vec_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                                       int64_t rows, int packs, int G,
+                                                                       uint8_t* __restrict__ q, int64_t q_stride,
+                                                                       bool q_vec, float* __restrict__ scale,
+                                                                       int64_t scale_stride) {
+  __shared__ float red[kRowThreads / 32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
+  const bool live = row < rows;
+  const int64_t r = live ? row : 0;
+  const PlainSrc<T, V> src{x + r * x_stride};
+  quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
+                                     scale + r * scale_stride, red);
+}
+
+template <typename T, Activation A, int kStep, int V, int N>
+__global__ void __launch_bounds__(kRowThreads) glu_rows_vec_kernel(const T* g, const T* u, int64_t g_stride,
+                                                                  int64_t u_stride, const float* __restrict__ w,
+                                                                  int64_t w_stride, int64_t rows, int packs, int G,
+                                                                  const math::Coeffs c, uint8_t* __restrict__ q,
+                                                                  int64_t q_stride, bool q_vec,
+                                                                  float* __restrict__ scale, int64_t scale_stride) {
+  __shared__ float red[kRowThreads / 32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
+  const bool live = row < rows;
+  const int64_t r = live ? row : 0;
+  const GluSrc<T, A, kStep, V> src{g + r * g_stride, u + r * u_stride, w && live ? w[r * w_stride] : 1.0f, c};
+  quantize_row<GluSrc<T, A, kStep, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
+                                             scale + r * scale_stride, red);
+}
+
+// Calls go(IntTag<N>) with N = Elems / V for the first of Elems (values a lane holds) that
+// holds ppl packs, or N = 0 (read the row twice) when none does.
+template <int V, typename Go>
+Status pick_held(int64_t, Go&& go) {
+  return go(detail::IntTag<0>{});
+}
+template <int V, int E0, int... Es, typename Go>
+Status pick_held(int64_t ppl, Go&& go) {
+  static_assert(E0 % V == 0, "values held per lane: a multiple of the pack");
+  if (ppl * V <= E0) return go(detail::IntTag<E0 / V>{});
+  return pick_held<V, Es...>(ppl, go);
+}
+
+// Lanes per row: the fewest of 32, 64, 128 that leave a lane at most kLaneValues values
+// (registers for more warps, so more loads in flight), else 128 (a lane then holds up to the
+// largest instance, or the row is read twice). EXPERTACT_FP8_ROW_LANES=32|64|128 forces a
+// width (a tuning knob, read once per process; other values are ignored).
+constexpr int64_t kLaneValues = 32;
+int lanes_per_row(int64_t packs, int V) {
+  static const int forced = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_ROW_LANES");
+    if (env == nullptr) return 0;
+    const int v = std::atoi(env);
+    return v == 32 || v == 64 || v == 128 ? v : 0;
+  }();
+  if (forced) return forced;
+  for (int G : {32, 64}) {
+    if ((packs + G - 1) / G * V <= kLaneValues) return G;
+  }
+  return 128;
+}
+
+// ---- rowwise, any alignment: a warp per row, one element at a time ----
+
+constexpr int kScalarThreads = 256;  // 8 rows per block, a warp each
 
 // Writes q[j] for j in [0, n) of one row from values produced by val(j), four per lane and
 // 4-byte store where the row's q is 4-byte aligned, else one by one.
@@ -46,12 +303,9 @@ __device__ __forceinline__ void store_row(uint8_t* q, int64_t n, float s, int la
   const bool vec = (reinterpret_cast<uintptr_t>(q) & 3) == 0;
   if (vec) {
     const int64_t n4 = n / 4;
-    for (int64_t i = lane; i < n4; i += 32) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) word |= static_cast<uint32_t>(fp8::quantize(val(4 * i + k), s)) << (8 * k);
-      reinterpret_cast<uint32_t*>(q)[i] = word;
-    }
+    for (int64_t i = lane; i < n4; i += 32)
+      reinterpret_cast<uint32_t*>(q)[i] = fp8::from_scaled2(val(4 * i) * s, val(4 * i + 1) * s) |
+                                          (fp8::from_scaled2(val(4 * i + 2) * s, val(4 * i + 3) * s) << 16);
     for (int64_t j = 4 * n4 + lane; j < n; j += 32) q[j] = fp8::quantize(val(j), s);
   } else {
     for (int64_t j = lane; j < n; j += 32) q[j] = fp8::quantize(val(j), s);
@@ -59,10 +313,10 @@ __device__ __forceinline__ void store_row(uint8_t* q, int64_t n, float s, int la
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(const T* x, int64_t x_stride, int64_t rows,
-                                                                int64_t cols, uint8_t* q, int64_t q_stride,
-                                                                float* scale, int64_t scale_stride) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+__global__ void __launch_bounds__(kScalarThreads) quantize_rows_kernel(const T* x, int64_t x_stride, int64_t rows,
+                                                                    int64_t cols, uint8_t* q, int64_t q_stride,
+                                                                    float* scale, int64_t scale_stride) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kScalarThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const T* xr = x + row * x_stride;
@@ -75,12 +329,12 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(const T* x, 
 }
 
 template <typename T, Activation A>
-__global__ void __launch_bounds__(kRowThreads) glu_rows_kernel(const T* g, const T* u, int64_t g_stride,
-                                                           int64_t u_stride, int step, const float* w,
-                                                           int64_t w_stride, int64_t rows, int64_t F,
-                                                           math::Coeffs c, uint8_t* q, int64_t q_stride,
-                                                           float* scale, int64_t scale_stride) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+__global__ void __launch_bounds__(kScalarThreads) glu_rows_kernel(const T* g, const T* u, int64_t g_stride,
+                                                               int64_t u_stride, int step, const float* w,
+                                                               int64_t w_stride, int64_t rows, int64_t F,
+                                                               math::Coeffs c, uint8_t* q, int64_t q_stride,
+                                                               float* scale, int64_t scale_stride) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kScalarThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const T* gr = g + row * g_stride;
@@ -282,7 +536,15 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
   }
 }
 
-unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kRowThreads / 32 - 1) / (kRowThreads / 32)); }
+// Blocks of `threads` for `rows` rows of `lanes` lanes each.
+unsigned blocks_for(int64_t rows, int threads, int lanes = 32) {
+  return static_cast<unsigned>((rows + threads / lanes - 1) / (threads / lanes));
+}
+
+// Whether q's rows take stores of V bytes (one pack of V outputs).
+bool q_packs(const void* q, int64_t q_stride, int64_t rows, int V) {
+  return reinterpret_cast<uintptr_t>(q) % V == 0 && (rows <= 1 || q_stride % V == 0);
+}
 
 template <typename Fn>
 Status dispatch_storage(DType d, Fn&& fn) {
@@ -294,16 +556,39 @@ Status dispatch_storage(DType d, Fn&& fn) {
 
 namespace expertact::detail {
 
+// Rows whose input allows 16-byte packs (pick_pack: pointer and row stride aligned, the
+// columns a multiple of the pack) take the vector kernels, which hold the row in registers up
+// to 128 values (plain 16-bit rows: 256) per lane, 4,096 (8,192) per row; others the scalar
+// kernels.
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard, {{"x", p.x}, {"q", p.q}, {"scale", p.scale}}));
-  if (p.rows > 0x7fffffffLL * 8) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
-  return cuda::dispatch_storage(p.dtype, [&](auto t) {
+  if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
-    cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows), cuda::kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, static_cast<uint8_t*>(p.q), p.q_stride, p.scale,
-        p.scale_stride);
-    return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
+    constexpr int es = sizeof(T), kV = 16 / es;
+    const cuda::Operand ops[] = {{p.x, p.x_stride, 1}};
+    const int V = cuda::pick_pack(ops, 1, p.cols, p.rows, es, 1);
+    if (V != kV || p.cols / kV > 0x7fffffff) {
+      cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
+          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, static_cast<uint8_t*>(p.q), p.q_stride, p.scale,
+          p.scale_stride);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
+    }
+    const int packs = static_cast<int>(p.cols / kV);
+    const bool q_vec = cuda::q_packs(p.q, p.q_stride, p.rows, kV);
+    const int G = cuda::lanes_per_row(packs, kV);
+    auto go = [&](auto n) -> Status {
+      cuda::quantize_rows_vec_kernel<T, kV, decltype(n)::value>
+          <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
+              static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride,
+              q_vec, p.scale, p.scale_stride);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
+    };
+    const int64_t ppl = (packs + G - 1) / G;
+    if constexpr (es == 2) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
+    else return cuda::pick_held<kV, 32, 64>(ppl, go);
   });
 }
 
@@ -312,16 +597,39 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream) 
   EA_TRY(enter_operands(p.device_id, guard,
                         {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
                          {"q", o.q}, {"scale", o.scale}}));
-  if (p.rows > 0x7fffffffLL * 8) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
+  if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
-  return cuda::dispatch_storage(p.dtype, [&](auto t) {
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
-    return dispatch_act(p.params.act, [&](auto act) {
-      cuda::glu_rows_kernel<T, decltype(act)::value>
-          <<<cuda::blocks_for(p.rows), cuda::kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w,
-              p.w_stride, p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale, o.scale_stride);
-      return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
+    constexpr int es = sizeof(T);
+    // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element.
+    const cuda::Operand ops[] = {{p.g, p.g_stride, p.step}, {p.u, p.u_stride, 1}};
+    const int V = cuda::pick_pack(ops, p.step == 1 ? 2 : 1, p.F, p.rows, es, p.step);
+    return dispatch_act(p.params.act, [&](auto act) -> Status {
+      constexpr Activation A = decltype(act)::value;
+      if (V != 16 / es / p.step || p.F / V > 0x7fffffff) {
+        cuda::glu_rows_kernel<T, A><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
+            static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w, p.w_stride,
+            p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale, o.scale_stride);
+        return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
+      }
+      return dispatch_step(p.step, [&](auto step) -> Status {
+        constexpr int kStep = decltype(step)::value, kV = 16 / es / kStep;
+        const int packs = static_cast<int>(p.F / kV);
+        const bool q_vec = cuda::q_packs(o.q, o.q_stride, p.rows, kV);
+        const int G = cuda::lanes_per_row(packs, kV);
+        auto go = [&](auto n) -> Status {
+          cuda::glu_rows_vec_kernel<T, A, kStep, kV, decltype(n)::value>
+              <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
+                  static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
+                  p.rows, packs, G, c, static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride);
+          return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
+        };
+        const int64_t ppl = (packs + G - 1) / G;
+        if constexpr (es == 2) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
+        else return cuda::pick_held<kV, 32, 64>(ppl, go);
+      });
     });
   });
 }

@@ -135,7 +135,9 @@ CUDA = torch.cuda.is_available()
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cols", [1, 3, 333, 3072])
+# 16-byte packs: 32, 64 or 128 lanes per row, each register instance, rows read twice
+# (40,000); 1, 3, 333: the scalar kernel
+@pytest.mark.parametrize("cols", [1, 3, 8, 333, 1024, 2048, 3072, 8192, 16384, 40000])
 def test_cuda_quantize_matches_cpu(dtype, cols):
     g = torch.Generator().manual_seed(3)
     mags = torch.logspace(-9, 4, 97, dtype=torch.float64)
@@ -151,6 +153,17 @@ def test_cuda_quantize_matches_cpu(dtype, cols):
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_cuda_quantize_views():
+    """Row strides other than the width: 16-byte aligned (the vector kernels) or not (scalar)."""
+    base = torch.randn(50, 3080, dtype=torch.bfloat16) * 5
+    base[7, 11] = float("nan")
+    for view in (base[:, :3072], base[:, 8:3080], base[:, 1:3073], base[::3, :2048]):
+        q, scale = fp8.quantize_rowwise(view.cuda())
+        rq, rs = fp8.quantize_rowwise(view)
+        assert torch.equal(scale.cpu(), rs) and torch.equal(_bits(q).cpu(), _bits(rq))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
 @pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "geglu_tanh"])
 @pytest.mark.parametrize("layout", ["halves", "interleaved"])
 def test_cuda_glu_rowwise_against_float64(activation, layout):
@@ -160,6 +173,26 @@ def test_cuda_glu_rowwise_against_float64(activation, layout):
     w = torch.rand(T, generator=g)
     q, scale = fp8.glu_rowwise(z.cuda(), activation, layout=layout, weights=w.cuda())
     h = glu64(z.double(), layout, activation) * w.double()[:, None]
+    rq, rs = _recipe(h.float())
+    assert torch.equal(scale.cpu(), rs)
+    diff = (_bits(q).cpu().int() - rq.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["halves", "up_first", "interleaved"])
+# 32 / 64 / 128 lanes per row, each register instance, rows read twice (20,000 for 16-bit),
+# odd F (the scalar kernel)
+@pytest.mark.parametrize("F", [4, 64, 1000, 3072, 6144, 20000, 1001])
+def test_cuda_glu_rowwise_shapes(dtype, layout, F):
+    g = torch.Generator().manual_seed(16)
+    T = 37
+    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
+    z[3, 5] = float("nan")
+    w = torch.rand(T, generator=g)
+    q, scale = fp8.glu_rowwise(z.cuda(), "swiglu_oai", layout=layout, weights=w.cuda())
+    h = glu64(z.double(), layout, "swiglu_oai") * w.double()[:, None]
     rq, rs = _recipe(h.float())
     assert torch.equal(scale.cpu(), rs)
     diff = (_bits(q).cpu().int() - rq.int()).abs()
