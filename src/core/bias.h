@@ -33,7 +33,7 @@ inline int64_t bias_chunks(int64_t rows) {
 }
 // A CUDA block covers at most this many packs of a row; more columns go to more blocks
 // (column tiles), whose per-row sums (the weights' gradient) are added by a second pass.
-constexpr int64_t kBiasTilePacks = 512;
+constexpr int64_t kBiasTilePacks = 384;
 inline int64_t bias_tiles(int64_t packs) { return (packs + kBiasTilePacks - 1) / kBiasTilePacks; }
 
 // Workspace of the CUDA backwards: the partial rows (slots x acc_cols floats, 256-byte

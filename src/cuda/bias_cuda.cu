@@ -26,6 +26,18 @@ namespace expertact::cuda {
 namespace {
 
 constexpr int kRowsPerStep = 4;  // rows whose loads a thread issues before their first use
+// Threads of a chunked block: one per pack of the block's column tile (at most kBiasTilePacks).
+// The launch bounds ask for 2 (backward with b13) or 3 (the others) blocks per multiprocessor,
+// capping the registers at 85 or 56: on the H200 the backward with b13 went from 14.3 to 10.7 ms
+// (123 registers, one block per multiprocessor, before) and expert_bias's backward from 3.0 to
+// 2.6 ms (docs/perf-notes.md section 12).
+constexpr int kBiasThreads = static_cast<int>(detail::kBiasTilePacks);
+// Blocks per multiprocessor the activation's kernels ask for: 3 forward and 2 backward, except
+// with separate 16-byte gate and up packs (halves layouts: twice the registers per row), where
+// that cap made the compiler spill 120-400 bytes: 2 and 1 there.
+constexpr int min_blocks(size_t pack_bytes, int step, bool forward) {
+  return (step == 1 && pack_bytes >= 16) ? (forward ? 2 : 1) : (forward ? 3 : 2);
+}
 
 template <typename T>
 struct BiasArgs {
@@ -122,7 +134,7 @@ __device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int6
 // 4.5 ms for the unbiased forward; the row kernels' shape with the bias packs read per pack
 // from cache took 8.6 ms, and with a block's bias row in shared memory 11.1 ms.
 template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(512) glu_bias_fwd_kernel(const BiasArgs<T> a) {
+__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, true)) glu_bias_fwd_kernel(const BiasArgs<T> a) {
   const int64_t p = my_pack();
   if (p >= a.packs) return;
   const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
@@ -169,7 +181,7 @@ __global__ void __launch_bounds__(512) glu_bias_fwd_kernel(const BiasArgs<T> a) 
 
 // dg/du may be g/u (in place): each thread reads its packs of a row before writing them.
 template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(512) glu_bias_bwd_kernel(const BiasArgs<T> a) {
+__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, false)) glu_bias_bwd_kernel(const BiasArgs<T> a) {
   extern __shared__ float red[];  // [warps][R] when the row sums are wanted
   const int64_t p = my_pack();
   const bool live = p < a.packs;
@@ -280,7 +292,7 @@ __global__ void __launch_bounds__(256) row_bias_fwd_kernel(const BiasArgs<T> a, 
 
 // grad_bias partials: w * dy summed per run; per-row sums dy . bias[e] (routing weights).
 template <typename T, int V>
-__global__ void __launch_bounds__(512) row_bias_bwd_kernel(const BiasArgs<T> a) {
+__global__ void __launch_bounds__(kBiasThreads, 3) row_bias_bwd_kernel(const BiasArgs<T> a) {
   __shared__ float red[2][32][kRowsPerStep];
   int buf = 0;
   const int64_t p = my_pack();
