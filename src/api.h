@@ -65,9 +65,11 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
                                         const OffsetsRef* padded_offsets, const MatrixRef& q_t,
                                         const MatrixRef& scale, void* stream);
+// bias and offsets: both null (no bias) or both given.
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
-                            const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
-                            const VectorRef& scale, void* stream);
+                            const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                            const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                            void* stream);
 
 // The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
 Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "api.h"
+#include "core/bias.h"
 #include "core/checks.h"
 #include "core/error.h"
 #include "cpu/fp8_cpu.h"
@@ -170,20 +171,46 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
 }
 
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
-                            const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
-                            const VectorRef& scale, void* stream) {
+                            const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                            const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                            void* stream) {
   const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
   EA_TRY(check_fp8_input(xname, p.dtype));
   EA_TRY(check_fp8_outputs(q, scale, p.rows, p.F, p.device, p.device_id, xname, extent_of(x)));
+  const Extent eq = extent_of(q), es = extent_of(scale);
   if (up) {
-    EA_TRY(check_no_overlap("q", extent_of(q), "up", extent_of(*up)));
-    EA_TRY(check_no_overlap("scale", extent_of(scale), "up", extent_of(*up)));
+    EA_TRY(check_no_overlap("q", eq, "up", extent_of(*up)));
+    EA_TRY(check_no_overlap("scale", es, "up", extent_of(*up)));
   }
   if (weights) {
-    EA_TRY(check_no_overlap("q", extent_of(q), "weights", extent_of(*weights)));
-    EA_TRY(check_no_overlap("scale", extent_of(scale), "weights", extent_of(*weights)));
+    EA_TRY(check_no_overlap("q", eq, "weights", extent_of(*weights)));
+    EA_TRY(check_no_overlap("scale", es, "weights", extent_of(*weights)));
+  }
+  GluBias b;
+  if (bias) {
+    // As glu_forward_bias (src/api_bias.cpp) checks and splits its bias.
+    EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, xname));
+    EA_TRY(check_matrix("bias", *bias));
+    EA_TRY(check_shape("bias", *bias, offsets->size, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype"));
+    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, xname));
+    const Extent eb = extent_of(*bias), eo = offsets_extent(*offsets);
+    EA_TRY(check_no_overlap("q", eq, "bias", eb));
+    EA_TRY(check_no_overlap("scale", es, "bias", eb));
+    EA_TRY(check_no_overlap("q", eq, "offsets", eo));
+    EA_TRY(check_no_overlap("scale", es, "offsets", eo));
+    b.er.offsets = offsets->data;
+    b.er.experts = offsets->size;
+    const char* base = static_cast<const char*>(bias->data);
+    const int64_t half = p.F * dtype_size(p.dtype), one = dtype_size(p.dtype);
+    switch (layout) {
+      case Layout::kSeparate:
+      case Layout::kHalves: b.bg = base; b.bu = base + half; break;
+      case Layout::kHalvesUpFirst: b.bg = base + half; b.bu = base; break;
+      case Layout::kInterleaved: b.bg = base; b.bu = base + one; break;
+    }
+    b.b_stride = bias->row_stride;
   }
   if (p.rows == 0) return Status::kOk;
   Fp8Out o;
@@ -191,9 +218,9 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
   o.q_stride = q.row_stride;
   o.scale = scale.data;
   o.scale_stride = scale.stride;
-  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_rowwise(p, o);
+  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_rowwise(p, o, bias ? &b : nullptr);
 #if EXPERTACT_WITH_CUDA
-  return cuda_fp8_glu_rowwise(p, o, stream);
+  return cuda_fp8_glu_rowwise(p, o, bias ? &b : nullptr, stream);
 #else
   (void)stream;
   return no_fp8_cuda(xname);
@@ -220,7 +247,16 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                        const VectorRef& scale, void* stream) {
   return detail::guarded("fp8_glu_rowwise", [&] {
-    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, q, scale, stream);
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, nullptr, nullptr, q, scale, stream);
+  });
+}
+
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                       const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
+                       void* stream) {
+  return detail::guarded("fp8_glu_rowwise", [&] {
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, stream);
   });
 }
 

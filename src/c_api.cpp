@@ -546,7 +546,29 @@ expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, in
     EA_TRY(to_matrix("q", q, mq));
     EA_TRY(to_vector("scale", scale, vs));
     return fp8_glu_rowwise_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
-                                weights ? &o.w : nullptr, mq, vs, stream);
+                                weights ? &o.w : nullptr, nullptr, nullptr, mq, vs, stream);
+  });
+}
+
+expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* params, int32_t layout,
+                                                   const expertact_matrix* x, const expertact_matrix* up,
+                                                   const expertact_vector* weights, const expertact_matrix* bias,
+                                                   const expertact_vector* offsets, expertact_matrix* q,
+                                                   expertact_vector* scale, void* stream) {
+  return guarded_c("expertact_fp8_glu_rowwise_bias_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mb, mq;
+    OffsetsRef offs;
+    VectorRef vs;
+    EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_vector("scale", scale, vs));
+    return fp8_glu_rowwise_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                weights ? &o.w : nullptr, &mb, &offs, mq, vs, stream);
   });
 }
 

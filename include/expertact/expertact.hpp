@@ -178,7 +178,7 @@ Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
 // q [rows, C] (kFloat8E4M3) and scale (float32 [rows]) of x [rows, C] (float32, float16 or
 // bfloat16).
 Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
-                            void* stream = nullptr);
+                       void* stream = nullptr);
 
 // Per expert and column, for the operands of the weight-gradient GEMMs (whose sums run over
 // an expert's rows) and of the weights ([E, K, N] as [E * K, N] with offsets (e + 1) * K):
@@ -203,6 +203,13 @@ Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offset
 Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                        const VectorRef& scale, void* stream = nullptr);
+
+// The same with glu_forward_bias's per-expert bias (bias [E, 2F] in x's layout, x's dtype;
+// offsets as there) added to gate and up, in float32, before the activation.
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                       const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
+                       void* stream = nullptr);
 
 const char* last_error();
 

@@ -194,6 +194,12 @@ EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,
     const expertact_matrix* up, const expertact_vector* weights, expertact_matrix* q,
     expertact_vector* scale, void* stream);
+/* The same with expertact_glu_forward_bias_2d's per-expert bias (and offsets) added to gate and
+ * up before the activation. */
+EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_bias_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* x,
+    const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
+    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale, void* stream);
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

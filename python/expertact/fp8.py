@@ -12,6 +12,8 @@ output is NaN, never finite garbage.
 
     q, scale = expertact.fp8.quantize_rowwise(t)                       # t [..., C]
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
+    h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved",
+                                             bias=b13, offsets=offsets)   # per-expert bias [E, 2F]
     # per expert and column, each expert's rows padded to a multiple of 16 (the weight gradients)
     x_q, x_scale = expertact.fp8.quantize_colwise_grouped(x, offsets, pad_to=16, ends=ends)
     offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
@@ -41,6 +43,7 @@ _LIB = _capi.LIB
 _LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
+_LIB.expertact_fp8_glu_rowwise_bias_2d.restype = c_int32
 
 
 def _outputs(like, cols):
@@ -109,8 +112,9 @@ def _check_ends(ends, rows, where, name):
         raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")
 
 
-def _grouped_offsets(offsets, t, ends, where):
-    """(offsets on t's device, contiguous; the end rows as a host list)."""
+def _grouped_offsets(offsets, rows, device, ends, where):
+    """(offsets on ``device``, contiguous; the end rows as a host list), checked against the
+    ``rows`` they index."""
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{where}: offsets must be a torch.Tensor (got {type(offsets).__name__})")
     if offsets.dtype != torch.int32:
@@ -120,7 +124,7 @@ def _grouped_offsets(offsets, t, ends, where):
         raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
     if ends is None:
         host = offsets.tolist()  # a device-to-host copy on a GPU
-        _check_ends(host, t.shape[0], where, "offsets")
+        _check_ends(host, rows, where, "offsets")
     else:
         try:
             host = [int(v) for v in ends]
@@ -128,9 +132,9 @@ def _grouped_offsets(offsets, t, ends, where):
             raise TypeError(f"{where}: ends must be a sequence of ints (got {type(ends).__name__})") from None
         if len(host) != offsets.numel():
             raise ValueError(f"{where}: ends has {len(host)} values; offsets has {offsets.numel()}")
-        _check_ends(host, t.shape[0], where, "ends")
-    if offsets.device != t.device:
-        offsets = offsets.to(t.device)
+        _check_ends(host, rows, where, "ends")
+    if offsets.device != device:
+        offsets = offsets.to(device)
     return offsets.contiguous(), host
 
 
@@ -165,7 +169,7 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
         raise ValueError(f"{where}: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
     P = _pad_arg(pad_to, where)
     T, C = t.shape
-    offsets, host = _grouped_offsets(offsets, t, ends, where)
+    offsets, host = _grouped_offsets(offsets, T, t.device, ends, where)
     E = offsets.numel()
     if P == 1:
         rows, pads = T, None
@@ -186,26 +190,46 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
 
 def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,
                 alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
-                weights: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                offsets: Optional[torch.Tensor] = None, ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(h_q, scale): the gated activation of gate_up [..., 2F] (or gate [..., F] with ``up``,
     the separate layout) times ``weights``, quantised per row from its float32 values (one
     rounding) as :func:`quantize_rowwise` does: h_q float8_e4m3fn [..., F], scale float32 [...].
     ``activation`` is a preset name; ``alpha`` / ``limit`` for the forms that read them
-    (default 1.702 and 7.0)."""
+    (default 1.702 and 7.0).
+
+    ``bias`` [E, 2F] (gate_up's dtype, in gate_up's column layout; gate's columns first for the
+    separate layout) with ``offsets`` (int32 [E], each expert's cumulative end row over the
+    rows of gate_up): bias[e] is added to the rows of expert e before the activation, in
+    float32, as functional.glu(..., bias=, offsets=) does; rows past offsets[-1] take none.
+    ``ends``: offsets' values as host ints (see :func:`quantize_colwise_grouped`)."""
+    where = "expertact.fp8.glu_rowwise"
     tensor_arg("gate_up" if up is None else "gate", gate_up)
     tensor_arg("up", up, optional=True)
     tensor_arg("weights", weights, optional=True)
-    act, a, lim, beta = preset_coeffs(activation, alpha, limit, "expertact.fp8.glu_rowwise")
+    tensor_arg("bias", bias, optional=True)
+    if (bias is None) != (offsets is None):
+        raise ValueError(f"{where}: bias and offsets go together (got only {'bias' if offsets is None else 'offsets'})")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
     code = layout_code(layout, up is None)
     if gate_up.dim() < 1:
-        raise ValueError("expertact.fp8.glu_rowwise: gate_up must have at least one dimension")
+        raise ValueError(f"{where}: gate_up must have at least one dimension")
     cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
     q, scale = _outputs(gate_up, cols)
     xs, qs, ss = _matrix(gate_up), _matrix(q), _vector(scale.view(-1))
     us = None if up is None else _matrix(up)
     ws = None if weights is None else _vector(weights)
     pref, _keep = _params_ref(act, a, lim, beta)
-    _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]), None if us is None else byref(us[1]),
-                                             None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]),
-                                             stream_of(gate_up)))
+    if bias is None:
+        _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]),
+                                                 None if us is None else byref(us[1]),
+                                                 None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]),
+                                                 stream_of(gate_up)))
+        return q, scale
+    offsets, _ = _grouped_offsets(offsets, scale.numel(), gate_up.device, ends, where)
+    bs, offs = _matrix(bias), _vector(offsets)
+    _check(_LIB.expertact_fp8_glu_rowwise_bias_2d(pref, c_int32(code), byref(xs[1]),
+                                                  None if us is None else byref(us[1]),
+                                                  None if ws is None else byref(ws[1]), byref(bs[1]), byref(offs[1]),
+                                                  byref(qs[1]), byref(ss[1]), stream_of(gate_up)))
     return q, scale

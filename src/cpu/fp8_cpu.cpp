@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/bias.h"
 #include "core/dispatch.h"
 #include "core/error.h"
 #include "core/fp8.h"
@@ -71,7 +72,7 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
   });
 }
 
-Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias) {
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
@@ -79,11 +80,23 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o) {
       const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
       cpu::parallel_for(p.rows, 4 * p.F, [&](int64_t r0, int64_t r1) {
         std::vector<float> h(static_cast<size_t>(p.F));
+        int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         for (int64_t r = r0; r < r1; ++r) {
           const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
           const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
           const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
-          for (int64_t j = 0; j < p.F; ++j) h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
+          if (bias) while (e < bias->er.experts && bias->er.offsets[e] <= r) ++e;
+          if (bias && e < bias->er.experts) {
+            // x + bias[e] in float32, as the biased activation (src/cpu/bias_cpu.cpp) adds it
+            const T* bg = static_cast<const T*>(bias->bg) + e * bias->b_stride;
+            const T* bu = static_cast<const T*>(bias->bu) + e * bias->b_stride;
+            for (int64_t j = 0; j < p.F; ++j)
+              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]) + Cv<T>::ld(bg[j * p.step]),
+                                      Cv<T>::ld(u[j * p.step]) + Cv<T>::ld(bu[j * p.step]), w, c);
+          } else {
+            for (int64_t j = 0; j < p.F; ++j)
+              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
+          }
           quantize_row(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
       });

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "core/bias.h"
 #include "core/problem.h"
 
 namespace expertact::detail {
@@ -47,10 +48,12 @@ struct Fp8Cols {
   int64_t scale_stride = 0;
 };
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
-Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o);
+// bias (or nullptr): the per-expert bias added to gate and up before the activation (its
+// offsets, gate and up parts in the problem's layout; no bias on rows past the last offset).
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias = nullptr);
 #if EXPERTACT_WITH_CUDA
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);
-Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream);
+Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, void* stream);
 Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream);
 #endif
 

@@ -1,12 +1,15 @@
 // CUDA path of the FP8 quantisation (src/core/fp8.h). The arithmetic per element is fp8.h's,
 // shared with the CPU path, so the two give the same bytes and scales.
 //
-// Rowwise: a warp per row. Rows whose input allows 16-byte packs are read in them and held in
-// registers (for the GLU form, the float32 activation, computed once) while the row's amax
-// (NaN ignored) is reduced across the warp, then quantised from there and written as 2, 4 or
-// 8 bytes per pack; rows too long to hold are read twice. Other rows take a scalar form that
-// reads one element at a time, twice. The conversions go two at a time through
-// fp8::from_scaled2 (one instruction on sm_89+).
+// Rowwise: rows whose input allows 16-byte packs go to 32, 64 or 128 lanes per row (the
+// fewest that leave a lane at most 32 values), read in those packs with all of a lane's
+// loads in flight and held in registers (for the GLU form, the float32 activation, computed
+// once; with a per-expert bias, its packs are loaded alongside) while the row's amax (NaN
+// ignored) is reduced across its lanes (shuffles, then shared memory across warps), then
+// quantised from there and written as 2, 4 or 8 bytes per pack; rows too long to hold are
+// read twice. Other rows take a scalar form: a warp per row, one element at a time, read
+// twice. The conversions go two at a time through fp8::from_scaled2 (one instruction on
+// sm_89+); the software conversion (about 58 instructions a value) bound these kernels.
 //
 // Per expert and column (quantize_colwise_grouped), four launches on the stream: the scales
 // zeroed; pass 1, each block a chunk of rows x 256 columns, every row read once in 16-byte
@@ -68,8 +71,7 @@ __device__ __forceinline__ void store_q(uint8_t* q, int p, const float (&x)[V], 
 
 // The running max |v| of a lane (NaN ignored, exact): float32 fmaxf, or for 16-bit packs two
 // values at a time in their own type (max.bf16x2 / max.f16x2 return the other input for a NaN,
-// as fmaxf does). Keeping a plain row's amax in its own type also keeps the compiler from
-// holding its values converted to float32 (twice the registers) until the second pass.
+// as fmaxf does): one instruction per two values.
 template <typename T>
 struct AbsMax {
   float m = 0.0f;
@@ -108,7 +110,7 @@ struct PlainSrc {
   using Max = AbsMax<T>;
   const T* x;
   __device__ __forceinline__ void load(int p, Raw& r) const { r = reinterpret_cast<const Raw*>(x)[p]; }
-  __device__ __forceinline__ void finish(const Raw& r, Held& h) const { h = r; }
+  __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const { h = r; }
   __device__ __forceinline__ void absmax(const Held& h, Max& m) const { m.add(h); }
   __device__ __forceinline__ float value(const Held& h, int i) const { return to_f(h.v[i]); }
 };
@@ -125,9 +127,50 @@ struct GluSrc {
   float w;
   const math::Coeffs& c;
   __device__ __forceinline__ void load(int p, Raw& r) const { load_raw<T, V, kStep>(g, u, p, r); }
-  __device__ __forceinline__ void finish(const Raw& r, Held& h) const {
+  __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
 #pragma unroll
     for (int i = 0; i < V; ++i) h.v[i] = math::glu_fwd<A>(gate_of(r, i), up_of(r, i), w, c);
+  }
+  __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i) m.add(h.v[i]);
+  }
+  __device__ __forceinline__ float value(const Held& h, int i) const { return h.v[i]; }
+};
+
+// The GLU form with a per-expert bias added to gate and up (in float32) before the
+// activation: each pack's bias loaded with it from the row's expert's bias row (bg null: no
+// bias, rows past the last offset). Rows are sorted by expert, so the blocks on an SM mostly
+// read one expert's bias row, from L1.
+template <typename T, Activation A, int kStep, int V>
+struct BiasGluSrc {
+  using In = GuPack<T, V, kStep>;
+  struct Raw {
+    In in, b;
+  };
+  struct Held {
+    float v[V];
+  };
+  using Max = AbsMax<float>;
+  const T* g;
+  const T* u;
+  const T* bg;
+  const T* bu;
+  float w;
+  const math::Coeffs& c;
+  __device__ __forceinline__ void load(int p, Raw& r) const {
+    load_raw<T, V, kStep>(g, u, p, r.in);
+    if (bg) load_raw<T, V, kStep>(bg, bu, p, r.b);
+  }
+  __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
+    if (bg) {
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        h.v[i] = math::glu_fwd<A>(gate_of(r.in, i) + gate_of(r.b, i), up_of(r.in, i) + up_of(r.b, i), w, c);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) h.v[i] = math::glu_fwd<A>(gate_of(r.in, i), up_of(r.in, i), w, c);
+    }
   }
   __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
 #pragma unroll
@@ -173,7 +216,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
-          src.finish(r[k], h[j0 + k]);
+          src.finish(r[k], j0 + k, h[j0 + k]);
           src.absmax(h[j0 + k], m);
         }
       }
@@ -202,7 +245,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
       for (int k = 0; k < kU; ++k) {
         if (p0 + G * k < end) {
           typename Src::Held h;
-          src.finish(r[k], h);
+          src.finish(r[k], 0, h);
           src.absmax(h, m);
         }
       }
@@ -217,7 +260,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
       for (int k = 0; k < kU; ++k) {
         if (p0 + G * k < end) {
           typename Src::Held h;
-          src.finish(r[k], h);
+          src.finish(r[k], 0, h);
           float x[V];
 #pragma unroll
           for (int i = 0; i < V; ++i) x[i] = src.value(h, i) * s;
@@ -230,7 +273,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
 }
 
 template <typename T, int V, int N>
-__global__ void __launch_bounds__(kRowThreads) quantize_rows_vec_kernel(const T* __restrict__ x, int64_t x_stride,
+__global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_vec_kernel(const T* __restrict__ x, int64_t x_stride,
                                                                        int64_t rows, int packs, int G,
                                                                        uint8_t* __restrict__ q, int64_t q_stride,
                                                                        bool q_vec, float* __restrict__ scale,
@@ -244,8 +287,9 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_vec_kernel(const T*
                                      scale + r * scale_stride, red);
 }
 
+// (kRowThreads, 1): without the 1, ptxas capped some instances at 72-96 registers and spilled.
 template <typename T, Activation A, int kStep, int V, int N>
-__global__ void __launch_bounds__(kRowThreads) glu_rows_vec_kernel(const T* g, const T* u, int64_t g_stride,
+__global__ void __launch_bounds__(kRowThreads, 1) glu_rows_vec_kernel(const T* g, const T* u, int64_t g_stride,
                                                                   int64_t u_stride, const float* __restrict__ w,
                                                                   int64_t w_stride, int64_t rows, int packs, int G,
                                                                   const math::Coeffs c, uint8_t* __restrict__ q,
@@ -258,6 +302,29 @@ __global__ void __launch_bounds__(kRowThreads) glu_rows_vec_kernel(const T* g, c
   const GluSrc<T, A, kStep, V> src{g + r * g_stride, u + r * u_stride, w && live ? w[r * w_stride] : 1.0f, c};
   quantize_row<GluSrc<T, A, kStep, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
                                              scale + r * scale_stride, red);
+}
+
+// The biased GLU form: the plain form's shape, each row's expert found by a binary search
+// of the offsets (the same in the row's lanes).
+template <typename T, Activation A, int kStep, int V, int N>
+__global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
+    const T* g, const T* u, int64_t g_stride, int64_t u_stride, const float* __restrict__ w, int64_t w_stride,
+    const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
+    int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
+    float* __restrict__ scale, int64_t scale_stride) {
+  __shared__ float red[kRowThreads / 32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / G) + threadIdx.x / G;
+  const bool live = row < rows;
+  const int64_t r = live ? row : 0;
+  const int64_t e = detail::expert_of(offs, E, r);
+  const BiasGluSrc<T, A, kStep, V> src{g + r * g_stride,
+                                       u + r * u_stride,
+                                       e < E ? bg + e * b_stride : nullptr,
+                                       e < E ? bu + e * b_stride : nullptr,
+                                       w && live ? w[r * w_stride] : 1.0f,
+                                       c};
+  quantize_row<BiasGluSrc<T, A, kStep, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
+                                                 scale + r * scale_stride, red);
 }
 
 // Calls go(IntTag<N>) with N = Elems / V for the first of Elems (values a lane holds) that
@@ -328,19 +395,28 @@ __global__ void __launch_bounds__(kScalarThreads) quantize_rows_kernel(const T* 
   if (lane == 0) scale[row * scale_stride] = 1.0f / s;
 }
 
+// bg (or null: no bias): the per-expert bias's gate and up parts, row e at e * b_stride.
 template <typename T, Activation A>
 __global__ void __launch_bounds__(kScalarThreads) glu_rows_kernel(const T* g, const T* u, int64_t g_stride,
                                                                int64_t u_stride, int step, const float* w,
-                                                               int64_t w_stride, int64_t rows, int64_t F,
-                                                               math::Coeffs c, uint8_t* q, int64_t q_stride,
-                                                               float* scale, int64_t scale_stride) {
+                                                               int64_t w_stride, const T* bg, const T* bu,
+                                                               int64_t b_stride, const int32_t* offs, int64_t E,
+                                                               int64_t rows, int64_t F, math::Coeffs c, uint8_t* q,
+                                                               int64_t q_stride, float* scale, int64_t scale_stride) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kScalarThreads / 32) + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
   const T* gr = g + row * g_stride;
   const T* ur = u + row * u_stride;
   const float wr = w ? w[row * w_stride] : 1.0f;
-  auto h = [&](int64_t j) { return math::glu_fwd<A>(to_f(gr[j * step]), to_f(ur[j * step]), wr, c); };
+  const int64_t e = bg ? detail::expert_of(offs, E, row) : E;
+  const T* bgr = e < E ? bg + e * b_stride : nullptr;
+  const T* bur = e < E ? bu + e * b_stride : nullptr;
+  auto h = [&](int64_t j) {
+    float gv = to_f(gr[j * step]), uv = to_f(ur[j * step]);
+    if (bgr) gv += to_f(bgr[j * step]), uv += to_f(bur[j * step]);
+    return math::glu_fwd<A>(gv, uv, wr, c);
+  };
   float amax = 0.0f;
   for (int64_t j = lane; j < F; j += 32) amax = fmaxf(amax, fabsf(h(j)));
   amax = warp_amax(amax);
@@ -592,10 +668,11 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   });
 }
 
-Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream) {
+Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard,
                         {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
+                         {"bias", bias ? bias->bg : nullptr}, {"offsets", bias ? bias->er.offsets : nullptr},
                          {"q", o.q}, {"scale", o.scale}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -603,15 +680,28 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream) 
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T);
-    // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element.
-    const cuda::Operand ops[] = {{p.g, p.g_stride, p.step}, {p.u, p.u_stride, 1}};
-    const int V = cuda::pick_pack(ops, p.step == 1 ? 2 : 1, p.F, p.rows, es, p.step);
+    // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element. The
+    // bias's rows are one more operand of the same layout (E rows).
+    cuda::Operand ops[4];
+    int n = 0;
+    ops[n++] = {p.g, p.g_stride, p.step};
+    if (p.step == 1) ops[n++] = {p.u, p.u_stride, 1};
+    if (bias) {
+      ops[n++] = {bias->bg, bias->b_stride, p.step, bias->er.experts};
+      if (p.step == 1) ops[n++] = {bias->bu, bias->b_stride, 1, bias->er.experts};
+    }
+    const int V = cuda::pick_pack(ops, n, p.F, p.rows, es, p.step);
+    const T* bg = bias ? static_cast<const T*>(bias->bg) : nullptr;
+    const T* bu = bias ? static_cast<const T*>(bias->bu) : nullptr;
+    const int64_t b_stride = bias ? bias->b_stride : 0, E = bias ? bias->er.experts : 0;
+    const int32_t* offs = bias ? bias->er.offsets : nullptr;
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
       if (V != 16 / es / p.step || p.F / V > 0x7fffffff) {
         cuda::glu_rows_kernel<T, A><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
             static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w, p.w_stride,
-            p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale, o.scale_stride);
+            bg, bu, b_stride, offs, E, p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale,
+            o.scale_stride);
         return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
       }
       return dispatch_step(p.step, [&](auto step) -> Status {
@@ -620,15 +710,32 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, void* stream) 
         const bool q_vec = cuda::q_packs(o.q, o.q_stride, p.rows, kV);
         const int G = cuda::lanes_per_row(packs, kV);
         auto go = [&](auto n) -> Status {
-          cuda::glu_rows_vec_kernel<T, A, kStep, kV, decltype(n)::value>
-              <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
-                  static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
-                  p.rows, packs, G, c, static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride);
+          constexpr int N = decltype(n)::value;
+          if (bias) {
+            if constexpr (N * kV > 64) {
+              return fail(Status::kInternal, "no biased kernel holds ", N * kV, " values a lane");
+            } else {
+              cuda::glu_rows_bias_kernel<T, A, kStep, kV, N>
+                  <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
+                      static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w,
+                      p.w_stride, bg, bu, b_stride, offs, E, p.rows, packs, G, c, static_cast<uint8_t*>(o.q),
+                      o.q_stride, q_vec, o.scale, o.scale_stride);
+            }
+          } else {
+            cuda::glu_rows_vec_kernel<T, A, kStep, kV, N>
+                <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
+                    static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
+                    p.rows, packs, G, c, static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride);
+          }
           return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
         };
+        // The biased form holds at most 64 values a lane: 128 spilled (its loads carry the
+        // bias packs too).
         const int64_t ppl = (packs + G - 1) / G;
-        if constexpr (es == 2) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
-        else return cuda::pick_held<kV, 32, 64>(ppl, go);
+        if constexpr (es == 2) {
+          if (!bias) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
+        }
+        return cuda::pick_held<kV, 32, 64>(ppl, go);
       });
     });
   });

@@ -497,3 +497,115 @@ def test_cuda_conversion_matches_cpu():
                                           pad_to=16)
     assert torch.all(cs.cpu() == 1.0)
     assert torch.equal(_colwise_bits(cq).cpu()[:t.shape[0]], _bits(rq).t())
+
+
+def _bias_rows(bias, ends, T):
+    """bias [E, 2F] spread over T rows by expert (0 past the last offset), float64."""
+    rows = torch.zeros(T, bias.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(ends):
+        rows[start:end] = bias[e].double()
+        start = end
+    return rows
+
+
+def _glu_bias_case(T, F, dtype, seed, ends):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
+    b = (torch.randn(len(ends), 2 * F, generator=g) * 2).to(dtype)
+    w = torch.rand(T, generator=g)
+    return z, b, w
+
+
+def _check_glu_bias(q, scale, z, b, w, ends, layout, activation):
+    h = glu64(z.double() + _bias_rows(b, ends, z.shape[0]), layout, activation) * w.double()[:, None]
+    rq, rs = _recipe(h.float())
+    assert torch.equal(scale.cpu(), rs)
+    diff = (_bits(q).cpu().int() - rq.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai", "geglu_tanh"])
+@pytest.mark.parametrize("layout", ["halves", "up_first", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_rowwise_bias_against_float64(activation, layout, dtype):
+    ends = [20, 20, 61, 90]  # an empty expert, 7 rows past the last offset (no bias)
+    z, b, w = _glu_bias_case(97, 48, dtype, 17, ends)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    q, scale = fp8.glu_rowwise(z, activation, layout=layout, weights=w, bias=b, offsets=offs)
+    _check_glu_bias(q, scale, z, b, w, ends, layout, activation)
+    q2, s2 = fp8.glu_rowwise(z, activation, layout=layout, weights=w, bias=b, offsets=offs, ends=ends)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, s2)
+
+
+def test_glu_rowwise_bias_separate_zero_and_refusals():
+    ends = [5, 12]
+    z, b, w = _glu_bias_case(12, 16, torch.float32, 18, ends)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    gate, up = z[:, :16], z[:, 16:]
+    q, scale = fp8.glu_rowwise(gate, "swiglu_oai", up=up, bias=b, offsets=offs, weights=w)
+    _check_glu_bias(q, scale, z, b, w, ends, "halves", "swiglu_oai")
+    # a zero bias: the unbiased bytes exactly
+    q0, s0 = fp8.glu_rowwise(z, "swiglu", bias=torch.zeros(2, 32), offsets=offs)
+    r0, rs0 = fp8.glu_rowwise(z, "swiglu")
+    assert torch.equal(q0.view(torch.uint8), r0.view(torch.uint8)) and torch.equal(s0, rs0)
+    # leading dims: offsets index the rows of gate_up [..., 2F] collapsed
+    q3, s3 = fp8.glu_rowwise(z.reshape(3, 4, 32), "swiglu", bias=b, offsets=offs)
+    r3, rs3 = fp8.glu_rowwise(z, "swiglu", bias=b, offsets=offs)
+    assert q3.shape == (3, 4, 16) and torch.equal(q3.reshape(12, 16).view(torch.uint8), r3.view(torch.uint8))
+    with pytest.raises(ValueError, match="bias and offsets go together"):
+        fp8.glu_rowwise(z, "swiglu", bias=b)
+    with pytest.raises(ValueError, match="bias and offsets go together"):
+        fp8.glu_rowwise(z, "swiglu", offsets=offs)
+    with pytest.raises(ValueError, match="bias"):
+        fp8.glu_rowwise(z, "swiglu", bias=torch.zeros(3, 32), offsets=offs)  # E = 2
+    with pytest.raises(ValueError, match="bias"):
+        fp8.glu_rowwise(z, "swiglu", bias=torch.zeros(2, 30), offsets=offs)
+    with pytest.raises(expertact.DTypeError, match="bias"):
+        fp8.glu_rowwise(z, "swiglu", bias=torch.zeros(2, 32, dtype=torch.bfloat16), offsets=offs)
+    with pytest.raises(ValueError, match="past the last row"):
+        fp8.glu_rowwise(z, "swiglu", bias=b, offsets=torch.tensor([5, 13], dtype=torch.int32))
+    with pytest.raises(ValueError, match="ends has 1 values"):
+        fp8.glu_rowwise(z, "swiglu", bias=b, offsets=offs, ends=[12])
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["halves", "up_first", "interleaved"])
+# 32 / 64 / 128 lanes per row, each register instance, rows read twice, odd F (the scalar kernel)
+@pytest.mark.parametrize("F", [4, 64, 1000, 3072, 6144, 20000, 1001])
+def test_cuda_glu_rowwise_bias_against_float64(dtype, layout, F):
+    ends = [0, 9, 9, 30, 33]  # empty experts, 4 rows past the last offset
+    z, b, w = _glu_bias_case(37, F, dtype, 19, ends)
+    z[3, 5] = float("nan")
+    offs = torch.tensor(ends, dtype=torch.int32)
+    q, scale = fp8.glu_rowwise(z.cuda(), "swiglu_oai", layout=layout, weights=w.cuda(), bias=b.cuda(),
+                               offsets=offs.cuda())
+    _check_glu_bias(q, scale, z, b, w, ends, layout, "swiglu_oai")
+    q2, s2 = fp8.glu_rowwise(z.cuda(), "swiglu_oai", layout=layout, weights=w.cuda(), bias=b.cuda(),
+                             offsets=offs.cuda(), ends=ends)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(scale, s2)
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_cuda_glu_rowwise_bias_many_experts_and_views():
+    g = torch.Generator().manual_seed(20)
+    sizes = torch.randint(0, 5, (300,), generator=g)
+    ends = torch.cumsum(sizes, 0).tolist()
+    T, F = ends[-1] + 2, 512
+    z, b, w = _glu_bias_case(T, F, torch.bfloat16, 21, ends)
+    offs = torch.tensor(ends, dtype=torch.int32).cuda()
+    q, scale = fp8.glu_rowwise(z.cuda(), "swiglu", layout="interleaved", bias=b.cuda(), offsets=offs,
+                               weights=w.cuda())
+    _check_glu_bias(q, scale, z, b, w, ends, "interleaved", "swiglu")
+    # a bias with a row stride of its own (a column slice of a wider buffer): 16-byte aligned
+    # rows (the same kernel: the same bytes), and not (the scalar kernel: against the oracle)
+    wide = torch.zeros(300, 2 * F + 16, dtype=torch.bfloat16)
+    for lo in (8, 1):
+        wide[:, lo:lo + 2 * F] = b
+        bv = wide.cuda()[:, lo:lo + 2 * F]
+        qv, sv = fp8.glu_rowwise(z.cuda(), "swiglu", layout="interleaved", bias=bv, offsets=offs, weights=w.cuda())
+        if lo == 8:
+            assert torch.equal(qv.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sv, scale)
+        else:
+            _check_glu_bias(qv, sv, z, b, w, ends, "interleaved", "swiglu")
