@@ -93,14 +93,12 @@ def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Option
     return out
 
 
-def _h_fp8(gate_up, weights, fplan, b13, offs, glu_args):
-    """h in e4m3 with its rowwise scales: from the activation kernel's float32 values (one
-    rounding) without bias; with b13, the biased activation in bf16, then quantised."""
-    if b13 is None:
-        return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
-                               layout=fplan.layout, weights=weights)
-    h = _bias.glu_forward(gate_up, None, b13, offs, weights, *glu_args)
-    return fp8.quantize_rowwise(h)
+def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
+    """h in e4m3 with its rowwise scales, from the activation kernel's float32 values (one
+    rounding), b13 added inside when given."""
+    bias = {} if b13 is None else dict(bias=b13, offsets=offs, ends=ends)
+    return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
+                           layout=fplan.layout, weights=weights, **bias)
 
 
 def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
@@ -111,7 +109,7 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
     w13q, s13 = _quant_b(w13)
     gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
-    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.glu)
+    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends)
     w2q, s2 = _quant_b(w2)
     y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
