@@ -785,11 +785,48 @@ namespace expertact::detail {
 // columns a multiple of the pack) take the vector kernels, which hold the row in registers up
 // to 128 values (plain 16-bit rows: 256) per lane, 4,096 (8,192) per row; others the scalar
 // kernels.
+namespace {
+
+// quantize_rowwise's col_amax by its own read of x (the forms without a fused one): zeroed,
+// then colwise pass 1 into it (non-negative floats order as their bits).
+Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
+  const int64_t sm = cuda::sm_count(p.device_id);
+  const int64_t n = p.col_amax_experts * p.cols;
+  const unsigned zb = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, sm * 8)));
+  cuda::col_scale_kernel<false><<<zb, 256, 0, st>>>(p.col_amax, p.col_amax_stride, p.col_amax_experts, p.cols);
+  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch"));
+  if (p.rows == 0 || p.cols == 0) return Status::kOk;
+  const int64_t es = detail::dtype_size(p.dtype);
+  const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
+    using T = decltype(t);
+    return detail::dispatch_bool(vec, [&](auto vt) -> Status {
+      constexpr bool kVec = decltype(vt)::value;
+      const int64_t col_tiles = (p.cols + cuda::kAmaxCols - 1) / cuda::kAmaxCols;
+      const int64_t want = std::max<int64_t>(1, sm * 64 / col_tiles);
+      int64_t chunk = (p.rows + want - 1) / want;
+      chunk = (chunk + 31) / 32 * 32;
+      const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
+      if (blocks > 0x7fffffff) return fail(Status::kInvalidArgument, "x is too large (", p.rows, " x ", p.cols, ")");
+      cuda::col_amax_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kAmaxThreads, 0, st>>>(
+          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.col_amax_offsets, p.col_amax_experts, chunk,
+          col_tiles, reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 col_amax kernel launch");
+    });
+  });
+}
+
+}  // namespace
+
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
-  EA_TRY(enter_operands(p.device_id, guard, {{"x", p.x}, {"q", p.q}, {"scale", p.scale}}));
+  EA_TRY(enter_operands(p.device_id, guard,
+                        {{"x", p.x}, {"q", p.q}, {"scale", p.scale}, {"col_amax_offsets", p.col_amax_offsets},
+                         {"col_amax", p.col_amax}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+  if (p.rows == 0) return Status::kOk;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T), kV = 16 / es;
