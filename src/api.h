@@ -60,11 +60,13 @@ Status expert_bias_backward_body(const MatrixRef& grad_out, const MatrixRef& bia
                                  void* workspace, size_t workspace_bytes, void* stream);
 
 // FP8 rowwise quantisation (src/api_fp8.cpp).
+// col_amax_offsets and col_amax: both null or both given; amax: null or given.
 Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                                 const OffsetsRef* col_amax_offsets, const MatrixRef* col_amax,
                                  void* stream);
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
                                         const OffsetsRef* padded_offsets, const MatrixRef& q_t,
-                                        const MatrixRef& scale, void* stream);
+                                        const MatrixRef& scale, const MatrixRef* amax, void* stream);
 // bias and offsets: both null (no bias) or both given.
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,

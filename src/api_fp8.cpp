@@ -95,11 +95,27 @@ Status no_fp8_cuda(const char* name) {
 }  // namespace
 
 Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                                 const OffsetsRef* col_amax_offsets, const MatrixRef* col_amax,
                                  void* stream) {
   EA_TRY(check_matrix("x", x));
   EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_fp8_outputs(q, scale, x.rows, x.cols, x.device, x.device_id, "x", extent_of(x)));
-  if (x.rows == 0) return Status::kOk;
+  if ((col_amax_offsets == nullptr) != (col_amax == nullptr))
+    return fail(Status::kInvalidArgument, "col_amax_offsets and col_amax go together (got only ",
+                col_amax ? "col_amax" : "col_amax_offsets", ")");
+  if (col_amax) {
+    EA_TRY(check_offsets(*col_amax_offsets, x.rows, x.device, x.device_id, "x"));
+    EA_TRY(check_fp8_output("col_amax", *col_amax, col_amax_offsets->size, x.cols, DType::kFloat32,
+                            "one amax per expert (col_amax_offsets) and column", x.device, x.device_id, "x",
+                            extent_of(x)));
+    const Extent ea = extent_of(*col_amax);
+    EA_TRY(check_no_overlap("col_amax", ea, "q", extent_of(q)));
+    EA_TRY(check_no_overlap("col_amax", ea, "scale", extent_of(scale)));
+    EA_TRY(check_no_overlap("col_amax", ea, "col_amax_offsets", offsets_extent(*col_amax_offsets)));
+    EA_TRY(check_no_overlap("q", extent_of(q), "col_amax_offsets", offsets_extent(*col_amax_offsets)));
+    EA_TRY(check_no_overlap("scale", extent_of(scale), "col_amax_offsets", offsets_extent(*col_amax_offsets)));
+  }
+  if (x.rows == 0 && !col_amax) return Status::kOk;
   Fp8Rows p;
   p.device_id = x.device_id;
   p.dtype = x.dtype;
@@ -111,6 +127,12 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
   p.q_stride = q.row_stride;
   p.scale = scale.data;
   p.scale_stride = scale.stride;
+  if (col_amax) {
+    p.col_amax_offsets = col_amax_offsets->data;
+    p.col_amax_experts = col_amax_offsets->size;
+    p.col_amax = static_cast<float*>(col_amax->data);
+    p.col_amax_stride = col_amax->row_stride;
+  }
   if (x.device == DeviceType::kCPU) return cpu_fp8_quantize_rowwise(p);
 #if EXPERTACT_WITH_CUDA
   return cuda_fp8_quantize_rowwise(p, stream);
@@ -122,7 +144,7 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
 
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
                                         const OffsetsRef* padded, const MatrixRef& q_t,
-                                        const MatrixRef& scale, void* stream) {
+                                        const MatrixRef& scale, const MatrixRef* amax, void* stream) {
   EA_TRY(check_matrix("x", x));
   EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_offsets(offsets, x.rows, x.device, x.device_id, "x"));
@@ -145,6 +167,16 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
     EA_TRY(check_no_overlap("q_t", eq, "padded_offsets", offsets_extent(*padded)));
     EA_TRY(check_no_overlap("scale", es, "padded_offsets", offsets_extent(*padded)));
   }
+  if (amax) {
+    // An input: read only; it may alias nothing the call writes.
+    EA_TRY(check_matrix("amax", *amax));
+    EA_TRY(check_shape("amax", *amax, offsets.size, x.cols, DType::kFloat32,
+                       "the per expert and column amax, as quantize_rowwise's col_amax"));
+    EA_TRY(check_same_device("amax", amax->device, amax->device_id, x.device, x.device_id, "x"));
+    const Extent ea = extent_of(*amax);
+    EA_TRY(check_no_overlap("q_t", eq, "amax", ea));
+    EA_TRY(check_no_overlap("scale", es, "amax", ea));
+  }
   if (x.cols == 0) return Status::kOk;
   Fp8Cols p;
   p.dtype = x.dtype;
@@ -161,6 +193,10 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
   p.out_rows = out_rows;
   p.scale = static_cast<float*>(scale.data);
   p.scale_stride = scale.row_stride;
+  if (amax) {
+    p.amax = static_cast<const float*>(amax->data);
+    p.amax_stride = amax->row_stride;
+  }
   if (x.device == DeviceType::kCPU) return cpu_fp8_quantize_colwise_grouped(p);
 #if EXPERTACT_WITH_CUDA
   return cuda_fp8_quantize_colwise_grouped(p, stream);
@@ -231,15 +267,31 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
 
 Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                             void* stream) {
-  return detail::guarded("fp8_quantize_rowwise",
-                         [&] { return detail::fp8_quantize_rowwise_body(x, q, scale, stream); });
+  return detail::guarded("fp8_quantize_rowwise", [&] {
+    return detail::fp8_quantize_rowwise_body(x, q, scale, nullptr, nullptr, stream);
+  });
+}
+
+Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                            const OffsetsRef& col_amax_offsets, const MatrixRef& col_amax, void* stream) {
+  return detail::guarded("fp8_quantize_rowwise", [&] {
+    return detail::fp8_quantize_rowwise_body(x, q, scale, &col_amax_offsets, &col_amax, stream);
+  });
 }
 
 Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
                                     const OffsetsRef* padded_offsets, const MatrixRef& q_t,
                                     const MatrixRef& scale, void* stream) {
   return detail::guarded("fp8_quantize_colwise_grouped", [&] {
-    return detail::fp8_quantize_colwise_grouped_body(x, offsets, padded_offsets, q_t, scale, stream);
+    return detail::fp8_quantize_colwise_grouped_body(x, offsets, padded_offsets, q_t, scale, nullptr, stream);
+  });
+}
+
+Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                    const OffsetsRef* padded_offsets, const MatrixRef& q_t,
+                                    const MatrixRef& scale, const MatrixRef& amax, void* stream) {
+  return detail::guarded("fp8_quantize_colwise_grouped", [&] {
+    return detail::fp8_quantize_colwise_grouped_body(x, offsets, padded_offsets, q_t, scale, &amax, stream);
   });
 }
 

@@ -504,14 +504,20 @@ expertact_status expertact_expert_bias_backward_2d(
 }
 
 expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, expertact_matrix* q,
-                                                   expertact_vector* scale, void* stream) {
+                                                   expertact_vector* scale,
+                                                   const expertact_vector* col_amax_offsets,
+                                                   expertact_matrix* col_amax, void* stream) {
   return guarded_c("expertact_fp8_quantize_rowwise_2d", [&]() -> Status {
-    MatrixRef mx, mq;
+    MatrixRef mx, mq, ma;
     VectorRef vs;
+    OffsetsRef offs;
     EA_TRY(to_matrix("x", x, mx));
     EA_TRY(to_matrix("q", q, mq));
     EA_TRY(to_vector("scale", scale, vs));
-    return fp8_quantize_rowwise_body(mx, mq, vs, stream);
+    if (col_amax_offsets) EA_TRY(to_offsets(col_amax_offsets, offs, "col_amax_offsets"));
+    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
+    return fp8_quantize_rowwise_body(mx, mq, vs, col_amax_offsets ? &offs : nullptr, col_amax ? &ma : nullptr,
+                                     stream);
   });
 }
 
@@ -519,7 +525,7 @@ expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matri
                                                            const expertact_vector* offsets,
                                                            const expertact_vector* padded_offsets,
                                                            expertact_matrix* q_t, expertact_matrix* scale,
-                                                           void* stream) {
+                                                           const expertact_matrix* amax, void* stream) {
   return guarded_c("expertact_fp8_quantize_colwise_grouped_2d", [&]() -> Status {
     MatrixRef mx, mq, ms;
     OffsetsRef offs, pads;
@@ -528,7 +534,10 @@ expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matri
     if (padded_offsets) EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
     EA_TRY(to_matrix("q_t", q_t, mq));
     EA_TRY(to_matrix("scale", scale, ms));
-    return fp8_quantize_colwise_grouped_body(mx, offs, padded_offsets ? &pads : nullptr, mq, ms, stream);
+    MatrixRef ma;
+    if (amax) EA_TRY(to_matrix("amax", amax, ma));
+    return fp8_quantize_colwise_grouped_body(mx, offs, padded_offsets ? &pads : nullptr, mq, ms,
+                                             amax ? &ma : nullptr, stream);
   });
 }
 

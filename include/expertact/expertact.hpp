@@ -179,6 +179,14 @@ Status expert_bias_backward(const MatrixRef& grad_out, const MatrixRef& bias,
 // bfloat16).
 Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
                        void* stream = nullptr);
+// The same, also writing col_amax (float32 [E, C]): the max |v| (NaN ignored) of each column
+// over each expert's rows (col_amax_offsets: int32 [E], the experts' cumulative end rows, as
+// OffsetsRef; rows past the last offset count for no expert; an expert without rows gets 0),
+// taken in the same read of x (on a GPU). It is what fp8_quantize_colwise_grouped computes
+// first, so passing it there as `amax` spares that call a read of x.
+Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const VectorRef& scale,
+                            const OffsetsRef& col_amax_offsets, const MatrixRef& col_amax,
+                            void* stream = nullptr);
 
 // Per expert and column, for the operands of the weight-gradient GEMMs (whose sums run over
 // an expert's rows) and of the weights ([E, K, N] as [E * K, N] with offsets (e + 1) * K):
@@ -197,6 +205,13 @@ Status fp8_quantize_rowwise(const MatrixRef& x, const MatrixRef& q, const Vector
 Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
                                     const OffsetsRef* padded_offsets, const MatrixRef& q_t,
                                     const MatrixRef& scale, void* stream = nullptr);
+// The same with the per expert and column amax given (float32 [E, C], e.g. the col_amax of
+// fp8_quantize_rowwise with the same offsets): the scales come from it and x is read once.
+// With the amax of x itself the bytes and scales are those of the form above.
+Status fp8_quantize_colwise_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                    const OffsetsRef* padded_offsets, const MatrixRef& q_t,
+                                    const MatrixRef& scale, const MatrixRef& amax,
+                                    void* stream = nullptr);
 
 // The activation (glu_forward's arguments) quantized as above from its float32 values, one
 // rounding: q [rows, F] (kFloat8E4M3), scale float32 [rows].

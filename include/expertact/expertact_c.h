@@ -175,20 +175,27 @@ EXPERTACT_API expertact_status expertact_expert_bias_backward_2d(
  * DLPack dtype code EXPERTACT_DL_FLOAT8_E4M3FN, 8 bits (DLPack 1.1's kDLFloat8_e4m3fn);
  * scale: float32 [rows], the dequantisation scale 1 / s of each row. CPU and CUDA tensors. */
 #define EXPERTACT_DL_FLOAT8_E4M3FN 10
+/* col_amax_offsets (int32 [E], NULL: none) with col_amax (float32 [E, C], NULL: none; both or
+ * neither): also the max |v| (NaN ignored) of each column over each expert's rows, taken in
+ * the same read (expertact.hpp, fp8_quantize_rowwise's second form). */
 EXPERTACT_API expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x,
                                                                  expertact_matrix* q,
                                                                  expertact_vector* scale,
+                                                                 const expertact_vector* col_amax_offsets,
+                                                                 expertact_matrix* col_amax,
                                                                  void* stream);
 /* Per expert (offsets: as for the biases) and column: x [T, C] -> q_t (x quantised and
  * transposed) and scale float32 [E, C]. padded_offsets NULL: q_t [C, T], columns past the last
  * offset written as 0. padded_offsets (int32 [E], cumulative, on x's device): q_t [C, Tp],
  * expert e's rows from column padded_offsets[e - 1] (0 for e = 0) on, the rest of its block
  * and the columns past padded_offsets[E - 1] written as 0 (expertact.hpp,
- * fp8_quantize_colwise_grouped, says it exactly). */
+ * fp8_quantize_colwise_grouped, says it exactly). amax (float32 [E, C], NULL: computed here):
+ * the per expert and column amax, e.g. expertact_fp8_quantize_rowwise_2d's col_amax; the
+ * scales then come from it and x is read once. */
 EXPERTACT_API expertact_status expertact_fp8_quantize_colwise_grouped_2d(
     const expertact_matrix* x, const expertact_vector* offsets,
     const expertact_vector* padded_offsets, expertact_matrix* q_t, expertact_matrix* scale,
-    void* stream);
+    const expertact_matrix* amax, void* stream);
 /* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values. */
 EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,

@@ -11,6 +11,9 @@ A NaN element stays NaN in q; an infinite one gives s = 0 and scale = inf, so th
 output is NaN, never finite garbage.
 
     q, scale = expertact.fp8.quantize_rowwise(t)                       # t [..., C]
+    # also the per expert and column amax, in the same read, for quantize_colwise_grouped
+    q, scale, amax = expertact.fp8.quantize_rowwise(x, col_amax_offsets=offsets, ends=ends)
+    x_q, x_scale = expertact.fp8.quantize_colwise_grouped(x, offsets, pad_to=16, ends=ends, amax=amax)
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved",
                                              bias=b13, offsets=offsets)   # per-expert bias [E, 2F]
@@ -53,16 +56,35 @@ def _outputs(like, cols):
     return q, scale
 
 
-def quantize_rowwise(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(t: torch.Tensor, *, col_amax_offsets: Optional[torch.Tensor] = None, ends=None):
     """(q, scale): t [..., C] (float32, float16 or bfloat16) as float8_e4m3fn [..., C] with one
-    float32 dequantisation scale per row ([...]); t ~= q.float() * scale[..., None]."""
+    float32 dequantisation scale per row ([...]); t ~= q.float() * scale[..., None].
+
+    ``col_amax_offsets`` (int32 [E], the experts' cumulative end rows over t's rows, t taken
+    as [T, C]): returns (q, scale, amax), amax float32 [E, C] the max |v| (NaN ignored) of
+    each column over each expert's rows (0 for an expert without rows; rows past
+    col_amax_offsets[-1] count for none), taken in the same read of t on a GPU. It is the
+    amax :func:`quantize_colwise_grouped` starts from: pass it there as ``amax=`` (same
+    offsets) to spare that call a read of t. ``ends``: col_amax_offsets' values as host ints
+    (see :func:`quantize_colwise_grouped`; without it they are read on the host)."""
+    where = "expertact.fp8.quantize_rowwise"
     tensor_arg("t", t)
     if t.dim() < 1:
-        raise ValueError("expertact.fp8.quantize_rowwise: t must have at least one dimension [..., C]")
+        raise ValueError(f"{where}: t must have at least one dimension [..., C]")
+    if ends is not None and col_amax_offsets is None:
+        raise ValueError(f"{where}: ends goes with col_amax_offsets (got ends alone)")
     q, scale = _outputs(t, t.shape[-1])
     xs, qs, ss = _matrix(t), _matrix(q), _vector(scale.view(-1))
-    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), stream_of(t)))
-    return q, scale
+    if col_amax_offsets is None:
+        _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), None, None,
+                                                      stream_of(t)))
+        return q, scale
+    offsets, _ = _grouped_offsets(col_amax_offsets, scale.numel(), t.device, ends, where, "col_amax_offsets")
+    amax = torch.empty((offsets.numel(), t.shape[-1]), dtype=torch.float32, device=t.device)
+    offs, am = _vector(offsets), _matrix(amax)
+    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), byref(offs[1]),
+                                                  byref(am[1]), stream_of(t)))
+    return q, scale, amax
 
 
 def _pad_arg(pad_to, where):
@@ -112,26 +134,26 @@ def _check_ends(ends, rows, where, name):
         raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")
 
 
-def _grouped_offsets(offsets, rows, device, ends, where):
+def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
     """(offsets on ``device``, contiguous; the end rows as a host list), checked against the
-    ``rows`` they index."""
+    ``rows`` they index; ``name``: the argument's name in errors."""
     if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"{where}: offsets must be a torch.Tensor (got {type(offsets).__name__})")
+        raise TypeError(f"{where}: {name} must be a torch.Tensor (got {type(offsets).__name__})")
     if offsets.dtype != torch.int32:
-        raise _capi.DTypeError(f"{where}: offsets has dtype {offsets.dtype}; it must be int32 "
-                               "(offsets.to(torch.int32))")
+        raise _capi.DTypeError(f"{where}: {name} has dtype {offsets.dtype}; it must be int32 "
+                               f"({name}.to(torch.int32))")
     if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
+        raise ValueError(f"{where}: {name} must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
     if ends is None:
         host = offsets.tolist()  # a device-to-host copy on a GPU
-        _check_ends(host, rows, where, "offsets")
+        _check_ends(host, rows, where, name)
     else:
         try:
             host = [int(v) for v in ends]
         except (TypeError, ValueError):
             raise TypeError(f"{where}: ends must be a sequence of ints (got {type(ends).__name__})") from None
         if len(host) != offsets.numel():
-            raise ValueError(f"{where}: ends has {len(host)} values; offsets has {offsets.numel()}")
+            raise ValueError(f"{where}: ends has {len(host)} values; {name} has {offsets.numel()}")
         _check_ends(host, rows, where, "ends")
     if offsets.device != device:
         offsets = offsets.to(device)
@@ -139,7 +161,7 @@ def _grouped_offsets(offsets, rows, device, ends, where):
 
 
 def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: int = 1,
-                             ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                             ends=None, amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) per expert and column: t [T, C] (rows sorted by expert; ``offsets`` int32 [E],
     each expert's cumulative end row) quantised with one scale per expert and column, taken over
     that expert's rows (the operands of the weight-gradient GEMMs; for weights [E, K, N], pass
@@ -162,7 +184,12 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     offsets are read on the host (a device-to-host copy, which synchronises, on a GPU) for
     their checks and Tp; with it nothing is read from the device (ends must then hold
     offsets' values: if they differ, the output is wrong, never written out of bounds).
-    The padded offsets the kernels take are computed from ``offsets`` on its device."""
+    The padded offsets the kernels take are computed from ``offsets`` on its device.
+
+    ``amax`` (float32 [E, C] on t's device, e.g. the third output of
+    ``quantize_rowwise(t, col_amax_offsets=offsets)``): the per expert and column amax; the
+    scales come from it and t is read once instead of twice. With t's own amax the result is
+    the same bytes and scales as without it."""
     where = "expertact.fp8.quantize_colwise_grouped"
     tensor_arg("t", t)
     if t.dim() != 2:
@@ -171,6 +198,15 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     T, C = t.shape
     offsets, host = _grouped_offsets(offsets, T, t.device, ends, where)
     E = offsets.numel()
+    if amax is not None:
+        if not isinstance(amax, torch.Tensor):
+            raise TypeError(f"{where}: amax must be a torch.Tensor (got {type(amax).__name__})")
+        if amax.dtype != torch.float32:
+            raise _capi.DTypeError(f"{where}: amax has dtype {amax.dtype}; it must be float32 [E, C]")
+        if tuple(amax.shape) != (E, C):
+            raise ValueError(f"{where}: amax must be [E, C] = [{E}, {C}] (got shape {tuple(amax.shape)})")
+        if amax.device != t.device:
+            raise ValueError(f"{where}: amax is on {amax.device}; t is on {t.device}")
     if P == 1:
         rows, pads = T, None
     else:
@@ -182,9 +218,11 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     scale = torch.empty((E, C), dtype=torch.float32, device=t.device)
     xs, qs, ss, offs = _matrix(t), _matrix(q_t), _matrix(scale), _vector(offsets)
     ps = None if pads is None else _vector(pads)
+    am = None if amax is None else _matrix(amax)
     _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]),
                                                           None if ps is None else byref(ps[1]), byref(qs[1]),
-                                                          byref(ss[1]), stream_of(t)))
+                                                          byref(ss[1]), None if am is None else byref(am[1]),
+                                                          stream_of(t)))
     return q_t.t(), scale
 
 

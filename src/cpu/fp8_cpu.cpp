@@ -2,7 +2,9 @@
 // two passes (its amax, then the scaled cast), plain loops. The GLU form computes the row's
 // float32 activation once into a per-thread buffer and quantises it from there.
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "core/bias.h"
@@ -28,16 +30,45 @@ void quantize_row(const float* v, int64_t n, uint8_t* q, float* scale_out) {
 
 }  // namespace
 
+// With col_amax: each thread's rows (contiguous, sorted by expert) keep a running column
+// amax of their current expert, merged into col_amax under a lock when the expert changes
+// and at the end (max is exact and order-free: the same result for any split).
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
+  const int64_t E = p.col_amax ? p.col_amax_experts : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < p.cols; ++j) p.col_amax[e * p.col_amax_stride + j] = 0.0f;
+  std::mutex merge;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     cpu::parallel_for(p.rows, 2 * p.cols, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(static_cast<size_t>(p.cols));
+      std::vector<float> cm(E > 0 ? static_cast<size_t>(p.cols) : 0);
+      int64_t e = E > 0 ? expert_of(p.col_amax_offsets, E, r0) : 0, held = -1;
+      auto flush = [&] {
+        if (held < 0) return;
+        std::lock_guard<std::mutex> lock(merge);
+        float* dst = p.col_amax + held * p.col_amax_stride;
+        for (int64_t j = 0; j < p.cols; ++j) dst[j] = std::fmax(dst[j], cm[j]);
+        held = -1;
+      };
       for (int64_t r = r0; r < r1; ++r) {
         const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
         for (int64_t j = 0; j < p.cols; ++j) buf[j] = Cv<T>::ld(x[j]);
+        if (E > 0) {
+          while (e < E && p.col_amax_offsets[e] <= r) ++e;
+          if (e != held) {
+            flush();
+            if (e < E) {
+              held = e;
+              std::fill(cm.begin(), cm.end(), 0.0f);
+            }
+          }
+          if (held >= 0)
+            for (int64_t j = 0; j < p.cols; ++j) cm[j] = std::fmax(cm[j], std::fabs(buf[j]));  // NaN ignored
+        }
         quantize_row(buf.data(), p.cols, static_cast<uint8_t*>(p.q) + r * p.q_stride, p.scale + r * p.scale_stride);
       }
+      flush();
     });
     return Status::kOk;
   });
@@ -56,7 +87,10 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
         for (int64_t e = 0; e < p.experts; ++e) {
           const int64_t end = p.offsets[e], pend = padded[e];
           float amax = 0.0f;
-          for (int64_t r = start; r < end; ++r) amax = std::fmax(amax, std::fabs(Cv<T>::ld(x[r * p.x_stride + c])));
+          if (p.amax)
+            amax = p.amax[e * p.amax_stride + c];
+          else
+            for (int64_t r = start; r < end; ++r) amax = std::fmax(amax, std::fabs(Cv<T>::ld(x[r * p.x_stride + c])));
           const float s = fp8::scale_of(amax);
           uint8_t* qe = qc + (pstart - start);  // row r at pstart + (r - start)
           for (int64_t r = start; r < end; ++r) qe[r] = fp8::quantize(Cv<T>::ld(x[r * p.x_stride + c]), s);

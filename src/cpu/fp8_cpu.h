@@ -23,6 +23,14 @@ struct Fp8Rows : Fp8Out {
   int64_t rows = 0, cols = 0;
   const void* x = nullptr;
   int64_t x_stride = 0;
+  // Optional, with col_amax_experts > 0: also the per expert and column max |v| (NaN ignored)
+  // of x into col_amax [E, cols] (row stride col_amax_stride), expert e's rows
+  // [col_amax_offsets[e - 1], col_amax_offsets[e]) (from 0 for e = 0); rows past the last
+  // offset contribute nothing. Overwritten (no need to zero it first).
+  const int32_t* col_amax_offsets = nullptr;
+  int64_t col_amax_experts = 0;
+  float* col_amax = nullptr;
+  int64_t col_amax_stride = 0;
 };
 
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p);
@@ -46,6 +54,10 @@ struct Fp8Cols {
   int64_t out_rows = 0;  // q_t's columns (Tp)
   float* scale = nullptr;
   int64_t scale_stride = 0;
+  // Optional: the per expert and column amax [E, cols] (row stride amax_stride), e.g. from
+  // quantize_rowwise's col_amax; then the scales come from it and x is read once.
+  const float* amax = nullptr;
+  int64_t amax_stride = 0;
 };
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
 // bias (or nullptr): the per-expert bias added to gate and up before the activation (its

@@ -20,9 +20,15 @@
 // quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
 // word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
 // transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
+// Pass 2's blocks are resident all at once, each looping over row tiles of one column tile
+// with the next tile's loads issued before this tile is converted and written (116-118
+// registers, 2 blocks of 256 threads an SM: 32 KB of loads always in flight per SM, where one
+// short block per tile had its 16 KB in flight only between its start and its first use).
+// With the amax given (quantize_rowwise's col_amax), pass 1 is skipped: x is read once.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -359,6 +365,18 @@ int lanes_per_row(int64_t packs, int V) {
   return 128;
 }
 
+// EXPERTACT_FP8_COLWISE=old selects quantize_colwise_grouped's previous pass 2
+// (col_quant_kernel: one 128 x 64 tile per block, a block per tile); new (the default) or any
+// other value the pipelined one (col_quant_pipe_kernel). A measurement knob for timing both forms in one process (read
+// once per process); the results are the same bytes and scales either way.
+bool colwise_old() {
+  static const bool old = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_COLWISE");
+    return env != nullptr && std::string(env) == "old";
+  }();
+  return old;
+}
+
 // ---- rowwise, any alignment: a warp per row, one element at a time ----
 
 constexpr int kScalarThreads = 256;  // 8 rows per block, a warp each
@@ -429,9 +447,13 @@ __global__ void __launch_bounds__(kScalarThreads) glu_rows_kernel(const T* g, co
 
 constexpr int kAmaxThreads = 256;  // pass 1: 8 warps, each a row at a time
 constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
-constexpr int kAmaxUnroll = 4;     // pass 1: rows in flight per lane
+// Pass 1: 4 rows (64 bytes) in flight per lane; at 64 registers, 4 blocks an SM: 64 KB of
+// loads in flight per SM. 8 rows a lane took 116 registers (2 blocks: the same 64 KB) or
+// spilled when bounded to 3 blocks, so pass 1 stays as it is.
+constexpr int kAmaxUnroll = 4;
 constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
-constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per block
+constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
+constexpr int kQPipeBlocks = 2;    // pass 2, pipelined: blocks per SM asked of ptxas (<= 128 registers)
 
 // Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
 // (two for float32) when kVec and all 8 lie in the row, else one by one.
@@ -446,14 +468,17 @@ __device__ __forceinline__ void load8(const T* row, int64_t c, int64_t cols, Pac
 }
 
 // The scale buffer before pass 1 (kFinal false: 0, the amax's identity) and after it
-// (kFinal true: the amax, as bits, -> 1 / s).
+// (kFinal true: the amax -> 1 / s; the amax read from `amax` (row stride amax_stride) when
+// given, e.g. the one quantize_rowwise computed, else from the scale buffer itself).
 template <bool kFinal>
-__global__ void __launch_bounds__(256) col_scale_kernel(float* scale, int64_t stride, int64_t experts, int64_t cols) {
+__global__ void __launch_bounds__(256) col_scale_kernel(float* scale, int64_t stride, int64_t experts, int64_t cols,
+                                                        const float* amax = nullptr, int64_t amax_stride = 0) {
   const int64_t n = experts * cols;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float* p = scale + (i / cols) * stride + i % cols;
-    if constexpr (kFinal) *p = 1.0f / fp8::scale_of(*p); else *p = 0.0f;
+    const int64_t e = i / cols, j = i % cols;
+    float* p = scale + e * stride + j;
+    if constexpr (kFinal) *p = 1.0f / fp8::scale_of(amax ? amax[e * amax_stride + j] : *p); else *p = 0.0f;
   }
 }
 
@@ -612,6 +637,130 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
   }
 }
 
+// Pass 2, pipelined (the default; col_quant_kernel is EXPERTACT_FP8_COLWISE=old): the same
+// tiles of 128 output rows x 64 columns, thread mapping, bytes and swizzle as col_quant_kernel,
+// but fewer, long-lived blocks: block b keeps column tile b % col_tiles and takes row tiles
+// b / col_tiles, + groups, ... (groups = gridDim.x / col_tiles, the grid a multiple of
+// col_tiles sized to be resident at once), and issues the loads of its next tile before it
+// converts, stages and writes this one, so an SM always has its blocks' next tiles (64 bytes
+// a thread) in flight instead of going idle between a short block's load and its store. The
+// column tile being fixed, a thread's multipliers s = 1 / scale are loaded again only when
+// the expert changes.
+template <typename T, bool kVec>
+struct ColTileLoad {
+  Pack<T, 8> in[4];
+  int32_t ex[4];  // each row's expert, -1 for a padding row (no source row: bytes 0)
+};
+
+// The source rows and experts of output rows pf .. pf + 3 (see col_quant_kernel), and their
+// loads issued (columns c .. c + 7; none past the columns or for padding rows).
+template <typename T, bool kVec>
+__device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols,
+                                              const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
+                                              int64_t E, int64_t out_rows, int64_t pf, int64_t c,
+                                              ColTileLoad<T, kVec>& t) {
+  int64_t e = detail::expert_of(pends, E, pf);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t p = pf + k;
+    while (e < E && pends[e] <= p) ++e;
+    int64_t src = -1;
+    if (e < E && p < out_rows) {
+      const int64_t start = e == 0 ? 0 : offsets[e - 1];
+      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
+      const int64_t r = start + local;
+      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src = r;
+    }
+    t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
+    if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
+  }
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kQThreads, kQPipeBlocks) col_quant_pipe_kernel(
+    const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols, const int32_t* __restrict__ offsets,
+    const int32_t* __restrict__ pends, int64_t E, const float* __restrict__ scale, int64_t scale_stride,
+    uint8_t* __restrict__ q, int64_t q_stride, int64_t out_rows, int64_t col_tiles, int64_t row_tiles, int q_align) {
+  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
+  const int64_t groups = gridDim.x / col_tiles;
+  const int64_t c0 = (blockIdx.x % col_tiles) * kQCols;
+  int64_t rt = blockIdx.x / col_tiles;
+  if (rt >= row_tiles) return;  // the whole block: the barriers below stay uniform
+  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
+  const int64_t c = c0 + 8 * cg;
+  float s[8];
+  int32_t se = -1;
+  ColTileLoad<T, kVec> cur;
+  col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, rt * kQRows + 4 * rq, c, cur);
+  for (; rt < row_tiles; rt += groups) {
+    const int64_t p0 = rt * kQRows;
+    ColTileLoad<T, kVec> next;
+    if (rt + groups < row_tiles)
+      col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, (rt + groups) * kQRows + 4 * rq,
+                             c, next);
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = 0;
+    if (c < cols) {
+      // Two rows at a time (fewer live registers than col_quant_kernel's four).
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float xs[2][8];
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int k = 2 * h + kk;
+          if (cur.ex[k] < 0) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xs[kk][i] = 0.0f;
+            continue;
+          }
+          if (cur.ex[k] != se) {
+            se = cur.ex[k];
+            const float* sr = scale + se * scale_stride + c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) xs[kk][i] = to_f(cur.in[k].v[i]) * s[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] |= fp8::from_scaled2(xs[0][i], xs[1][i]) << (16 * h);
+      }
+    }
+    __syncthreads();  // the previous tile's write-out has read the shared tile
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
+      const int idx = threadIdx.x + it * kQThreads;
+      const int cl = idx >> 3, wg = idx & 7;
+      const int64_t cc = c0 + cl;
+      const int64_t pw = p0 + 16 * wg;
+      if (cc >= cols || pw >= out_rows) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
+      uint8_t* dst = q + cc * q_stride + pw;
+      const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
+      if (q_align == 16 && n == 16) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else {
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (q_align >= 4 && 4 * j + 4 <= n) {
+            reinterpret_cast<uint32_t*>(dst)[j] = words[j];
+          } else {
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+              if (4 * j + k < n) dst[4 * j + k] = static_cast<uint8_t>(words[j] >> (8 * k));
+          }
+        }
+      }
+    }
+    cur = next;
+  }
+}
+
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
 unsigned blocks_for(int64_t rows, int threads, int lanes = 32) {
   return static_cast<unsigned>((rows + threads / lanes - 1) / (threads / lanes));
@@ -636,11 +785,48 @@ namespace expertact::detail {
 // columns a multiple of the pack) take the vector kernels, which hold the row in registers up
 // to 128 values (plain 16-bit rows: 256) per lane, 4,096 (8,192) per row; others the scalar
 // kernels.
+namespace {
+
+// quantize_rowwise's col_amax by its own read of x (the forms without a fused one): zeroed,
+// then colwise pass 1 into it (non-negative floats order as their bits).
+Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
+  const int64_t sm = cuda::sm_count(p.device_id);
+  const int64_t n = p.col_amax_experts * p.cols;
+  const unsigned zb = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, sm * 8)));
+  cuda::col_scale_kernel<false><<<zb, 256, 0, st>>>(p.col_amax, p.col_amax_stride, p.col_amax_experts, p.cols);
+  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch"));
+  if (p.rows == 0 || p.cols == 0) return Status::kOk;
+  const int64_t es = detail::dtype_size(p.dtype);
+  const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
+    using T = decltype(t);
+    return detail::dispatch_bool(vec, [&](auto vt) -> Status {
+      constexpr bool kVec = decltype(vt)::value;
+      const int64_t col_tiles = (p.cols + cuda::kAmaxCols - 1) / cuda::kAmaxCols;
+      const int64_t want = std::max<int64_t>(1, sm * 64 / col_tiles);
+      int64_t chunk = (p.rows + want - 1) / want;
+      chunk = (chunk + 31) / 32 * 32;
+      const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
+      if (blocks > 0x7fffffff) return fail(Status::kInvalidArgument, "x is too large (", p.rows, " x ", p.cols, ")");
+      cuda::col_amax_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kAmaxThreads, 0, st>>>(
+          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.col_amax_offsets, p.col_amax_experts, chunk,
+          col_tiles, reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 col_amax kernel launch");
+    });
+  });
+}
+
+}  // namespace
+
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
-  EA_TRY(enter_operands(p.device_id, guard, {{"x", p.x}, {"q", p.q}, {"scale", p.scale}}));
+  EA_TRY(enter_operands(p.device_id, guard,
+                        {{"x", p.x}, {"q", p.q}, {"scale", p.scale}, {"col_amax_offsets", p.col_amax_offsets},
+                         {"col_amax", p.col_amax}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+  if (p.rows == 0) return Status::kOk;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T), kV = 16 / es;
@@ -745,7 +931,7 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard,
                         {{"x", p.x}, {"offsets", p.offsets}, {"padded_offsets", p.padded}, {"q_t", p.q_t},
-                         {"scale", p.scale}}));
+                         {"scale", p.scale}, {"amax", p.amax}}));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int64_t es = detail::dtype_size(p.dtype);
   // 16-byte packs of x when its pointer and row stride allow (any column count: a row's last
@@ -759,39 +945,70 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   const int32_t* pends = p.padded ? p.padded : p.offsets;
   const int device = p.device_id;
   const int64_t sm = cuda::sm_count(device);
-  // The scales: zeroed, then (after pass 1) turned from amax into 1 / s.
+  const bool old_kernels = cuda::colwise_old();
   const int64_t n_scales = p.experts * p.cols;
-  const unsigned scale_blocks = static_cast<unsigned>(std::min<int64_t>((n_scales + 255) / 256, sm * 8));
-  cuda::col_scale_kernel<false><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
-  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+  const unsigned scale_blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
+  if (p.amax) {
+    // The amax given: no pass 1, the scales straight from it.
+    if (n_scales > 0) {
+      cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols, p.amax,
+                                                                 p.amax_stride);
+      EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+    }
+  } else {
+    // The scales: zeroed, then (after pass 1) turned from amax into 1 / s.
+    cuda::col_scale_kernel<false><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
+    EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+  }
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     return detail::dispatch_bool(vec, [&](auto vt) -> Status {
       constexpr bool kVec = decltype(vt)::value;
-      if (p.rows > 0) {
-        // Chunks of rows (a multiple of the 32 rows a block has in flight) for about 64 blocks
-        // per SM in all: enough waves to even out the tail; fewer chunks, fewer atomics.
-        const int64_t col_tiles = (p.cols + cuda::kAmaxCols - 1) / cuda::kAmaxCols;
-        const int64_t want = std::max<int64_t>(1, sm * 64 / col_tiles);
-        int64_t chunk = (p.rows + want - 1) / want;
-        chunk = (chunk + 31) / 32 * 32;
-        const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
-        if (blocks > 0x7fffffff) return fail(Status::kInvalidArgument, "x is too large (", p.rows, " x ", p.cols, ")");
-        cuda::col_amax_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kAmaxThreads, 0, st>>>(
-            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, p.experts, chunk, col_tiles,
-            reinterpret_cast<unsigned*>(p.scale), p.scale_stride);
-        EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise amax kernel launch"));
+      if (!p.amax) {
+        if (p.rows > 0) {
+          // Chunks of rows (a multiple of the 32 rows a block has in flight) for about 64
+          // blocks per SM in all: enough waves to even out the tail; fewer chunks, fewer atomics.
+          const int64_t col_tiles = (p.cols + cuda::kAmaxCols - 1) / cuda::kAmaxCols;
+          const int64_t want = std::max<int64_t>(1, sm * 64 / col_tiles);
+          int64_t chunk = (p.rows + want - 1) / want;
+          chunk = (chunk + 31) / 32 * 32;
+          const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
+          if (blocks > 0x7fffffff)
+            return fail(Status::kInvalidArgument, "x is too large (", p.rows, " x ", p.cols, ")");
+          cuda::col_amax_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kAmaxThreads, 0, st>>>(
+              static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, p.experts, chunk, col_tiles,
+              reinterpret_cast<unsigned*>(p.scale), p.scale_stride);
+          EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise amax kernel launch"));
+        }
+        cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
+        EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
       }
-      cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
-      EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
-      if (p.out_rows == 0) return Status::kOk;
+      if (p.out_rows == 0 || p.cols == 0) return Status::kOk;
       const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
-      const int64_t blocks = col_tiles * ((p.out_rows + cuda::kQRows - 1) / cuda::kQRows);
+      const int64_t row_tiles = (p.out_rows + cuda::kQRows - 1) / cuda::kQRows;
+      if (old_kernels) {
+        const int64_t blocks = col_tiles * row_tiles;
+        if (blocks > 0x7fffffff)
+          return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
+        cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
+            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
+            p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+        return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
+      }
+      // As many blocks as are resident at once (rounded down to whole row groups: a block
+      // past that would run its whole share after the others), at least one group.
+      int per_sm = 0;
+      EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                  &per_sm, cuda::col_quant_pipe_kernel<T, kVec>, cuda::kQThreads, 0),
+                              "fp8 colwise occupancy"));
+      const int64_t resident = std::max<int64_t>(1, per_sm) * sm;
+      const int64_t groups = std::min<int64_t>(row_tiles, std::max<int64_t>(1, resident / col_tiles));
+      const int64_t blocks = col_tiles * groups;
       if (blocks > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
+      cuda::col_quant_pipe_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, row_tiles, q_align);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });

@@ -355,7 +355,7 @@ def _call_colwise(x, offsets, padded, q_t, scale):
     ps = None if padded is None else fp8._vector(padded)
     fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
         fp8.byref(xs[1]), fp8.byref(offs[1]), None if ps is None else fp8.byref(ps[1]), fp8.byref(qs[1]),
-        fp8.byref(ss[1]), None))
+        fp8.byref(ss[1]), None, None))
 
 
 def test_colwise_grouped_c_abi_padded_offsets():
@@ -609,3 +609,174 @@ def test_cuda_glu_rowwise_bias_many_experts_and_views():
             assert torch.equal(qv.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sv, scale)
         else:
             _check_glu_bias(qv, sv, z, b, w, ends, "interleaved", "swiglu")
+
+
+# ---- the fused column amax: quantize_rowwise(col_amax_offsets=) -> quantize_colwise_grouped(amax=) ----
+
+def _torch_col_amax(t, ends):
+    """Per expert and column max |v| with NaN ignored, by torch ops (exact: a max)."""
+    a = t.reshape(-1, t.shape[-1]).float().abs()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    out, start = torch.zeros(len(ends), a.shape[1]), 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[e] = a[start:end].amax(0)
+        start = end
+    return out
+
+
+def _col_amax_input(T, C, dtype, seed):
+    t = _grouped_input(T, C, dtype, seed)
+    t[20, 0] = float("nan")
+    t[30, C - 1] = float("inf")
+    t[31, C // 2] = float("-inf")
+    t[T - 1, 0] = float("nan")  # past the last offset below: counts for no expert
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 37, 300])
+def test_rowwise_col_amax_matches_torch(dtype, cols):
+    t = _col_amax_input(76, cols, dtype, 21)
+    offs = torch.tensor(_PAD_ENDS, dtype=torch.int32)
+    q, s, amax = fp8.quantize_rowwise(t, col_amax_offsets=offs)
+    rq, rs = fp8.quantize_rowwise(t)
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    assert amax.dtype == torch.float32 and amax.shape == (len(_PAD_ENDS), cols)
+    assert torch.equal(amax, _torch_col_amax(t, _PAD_ENDS))
+    # ends given: the same, offsets not read on the host
+    _, _, a2 = fp8.quantize_rowwise(t, col_amax_offsets=offs, ends=_PAD_ENDS)
+    assert torch.equal(a2, amax)
+    # no rows: amax 0
+    _, _, a0 = fp8.quantize_rowwise(torch.empty(0, cols, dtype=dtype), col_amax_offsets=torch.zeros(2, dtype=torch.int32))
+    assert torch.equal(a0, torch.zeros(2, cols))
+
+
+def test_rowwise_col_amax_leading_dims_and_threads():
+    # [2, 600, 130] taken as [1200, 130]: rows split over threads across expert boundaries
+    t = _grouped_input(1200, 130, torch.bfloat16, 22).view(2, 600, 130)
+    ends = [0, 1, 599, 600, 601, 1100]
+    q, s, amax = fp8.quantize_rowwise(t, col_amax_offsets=torch.tensor(ends, dtype=torch.int32))
+    assert q.shape == t.shape and s.shape == (2, 600)
+    assert torch.equal(amax, _torch_col_amax(t, ends))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad_to", [1, 16, 5])
+def test_colwise_with_amax_matches_without(dtype, pad_to):
+    t = _col_amax_input(76, 45, dtype, 23)
+    offs = torch.tensor(_PAD_ENDS, dtype=torch.int32)
+    _, _, amax = fp8.quantize_rowwise(t, col_amax_offsets=offs)
+    q1, s1 = fp8.quantize_colwise_grouped(t, offs, pad_to=pad_to)
+    q2, s2 = fp8.quantize_colwise_grouped(t, offs, pad_to=pad_to, amax=amax)
+    assert torch.equal(s1, s2) and torch.equal(_colwise_bits(q1), _colwise_bits(q2))
+    # the scales do come from amax: a larger amax gives other scales
+    q3, s3 = fp8.quantize_colwise_grouped(t, offs, pad_to=pad_to, amax=amax * 4 + 1)
+    assert not torch.equal(s3, s1)
+
+
+def test_col_amax_refusals():
+    t = _grouped_input(10, 6, torch.float32, 24)
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    with pytest.raises(TypeError, match="col_amax_offsets has dtype torch.int64"):
+        fp8.quantize_rowwise(t, col_amax_offsets=offs.long())
+    with pytest.raises(ValueError, match="col_amax_offsets must be 1-D"):
+        fp8.quantize_rowwise(t, col_amax_offsets=offs.view(1, 2))
+    with pytest.raises(ValueError, match="col_amax_offsets must be non-decreasing"):
+        fp8.quantize_rowwise(t, col_amax_offsets=torch.tensor([5, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"col_amax_offsets\[-1\] = 11 is past the last row"):
+        fp8.quantize_rowwise(t, col_amax_offsets=torch.tensor([4, 11], dtype=torch.int32))
+    with pytest.raises(ValueError, match="ends goes with col_amax_offsets"):
+        fp8.quantize_rowwise(t, ends=[4, 10])
+    with pytest.raises(TypeError, match="col_amax_offsets must be a torch.Tensor"):
+        fp8.quantize_rowwise(t, col_amax_offsets=[4, 10])
+    amax = torch.zeros(2, 6)
+    with pytest.raises(TypeError, match="amax has dtype torch.float64"):
+        fp8.quantize_colwise_grouped(t, offs, amax=amax.double())
+    with pytest.raises(ValueError, match=r"amax must be \[E, C\] = \[2, 6\]"):
+        fp8.quantize_colwise_grouped(t, offs, amax=torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="amax must be a torch.Tensor"):
+        fp8.quantize_colwise_grouped(t, offs, amax=[[0.0] * 6] * 2)
+
+
+def _call_rowwise(x, q, scale, offsets, col_amax):
+    xs, qs, ss = fp8._matrix(x), fp8._matrix(q), fp8._vector(scale)
+    os_ = None if offsets is None else fp8._vector(offsets)
+    am = None if col_amax is None else fp8._matrix(col_amax)
+    fp8._check(fp8._LIB.expertact_fp8_quantize_rowwise_2d(
+        fp8.byref(xs[1]), fp8.byref(qs[1]), fp8.byref(ss[1]), None if os_ is None else fp8.byref(os_[1]),
+        None if am is None else fp8.byref(am[1]), None))
+
+
+def test_col_amax_c_abi_refusals():
+    """The C ABI's checks of the new arguments, each naming it (the Python layer checks some first)."""
+    x = _grouped_input(10, 6, torch.float32, 25)
+    q = torch.empty(10, 6, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(10)
+    offs = torch.tensor([4, 10], dtype=torch.int32)
+    amax = torch.full((2, 6), -1.0)
+    _call_rowwise(x, q, scale, offs, amax)  # overwritten, no zeroing needed by the caller
+    assert torch.equal(amax, _torch_col_amax(x, [4, 10]))
+    with pytest.raises(ValueError, match="col_amax_offsets and col_amax go together"):
+        _call_rowwise(x, q, scale, offs, None)
+    with pytest.raises(ValueError, match="col_amax_offsets and col_amax go together"):
+        _call_rowwise(x, q, scale, None, amax)
+    with pytest.raises(ValueError, match="col_amax"):
+        _call_rowwise(x, q, scale, offs, torch.empty(3, 6))
+    with pytest.raises(TypeError, match="col_amax"):
+        _call_rowwise(x, q, scale, offs, torch.empty(2, 6, dtype=torch.float16))
+    with pytest.raises(TypeError, match="col_amax_offsets"):
+        _call_rowwise(x, q, scale, offs.long(), amax)
+    q_t = torch.empty(6, 10, dtype=torch.float8_e4m3fn)
+    s2 = torch.empty(2, 6)
+    xs, qs, ss, os_ = fp8._matrix(x), fp8._matrix(q_t), fp8._matrix(s2), fp8._vector(offs)
+
+    def colwise(a):
+        am = fp8._matrix(a)
+        fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
+            fp8.byref(xs[1]), fp8.byref(os_[1]), None, fp8.byref(qs[1]), fp8.byref(ss[1]), fp8.byref(am[1]), None))
+    with pytest.raises(ValueError, match="amax"):
+        colwise(torch.zeros(3, 6))
+    with pytest.raises(TypeError, match="amax"):
+        colwise(torch.zeros(2, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="amax"):  # aliasing the output scales
+        am = fp8._matrix(s2)
+        fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
+            fp8.byref(xs[1]), fp8.byref(os_[1]), None, fp8.byref(qs[1]), fp8.byref(ss[1]), fp8.byref(am[1]), None))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 37, 300, 3072, 6144, 20000])
+def test_cuda_rowwise_col_amax_matches_cpu(dtype, cols):
+    t = _col_amax_input(76, cols, dtype, 26)
+    offs = torch.tensor(_PAD_ENDS, dtype=torch.int32)
+    q, s, amax = fp8.quantize_rowwise(t.cuda(), col_amax_offsets=offs.cuda(), ends=_PAD_ENDS)
+    rq, rs = fp8.quantize_rowwise(t)
+    assert torch.equal(_bits(q).cpu(), _bits(rq)) and torch.equal(s.cpu(), rs)
+    assert torch.equal(amax.cpu(), _torch_col_amax(t, _PAD_ENDS))
+    for pad_to in (1, 16):
+        q1, s1 = fp8.quantize_colwise_grouped(t.cuda(), offs.cuda(), pad_to=pad_to, ends=_PAD_ENDS)
+        q2, s2 = fp8.quantize_colwise_grouped(t.cuda(), offs.cuda(), pad_to=pad_to, ends=_PAD_ENDS, amax=amax)
+        assert torch.equal(s1, s2) and torch.equal(_colwise_bits(q1), _colwise_bits(q2))
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
+def test_cuda_rowwise_col_amax_large_and_views():
+    # many row chunks per expert, experts ending mid-chunk, rows past the end
+    t = _grouped_input(70_001, 384, torch.bfloat16, 27)
+    ends = [0, 17_001, 17_001, 40_000, 69_990]
+    offs = torch.tensor(ends, dtype=torch.int32)
+    _, _, amax = fp8.quantize_rowwise(t.cuda(), col_amax_offsets=offs.cuda())
+    assert torch.equal(amax.cpu(), _torch_col_amax(t, ends))
+    # unaligned and gapped views (the scalar and strided forms)
+    base = _grouped_input(300, 520, torch.bfloat16, 28)
+    for view in (base[:, 1:386], base[::2, :512], base[:, 8:392]):
+        e = [0, 33, 100, 149]
+        o = torch.tensor(e, dtype=torch.int32).cuda()
+        _, _, a = fp8.quantize_rowwise(view.cuda(), col_amax_offsets=o)
+        assert torch.equal(a.cpu(), _torch_col_amax(view, e))
+    # no rows: amax 0
+    _, _, a0 = fp8.quantize_rowwise(torch.empty(0, 40, device="cuda"),
+                                    col_amax_offsets=torch.zeros(2, dtype=torch.int32, device="cuda"))
+    assert torch.equal(a0.cpu(), torch.zeros(2, 40))
