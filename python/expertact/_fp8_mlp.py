@@ -77,13 +77,16 @@ def _zero_tail(t: Tensor, end: int) -> Tensor:
     return t
 
 
-def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Optional[Tensor]):
+def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Optional[Tensor], amax_a=None,
+           amax_b=None):
     """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols]; laid out as ``like``
-    (a weight held as a transposed view gets its gradient in the weight's storage order)."""
+    (a weight held as a transposed view gets its gradient in the weight's storage order).
+    amax_a / amax_b: the operands' per expert and column amax when a rowwise pass has already
+    taken it (quantize_rowwise(col_amax_offsets=)): the column-wise pass then reads them once."""
     if like is not None and like.stride(-2) == 1 and like.stride(-1) != 1:
-        return _wgrad(b, a, offs, poffs, ends, None).transpose(-2, -1)
-    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN, ends=ends)  # [Tp, M] column-major, [E, M]
-    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN, ends=ends)  # [Tp, N] column-major, [E, N]
+        return _wgrad(b, a, offs, poffs, ends, None, amax_b, amax_a).transpose(-2, -1)
+    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN, ends=ends, amax=amax_a)  # [Tp, M] col-major, [E, M]
+    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN, ends=ends, amax=amax_b)  # [Tp, N] col-major, [E, N]
     out = _sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs)
     start = 0
     for e, stop in enumerate(ends):
@@ -101,11 +104,16 @@ def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
                            layout=fplan.layout, weights=weights, **bias)
 
 
-def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
-    """(x as kept, gate_up, y)."""
+def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False):
+    """(x as kept, gate_up, y, x's per expert and column amax or None). x_amax: take that amax
+    in the rowwise pass over x, for dw13's column-wise operand in backward."""
     end = plan.ends[-1] if plan.ends else 0
     x = x.contiguous()
-    xq, sx = fp8.quantize_rowwise(x)
+    xamax = None
+    if x_amax and fplan.wgrad:
+        xq, sx, xamax = fp8.quantize_rowwise(x, col_amax_offsets=offs, ends=plan.ends)
+    else:
+        xq, sx = fp8.quantize_rowwise(x)
     w13q, s13 = _quant_b(w13)
     gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
@@ -114,10 +122,10 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
     y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
         _bias.row_forward(y, b2, offs, weights, inplace=True)
-    return x, gate_up, y
+    return x, gate_up, y, xamax
 
 
-def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad):
+def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None):
     """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
 
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
@@ -131,28 +139,38 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     if b2 is not None:
         db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
     poffs = fp8.padded_offsets(offs, ALIGN) if fplan.wgrad and (need_w2 or need_w13) else None
+    need_dh = need_x or need_w13 or need_w or need_b13
+    dyq = sdy = dyamax = None
+    if need_dh:  # dy's rowwise operand, and in the same read its column amax for dw2's operand
+        if fplan.wgrad and need_w2:
+            dyq, sdy, dyamax = fp8.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)
+        else:
+            dyq, sdy = fp8.quantize_rowwise(dy)
     if need_w2:  # first, so that h is freed before dh exists
         h = h_of()
         if fplan.wgrad:
-            dw2 = _wgrad(h, dy, offs, poffs, ends, w2)
+            dw2 = _wgrad(h, dy, offs, poffs, ends, w2, None, dyamax)
         else:
             dw2 = gmm_wgrad(h, dy, offs, plan, like=w2)
         del h
-    if need_x or need_w13 or need_w or need_b13:
-        dyq, sdy = fp8.quantize_rowwise(dy)
+    if need_dh:
         w2tq, s2t = _quant_b(w2.transpose(-2, -1))
         dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
         del dyq, sdy, w2tq, s2t
         dgate_up, dweights, db13 = glu_grad(dh)
         del dh
+        dgamax = None
         if need_x:
-            dgq, sdg = fp8.quantize_rowwise(dgate_up)
+            if fplan.wgrad and need_w13:
+                dgq, sdg, dgamax = fp8.quantize_rowwise(dgate_up, col_amax_offsets=offs, ends=ends)
+            else:
+                dgq, sdg = fp8.quantize_rowwise(dgate_up)
             w13tq, s13t = _quant_b(w13.transpose(-2, -1))
             dx = _zero_tail(_sgmm(dgq, w13tq, sdg, s13t, offs), end)
             del dgq, sdg, w13tq, s13t
         if need_w13:
             if fplan.wgrad:
-                dw13 = _wgrad(x, dgate_up, offs, poffs, ends, w13)
+                dw13 = _wgrad(x, dgate_up, offs, poffs, ends, w13, xamax, dgamax)
             else:
                 dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
     if dweights_b2 is not None:

@@ -396,12 +396,14 @@ class _Fp8ExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
-        x, gate_up, y = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)
+        x, gate_up, y, xamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
+                                                x_amax=ctx.needs_input_grad[1])
         # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
         # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
         hooked = _saved_tensor_hooks_active()
         _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up if hooked else None, b13, b2), None)
         ctx.gate_up = None if hooked else gate_up
+        ctx.xamax = xamax  # x's per expert and column amax [E, D] (float32, small), or None
         ctx.fplan = fplan
         ctx.b13_index = 7
         return y
@@ -425,7 +427,8 @@ class _Fp8ExpertMLP(torch.autograd.Function):
 
         grads = _fp8_mlp.backward(
             needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
-            h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad)
+            h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad,
+            xamax=ctx.xamax)
         dx, dw13, dw2, dweights, db13, db2 = grads
         return dx, dw13, dw2, dweights, None, None, None, db13, db2
 
