@@ -38,7 +38,7 @@ from expertact import _fp8_mlp, moe
 
 from . import mlp
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, method, parse_list, resolve_device, write_outputs,
+    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, resolve_device, write_outputs,
 )
 
 IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
@@ -105,20 +105,7 @@ def gemm_floor(inp, s, iters, warmup):
         sg(xt, dgc, ones(D * E), ones(2 * F * E), offs)
         sg(ht, dyc, ones(F * E), ones(D * E), offs)
 
-    def med(fn):
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            b.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(b.elapsed_time(e))
-        return sorted(ts)[len(ts) // 2]
-
-    f, b = med(fwd), med(bwd)
+    f, b = median_ms(fwd, iters, warmup, dev), median_ms(bwd, iters, warmup, dev)
     del x8, h8, dy8, dg8, w13t, w2t, w2b, w13b, xt, ht, dgc, dyc
     torch.cuda.empty_cache()
     return f, b
