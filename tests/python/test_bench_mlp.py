@@ -152,3 +152,21 @@ def test_bench_mlp_bias_table_on_the_gpu(tmp_path):
     assert all("error" not in r for r in data["results"] + data["bias_check"]), data
     checks = [t for t in data["targets"] if t["text"].startswith("check ")]
     assert len(checks) == 4 and all(t["passed"] for t in checks), checks
+
+
+def test_bench_mlp_fp8_table_on_the_cpu(tmp_path):
+    """--mlp --fp8 on the CPU: the bf16 rows measured with their errors against float32, the FP8
+    rows (and torchao's, whatever its install) reported as skipped, not failed; exit status 0."""
+    from expertact.bench import cli
+    js = tmp_path / "fp8.json"
+    rc = cli.main(["--mlp", "--fp8", "--device", "cpu", "--rows", "32", "--dim", "32", "--ffn", "16",
+                   "--iters", "1", "--warmup", "0", "--json", str(js)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    by = {r["impl"]: r for r in data["results"]}
+    assert set(by) == {"expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms"}
+    for name in ("expertact", "expertact-recompute"):
+        assert "error" not in by[name] and by[name]["ms"] > 0
+        assert all(v is not None and v < 1e-5 for v in by[name]["err"].values())  # float32 against float32
+    for name in ("fp8", "fp8-bf16-wgrad", "fp8-gemms", "torchao"):
+        assert by[name].get("skipped") and "x is on cpu" in by[name]["error"]
