@@ -9,6 +9,8 @@
 // forward (no sums) takes the row kernels' shape instead. Measurements and the forms tried:
 // docs/perf-notes.md section 12.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -176,6 +178,43 @@ __global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep
     }
     r = end;
     if (e >= a.E) break;
+  }
+}
+
+// The same forward in the row kernels' shape (glu_kernels.cuh): a group of G lanes owns a
+// row, blocks follow each other along the rows; a row finds its expert once (a binary search
+// of the offsets, cached reads) and its bias packs come from L1/L2 (E rows of 2F).
+// EXPERTACT_BIAS_FWD=rows selects it (a measurement knob while the two forms are compared).
+template <typename T, Activation A, int kStep, int V>
+__global__ void __launch_bounds__(256) glu_bias_fwd_rows_kernel(const BiasArgs<T> a, int G, int64_t splits) {
+  constexpr int U = fwd_unroll_for(sizeof(T) * V * kStep);
+  const RowSpan s = row_span<U>(G, a.packs, splits);
+  if (s.row >= a.rows) return;
+  const int64_t e = detail::expert_of(a.offs, a.E, s.row);
+  const bool has = e < a.E;
+  const T* g = a.g + s.row * a.g_stride;
+  const T* u = a.u + s.row * a.u_stride;
+  T* out = a.out + s.row * a.out_stride;
+  const T* bg = a.bg + (has ? e : 0) * a.b_stride;
+  const T* bu = a.bu + (has ? e : 0) * a.b_stride;
+  const float w = a.w ? a.w[s.row * a.w_stride] : 1.0f;
+  for (int64_t p0 = s.first; p0 < s.end; p0 += s.step) {
+    GuPack<T, V, kStep> in[U], bp[U];
+    load_tile<T, V, kStep, U>(g, u, p0, G, s.end, in);
+    if (has) load_tile<T, V, kStep, U>(bg, bu, p0, G, s.end, bp);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int64_t p = p0 + static_cast<int64_t>(k) * G;
+      if (p < s.end) {
+        float ov[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float gb = has ? gate_of(bp[k], i) : 0.0f, ub = has ? up_of(bp[k], i) : 0.0f;
+          ov[i] = math::glu_fwd<A>(gate_of(in[k], i) + gb, up_of(in[k], i) + ub, w, a.c);
+        }
+        store_v<T, V>(out, p, ov);
+      }
+    }
   }
 }
 
@@ -512,6 +551,16 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
   return dispatch_glu<T>(p, b, {{o.out, o.out_stride, 1}}, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
+    const char* form = std::getenv("EXPERTACT_BIAS_FWD");
+    if (form != nullptr && std::strcmp(form, "rows") == 0) {
+      constexpr int kS = decltype(s)::value;
+      const LaunchShape sh = shape_for(p.rows, a.packs, fwd_unroll_for(sizeof(T) * kV * kS), false, p.device_id,
+                                       kThreads);
+      if (p.rows > 0)
+        glu_bias_fwd_rows_kernel<T, decltype(act)::value, kS, kV>
+            <<<static_cast<unsigned>(sh.blocks), sh.threads, 0, st>>>(a, sh.G, sh.splits);
+      return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
+    }
     const Grid g = grid_for(p.rows, a.R, a.packs);
     glu_bias_fwd_kernel<T, decltype(act)::value, decltype(s)::value, kV><<<g.grid, g.block, 0, st>>>(a);
     return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
