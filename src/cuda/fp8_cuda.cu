@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -206,9 +207,16 @@ __device__ __forceinline__ float row_amax(float a, int G, float* red) {
 // longer than the instances hold): the row is read twice, kStreamUnroll packs in flight per
 // lane, the second read mostly from L2. live: whether the lane's row exists (a block's last
 // rows may not; they still take part in row_amax's barrier).
-template <typename Src, int V, int N>
+// What a lane's held packs are also given to (acc.add(j, held pack j)), for N > 0: nothing,
+// or quantize_rowwise's column amax (ColAmaxAcc).
+struct NoAcc {
+  template <typename H>
+  __device__ __forceinline__ void add(int, const H&) {}
+};
+
+template <typename Src, int V, int N, typename Acc = NoAcc>
 __device__ __forceinline__ void quantize_row(const Src& src, bool live, int packs, int lane, int G, uint8_t* q,
-                                             bool q_vec, float* scale_out, float* red) {
+                                             bool q_vec, float* scale_out, float* red, Acc* acc = nullptr) {
   typename Src::Max m;
   if constexpr (N > 0) {
     constexpr int U = sizeof(typename Src::Raw) <= sizeof(typename Src::Held) ? N : (N + 1) / 2;
@@ -224,6 +232,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
         if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
           src.finish(r[k], j0 + k, h[j0 + k]);
           src.absmax(h[j0 + k], m);
+          if (acc) acc->add(j0 + k, h[j0 + k]);
         }
       }
     }
@@ -291,6 +300,88 @@ __global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_vec_kernel(const
   const PlainSrc<T, V> src{x + r * x_stride};
   quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
                                      scale + r * scale_stride, red);
+}
+
+// quantize_rowwise's column amax, fused: a lane's running max |v| of each column it holds
+// (columns V (lane + G j) .. + V - 1), over the rows of one expert, in x's type (exact: the
+// max of values of T is one of them; the 16-bit types two at a time, max.bf16x2 / max.f16x2
+// return the other input for a NaN, as fmaxf does), merged into amax (float bits, zeroed
+// first) by atomicMax when the lane's expert changes and at its block's end.
+template <typename T, int V, int N>
+struct ColAmaxAcc {
+  Pack<T, V> m[N];
+  bool on = false;  // the lane's current row belongs to an expert
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int i = 0; i < V; ++i) m[j].v[i] = from_f<T>(0.0f);
+  }
+  __device__ __forceinline__ void add(int j, const Pack<T, V>& h) {
+    if (!on) return;
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) m[j].v[i] = fmaxf(m[j].v[i], fabsf(h.v[i]));
+    } else {
+      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        T2& a = reinterpret_cast<T2*>(m[j].v)[i];
+        a = __hmax2(a, __habs2(reinterpret_cast<const T2*>(h.v)[i]));
+      }
+    }
+  }
+  __device__ __forceinline__ void flush(unsigned* dst, int lane, int G, int packs) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int p = lane + G * j;
+      if (p < packs) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float v = to_f(m[j].v[i]);
+          if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
+        }
+      }
+    }
+  }
+};
+
+// quantize_rows_vec_kernel with the column amax: block b takes the steps (of 128 / G rows)
+// [b * per_block, + per_block), one after another, so its lanes see few expert changes and
+// merge each expert's column maxima once. offs: the experts' cumulative end rows (E of them;
+// rows past the last count for none; any values keep every access in bounds).
+template <typename T, int V, int N>
+__global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_amax_kernel(
+    const T* __restrict__ x, int64_t x_stride, int64_t rows, int packs, int G, uint8_t* __restrict__ q,
+    int64_t q_stride, bool q_vec, float* __restrict__ scale, int64_t scale_stride, const int32_t* __restrict__ offs,
+    int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block) {
+  __shared__ float red[kRowThreads / 32];
+  const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
+  const int64_t steps = (rows + R - 1) / R;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t s1 = s0 + per_block < steps ? s0 + per_block : steps;
+  ColAmaxAcc<T, V, N> acc;
+  acc.reset();
+  int64_t held = -1;
+  int64_t e = detail::expert_of(offs, E, s0 * R + threadIdx.x / G);
+  for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: row_amax's barrier
+    const int64_t row = st * R + threadIdx.x / G;
+    const bool live = row < rows;
+    const int64_t r = live ? row : 0;
+    if (live) {
+      while (e < E && offs[e] <= row) ++e;
+      if (e != held) {
+        if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
+        acc.reset();
+        held = e < E ? e : -1;
+      }
+    }
+    acc.on = live && held >= 0;
+    const PlainSrc<T, V> src{x + r * x_stride};
+    quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec, scale + r * scale_stride,
+                                       red, &acc);
+  }
+  if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
 }
 
 // (kRowThreads, 1): without the 1, ptxas capped some instances at 72-96 registers and spilled.
@@ -787,15 +878,21 @@ namespace expertact::detail {
 // kernels.
 namespace {
 
-// quantize_rowwise's col_amax by its own read of x (the forms without a fused one): zeroed,
-// then colwise pass 1 into it (non-negative floats order as their bits).
-Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
+// quantize_rowwise's col_amax: zeroed first (the atomics' identity).
+Status col_amax_zero(const Fp8Rows& p, cudaStream_t st) {
   const int64_t sm = cuda::sm_count(p.device_id);
   const int64_t n = p.col_amax_experts * p.cols;
   const unsigned zb = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, sm * 8)));
   cuda::col_scale_kernel<false><<<zb, 256, 0, st>>>(p.col_amax, p.col_amax_stride, p.col_amax_experts, p.cols);
-  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch"));
+  return cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch");
+}
+
+// The col_amax by its own read of x, for the forms without a fused one (the scalar rows,
+// rows too long to hold, lanes holding over 64 values): colwise pass 1 into it
+// (non-negative floats order as their bits).
+Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
   if (p.rows == 0 || p.cols == 0) return Status::kOk;
+  const int64_t sm = cuda::sm_count(p.device_id);
   const int64_t es = detail::dtype_size(p.dtype);
   const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
@@ -825,7 +922,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
                          {"col_amax", p.col_amax}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+  if (p.col_amax) EA_TRY(col_amax_zero(p, st));
   if (p.rows == 0) return Status::kOk;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
@@ -833,6 +930,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
     const cuda::Operand ops[] = {{p.x, p.x_stride, 1}};
     const int V = cuda::pick_pack(ops, 1, p.cols, p.rows, es, 1);
     if (V != kV || p.cols / kV > 0x7fffffff) {
+      if (p.col_amax) EA_TRY(col_amax_separate(p, st));
       cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, static_cast<uint8_t*>(p.q), p.q_stride, p.scale,
           p.scale_stride);
@@ -842,7 +940,26 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
     const bool q_vec = cuda::q_packs(p.q, p.q_stride, p.rows, kV);
     const int G = cuda::lanes_per_row(packs, kV);
     auto go = [&](auto n) -> Status {
-      cuda::quantize_rows_vec_kernel<T, kV, decltype(n)::value>
+      constexpr int N = decltype(n)::value;
+      if constexpr (N > 0 && N * kV <= 64) {
+        if (p.col_amax) {
+          auto kernel = cuda::quantize_rows_amax_kernel<T, kV, N>;
+          int per_sm = 0;
+          EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kRowThreads, 0),
+                                  "fp8 rowwise occupancy"));
+          const int64_t steps = (p.rows + cuda::kRowThreads / G - 1) / (cuda::kRowThreads / G);
+          const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+          const int64_t per_block = (steps + want - 1) / want;
+          const int64_t blocks = (steps + per_block - 1) / per_block;
+          kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, st>>>(
+              static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride, q_vec,
+              p.scale, p.scale_stride, p.col_amax_offsets, p.col_amax_experts,
+              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block);
+          return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
+        }
+      }
+      if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+      cuda::quantize_rows_vec_kernel<T, kV, N>
           <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
               static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride,
               q_vec, p.scale, p.scale_stride);
