@@ -23,7 +23,8 @@
 // Pass 2's blocks are resident all at once, each looping over row tiles of one column tile
 // with the next tile's loads issued before this tile is converted and written (116-118
 // registers, 2 blocks of 256 threads an SM: 32 KB of loads always in flight per SM, where one
-// short block per tile had its 16 KB in flight only between its start and its first use).
+// short block per tile had its 16 KB in flight only between its start and its first use),
+// and an L2 prefetch of the tile after that (no registers: another 32 KB per SM on its way).
 // With the amax given (quantize_rowwise's col_amax), pass 1 is skipped: x is read once.
 #include <algorithm>
 #include <cstdint>
@@ -744,8 +745,9 @@ struct ColTileLoad {
 };
 
 // The source rows and experts of output rows pf .. pf + 3 (see col_quant_kernel), and their
-// loads issued (columns c .. c + 7; none past the columns or for padding rows).
-template <typename T, bool kVec>
+// loads issued (columns c .. c + 7; none past the columns or for padding rows). kPrefetch:
+// only an L2 prefetch of those rows' bytes (t untouched): holds no registers.
+template <typename T, bool kVec, bool kPrefetch = false>
 __device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols,
                                               const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
                                               int64_t E, int64_t out_rows, int64_t pf, int64_t c,
@@ -762,8 +764,12 @@ __device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x
       const int64_t r = start + local;
       if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src = r;
     }
-    t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
-    if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
+    if constexpr (kPrefetch) {
+      if (src >= 0 && c < cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + src * x_stride + c));
+    } else {
+      t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
+      if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
+    }
   }
 }
 
@@ -789,6 +795,9 @@ __global__ void __launch_bounds__(kQThreads, kQPipeBlocks) col_quant_pipe_kernel
     if (rt + groups < row_tiles)
       col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, (rt + groups) * kQRows + 4 * rq,
                              c, next);
+    if (rt + 2 * groups < row_tiles)  // the tile after: on its way to L2 while this one is written
+      col_tile_load<T, kVec, true>(x, x_stride, rows, cols, offsets, pends, E, out_rows,
+                                   (rt + 2 * groups) * kQRows + 4 * rq, c, next);
     uint32_t w[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) w[i] = 0;
