@@ -20,12 +20,18 @@
 // quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
 // word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
 // transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
-// Pass 2's blocks are resident all at once, each looping over row tiles of one column tile
-// with the next tile's loads issued before this tile is converted and written (116-118
-// registers, 2 blocks of 256 threads an SM: 32 KB of loads always in flight per SM, where one
-// short block per tile had its 16 KB in flight only between its start and its first use),
-// and an L2 prefetch of the tile after that (no registers: another 32 KB per SM on its way).
-// With the amax given (quantize_rowwise's col_amax), pass 1 is skipped: x is read once.
+// Pass 2's blocks are few and long-lived (whole waves of the resident ones), each looping
+// over the row tiles of one column tile with the next tile's loads issued before this tile
+// is converted and written (116-118 registers, 2 blocks of 256 threads an SM: 32 KB of loads
+// always in flight per SM, where a short block per tile had its 16 KB in flight only between
+// its start and its first use), and an L2 prefetch of the tile after that (no registers:
+// another 32 KB per SM on its way). With the amax given (quantize_rowwise's col_amax), pass 1
+// is skipped: x is read once.
+//
+// quantize_rowwise with col_amax: the vector form's lanes also keep their columns' running
+// max |v| per expert (in x's type: exact), merged into the zeroed col_amax by atomicMax on
+// the float bits when a lane's expert changes and at its block's end; blocks take contiguous
+// runs of rows (as many blocks as are resident). The other forms compute it by colwise pass 1.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -733,7 +739,7 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
 // tiles of 128 output rows x 64 columns, thread mapping, bytes and swizzle as col_quant_kernel,
 // but fewer, long-lived blocks: block b keeps column tile b % col_tiles and takes row tiles
 // b / col_tiles, + groups, ... (groups = gridDim.x / col_tiles, the grid a multiple of
-// col_tiles sized to be resident at once), and issues the loads of its next tile before it
+// col_tiles: whole waves of resident blocks), and issues the loads of its next tile before it
 // converts, stages and writes this one, so an SM always has its blocks' next tiles (64 bytes
 // a thread) in flight instead of going idle between a short block's load and its store. The
 // column tile being fixed, a thread's multipliers s = 1 / scale are loaded again only when
@@ -1121,14 +1127,26 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
             p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
         return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
       }
-      // As many blocks as are resident at once (rounded down to whole row groups: a block
-      // past that would run its whole share after the others), at least one group.
+      // Row groups (blocks = col_tiles x groups, each a long run of tiles) for whole waves:
+      // of 1 to 16 waves of the resident blocks, the count that fills its last wave best
+      // (fewest waves on a tie). E.g. 132 SMs x 2 blocks = 264 slots: 48 column tiles (3,072
+      // columns) take 11 groups = 528 blocks, 2 full waves, where one wave would hold 5 groups
+      // (240 blocks, 91% of the slots); 96 tiles (6,144) take 11 = 1,056 blocks, 4 waves
+      // (one wave: 2 groups, 73%).
       int per_sm = 0;
       EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                   &per_sm, cuda::col_quant_pipe_kernel<T, kVec>, cuda::kQThreads, 0),
                               "fp8 colwise occupancy"));
       const int64_t resident = std::max<int64_t>(1, per_sm) * sm;
-      const int64_t groups = std::min<int64_t>(row_tiles, std::max<int64_t>(1, resident / col_tiles));
+      int64_t groups = 1;
+      double best = -1.0;
+      for (int64_t w = 1; w <= 16; ++w) {
+        const int64_t g = std::min<int64_t>(row_tiles, std::max<int64_t>(1, w * resident / col_tiles));
+        const int64_t b = g * col_tiles, waves = (b + resident - 1) / resident;
+        const double fill = static_cast<double>(b) / static_cast<double>(waves * resident);
+        if (fill > best + 1e-9) best = fill, groups = g;
+        if (g == row_tiles) break;
+      }
       const int64_t blocks = col_tiles * groups;
       if (blocks > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
