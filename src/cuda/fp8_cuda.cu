@@ -353,12 +353,14 @@ struct ColAmaxAcc {
   }
 };
 
+// (16-bit, up to 32 values a lane: bounded to 6 blocks an SM, 80 registers, where unbounded
+// it took 92-94 (5 blocks); float32 spilled under that bound.)
 // quantize_rows_vec_kernel with the column amax: block b takes the steps (of 128 / G rows)
 // [b * per_block, + per_block), one after another, so its lanes see few expert changes and
 // merge each expert's column maxima once. offs: the experts' cumulative end rows (E of them;
 // rows past the last count for none; any values keep every access in bounds).
 template <typename T, int V, int N>
-__global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_amax_kernel(
+__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6 : 1) quantize_rows_amax_kernel(
     const T* __restrict__ x, int64_t x_stride, int64_t rows, int packs, int G, uint8_t* __restrict__ q,
     int64_t q_stride, bool q_vec, float* __restrict__ scale, int64_t scale_stride, const int32_t* __restrict__ offs,
     int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block) {
