@@ -20,15 +20,23 @@
 // quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
 // word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
 // transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
-// Pass 2's blocks are resident all at once, each looping over row tiles of one column tile
-// with the next tile's loads issued before this tile is converted and written (116-118
-// registers, 2 blocks of 256 threads an SM: 32 KB of loads always in flight per SM, where one
-// short block per tile had its 16 KB in flight only between its start and its first use).
-// With the amax given (quantize_rowwise's col_amax), pass 1 is skipped: x is read once.
+// Pass 2's blocks are few and long-lived (whole waves of the resident ones), each looping
+// over the row tiles of one column tile with the next tile's loads issued before this tile
+// is converted and written (116-118 registers, 2 blocks of 256 threads an SM: 32 KB of loads
+// always in flight per SM, where a short block per tile had its 16 KB in flight only between
+// its start and its first use), and an L2 prefetch of the tile after that (no registers:
+// another 32 KB per SM on its way). With the amax given (quantize_rowwise's col_amax), pass 1
+// is skipped: x is read once.
+//
+// quantize_rowwise with col_amax: the vector form's lanes also keep their columns' running
+// max |v| per expert (in x's type: exact), merged into the zeroed col_amax by atomicMax on
+// the float bits when a lane's expert changes and at its block's end; blocks take contiguous
+// runs of rows (as many blocks as are resident). The other forms compute it by colwise pass 1.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -206,9 +214,16 @@ __device__ __forceinline__ float row_amax(float a, int G, float* red) {
 // longer than the instances hold): the row is read twice, kStreamUnroll packs in flight per
 // lane, the second read mostly from L2. live: whether the lane's row exists (a block's last
 // rows may not; they still take part in row_amax's barrier).
-template <typename Src, int V, int N>
+// What a lane's held packs are also given to (acc.add(j, held pack j)), for N > 0: nothing,
+// or quantize_rowwise's column amax (ColAmaxAcc).
+struct NoAcc {
+  template <typename H>
+  __device__ __forceinline__ void add(int, const H&) {}
+};
+
+template <typename Src, int V, int N, typename Acc = NoAcc>
 __device__ __forceinline__ void quantize_row(const Src& src, bool live, int packs, int lane, int G, uint8_t* q,
-                                             bool q_vec, float* scale_out, float* red) {
+                                             bool q_vec, float* scale_out, float* red, Acc* acc = nullptr) {
   typename Src::Max m;
   if constexpr (N > 0) {
     constexpr int U = sizeof(typename Src::Raw) <= sizeof(typename Src::Held) ? N : (N + 1) / 2;
@@ -224,6 +239,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
         if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
           src.finish(r[k], j0 + k, h[j0 + k]);
           src.absmax(h[j0 + k], m);
+          if (acc) acc->add(j0 + k, h[j0 + k]);
         }
       }
     }
@@ -291,6 +307,90 @@ __global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_vec_kernel(const
   const PlainSrc<T, V> src{x + r * x_stride};
   quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
                                      scale + r * scale_stride, red);
+}
+
+// quantize_rowwise's column amax, fused: a lane's running max |v| of each column it holds
+// (columns V (lane + G j) .. + V - 1), over the rows of one expert, in x's type (exact: the
+// max of values of T is one of them; the 16-bit types two at a time, max.bf16x2 / max.f16x2
+// return the other input for a NaN, as fmaxf does), merged into amax (float bits, zeroed
+// first) by atomicMax when the lane's expert changes and at its block's end.
+template <typename T, int V, int N>
+struct ColAmaxAcc {
+  Pack<T, V> m[N];
+  bool on = false;  // the lane's current row belongs to an expert
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+      for (int i = 0; i < V; ++i) m[j].v[i] = from_f<T>(0.0f);
+  }
+  __device__ __forceinline__ void add(int j, const Pack<T, V>& h) {
+    if (!on) return;
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) m[j].v[i] = fmaxf(m[j].v[i], fabsf(h.v[i]));
+    } else {
+      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        T2& a = reinterpret_cast<T2*>(m[j].v)[i];
+        a = __hmax2(a, __habs2(reinterpret_cast<const T2*>(h.v)[i]));
+      }
+    }
+  }
+  __device__ __forceinline__ void flush(unsigned* dst, int lane, int G, int packs) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int p = lane + G * j;
+      if (p < packs) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float v = to_f(m[j].v[i]);
+          if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
+        }
+      }
+    }
+  }
+};
+
+// (16-bit, up to 32 values a lane: bounded to 6 blocks an SM, 80 registers, where unbounded
+// it took 92-94 (5 blocks); float32 spilled under that bound.)
+// quantize_rows_vec_kernel with the column amax: block b takes the steps (of 128 / G rows)
+// [b * per_block, + per_block), one after another, so its lanes see few expert changes and
+// merge each expert's column maxima once. offs: the experts' cumulative end rows (E of them;
+// rows past the last count for none; any values keep every access in bounds).
+template <typename T, int V, int N>
+__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6 : 1) quantize_rows_amax_kernel(
+    const T* __restrict__ x, int64_t x_stride, int64_t rows, int packs, int G, uint8_t* __restrict__ q,
+    int64_t q_stride, bool q_vec, float* __restrict__ scale, int64_t scale_stride, const int32_t* __restrict__ offs,
+    int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block) {
+  __shared__ float red[kRowThreads / 32];
+  const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
+  const int64_t steps = (rows + R - 1) / R;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t s1 = s0 + per_block < steps ? s0 + per_block : steps;
+  ColAmaxAcc<T, V, N> acc;
+  acc.reset();
+  int64_t held = -1;
+  int64_t e = detail::expert_of(offs, E, s0 * R + threadIdx.x / G);
+  for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: row_amax's barrier
+    const int64_t row = st * R + threadIdx.x / G;
+    const bool live = row < rows;
+    const int64_t r = live ? row : 0;
+    if (live) {
+      while (e < E && offs[e] <= row) ++e;
+      if (e != held) {
+        if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
+        acc.reset();
+        held = e < E ? e : -1;
+      }
+    }
+    acc.on = live && held >= 0;
+    const PlainSrc<T, V> src{x + r * x_stride};
+    quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec, scale + r * scale_stride,
+                                       red, &acc);
+  }
+  if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
 }
 
 // (kRowThreads, 1): without the 1, ptxas capped some instances at 72-96 registers and spilled.
@@ -641,7 +741,7 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
 // tiles of 128 output rows x 64 columns, thread mapping, bytes and swizzle as col_quant_kernel,
 // but fewer, long-lived blocks: block b keeps column tile b % col_tiles and takes row tiles
 // b / col_tiles, + groups, ... (groups = gridDim.x / col_tiles, the grid a multiple of
-// col_tiles sized to be resident at once), and issues the loads of its next tile before it
+// col_tiles: whole waves of resident blocks), and issues the loads of its next tile before it
 // converts, stages and writes this one, so an SM always has its blocks' next tiles (64 bytes
 // a thread) in flight instead of going idle between a short block's load and its store. The
 // column tile being fixed, a thread's multipliers s = 1 / scale are loaded again only when
@@ -653,8 +753,9 @@ struct ColTileLoad {
 };
 
 // The source rows and experts of output rows pf .. pf + 3 (see col_quant_kernel), and their
-// loads issued (columns c .. c + 7; none past the columns or for padding rows).
-template <typename T, bool kVec>
+// loads issued (columns c .. c + 7; none past the columns or for padding rows). kPrefetch:
+// only an L2 prefetch of those rows' bytes (t untouched): holds no registers.
+template <typename T, bool kVec, bool kPrefetch = false>
 __device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols,
                                               const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
                                               int64_t E, int64_t out_rows, int64_t pf, int64_t c,
@@ -671,8 +772,12 @@ __device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x
       const int64_t r = start + local;
       if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src = r;
     }
-    t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
-    if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
+    if constexpr (kPrefetch) {
+      if (src >= 0 && c < cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + src * x_stride + c));
+    } else {
+      t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
+      if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
+    }
   }
 }
 
@@ -698,6 +803,9 @@ __global__ void __launch_bounds__(kQThreads, kQPipeBlocks) col_quant_pipe_kernel
     if (rt + groups < row_tiles)
       col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, (rt + groups) * kQRows + 4 * rq,
                              c, next);
+    if (rt + 2 * groups < row_tiles)  // the tile after: on its way to L2 while this one is written
+      col_tile_load<T, kVec, true>(x, x_stride, rows, cols, offsets, pends, E, out_rows,
+                                   (rt + 2 * groups) * kQRows + 4 * rq, c, next);
     uint32_t w[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) w[i] = 0;
@@ -787,15 +895,21 @@ namespace expertact::detail {
 // kernels.
 namespace {
 
-// quantize_rowwise's col_amax by its own read of x (the forms without a fused one): zeroed,
-// then colwise pass 1 into it (non-negative floats order as their bits).
-Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
+// quantize_rowwise's col_amax: zeroed first (the atomics' identity).
+Status col_amax_zero(const Fp8Rows& p, cudaStream_t st) {
   const int64_t sm = cuda::sm_count(p.device_id);
   const int64_t n = p.col_amax_experts * p.cols;
   const unsigned zb = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, sm * 8)));
   cuda::col_scale_kernel<false><<<zb, 256, 0, st>>>(p.col_amax, p.col_amax_stride, p.col_amax_experts, p.cols);
-  EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch"));
+  return cuda::cuda_check(cudaGetLastError(), "fp8 col_amax zero kernel launch");
+}
+
+// The col_amax by its own read of x, for the forms without a fused one (the scalar rows,
+// rows too long to hold, lanes holding over 64 values): colwise pass 1 into it
+// (non-negative floats order as their bits).
+Status col_amax_separate(const Fp8Rows& p, cudaStream_t st) {
   if (p.rows == 0 || p.cols == 0) return Status::kOk;
+  const int64_t sm = cuda::sm_count(p.device_id);
   const int64_t es = detail::dtype_size(p.dtype);
   const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
@@ -825,7 +939,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
                          {"col_amax", p.col_amax}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+  if (p.col_amax) EA_TRY(col_amax_zero(p, st));
   if (p.rows == 0) return Status::kOk;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
@@ -833,6 +947,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
     const cuda::Operand ops[] = {{p.x, p.x_stride, 1}};
     const int V = cuda::pick_pack(ops, 1, p.cols, p.rows, es, 1);
     if (V != kV || p.cols / kV > 0x7fffffff) {
+      if (p.col_amax) EA_TRY(col_amax_separate(p, st));
       cuda::quantize_rows_kernel<T><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, static_cast<uint8_t*>(p.q), p.q_stride, p.scale,
           p.scale_stride);
@@ -842,7 +957,26 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
     const bool q_vec = cuda::q_packs(p.q, p.q_stride, p.rows, kV);
     const int G = cuda::lanes_per_row(packs, kV);
     auto go = [&](auto n) -> Status {
-      cuda::quantize_rows_vec_kernel<T, kV, decltype(n)::value>
+      constexpr int N = decltype(n)::value;
+      if constexpr (N > 0 && N * kV <= 64) {
+        if (p.col_amax) {
+          auto kernel = cuda::quantize_rows_amax_kernel<T, kV, N>;
+          int per_sm = 0;
+          EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kRowThreads, 0),
+                                  "fp8 rowwise occupancy"));
+          const int64_t steps = (p.rows + cuda::kRowThreads / G - 1) / (cuda::kRowThreads / G);
+          const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+          const int64_t per_block = (steps + want - 1) / want;
+          const int64_t blocks = (steps + per_block - 1) / per_block;
+          kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, st>>>(
+              static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride, q_vec,
+              p.scale, p.scale_stride, p.col_amax_offsets, p.col_amax_experts,
+              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block);
+          return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
+        }
+      }
+      if (p.col_amax) EA_TRY(col_amax_separate(p, st));
+      cuda::quantize_rows_vec_kernel<T, kV, N>
           <<<cuda::blocks_for(p.rows, cuda::kRowThreads, G), cuda::kRowThreads, 0, st>>>(
               static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride,
               q_vec, p.scale, p.scale_stride);
@@ -995,14 +1129,26 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
             p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
         return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
       }
-      // As many blocks as are resident at once (rounded down to whole row groups: a block
-      // past that would run its whole share after the others), at least one group.
+      // Row groups (blocks = col_tiles x groups, each a long run of tiles) for whole waves:
+      // of 1 to 16 waves of the resident blocks, the count that fills its last wave best
+      // (fewest waves on a tie). E.g. 132 SMs x 2 blocks = 264 slots: 48 column tiles (3,072
+      // columns) take 11 groups = 528 blocks, 2 full waves, where one wave would hold 5 groups
+      // (240 blocks, 91% of the slots); 96 tiles (6,144) take 11 = 1,056 blocks, 4 waves
+      // (one wave: 2 groups, 73%).
       int per_sm = 0;
       EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                   &per_sm, cuda::col_quant_pipe_kernel<T, kVec>, cuda::kQThreads, 0),
                               "fp8 colwise occupancy"));
       const int64_t resident = std::max<int64_t>(1, per_sm) * sm;
-      const int64_t groups = std::min<int64_t>(row_tiles, std::max<int64_t>(1, resident / col_tiles));
+      int64_t groups = 1;
+      double best = -1.0;
+      for (int64_t w = 1; w <= 16; ++w) {
+        const int64_t g = std::min<int64_t>(row_tiles, std::max<int64_t>(1, w * resident / col_tiles));
+        const int64_t b = g * col_tiles, waves = (b + resident - 1) / resident;
+        const double fill = static_cast<double>(b) / static_cast<double>(waves * resident);
+        if (fill > best + 1e-9) best = fill, groups = g;
+        if (g == row_tiles) break;
+      }
       const int64_t blocks = col_tiles * groups;
       if (blocks > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
