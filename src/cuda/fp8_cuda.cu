@@ -465,14 +465,16 @@ int lanes_per_row(int64_t packs, int V) {
   return 128;
 }
 
-// EXPERTACT_FP8_COLWISE=old selects quantize_colwise_grouped's previous pass 2
-// (col_quant_kernel: one 128 x 64 tile per block, a block per tile); new (the default) or any
-// other value the pipelined one (col_quant_pipe_kernel). A measurement knob for timing both forms in one process (read
-// once per process); the results are the same bytes and scales either way.
+// quantize_colwise_grouped's pass 2: col_quant_kernel (one 128 x 64 tile per block, a block per
+// tile) by default; EXPERTACT_FP8_COLWISE=pipe selects col_quant_pipe_kernel (long-lived blocks
+// looping over row tiles, the next tile's loads in flight), a measurement knob read once per
+// process: the same bytes and scales either way. On the H200 at 1,045,120 rows (bf16,
+// pad_to=16) the pipelined form was the slower: 9.11 against 7.90 ms at 3,072 columns, 17.93
+// against 15.56 at 6,144 (docs/perf-notes.md section 13).
 bool colwise_old() {
   static const bool old = [] {
     const char* env = std::getenv("EXPERTACT_FP8_COLWISE");
-    return env != nullptr && std::string(env) == "old";
+    return env == nullptr || std::string(env) != "pipe";
   }();
   return old;
 }
@@ -737,7 +739,7 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
   }
 }
 
-// Pass 2, pipelined (the default; col_quant_kernel is EXPERTACT_FP8_COLWISE=old): the same
+// Pass 2, pipelined (EXPERTACT_FP8_COLWISE=pipe; col_quant_kernel is the default): the same
 // tiles of 128 output rows x 64 columns, thread mapping, bytes and swizzle as col_quant_kernel,
 // but fewer, long-lived blocks: block b keeps column tile b % col_tiles and takes row tiles
 // b / col_tiles, + groups, ... (groups = gridDim.x / col_tiles, the grid a multiple of

@@ -783,8 +783,8 @@ def test_cuda_rowwise_col_amax_large_and_views():
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
-def test_cuda_colwise_old_kernels_match_cpu():
-    """EXPERTACT_FP8_COLWISE=old (read once per process: a child process) selects the previous
+def test_cuda_colwise_pipelined_kernels_match_cpu():
+    """EXPERTACT_FP8_COLWISE=pipe (read once per process: a child process) selects the pipelined
     colwise pass 2; it writes the same bytes and scales as the CPU."""
     import os
     import subprocess
@@ -802,6 +802,6 @@ def test_cuda_colwise_old_kernels_match_cpu():
         "    assert torch.equal(s.cpu(), rs)\n"
         "    assert torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8))\n"
         "print('ok')\n")
-    env = dict(os.environ, EXPERTACT_FP8_COLWISE="old")
+    env = dict(os.environ, EXPERTACT_FP8_COLWISE="pipe")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
