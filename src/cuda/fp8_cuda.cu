@@ -465,20 +465,6 @@ int lanes_per_row(int64_t packs, int V) {
   return 128;
 }
 
-// quantize_colwise_grouped's pass 2: col_quant_kernel (one 128 x 64 tile per block, a block per
-// tile) by default; EXPERTACT_FP8_COLWISE=pipe selects col_quant_pipe_kernel (long-lived blocks
-// looping over row tiles, the next tile's loads in flight), a measurement knob read once per
-// process: the same bytes and scales either way. On the H200 at 1,045,120 rows (bf16,
-// pad_to=16) the pipelined form was the slower: 9.11 against 7.90 ms at 3,072 columns, 17.93
-// against 15.56 at 6,144 (docs/perf-notes.md section 13).
-bool colwise_old() {
-  static const bool old = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_COLWISE");
-    return env == nullptr || std::string(env) != "pipe";
-  }();
-  return old;
-}
-
 // ---- rowwise, any alignment: a warp per row, one element at a time ----
 
 constexpr int kScalarThreads = 256;  // 8 rows per block, a warp each
@@ -555,7 +541,6 @@ constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
 constexpr int kAmaxUnroll = 4;
 constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
 constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
-constexpr int kQPipeBlocks = 2;    // pass 2, pipelined: blocks per SM asked of ptxas (<= 128 registers)
 
 // Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
 // (two for float32) when kVec and all 8 lie in the row, else one by one.
@@ -736,138 +721,6 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
         }
       }
     }
-  }
-}
-
-// Pass 2, pipelined (EXPERTACT_FP8_COLWISE=pipe; col_quant_kernel is the default): the same
-// tiles of 128 output rows x 64 columns, thread mapping, bytes and swizzle as col_quant_kernel,
-// but fewer, long-lived blocks: block b keeps column tile b % col_tiles and takes row tiles
-// b / col_tiles, + groups, ... (groups = gridDim.x / col_tiles, the grid a multiple of
-// col_tiles: whole waves of resident blocks), and issues the loads of its next tile before it
-// converts, stages and writes this one, so an SM always has its blocks' next tiles (64 bytes
-// a thread) in flight instead of going idle between a short block's load and its store. The
-// column tile being fixed, a thread's multipliers s = 1 / scale are loaded again only when
-// the expert changes.
-template <typename T, bool kVec>
-struct ColTileLoad {
-  Pack<T, 8> in[4];
-  int32_t ex[4];  // each row's expert, -1 for a padding row (no source row: bytes 0)
-};
-
-// The source rows and experts of output rows pf .. pf + 3 (see col_quant_kernel), and their
-// loads issued (columns c .. c + 7; none past the columns or for padding rows). kPrefetch:
-// only an L2 prefetch of those rows' bytes (t untouched): holds no registers.
-template <typename T, bool kVec, bool kPrefetch = false>
-__device__ __forceinline__ void col_tile_load(const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols,
-                                              const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
-                                              int64_t E, int64_t out_rows, int64_t pf, int64_t c,
-                                              ColTileLoad<T, kVec>& t) {
-  int64_t e = detail::expert_of(pends, E, pf);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int64_t p = pf + k;
-    while (e < E && pends[e] <= p) ++e;
-    int64_t src = -1;
-    if (e < E && p < out_rows) {
-      const int64_t start = e == 0 ? 0 : offsets[e - 1];
-      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-      const int64_t r = start + local;
-      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src = r;
-    }
-    if constexpr (kPrefetch) {
-      if (src >= 0 && c < cols) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + src * x_stride + c));
-    } else {
-      t.ex[k] = src >= 0 ? static_cast<int32_t>(e) : -1;
-      if (src >= 0 && c < cols) load8<T, kVec>(x + src * x_stride, c, cols, t.in[k]);
-    }
-  }
-}
-
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kQThreads, kQPipeBlocks) col_quant_pipe_kernel(
-    const T* __restrict__ x, int64_t x_stride, int64_t rows, int64_t cols, const int32_t* __restrict__ offsets,
-    const int32_t* __restrict__ pends, int64_t E, const float* __restrict__ scale, int64_t scale_stride,
-    uint8_t* __restrict__ q, int64_t q_stride, int64_t out_rows, int64_t col_tiles, int64_t row_tiles, int q_align) {
-  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
-  const int64_t groups = gridDim.x / col_tiles;
-  const int64_t c0 = (blockIdx.x % col_tiles) * kQCols;
-  int64_t rt = blockIdx.x / col_tiles;
-  if (rt >= row_tiles) return;  // the whole block: the barriers below stay uniform
-  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
-  const int64_t c = c0 + 8 * cg;
-  float s[8];
-  int32_t se = -1;
-  ColTileLoad<T, kVec> cur;
-  col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, rt * kQRows + 4 * rq, c, cur);
-  for (; rt < row_tiles; rt += groups) {
-    const int64_t p0 = rt * kQRows;
-    ColTileLoad<T, kVec> next;
-    if (rt + groups < row_tiles)
-      col_tile_load<T, kVec>(x, x_stride, rows, cols, offsets, pends, E, out_rows, (rt + groups) * kQRows + 4 * rq,
-                             c, next);
-    if (rt + 2 * groups < row_tiles)  // the tile after: on its way to L2 while this one is written
-      col_tile_load<T, kVec, true>(x, x_stride, rows, cols, offsets, pends, E, out_rows,
-                                   (rt + 2 * groups) * kQRows + 4 * rq, c, next);
-    uint32_t w[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = 0;
-    if (c < cols) {
-      // Two rows at a time (fewer live registers than col_quant_kernel's four).
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float xs[2][8];
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int k = 2 * h + kk;
-          if (cur.ex[k] < 0) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xs[kk][i] = 0.0f;
-            continue;
-          }
-          if (cur.ex[k] != se) {
-            se = cur.ex[k];
-            const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
-          }
-#pragma unroll
-          for (int i = 0; i < 8; ++i) xs[kk][i] = to_f(cur.in[k].v[i]) * s[i];
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] |= fp8::from_scaled2(xs[0][i], xs[1][i]) << (16 * h);
-      }
-    }
-    __syncthreads();  // the previous tile's write-out has read the shared tile
-#pragma unroll
-    for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
-    __syncthreads();
-#pragma unroll
-    for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
-      const int idx = threadIdx.x + it * kQThreads;
-      const int cl = idx >> 3, wg = idx & 7;
-      const int64_t cc = c0 + cl;
-      const int64_t pw = p0 + 16 * wg;
-      if (cc >= cols || pw >= out_rows) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
-      uint8_t* dst = q + cc * q_stride + pw;
-      const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
-      if (q_align == 16 && n == 16) {
-        *reinterpret_cast<uint4*>(dst) = v;
-      } else {
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (q_align >= 4 && 4 * j + 4 <= n) {
-            reinterpret_cast<uint32_t*>(dst)[j] = words[j];
-          } else {
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-              if (4 * j + k < n) dst[4 * j + k] = static_cast<uint8_t>(words[j] >> (8 * k));
-          }
-        }
-      }
-    }
-    cur = next;
   }
 }
 
@@ -1081,7 +934,6 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   const int32_t* pends = p.padded ? p.padded : p.offsets;
   const int device = p.device_id;
   const int64_t sm = cuda::sm_count(device);
-  const bool old_kernels = cuda::colwise_old();
   const int64_t n_scales = p.experts * p.cols;
   const unsigned scale_blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
   if (p.amax) {
@@ -1122,41 +974,12 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       if (p.out_rows == 0 || p.cols == 0) return Status::kOk;
       const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
       const int64_t row_tiles = (p.out_rows + cuda::kQRows - 1) / cuda::kQRows;
-      if (old_kernels) {
-        const int64_t blocks = col_tiles * row_tiles;
-        if (blocks > 0x7fffffff)
-          return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-        cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
-            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-            p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
-        return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
-      }
-      // Row groups (blocks = col_tiles x groups, each a long run of tiles) for whole waves:
-      // of 1 to 16 waves of the resident blocks, the count that fills its last wave best
-      // (fewest waves on a tie). E.g. 132 SMs x 2 blocks = 264 slots: 48 column tiles (3,072
-      // columns) take 11 groups = 528 blocks, 2 full waves, where one wave would hold 5 groups
-      // (240 blocks, 91% of the slots); 96 tiles (6,144) take 11 = 1,056 blocks, 4 waves
-      // (one wave: 2 groups, 73%).
-      int per_sm = 0;
-      EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  &per_sm, cuda::col_quant_pipe_kernel<T, kVec>, cuda::kQThreads, 0),
-                              "fp8 colwise occupancy"));
-      const int64_t resident = std::max<int64_t>(1, per_sm) * sm;
-      int64_t groups = 1;
-      double best = -1.0;
-      for (int64_t w = 1; w <= 16; ++w) {
-        const int64_t g = std::min<int64_t>(row_tiles, std::max<int64_t>(1, w * resident / col_tiles));
-        const int64_t b = g * col_tiles, waves = (b + resident - 1) / resident;
-        const double fill = static_cast<double>(b) / static_cast<double>(waves * resident);
-        if (fill > best + 1e-9) best = fill, groups = g;
-        if (g == row_tiles) break;
-      }
-      const int64_t blocks = col_tiles * groups;
+      const int64_t blocks = col_tiles * row_tiles;
       if (blocks > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-      cuda::col_quant_pipe_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
+      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, row_tiles, q_align);
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
