@@ -100,3 +100,16 @@ def layout_code(layout, packed: bool) -> int:
         raise ValueError(f"expertact: layout={layout!r} takes one packed gate_up tensor, but up was "
                          "given too (pass gate and up with layout='separate' or no layout)")
     return code
+
+
+def check_ends(ends, rows, where, name="offsets"):
+    """Cumulative end rows (host ints) are non-decreasing, from 0, and within ``rows``; the
+    errors name the argument ``name`` and the caller ``where``."""
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            what = f"{name}[0] = {end} is negative" if e == 0 else f"{name}[{e}] = {end} < {name}[{e - 1}] = {prev}"
+            raise ValueError(f"{where}: {name} must be non-decreasing cumulative end rows; {what}")
+        prev = end
+    if prev > rows:
+        raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")

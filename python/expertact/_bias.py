@@ -18,7 +18,7 @@ from ctypes import byref, c_int32, c_size_t, c_void_p
 import torch
 
 from . import _capi
-from ._args import tensor_arg
+from ._args import check_ends, tensor_arg
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._describe import _as_rows, _as_vector, _params, _tail, stream_of
 
@@ -88,15 +88,7 @@ def check_offsets(offsets, like, where: str = "expertact"):
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
     rows = like.numel() // max(like.shape[-1], 1) if like.dim() else 0
-    ends = offsets.tolist()
-    prev = 0
-    for e, end in enumerate(ends):
-        if end < prev:
-            what = f"offsets[0] = {end} is negative" if e == 0 else f"offsets[{e}] = {end} < offsets[{e - 1}] = {prev}"
-            raise ValueError(f"{where}: offsets must be non-decreasing cumulative end rows; {what}")
-        prev = end
-    if prev > rows:
-        raise ValueError(f"{where}: offsets[-1] = {prev} is past the last row ({rows} rows)")
+    check_ends(offsets.tolist(), rows, where)
     if offsets.device != like.device:
         offsets = offsets.to(like.device)
     return offsets.contiguous()

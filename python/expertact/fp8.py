@@ -33,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _capi
-from ._args import layout_code, preset_coeffs, tensor_arg
+from ._args import check_ends, layout_code, preset_coeffs, tensor_arg
 from ._bias import _check, _matrix, _params_ref, _vector
 from ._describe import stream_of
 
@@ -123,17 +123,6 @@ def padded_offsets(offsets, pad_to: int):
     return out
 
 
-def _check_ends(ends, rows, where, name):
-    prev = 0
-    for e, end in enumerate(ends):
-        if end < prev:
-            what = f"{name}[0] = {end} is negative" if e == 0 else f"{name}[{e}] = {end} < {name}[{e - 1}] = {prev}"
-            raise ValueError(f"{where}: {name} must be non-decreasing cumulative end rows; {what}")
-        prev = end
-    if prev > rows:
-        raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")
-
-
 def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
     """(offsets on ``device``, contiguous; the end rows as a host list), checked against the
     ``rows`` they index; ``name``: the argument's name in errors."""
@@ -146,7 +135,7 @@ def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
         raise ValueError(f"{where}: {name} must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
     if ends is None:
         host = offsets.tolist()  # a device-to-host copy on a GPU
-        _check_ends(host, rows, where, name)
+        check_ends(host, rows, where, name)
     else:
         try:
             host = [int(v) for v in ends]
@@ -154,7 +143,7 @@ def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
             raise TypeError(f"{where}: ends must be a sequence of ints (got {type(ends).__name__})") from None
         if len(host) != offsets.numel():
             raise ValueError(f"{where}: ends has {len(host)} values; {name} has {offsets.numel()}")
-        _check_ends(host, rows, where, "ends")
+        check_ends(host, rows, where, "ends")
     if offsets.device != device:
         offsets = offsets.to(device)
     return offsets.contiguous(), host

@@ -662,11 +662,6 @@ Status row_backward_t(const detail::RowBias& p, cudaStream_t st) {
   });
 }
 
-template <typename Fn>
-Status dispatch_storage(DType d, Fn&& fn) {
-  return detail::dispatch_dtype(d, [&](auto tag) { return fn(typename Storage<decltype(tag)::value>::type{}); });
-}
-
 }  // namespace
 }  // namespace expertact::cuda
 

@@ -18,6 +18,12 @@ template <> struct Storage<DType::kFloat32> { using type = float; };
 template <> struct Storage<DType::kFloat16> { using type = __half; };
 template <> struct Storage<DType::kBFloat16> { using type = __nv_bfloat16; };
 
+// fn(T{}) with T the storage type of dtype d (float, __half, __nv_bfloat16).
+template <typename Fn>
+Status dispatch_storage(DType d, Fn&& fn) {
+  return detail::dispatch_dtype(d, [&](auto tag) { return fn(typename Storage<decltype(tag)::value>::type{}); });
+}
+
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }

@@ -734,11 +734,6 @@ bool q_packs(const void* q, int64_t q_stride, int64_t rows, int V) {
   return reinterpret_cast<uintptr_t>(q) % V == 0 && (rows <= 1 || q_stride % V == 0);
 }
 
-template <typename Fn>
-Status dispatch_storage(DType d, Fn&& fn) {
-  return detail::dispatch_dtype(d, [&](auto tag) { return fn(typename Storage<decltype(tag)::value>::type{}); });
-}
-
 }  // namespace
 }  // namespace expertact::cuda
 
