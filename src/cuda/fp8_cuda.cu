@@ -204,6 +204,7 @@ __device__ __forceinline__ float row_amax(float a, int G, float* red) {
     const int w0 = warp & ~(G / 32 - 1);
     a = red[w0];
     for (int k = 1; k < G / 32; ++k) a = fmaxf(a, red[w0 + k]);
+    __syncthreads();  // every warp has read red before any writes it again (the next row of a loop)
   }
   return a;
 }
