@@ -12,8 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <cstdint>
-#include <initializer_list>
-#include <vector>
 
 #include "core/bias.h"
 #include "core/dispatch.h"
@@ -136,7 +134,8 @@ __device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int6
 // 4.5 ms for the unbiased forward; the row kernels' shape with the bias packs read per pack
 // from cache took 8.6 ms, and with a block's bias row in shared memory 11.1 ms.
 template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, true)) glu_bias_fwd_kernel(const BiasArgs<T> a) {
+__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, true))
+    glu_bias_fwd_kernel(const BiasArgs<T> a) {
   const int64_t p = my_pack();
   if (p >= a.packs) return;
   const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
@@ -220,7 +219,8 @@ __global__ void __launch_bounds__(256) glu_bias_fwd_rows_kernel(const BiasArgs<T
 
 // dg/du may be g/u (in place): each thread reads its packs of a row before writing them.
 template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, false)) glu_bias_bwd_kernel(const BiasArgs<T> a) {
+__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, false))
+    glu_bias_bwd_kernel(const BiasArgs<T> a) {
   extern __shared__ float red[];  // [warps][R] when the row sums are wanted
   const int64_t p = my_pack();
   const bool live = p < a.packs;
@@ -517,18 +517,16 @@ BiasArgs<T> glu_args(const detail::GluProblem& p, const detail::GluBias& b) {
 // The activation's kernels at compile time: the pack width every operand allows (the
 // inputs, the bias and `more`), the element step and the activation; go(V, step, act tags).
 template <typename T, typename Go>
-Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, std::initializer_list<Operand> more,
+Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, const Operand* more, int n_more,
                     Go&& go) {
-  // An interleaved row's pack holds gate and up together: it is aligned when gate's is (up sits
-  // one element after it), so only the gate pointers count; checking up's too gave one-element
-  // packs, at 2.8 TB/s forward and 2.35 backward on the H200 (docs/perf-notes.md section 12).
-  std::vector<Operand> ops = {{p.g, p.g_stride, p.step}, {b.bg, b.b_stride, p.step, b.er.experts}};
-  if (p.step == 1) {
-    ops.push_back({p.u, p.u_stride, 1});
-    ops.push_back({b.bu, b.b_stride, 1, b.er.experts});
-  }
-  ops.insert(ops.end(), more.begin(), more.end());
-  const int V = pick_pack(ops.data(), static_cast<int>(ops.size()), p.F, p.rows, sizeof(T), p.step);
+  // gu_operands: an interleaved pair's alignment is gate's (checking up's pointer too gave
+  // one-element packs, at 2.8 TB/s forward and 2.35 backward on the H200: docs/perf-notes.md
+  // section 12).
+  Operand ops[8];
+  int n = gu_operands(ops, p.g, p.g_stride, p.u, p.u_stride, p.step);
+  n += gu_operands(ops + n, b.bg, b.b_stride, b.bu, b.b_stride, p.step, b.er.experts);
+  for (int i = 0; i < n_more; ++i) ops[n++] = more[i];
+  const int V = pick_pack(ops, n, p.F, p.rows, sizeof(T), p.step);
   return dispatch_v(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     return detail::dispatch_step(p.step, [&](auto s) {
@@ -548,7 +546,8 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
   BiasArgs<T> a = glu_args<T>(p, b);
   a.out = static_cast<T*>(o.out);
   a.out_stride = o.out_stride;
-  return dispatch_glu<T>(p, b, {{o.out, o.out_stride, 1}}, [&](auto v, auto s, auto act) {
+  const Operand out{o.out, o.out_stride, 1};
+  return dispatch_glu<T>(p, b, &out, 1, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
     const char* form = std::getenv("EXPERTACT_BIAS_FWD");
@@ -577,9 +576,9 @@ Status glu_backward_t(const detail::GluProblem& p, const detail::GluBias& b,
   a.du = static_cast<T*>(io.du);
   a.dg_stride = io.dg_stride;
   a.du_stride = io.du_stride;
-  const Operand du = p.step == 1 ? Operand{io.du, io.du_stride, 1} : Operand{io.dg, io.dg_stride, p.step};
-  const std::initializer_list<Operand> outs = {{io.dy, io.dy_stride, 1}, {io.dg, io.dg_stride, p.step}, du};
-  return dispatch_glu<T>(p, b, outs, [&](auto v, auto s, auto act) {
+  Operand outs[3] = {{io.dy, io.dy_stride, 1}};
+  const int n_outs = 1 + gu_operands(outs + 1, io.dg, io.dg_stride, io.du, io.du_stride, p.step);
+  return dispatch_glu<T>(p, b, outs, n_outs, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
     const Grid g = grid_for(p.rows, a.R, a.packs);

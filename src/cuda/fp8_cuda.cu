@@ -851,16 +851,12 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T);
-    // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element. The
-    // bias's rows are one more operand of the same layout (E rows).
+    // gate/up, and the bias's rows as one more pair of the same layout (E rows).
     cuda::Operand ops[4];
-    int n = 0;
-    ops[n++] = {p.g, p.g_stride, p.step};
-    if (p.step == 1) ops[n++] = {p.u, p.u_stride, 1};
-    if (bias) {
-      ops[n++] = {bias->bg, bias->b_stride, p.step, bias->er.experts};
-      if (p.step == 1) ops[n++] = {bias->bu, bias->b_stride, 1, bias->er.experts};
-    }
+    int n = cuda::gu_operands(ops, p.g, p.g_stride, p.u, p.u_stride, p.step);
+    if (bias)
+      n += cuda::gu_operands(ops + n, bias->bg, bias->b_stride, bias->bu, bias->b_stride, p.step,
+                             bias->er.experts);
     const int V = cuda::pick_pack(ops, n, p.F, p.rows, es, p.step);
     const T* bg = bias ? static_cast<const T*>(bias->bg) : nullptr;
     const T* bu = bias ? static_cast<const T*>(bias->bu) : nullptr;
@@ -931,7 +927,8 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   const int device = p.device_id;
   const int64_t sm = cuda::sm_count(device);
   const int64_t n_scales = p.experts * p.cols;
-  const unsigned scale_blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
+  const unsigned scale_blocks =
+      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
   if (p.amax) {
     // The amax given: no pass 1, the scales straight from it.
     if (n_scales > 0) {

@@ -51,6 +51,18 @@ inline int pick_pack(const Operand* ops, int n, int64_t F, int64_t rows, int es,
   return 1;
 }
 
+// The pick_pack operands of one gate/up pair, written to out (at most 2); returns how many.
+// Separate halves (step 1) are two operands; an interleaved pair (step 2) is one pack of
+// double width whose alignment is gate's (up sits one element after it), so up's pointer is
+// not an operand of its own. rows: the pair's row count when it differs from the call's.
+inline int gu_operands(Operand* out, const void* g, int64_t g_stride, const void* u, int64_t u_stride, int step,
+                       int64_t rows = -1) {
+  out[0] = {g, g_stride, step, rows};
+  if (step != 1) return 1;
+  out[1] = {u, u_stride, 1, rows};
+  return 2;
+}
+
 inline int sm_count(int device) {
   static int cache[64] = {0};
   if (device >= 0 && device < 64 && cache[device] > 0) return cache[device];
@@ -250,12 +262,11 @@ Status run_forward(const detail::GluProblem& p, const detail::FwdOutput& o, Kern
   a.out = static_cast<T*>(o.out);
   a.out_stride = o.out_stride;
   int64_t rows = p.rows, F = p.F;
-  // Interleaved: the pair (g, u) is one operand of double width; u = g + 1 element.
-  const Operand ops[] = {{o.out, o.out_stride, 1}, {p.g, p.g_stride, p.step},
-                         {p.u, p.u_stride, 1}};
-  int V = pick_pack(ops, p.step == 1 ? 3 : 2, F, rows, es, p.step);
+  Operand ops[3] = {{o.out, o.out_stride, 1}};
+  const int n = 1 + gu_operands(ops + 1, p.g, p.g_stride, p.u, p.u_stride, p.step);
+  int V = pick_pack(ops, n, F, rows, es, p.step);
   if (rows_mergeable(p, {o.out_stride}, {p.g_stride, p.u_stride}))
-    merge_if_better(ops, p.step == 1 ? 3 : 2, es, p.step, rows, F, V, k != KernelChoice::kRows);
+    merge_if_better(ops, n, es, p.step, rows, F, V, k != KernelChoice::kRows);
   a.rows = rows;
   a.cols = F;
   const bool weighted = p.w != nullptr;
@@ -305,12 +316,12 @@ Status run_backward(const detail::GluProblem& p, const detail::BwdIO& io, Kernel
   a.dw = io.dw;
   a.dw_stride = io.dw_stride;
   int64_t rows = p.rows, F = p.F;
-  const Operand ops[] = {{io.dy, io.dy_stride, 1}, {p.g, p.g_stride, p.step},
-                         {io.dg, io.dg_stride, p.step}, {p.u, p.u_stride, 1},
-                         {io.du, io.du_stride, 1}};
-  int V = pick_pack(ops, p.step == 1 ? 5 : 3, F, rows, es, p.step);
+  Operand ops[5] = {{io.dy, io.dy_stride, 1}};
+  int n = 1 + gu_operands(ops + 1, p.g, p.g_stride, p.u, p.u_stride, p.step);
+  n += gu_operands(ops + n, io.dg, io.dg_stride, io.du, io.du_stride, p.step);
+  int V = pick_pack(ops, n, F, rows, es, p.step);
   if (rows_mergeable(p, {io.dy_stride}, {p.g_stride, p.u_stride, io.dg_stride, io.du_stride}))
-    merge_if_better(ops, p.step == 1 ? 5 : 3, es, p.step, rows, F, V, k != KernelChoice::kRows);
+    merge_if_better(ops, n, es, p.step, rows, F, V, k != KernelChoice::kRows);
   a.rows = rows;
   a.cols = F;
   const bool weighted = p.w != nullptr;
