@@ -43,6 +43,12 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+def preset_kwargs(preset: str, alpha: float, limit: float) -> dict:
+    """The keyword arguments a preset takes (expertact.<preset>, expert_mlp): alpha and limit for
+    swiglu_oai, limit for swiglu_clamped, none for the others."""
+    return {"swiglu_oai": dict(alpha=alpha, limit=limit), "swiglu_clamped": dict(limit=limit)}.get(preset, {})
+
+
 def eager_form(preset: str, alpha: float, limit: float):
     """(gate, up) -> h as eager PyTorch computes it: the peers' baseline and the reference of
     the correctness checks."""

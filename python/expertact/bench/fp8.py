@@ -38,7 +38,8 @@ from expertact import _fp8_mlp, moe
 
 from . import mlp
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, resolve_device, write_outputs,
+    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, preset_kwargs, resolve_device,
+    write_outputs,
 )
 
 IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
@@ -58,7 +59,7 @@ def _torchao_mm():
 
 def make_fn(impl, a, offsets, F):
     """fn(x, w13, w2) -> y; the weights are [E, N, K] leaves read through .transpose(-2, -1)."""
-    kw = {"swiglu_oai": dict(alpha=a.alpha, limit=a.limit), "swiglu_clamped": dict(limit=a.limit)}.get(a.preset, {})
+    kw = preset_kwargs(a.preset, a.alpha, a.limit)
     modes = {"expertact": {}, "expertact-recompute": dict(recompute=True), "fp8": dict(fp8="rowwise"),
              "fp8-bf16-wgrad": dict(fp8="rowwise", fp8_wgrad=False)}
     if impl in modes:
@@ -113,7 +114,7 @@ def gemm_floor(inp, s, iters, warmup):
 
 def reference32(inp, a):
     """y, dx, dw13, dw2 in float32 from the same bf16 inputs, one expert at a time (TF32 off)."""
-    kw = {"swiglu_oai": dict(alpha=a.alpha, limit=a.limit), "swiglu_clamped": dict(limit=a.limit)}.get(a.preset, {})
+    kw = preset_kwargs(a.preset, a.alpha, a.limit)
     act = getattr(expertact, a.preset)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False

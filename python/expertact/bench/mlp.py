@@ -67,7 +67,7 @@ from expertact import _fused, moe
 
 from .common import (
     DTYPES, PRESETS, GiB, OOM, clock_and_memory, eager_form, element_size, fmt_mem, log, measure, mem_unit, method,
-    parse_list, resolve_device, split, versions, write_outputs,
+    parse_list, preset_kwargs, resolve_device, split, versions, write_outputs,
 )
 
 IMPLS = ("gemms", "eager", "compile", "deepspeed", "expertact-op", "expertact", "expertact-inplace",
@@ -148,7 +148,7 @@ class MlpInputs:
 def make_fn(impl, preset, layout, alpha, limit, offsets, ffn, expert_of_row=None):
     """fn(x, w13, w2, weights=None, b13=None, b2=None) -> y for a row of the table. A "-bias" row
     adds b13 and b2 (its compositions gather them by expert_of_row); the others ignore them."""
-    kw = {"swiglu_oai": dict(alpha=alpha, limit=limit), "swiglu_clamped": dict(limit=limit)}.get(preset, {})
+    kw = preset_kwargs(preset, alpha, limit)
     biased = impl.endswith(BIAS)
     base = impl[:-len(BIAS)] if biased else impl
     if base in _MODES:
