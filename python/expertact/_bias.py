@@ -40,7 +40,7 @@ def _matrix(t):
     """(tensor kept alive, expertact_matrix) of t read as rows (copied when it cannot be)."""
     t, rows, cols, stride = _as_rows(t)
     if rows is None:
-        raise ValueError(f"expertact: a 0-dim tensor where [rows, columns] is expected")
+        raise ValueError("expertact: a 0-dim tensor where [rows, columns] is expected")
     m = _M()
     m.data, m.rows, m.cols, m.row_stride = t.data_ptr(), rows, cols, stride
     tail = _tail(t)
