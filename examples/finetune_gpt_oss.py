@@ -489,6 +489,62 @@ def previous_variants(out, setup_key):
     return old.get("variants", {}) if old.get("setup_key") == setup_key else {}
 
 
+def start_result(title, setup, device, names, out, argv, baseline, yardstick):
+    """The run's record: its setup (and that setup's key, which decides whether an earlier run's
+    variants in ``out`` are kept beside this one's), versions, command and date; the variants of
+    an earlier run with the same setup, less those in ``names`` (run again here)."""
+    setup_key = hashlib.sha256(json.dumps([setup, str(device)], sort_keys=True, default=str).encode()).hexdigest()
+    result = dict(title=title, baseline=baseline, yardstick=yardstick, setup=setup, setup_key=setup_key,
+                  versions=versions(device),
+                  command=" ".join([os.path.basename(sys.executable)] + [sys.argv[0]] + list(argv or sys.argv[1:])),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    variants = previous_variants(out, setup_key)
+    for name in names:
+        variants.pop(name, None)
+    result["variants"] = variants
+    return result
+
+
+def train_variants(names, result, new_record, new_model, prepare, loss_fn, batches, args, device, tokens_per_step,
+                   log):
+    """Trains each variant in turn and records it in result["variants"] (written out after each):
+    new_record(name) -> its record; new_model(name) -> the model (or None, to build it in
+    prepare); prepare(name, model, record) -> the model ready to train. A variant that fails
+    (an implementation that refuses the model, out of memory, ...) is recorded with its error
+    and the others still run; the exit status says so."""
+    import torch
+    variants = result["variants"]
+    for name in names:
+        record = new_record(name)
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        model = new_model(name)
+        try:
+            model = prepare(name, model, record)
+            if device.type == "cuda":  # the training's peak, not the model's setup
+                torch.cuda.reset_peak_memory_stats(device)
+            record.update(train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
+            record["params_sha256"] = params_digest(model)
+            summarise(record, args.warmup, tokens_per_step)
+        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
+            record["error"] = f"{type(e).__name__}: {e}"
+            record["traceback"] = traceback.format_exc()[-6000:]
+            log(record["traceback"], flush=True)
+            log(f"[{name}] failed: {record['error']}", flush=True)
+        del model
+        variants[name] = record
+        compare(variants, result["baseline"], result["yardstick"])
+        write_outputs(result, args.out)
+        if "error" not in record:
+            peak = record["peak_allocated_bytes"]
+            log(f"[{name}] {record['tokens_per_s']:,.0f} tok/s, final loss {record['final_loss']:.4f}, peak "
+                f"{_fmt(None if peak is None else peak / 2**30, '.2f')} GiB", flush=True)
+    log(markdown_table(result), flush=True)
+    log(f"wrote {args.out}/results.json, results.md, loss_curves.svg", flush=True)
+    return result
+
+
 def versions(device):
     import torch
     v = dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform())
@@ -558,20 +614,12 @@ def run(argv=None, log=print):
                  params=n_params, corpus=corpus, epoch_steps=batches.epoch_steps, determinism=det,
                  attention="eager", optimizer="AdamW(betas=(0.9, 0.95), weight_decay=0.1), clip 1.0, "
                  f"linear warm-up {max(1, min(20, args.steps // 10))} steps")
-    setup_key = hashlib.sha256(json.dumps([setup, str(device)], sort_keys=True, default=str).encode()).hexdigest()
     log(f"{args.arch} ({size}): {n_params / 1e6:.1f}M parameters, {tokens_per_step:,} tokens/step, "
         f"{tokens_per_step * s['top_k']:,} expert rows per layer and step, {dtype_name} on {device}; corpus "
         f"{corpus['files']} files, {corpus['tokens']:,} tokens ({batches.epoch_steps} steps per epoch); setup "
         f"{t1 - t0:.1f} s data, {t2 - t1:.1f} s model", flush=True)
-
-    result = dict(title=f"{args.arch} fine-tuning, expert implementations", baseline=BASELINE, yardstick=YARDSTICK,
-                  setup=setup, setup_key=setup_key, versions=versions(device),
-                  command=" ".join([os.path.basename(sys.executable)] + [sys.argv[0]] + list(argv or sys.argv[1:])),
-                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    variants = previous_variants(args.out, setup_key)
-    for name in args.variant_names:
-        variants.pop(name, None)
-    result["variants"] = variants
+    result = start_result(f"{args.arch} fine-tuning, expert implementations", setup, device, args.variant_names,
+                          args.out, argv, BASELINE, YARDSTICK)
 
     if any(VARIANTS[n][0].startswith("expertact") for n in args.variant_names):
         register_variants(args.variant_names)
@@ -579,40 +627,19 @@ def run(argv=None, log=print):
     def loss_fn(model, ids):
         return model(input_ids=ids, labels=ids).loss
 
-    for name in args.variant_names:
+    def new_record(name):
         impl, _, repeats = VARIANTS[name]
-        record = dict(implementation=impl, repeats=repeats)
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-        model = cast_params(copy.deepcopy(base), dtype).to(device)
-        try:
-            model.set_experts_implementation(impl)
-            record["experts_implementation_set"] = model.config._experts_implementation
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            record.update(train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
-            record["params_sha256"] = params_digest(model)
-            summarise(record, args.warmup, tokens_per_step)
-        except Exception as e:  # noqa: BLE001
-            # An implementation that refuses this model (NotImplementedError), runs out of memory or
-            # fails otherwise is recorded and the others still run; the exit status says so.
-            record["error"] = f"{type(e).__name__}: {e}"
-            record["traceback"] = traceback.format_exc()[-6000:]
-            log(record["traceback"], flush=True)
-            log(f"[{name}] failed: {record['error']}", flush=True)
-        del model
-        variants[name] = record
-        compare(variants, BASELINE, YARDSTICK)
-        write_outputs(result, args.out)
-        if "error" not in record:
-            log(f"[{name}] {record['tokens_per_s']:,.0f} tok/s, final loss {record['final_loss']:.4f}, peak "
-                f"{_fmt(None if record['peak_allocated_bytes'] is None else record['peak_allocated_bytes'] / 2**30, '.2f')}"
-                f" GiB", flush=True)
-    log(markdown_table(result), flush=True)
-    log(f"wrote {args.out}/results.json, results.md, loss_curves.svg", flush=True)
-    return result
+        return dict(implementation=impl, repeats=repeats)
 
+    def prepare(name, model, record):
+        # An implementation that refuses this model (NotImplementedError) fails here: recorded.
+        model.set_experts_implementation(VARIANTS[name][0])
+        record["experts_implementation_set"] = model.config._experts_implementation
+        return model
+
+    return train_variants(args.variant_names, result, new_record,
+                          lambda name: cast_params(copy.deepcopy(base), dtype).to(device), prepare, loss_fn, batches,
+                          args, device, tokens_per_step, log)
 
 def main(argv=None):
     result = run(argv)

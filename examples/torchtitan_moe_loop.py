@@ -36,13 +36,9 @@ flash, math).
 """
 from __future__ import annotations
 
-import gc
-import hashlib
 import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -226,58 +222,30 @@ def run(argv=None, log=print):
                  attention="SDPA math backend" if args.deterministic else "SDPA (cuDNN, flash, math)",
                  optimizer="AdamW(betas=(0.9, 0.95), weight_decay=0.1), clip 1.0, "
                  f"linear warm-up {max(1, min(20, args.steps // 10))} steps")
-    setup_key = hashlib.sha256(json.dumps([setup, str(device)], sort_keys=True, default=str).encode()).hexdigest()
     log(f"torchtitan qwen3 MoE ({size}): {n_params / 1e6:.1f}M parameters, {tokens_per_step:,} tokens/step, "
         f"{tokens_per_step * s['top_k']:,} expert rows per layer and step, {dtype_name} on {device}; setup "
         f"{t1 - t0:.1f} s data, {t2 - t1:.1f} s model", flush=True)
-    result = dict(title="TorchTitan Qwen3-MoE training loop, routed experts", baseline=BASELINE, yardstick=YARDSTICK,
-                  setup=setup, setup_key=setup_key, versions=common.versions(device),
-                  command=" ".join([os.path.basename(sys.executable)] + [sys.argv[0]] + list(argv or sys.argv[1:])),
-                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    variants = common.previous_variants(args.out, setup_key)
-    for n in names:
-        variants.pop(n, None)
-    result["variants"] = variants
+    result = common.start_result("TorchTitan Qwen3-MoE training loop, routed experts", setup, device, names, args.out,
+                                 argv, BASELINE, YARDSTICK)
 
     def loss_fn(model, ids):
         logits = model(ids[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
 
-    for name in names:
+    def new_record(name):
         target, modes, repeats = VARIANTS[name]
         impl = "GroupedExperts" if target is None else target.rsplit(".", 1)[1]
         if modes:
             impl += " " + json.dumps(modes)
-        record = dict(implementation=impl, override=target, repeats=repeats, expertact_modes=modes)
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-        model = None
-        try:
-            model, lines, experts = build_variant(s, name, device, dtype, compute_dtype, state, args.deterministic)
-            record.update(override_log=lines, experts_class=experts)
-            if device.type == "cuda":  # the training's peak, not the model's setup
-                torch.cuda.reset_peak_memory_stats(device)
-            record.update(common.train_loop(name, model, loss_fn, batches, args, device, tokens_per_step, log))
-            record["params_sha256"] = common.params_digest(model)
-            common.summarise(record, args.warmup, tokens_per_step)
-        except Exception as e:  # noqa: BLE001  (recorded; the other variants still run)
-            record["error"] = f"{type(e).__name__}: {e}"
-            record["traceback"] = traceback.format_exc()[-6000:]
-            log(record["traceback"], flush=True)
-            log(f"[{name}] failed: {record['error']}", flush=True)
-        del model
-        variants[name] = record
-        common.compare(variants, BASELINE, YARDSTICK)
-        common.write_outputs(result, args.out)
-        if "error" not in record:
-            peak = record["peak_allocated_bytes"]
-            log(f"[{name}] {record['tokens_per_s']:,.0f} tok/s, final loss {record['final_loss']:.4f}, peak "
-                f"{'-' if peak is None else format(peak / 2**30, '.2f')} GiB", flush=True)
-    log(common.markdown_table(result), flush=True)
-    log(f"wrote {args.out}/results.json, results.md, loss_curves.svg", flush=True)
-    return result
+        return dict(implementation=impl, override=target, repeats=repeats, expertact_modes=modes)
 
+    def prepare(name, model, record):
+        model, lines, experts = build_variant(s, name, device, dtype, compute_dtype, state, args.deterministic)
+        record.update(override_log=lines, experts_class=experts)
+        return model
+
+    return common.train_variants(names, result, new_record, lambda name: None, prepare, loss_fn, batches, args,
+                                 device, tokens_per_step, log)
 
 def main(argv=None):
     result = run(argv)
