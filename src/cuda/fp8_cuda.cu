@@ -542,6 +542,7 @@ constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
 constexpr int kAmaxUnroll = 4;
 constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
 constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
+constexpr int64_t kQGroupCols = 8;        // pass 2: column tiles per group of the block order
 
 // Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
 // (two for float32) when kVec and all 8 lie in the row, else one by one.
@@ -639,8 +640,16 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
                                                              uint8_t* __restrict__ q, int64_t q_stride,
                                                              int64_t out_rows, int64_t col_tiles, int q_align) {
   __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
+  // Block order: groups of kQGroupCols column tiles, the row tiles fastest within a group, so
+  // that the blocks resident at once read kQGroupCols x 128 contiguous bytes of each input row
+  // and write long runs of each output row (q_t's rows are x's columns) instead of 128 bytes
+  // at the same offset of thousands of output rows.
   const int64_t b = blockIdx.x;
-  const int64_t p0 = (b / col_tiles) * kQRows, c0 = (b % col_tiles) * kQCols;
+  const int64_t row_tiles = (out_rows + kQRows - 1) / kQRows;
+  const int64_t grp = b / (kQGroupCols * row_tiles);
+  const int64_t in_grp = b - grp * kQGroupCols * row_tiles;
+  const int64_t grp_cols = col_tiles - grp * kQGroupCols < kQGroupCols ? col_tiles - grp * kQGroupCols : kQGroupCols;
+  const int64_t p0 = (in_grp / grp_cols) * kQRows, c0 = (grp * kQGroupCols + in_grp % grp_cols) * kQCols;
   const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
   const int64_t c = c0 + 8 * cg;
   const int64_t pf = p0 + 4 * rq;
