@@ -237,8 +237,10 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
 // for fp8_quantize_colwise_grouped's amax; grad_gate_up ([rows, 2F] of gate_up's dtype): the
 // gradient rounded to that dtype, as glu_backward writes it. bias (with offsets, as
 // fp8_glu_rowwise's): added to gate and up before the activation; its own gradient is not
-// computed here (glu_backward_bias computes it). CPU and CUDA write the same q and scale
-// bytes; grad_weights' float32 sums may differ by their order.
+// computed here (glu_backward_bias computes it). CPU and CUDA quantise alike (the float32
+// gradient's bytes are the same function of it on both); the gradient itself differs in its
+// last bits between them as the activation's backward does (the GPU's exp and division are
+// the hardware's approximate forms), and grad_weights' float32 sums by their order.
 Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const MatrixRef& grad_out,
                                 const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
                                 const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
