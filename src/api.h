@@ -72,6 +72,13 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
                             const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                             void* stream);
+// The fused FP8 activation backward (expertact.hpp, fp8_glu_backward_rowwise); bias, offsets,
+// grad_weights, col_amax, grad_gate_up: null when not given.
+Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                                     const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
+                                     const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                                     const VectorRef* grad_weights, const MatrixRef* col_amax,
+                                     const MatrixRef* grad_gate_up, void* stream);
 
 // The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
 Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,

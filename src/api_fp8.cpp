@@ -86,6 +86,22 @@ Status check_padded_offsets(const OffsetsRef& pad, const OffsetsRef& offsets, in
   return Status::kOk;
 }
 
+// The bias [E, 2F] split into its gate and up parts in the layout (as glu_forward_bias,
+// src/api_bias.cpp, splits it), with its offsets.
+void split_bias(Layout layout, const GluProblem& p, const MatrixRef& bias, const OffsetsRef& offsets, GluBias& b) {
+  b.er.offsets = offsets.data;
+  b.er.experts = offsets.size;
+  const char* base = static_cast<const char*>(bias.data);
+  const int64_t half = p.F * dtype_size(p.dtype), one = dtype_size(p.dtype);
+  switch (layout) {
+    case Layout::kSeparate:
+    case Layout::kHalves: b.bg = base; b.bu = base + half; break;
+    case Layout::kHalvesUpFirst: b.bg = base + half; b.bu = base; break;
+    case Layout::kInterleaved: b.bg = base; b.bu = base + one; break;
+  }
+  b.b_stride = bias.row_stride;
+}
+
 #if !EXPERTACT_WITH_CUDA
 Status no_fp8_cuda(const char* name) {
   return fail(Status::kUnsupported, name, " is a CUDA tensor but this expertact build has no CUDA path");
@@ -236,17 +252,7 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
     EA_TRY(check_no_overlap("scale", es, "bias", eb));
     EA_TRY(check_no_overlap("q", eq, "offsets", eo));
     EA_TRY(check_no_overlap("scale", es, "offsets", eo));
-    b.er.offsets = offsets->data;
-    b.er.experts = offsets->size;
-    const char* base = static_cast<const char*>(bias->data);
-    const int64_t half = p.F * dtype_size(p.dtype), one = dtype_size(p.dtype);
-    switch (layout) {
-      case Layout::kSeparate:
-      case Layout::kHalves: b.bg = base; b.bu = base + half; break;
-      case Layout::kHalvesUpFirst: b.bg = base + half; b.bu = base; break;
-      case Layout::kInterleaved: b.bg = base; b.bu = base + one; break;
-    }
-    b.b_stride = bias->row_stride;
+    split_bias(layout, p, *bias, *offsets, b);
   }
   if (p.rows == 0) return Status::kOk;
   Fp8Out o;
@@ -260,6 +266,108 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
 #else
   (void)stream;
   return no_fp8_cuda(xname);
+#endif
+}
+
+// The fused FP8 activation backward: packed layouts only (gate_up holds both halves; q has
+// its column layout).
+Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                                     const MatrixRef& x, const VectorRef* weights, const MatrixRef* bias,
+                                     const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                                     const VectorRef* grad_weights, const MatrixRef* col_amax,
+                                     const MatrixRef* grad_gate_up, void* stream) {
+  if (layout == Layout::kSeparate)
+    return fail(Status::kInvalidArgument,
+                "layout 0 (separate) is not taken by fp8_glu_backward_rowwise: gate_up is one packed "
+                "[rows, 2F] tensor (halves, halves_up_first or interleaved)");
+  GluProblem p;
+  EA_TRY(prepare_inputs(params, layout, x, nullptr, weights, p));
+  EA_TRY(check_fp8_input("gate_up", p.dtype));
+  const int64_t C = 2 * p.F;
+  EA_TRY(check_matrix("grad_out", grad_out));
+  EA_TRY(check_shape("grad_out", grad_out, p.rows, p.F, p.dtype, "grad_out is [rows, F] of gate_up's dtype"));
+  EA_TRY(check_same_device("grad_out", grad_out.device, grad_out.device_id, p.device, p.device_id, "gate_up"));
+  EA_TRY(check_fp8_outputs(q, scale, p.rows, C, p.device, p.device_id, "gate_up", extent_of(x)));
+  if ((bias != nullptr || col_amax != nullptr) && offsets == nullptr)
+    return fail(Status::kInvalidArgument, "offsets is missing: ", bias ? "bias" : "col_amax",
+                " is per expert (offsets: the experts' cumulative end rows)");
+  if (offsets) EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, "gate_up"));
+  if (grad_weights) {
+    if (weights == nullptr)
+      return fail(Status::kInvalidArgument, "grad_weights is given but weights is null");
+    EA_TRY(check_vector("grad_weights", *grad_weights, p.rows));
+    EA_TRY(check_same_device("grad_weights", grad_weights->device, grad_weights->device_id, p.device, p.device_id,
+                             "gate_up"));
+  }
+  if (bias) {
+    EA_TRY(check_matrix("bias", *bias));
+    EA_TRY(check_shape("bias", *bias, offsets->size, C, p.dtype, "a bias is [E, 2F] of gate_up's dtype"));
+    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, "gate_up"));
+  }
+  if (col_amax)
+    EA_TRY(check_fp8_output("col_amax", *col_amax, offsets->size, C, DType::kFloat32,
+                            "one amax per expert (offsets) and column of gate_up", p.device, p.device_id, "gate_up",
+                            extent_of(x)));
+  if (grad_gate_up) {
+    EA_TRY(check_matrix("grad_gate_up", *grad_gate_up));
+    EA_TRY(check_shape("grad_gate_up", *grad_gate_up, p.rows, C, p.dtype, "a gradient matches its input"));
+    EA_TRY(check_same_device("grad_gate_up", grad_gate_up->device, grad_gate_up->device_id, p.device, p.device_id,
+                             "gate_up"));
+  }
+  // No output may share a byte with an input or another output.
+  struct Named {
+    const char* name;
+    Extent e;
+  };
+  const Named outs[] = {{"q", extent_of(q)},
+                        {"scale", extent_of(scale)},
+                        {"grad_weights", grad_weights ? extent_of(*grad_weights) : Extent{}},
+                        {"col_amax", col_amax ? extent_of(*col_amax) : Extent{}},
+                        {"grad_gate_up", grad_gate_up ? extent_of(*grad_gate_up) : Extent{}}};
+  const Named ins[] = {{"gate_up", extent_of(x)},
+                       {"grad_out", extent_of(grad_out)},
+                       {"weights", weights ? extent_of(*weights) : Extent{}},
+                       {"bias", bias ? extent_of(*bias) : Extent{}},
+                       {"offsets", offsets ? offsets_extent(*offsets) : Extent{}}};
+  for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); ++i) {
+    for (const Named& in : ins) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, in.name, in.e));
+    for (size_t k = 0; k < i; ++k) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, outs[k].name, outs[k].e));
+  }
+  GluBias b;
+  if (bias) split_bias(layout, p, *bias, *offsets, b);
+  Fp8BwdOut o;
+  o.q = q.data;
+  o.q_stride = q.row_stride;
+  o.scale = scale.data;
+  o.scale_stride = scale.stride;
+  o.dy = grad_out.data;
+  o.dy_stride = grad_out.row_stride;
+  switch (layout) {
+    case Layout::kHalvesUpFirst: o.q_g = p.F; o.q_u = 0; break;
+    case Layout::kInterleaved: o.q_g = 0; o.q_u = 1; break;
+    default: o.q_g = 0; o.q_u = p.F; break;
+  }
+  if (grad_weights) {
+    o.dw = grad_weights->data;
+    o.dw_stride = grad_weights->stride;
+  }
+  if (col_amax) {
+    o.offsets = offsets->data;
+    o.experts = offsets->size;
+    o.col_amax = static_cast<float*>(col_amax->data);
+    o.col_amax_stride = col_amax->row_stride;
+  }
+  if (grad_gate_up) {
+    o.dgu = grad_gate_up->data;
+    o.dgu_stride = grad_gate_up->row_stride;
+  }
+  if (p.rows == 0 && !col_amax) return Status::kOk;
+  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_backward_rowwise(p, o, bias ? &b : nullptr);
+#if EXPERTACT_WITH_CUDA
+  return cuda_fp8_glu_backward_rowwise(p, o, bias ? &b : nullptr, stream);
+#else
+  (void)stream;
+  return no_fp8_cuda("gate_up");
 #endif
 }
 
@@ -309,6 +417,17 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        void* stream) {
   return detail::guarded("fp8_glu_rowwise", [&] {
     return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, stream);
+  });
+}
+
+Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                                const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
+                                const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                                const VectorRef* grad_weights, const MatrixRef* col_amax,
+                                const MatrixRef* grad_gate_up, void* stream) {
+  return detail::guarded("fp8_glu_backward_rowwise", [&] {
+    return detail::fp8_glu_backward_rowwise_body(params, layout, grad_out, gate_up, weights, bias, offsets, q, scale,
+                                                 grad_weights, col_amax, grad_gate_up, stream);
   });
 }
 

@@ -581,6 +581,35 @@ expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* param
   });
 }
 
+expertact_status expertact_fp8_glu_backward_rowwise_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_matrix* bias,
+    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale,
+    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
+    void* stream) {
+  return guarded_c("expertact_fp8_glu_backward_rowwise_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, gate_up, nullptr, weights, o));
+    MatrixRef mb, mq, ma, mg;
+    OffsetsRef offs;
+    VectorRef vs, vgw;
+    EA_TRY(to_matrix("grad_out", grad_out, o.grad_out));
+    if (bias) EA_TRY(to_matrix("bias", bias, mb));
+    if (offsets) EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_vector("scale", scale, vs));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
+    if (grad_gate_up) EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mg));
+    return fp8_glu_backward_rowwise_body(p, static_cast<Layout>(layout), o.grad_out, o.x, weights ? &o.w : nullptr,
+                                         bias ? &mb : nullptr, offsets ? &offs : nullptr, mq, vs,
+                                         grad_weights ? &vgw : nullptr, col_amax ? &ma : nullptr,
+                                         grad_gate_up ? &mg : nullptr, stream);
+  });
+}
+
 const char* expertact_last_error(void) { return expertact::last_error(); }
 int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }
 int32_t expertact_abi_version(void) { return EXPERTACT_ABI_VERSION; }

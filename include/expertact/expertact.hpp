@@ -226,6 +226,27 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
                        void* stream = nullptr);
 
+// The activation's backward (glu_backward's gradient of gate_up, with glu_forward_bias's
+// per-expert bias when given) quantized as above from its float32 values, one rounding,
+// without writing it in gate_up's dtype: q [rows, 2F] (kFloat8E4M3) in gate_up's column
+// layout, scale float32 [rows]. Packed layouts only (gate_up [rows, 2F]; grad_out [rows, F]
+// of its dtype). Optional outputs (nullptr: not wanted): grad_weights (float32 [rows], needs
+// weights: the row's sum of grad_out * act * (up + beta), as glu_backward computes it);
+// col_amax (float32 [E, 2F], needs offsets): the max |gradient| (NaN ignored) of each column
+// over each expert's rows, as fp8_quantize_rowwise's col_amax computes it from the gradient,
+// for fp8_quantize_colwise_grouped's amax; grad_gate_up ([rows, 2F] of gate_up's dtype): the
+// gradient rounded to that dtype, as glu_backward writes it. bias (with offsets, as
+// fp8_glu_rowwise's): added to gate and up before the activation; its own gradient is not
+// computed here (glu_backward_bias computes it). CPU and CUDA quantise alike (the float32
+// gradient's bytes are the same function of it on both); the gradient itself differs in its
+// last bits between them as the activation's backward does (the GPU's exp and division are
+// the hardware's approximate forms), and grad_weights' float32 sums by their order.
+Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                                const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
+                                const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
+                                const VectorRef* grad_weights, const MatrixRef* col_amax,
+                                const MatrixRef* grad_gate_up, void* stream = nullptr);
+
 const char* last_error();
 
 // Whether this build has the CUDA path, and the number of CPU threads the CPU path uses.

@@ -207,6 +207,17 @@ EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_bias_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,
     const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
     const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale, void* stream);
+/* The activation's backward quantized rowwise from its float32 values (expertact.hpp,
+ * fp8_glu_backward_rowwise, says it exactly): packed layouts only; q float8 [rows, 2F] in
+ * gate_up's column layout, scale float32 [rows]. NULL for what is not given or not wanted:
+ * weights, bias (with offsets), grad_weights (float32 [rows]), col_amax (float32 [E, 2F], needs
+ * offsets), grad_gate_up (the gradient in gate_up's dtype). No bias gradient. */
+EXPERTACT_API expertact_status expertact_fp8_glu_backward_rowwise_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_matrix* bias,
+    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale,
+    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
+    void* stream);
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

@@ -125,12 +125,31 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     return x, gate_up, y, xamax
 
 
-def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None):
+def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
+    """(dg_q, dg_scale, dweights or None, dgate_up's column amax or None, dgate_up in bf16 or
+    None): the activation's backward quantised rowwise from its float32 values in one pass
+    (expertact.fp8.glu_backward_rowwise; b13 added inside, its gradient not computed), the
+    column amax for dw13's column-wise operand when ``col_amax``, and the bf16 gradient that
+    operand is quantised from when ``keep_bf16``."""
+    out = torch.empty_like(gate_up) if keep_bf16 else None
+    grouped = b13 is not None or col_amax
+    dgq, sdg, dweights, amax = fp8.glu_backward_rowwise(
+        dh, gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights,
+        weights_grad=weights_grad, bias=b13, offsets=offs if grouped else None, ends=ends if grouped else None,
+        col_amax=col_amax, dgate_up_out=out)
+    return dgq, sdg, dweights, amax, out
+
+
+def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
+             glu_fp8=None):
     """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
 
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
     memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
-    weight-gradient GEMM (fp8_wgrad=False)."""
+    weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
+    result, or None where it does not apply (b13's gradient wanted, or the in-place backward):
+    then, when dx is wanted, dx's operand comes straight from the fused FP8 backward (dgate_up
+    not written in bf16 and read back for the rowwise pass; written only when dw13 needs it)."""
     need_x, need_w13, need_w2, need_w, need_b13, need_b2 = ctx_needs
     ends = plan.ends
     end = ends[-1] if ends else 0
@@ -157,14 +176,20 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
         w2tq, s2t = _quant_b(w2.transpose(-2, -1))
         dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
         del dyq, sdy, w2tq, s2t
-        dgate_up, dweights, db13 = glu_grad(dh)
-        del dh
+        fused = glu_fp8(dh, fplan.wgrad and need_w13, need_w13) if glu_fp8 is not None and need_x else None
         dgamax = None
+        if fused is not None:  # dx's operand (and dw13's amax) from the fused FP8 backward
+            dgq, sdg, dweights, dgamax, dgate_up = fused
+            del dh, fused
+        else:
+            dgate_up, dweights, db13 = glu_grad(dh)
+            del dh
+            if need_x:
+                if fplan.wgrad and need_w13:
+                    dgq, sdg, dgamax = fp8.quantize_rowwise(dgate_up, col_amax_offsets=offs, ends=ends)
+                else:
+                    dgq, sdg = fp8.quantize_rowwise(dgate_up)
         if need_x:
-            if fplan.wgrad and need_w13:
-                dgq, sdg, dgamax = fp8.quantize_rowwise(dgate_up, col_amax_offsets=offs, ends=ends)
-            else:
-                dgq, sdg = fp8.quantize_rowwise(dgate_up)
             w13tq, s13t = _quant_b(w13.transpose(-2, -1))
             dx = _zero_tail(_sgmm(dgq, w13tq, sdg, s13t, offs), end)
             del dgq, sdg, w13tq, s13t

@@ -17,6 +17,9 @@ output is NaN, never finite garbage.
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved",
                                              bias=b13, offsets=offsets)   # per-expert bias [E, 2F]
+    # the activation's backward, quantised rowwise from float32 (+ the column amax, weights' grad)
+    dg_q, dg_scale, dw, amax = expertact.fp8.glu_backward_rowwise(dh, gate_up, "swiglu",
+                                   weights=w, weights_grad=True, offsets=offsets, col_amax=True)
     # per expert and column, each expert's rows padded to a multiple of 16 (the weight gradients)
     x_q, x_scale = expertact.fp8.quantize_colwise_grouped(x, offsets, pad_to=16, ends=ends)
     offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
@@ -37,7 +40,8 @@ from ._args import check_ends, layout_code, preset_coeffs, tensor_arg
 from ._bias import _check, _matrix, _params_ref, _vector
 from ._describe import stream_of
 
-__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "DL_FLOAT8_E4M3FN"]
+__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_backward_rowwise",
+           "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -47,6 +51,7 @@ _LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_bias_2d.restype = c_int32
+_LIB.expertact_fp8_glu_backward_rowwise_2d.restype = c_int32
 
 
 def _outputs(like, cols):
@@ -260,3 +265,76 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
                                                   None if ws is None else byref(ws[1]), byref(bs[1]), byref(offs[1]),
                                                   byref(qs[1]), byref(ss[1]), stream_of(gate_up)))
     return q, scale
+
+
+def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,
+                         alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
+                         weights: Optional[torch.Tensor] = None, weights_grad: bool = False,
+                         bias: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None, ends=None,
+                         col_amax: bool = False, dgate_up_out: Optional[torch.Tensor] = None):
+    """(dg_q, dg_scale, dweights or None, amax or None): the gradient of gate_up [..., 2F] of
+    h = act(gate_up [+ bias[e]]) * weights, given dh [..., F] (gate_up's dtype), computed in
+    float32 (the math of the activation's backward) and quantised per row from those float32
+    values (one rounding) as :func:`quantize_rowwise` does, without writing it in gate_up's
+    dtype: dg_q float8_e4m3fn [..., 2F] in gate_up's column layout (``layout``: "halves",
+    "up_first" or "interleaved"; packed gate_up only), dg_scale float32 [...].
+
+    ``weights_grad`` (needs ``weights``): also the routing weights' gradient, float32 [...]
+    (the row's sum of dh * act * (up + beta), in float32). ``col_amax`` (needs ``offsets``):
+    also amax float32 [E, 2F], the max |gradient| (NaN ignored) of each column over each
+    expert's rows, as ``quantize_rowwise(col_amax_offsets=)`` computes it: pass it to
+    :func:`quantize_colwise_grouped` as ``amax=``. ``bias`` [E, 2F] with ``offsets`` (int32
+    [E], the experts' cumulative end rows): as in :func:`glu_rowwise`; the bias's own gradient
+    is not computed here (``functional`` / the biased backward computes it where needed).
+    ``ends``: offsets' values as host ints (see :func:`quantize_colwise_grouped`).
+    ``dgate_up_out`` (gate_up's shape and dtype, contiguous rows): also receives the gradient
+    rounded to gate_up's dtype, as the activation's backward writes it (e.g. for
+    :func:`quantize_colwise_grouped`, which needs the values again). CPU and CUDA quantise
+    alike (dg_q and dg_scale are the same function of the float32 gradient); that gradient
+    differs in its last bits between them as the activation's backward does (the GPU's exp and
+    division are approximate forms), and the weights' gradient by its float32 sum's order."""
+    where = "expertact.fp8.glu_backward_rowwise"
+    tensor_arg("dh", dh)
+    tensor_arg("gate_up", gate_up)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
+    if weights_grad and weights is None:
+        raise ValueError(f"{where}: weights_grad=True needs weights")
+    if bias is not None and offsets is None:
+        raise ValueError(f"{where}: bias goes with offsets (got bias alone)")
+    if col_amax and offsets is None:
+        raise ValueError(f"{where}: col_amax=True needs offsets")
+    if ends is not None and offsets is None:
+        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, True)
+    if gate_up.dim() < 1:
+        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    q, scale = _outputs(gate_up, gate_up.shape[-1])
+    xs, ds, qs, ss = _matrix(gate_up), _matrix(dh), _matrix(q), _vector(scale.view(-1))
+    ws = None if weights is None else _vector(weights)
+    dw = None
+    if weights_grad:
+        dw = torch.empty(scale.shape, dtype=torch.float32, device=gate_up.device)
+    dws = None if dw is None else _vector(dw.view(-1))
+    offs = bs = am = amax = None
+    if offsets is not None:
+        offsets, _ = _grouped_offsets(offsets, scale.numel(), gate_up.device, ends, where)
+        offs = _vector(offsets)
+        if col_amax:
+            amax = torch.empty((offsets.numel(), gate_up.shape[-1]), dtype=torch.float32, device=gate_up.device)
+            am = _matrix(amax)
+    if bias is not None:
+        bs = _matrix(bias)
+    gs = None if dgate_up_out is None else _matrix(dgate_up_out)
+    if gs is not None and (gs[0].data_ptr() != dgate_up_out.data_ptr() or dgate_up_out.shape != gate_up.shape):
+        raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
+                         f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
+                         f"{dgate_up_out.stride()})")
+    pref, _keep = _params_ref(act, a, lim, beta)
+    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
+    _check(_LIB.expertact_fp8_glu_backward_rowwise_2d(pref, c_int32(code), byref(ds[1]), byref(xs[1]), ref(ws),
+                                                      ref(bs), ref(offs), byref(qs[1]), byref(ss[1]), ref(dws),
+                                                      ref(am), ref(gs), stream_of(gate_up)))
+    return q, scale, dw, amax

@@ -425,10 +425,20 @@ class _Fp8ExpertMLP(torch.autograd.Function):
             held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
             return out
 
+        def glu_fp8(dh, col_amax, keep_bf16):
+            # The fused FP8 activation backward, where b13 needs no gradient and the node's
+            # backward is not in place.
+            if plan.inplace or (b13 is not None and n[7]):
+                return None
+            out = _fp8_mlp.glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs,
+                                        plan.ends, ctx.fplan, col_amax, keep_bf16)
+            held.clear()
+            return out
+
         grads = _fp8_mlp.backward(
             needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
             h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad,
-            xamax=ctx.xamax)
+            xamax=ctx.xamax, glu_fp8=glu_fp8)
         dx, dw13, dw2, dweights, db13, db2 = grads
         return dx, dw13, dw2, dweights, None, None, None, db13, db2
 

@@ -139,4 +139,84 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
   });
 }
 
+// Each row: its float32 gradient into a per-thread buffer in gate_up's column layout (its
+// weight-gradient term summed in column order), the optional rounded copy and column amax,
+// then quantize_row. The column amax is kept per thread and expert and merged under a lock,
+// as cpu_fp8_quantize_rowwise does.
+Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias) {
+  const int64_t C = 2 * p.F, E = o.col_amax ? o.experts : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < C; ++j) o.col_amax[e * o.col_amax_stride + j] = 0.0f;
+  if (p.rows == 0) return Status::kOk;
+  std::mutex merge;
+  return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
+    using T = decltype(t);
+    return dispatch_act(p.params.act, [&](auto act) {
+      constexpr Activation A = decltype(act)::value;
+      const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+      cpu::parallel_for(p.rows, 8 * p.F, [&](int64_t r0, int64_t r1) {
+        std::vector<float> buf(static_cast<size_t>(C));
+        std::vector<float> cm(E > 0 ? static_cast<size_t>(C) : 0);
+        int64_t eb = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
+        int64_t ea = E > 0 ? expert_of(o.offsets, E, r0) : 0, held = -1;
+        auto flush = [&] {
+          if (held < 0) return;
+          std::lock_guard<std::mutex> lock(merge);
+          float* dst = o.col_amax + held * o.col_amax_stride;
+          for (int64_t j = 0; j < C; ++j) dst[j] = std::fmax(dst[j], cm[j]);
+          held = -1;
+        };
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
+          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
+          const T* dy = static_cast<const T*>(o.dy) + r * o.dy_stride;
+          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
+          const T* bg = nullptr;
+          const T* bu = nullptr;
+          if (bias) {
+            while (eb < bias->er.experts && bias->er.offsets[eb] <= r) ++eb;
+            if (eb < bias->er.experts) {
+              bg = static_cast<const T*>(bias->bg) + eb * bias->b_stride;
+              bu = static_cast<const T*>(bias->bu) + eb * bias->b_stride;
+            }
+          }
+          float dw = 0.0f;
+          for (int64_t j = 0; j < p.F; ++j) {
+            float gv = Cv<T>::ld(g[j * p.step]), uv = Cv<T>::ld(u[j * p.step]);
+            if (bg) {
+              gv += Cv<T>::ld(bg[j * p.step]);
+              uv += Cv<T>::ld(bu[j * p.step]);
+            }
+            float dg, du, term;
+            math::glu_bwd<A>(gv, uv, Cv<T>::ld(dy[j]), w, c, dg, du, term);
+            buf[o.q_g + j * p.step] = dg;
+            buf[o.q_u + j * p.step] = du;
+            dw += term;
+          }
+          if (o.dw) o.dw[r * o.dw_stride] = dw;
+          if (o.dgu) {
+            T* d = static_cast<T*>(o.dgu) + r * o.dgu_stride;
+            for (int64_t j = 0; j < C; ++j) d[j] = Cv<T>::st(buf[j]);
+          }
+          if (E > 0) {
+            while (ea < E && o.offsets[ea] <= r) ++ea;
+            if (ea != held) {
+              flush();
+              if (ea < E) {
+                held = ea;
+                std::fill(cm.begin(), cm.end(), 0.0f);
+              }
+            }
+            if (held >= 0)
+              for (int64_t j = 0; j < C; ++j) cm[j] = std::fmax(cm[j], std::fabs(buf[j]));  // NaN ignored
+          }
+          quantize_row(buf.data(), C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
+        }
+        flush();
+      });
+      return Status::kOk;
+    });
+  });
+}
+
 }  // namespace expertact::detail

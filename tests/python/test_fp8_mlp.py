@@ -131,6 +131,44 @@ def test_emulated_fp8_memory_modes_agree(emulated):
             assert torch.equal(g0[k], g1[k]), (kw, k)
 
 
+@pytest.mark.parametrize("case", ["plain", "b13_frozen", "b13_grad", "inplace", "no_dx"])
+def test_emulated_fp8_fused_activation_backward(emulated, monkeypatch, case):
+    """The fused FP8 activation backward (fp8.glu_backward_rowwise) gives dx's operand where
+    b13 needs no gradient and the backward is not in place (and dx is wanted); the gradients
+    stay within the FP8 tolerance of float64 either way."""
+    from expertact import fp8
+    calls = []
+    real = fp8.glu_backward_rowwise
+
+    def counting(*a, **kw):
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fp8, "glu_backward_rowwise", counting)
+    t64, low, dy, offsets = _problem(biases=case.startswith("b13"))
+    frozen = {"b13"} if case == "b13_frozen" else set()
+    if case == "no_dx":
+        frozen.add("x")
+    kw = {"inplace_backward": True} if case == "inplace" else {}
+
+    def run(t, **more):
+        leaves = {k: v.detach().clone().requires_grad_(k not in frozen) for k, v in t.items()}
+        y = expert_mlp(leaves["x"], leaves["w13"], leaves["w2"], offsets, "swiglu_oai", layout="interleaved",
+                       weights=leaves["weights"], b13=leaves.get("b13"), b2=leaves.get("b2"),
+                       **_ACT_KW["swiglu_oai"], **more)
+        y.backward(dy.to(y.dtype))
+        return {k: v.grad for k, v in leaves.items() if k not in frozen}
+
+    g64 = run(t64)
+    g = run(low, fp8="rowwise", **kw)
+    assert len(calls) == (1 if case in ("plain", "b13_frozen") else 0)
+    if calls:
+        assert calls[0]["col_amax"] and calls[0]["dgate_up_out"] is not None and calls[0]["weights_grad"]
+    for k in g64:
+        assert torch.isfinite(g[k]).all(), k
+        assert _rel(g[k], g64[k]) < TOL, (k, _rel(g[k], g64[k]))
+
+
 def test_emulated_fp8_transposed_weights(emulated):
     """Weights held [E, N, K] and passed as transposed views (DeepSpeed, TorchTitan, transformers)
     get their gradients laid out as their storage, with the same values."""
