@@ -34,6 +34,7 @@
 // runs of rows (as many blocks as are resident). The other forms compute it by colwise pass 1.
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -541,8 +542,7 @@ constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
 // spilled when bounded to 3 blocks, so pass 1 stays as it is.
 constexpr int kAmaxUnroll = 4;
 constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
-constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
-constexpr int64_t kQGroupCols = 8;        // pass 2: column tiles per group of the block order
+constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile (x kQ rows)
 
 // Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
 // (two for float32) when kVec and all 8 lie in the row, else one by one.
@@ -625,95 +625,115 @@ __global__ void __launch_bounds__(kAmaxThreads) col_amax_kernel(const T* __restr
   }
 }
 
-// Pass 2: block b covers output rows [128 * (b / col_tiles), + 128) and columns
-// [64 * (b % col_tiles), + 64); thread t reads output rows 4 (t / 8) .. + 3 (its source rows,
-// or none: padding) at columns 8 (t % 8) .. + 7, and packs each column's 4 bytes into one word
-// of the tile (64 columns x 32 words). Word w of column j sits at j * 32 + (w ^ 4 (j / 8)): the
-// stores (a warp: 4 words x 8 column groups) and the 16-byte loads of the write-out (8 lanes a
-// column) each hit 32 distinct banks. pends: padded cumulative ends (offsets when unpadded).
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
+// Pass 2: a tile of kQ * 128 output rows x 64 columns a block; thread t reads output rows
+// 4 (t / 8) + 128 h .. + 3 for h < kQ (their source rows, or none: padding) at columns
+// 8 (t % 8) .. + 7, all kQ * 4 loads in flight at once, and packs each column's 4 bytes of a
+// row quad into one word of the tile (64 columns x 32 kQ words). Word w of column j sits at
+// j * 32 kQ + (w ^ 4 (j / 8)): the stores (a warp: 4 words x 8 column groups) and the 16-byte
+// loads of the write-out each hit 32 distinct banks. Block order: groups of `group` column
+// tiles with the row tiles slowest within a group (the resident blocks read group x 128
+// contiguous bytes of each input row and write runs of many tiles along each output row);
+// group 0: column tiles fastest over all columns. pends: padded cumulative ends (offsets when
+// unpadded).
+template <typename T, bool kVec, int kQ>
+__global__ void __launch_bounds__(kQThreads, kQ == 1 ? 3 : 2) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
                                                              int64_t rows, int64_t cols,
                                                              const int32_t* __restrict__ offsets,
                                                              const int32_t* __restrict__ pends, int64_t E,
                                                              const float* __restrict__ scale, int64_t scale_stride,
                                                              uint8_t* __restrict__ q, int64_t q_stride,
-                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
-  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
-  // Block order: groups of kQGroupCols column tiles, the row tiles fastest within a group, so
-  // that the blocks resident at once read kQGroupCols x 128 contiguous bytes of each input row
-  // and write long runs of each output row (q_t's rows are x's columns) instead of 128 bytes
-  // at the same offset of thousands of output rows.
+                                                             int64_t out_rows, int64_t col_tiles, int q_align,
+                                                             int64_t group) {
+  constexpr int kRows = kQRows * kQ, kWords = kRows / 4;
+  __shared__ __align__(16) uint32_t tile[kQCols * kWords];
   const int64_t b = blockIdx.x;
-  const int64_t row_tiles = (out_rows + kQRows - 1) / kQRows;
-  const int64_t grp = b / (kQGroupCols * row_tiles);
-  const int64_t in_grp = b - grp * kQGroupCols * row_tiles;
-  const int64_t grp_cols = col_tiles - grp * kQGroupCols < kQGroupCols ? col_tiles - grp * kQGroupCols : kQGroupCols;
-  const int64_t p0 = (in_grp / grp_cols) * kQRows, c0 = (grp * kQGroupCols + in_grp % grp_cols) * kQCols;
+  int64_t p0, c0;
+  if (group > 0) {
+    const int64_t row_tiles = (out_rows + kRows - 1) / kRows;
+    const int64_t grp = b / (group * row_tiles);
+    const int64_t in_grp = b - grp * group * row_tiles;
+    const int64_t grp_cols = col_tiles - grp * group < group ? col_tiles - grp * group : group;
+    p0 = (in_grp / grp_cols) * kRows;
+    c0 = (grp * group + in_grp % grp_cols) * kQCols;
+  } else {
+    p0 = (b / col_tiles) * kRows;
+    c0 = (b % col_tiles) * kQCols;
+  }
   const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
   const int64_t c = c0 + 8 * cg;
-  const int64_t pf = p0 + 4 * rq;
   // Each output row's source row (-1: padding or past the blocks) and expert; both fit 32
   // bits (a source row is below an int32 offset).
-  int32_t src[4], ex[4];
-  int64_t e = detail::expert_of(pends, E, pf);
+  int32_t src[4 * kQ], ex[4 * kQ];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int64_t p = pf + k;
-    while (e < E && pends[e] <= p) ++e;
-    src[k] = -1;
-    ex[k] = static_cast<int32_t>(e);
-    if (e < E && p < out_rows) {
-      const int64_t start = e == 0 ? 0 : offsets[e - 1];
-      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-      const int64_t r = start + local;
-      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src[k] = static_cast<int32_t>(r);
+  for (int h = 0; h < kQ; ++h) {
+    const int64_t pf = p0 + kQRows * h + 4 * rq;
+    int64_t e = detail::expert_of(pends, E, pf);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t p = pf + k;
+      while (e < E && pends[e] <= p) ++e;
+      int32_t sr = -1;
+      if (e < E && p < out_rows) {
+        const int64_t start = e == 0 ? 0 : offsets[e - 1];
+        const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
+        const int64_t r = start + local;
+        if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) sr = static_cast<int32_t>(r);
+      }
+      src[4 * h + k] = sr;
+      ex[4 * h + k] = static_cast<int32_t>(e);
     }
   }
-  uint32_t w[8];
+  uint32_t w[kQ][8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = 0;
+  for (int h = 0; h < kQ; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[h][i] = 0;
   if (c < cols) {
-    Pack<T, 8> in[4];
+    Pack<T, 8> in[4 * kQ];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < 4 * kQ; ++k)
       if (src[k] >= 0) load8<T, kVec>(x + static_cast<int64_t>(src[k]) * x_stride, c, cols, in[k]);
     // The scaled values (0 for padding rows and columns past the end: bytes 0x00), each row
     // with its expert's multipliers s = 1 / scale.
-    float xs[4][8];
     float s[8];
     int32_t se = -1;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (src[k] < 0) {
+    for (int h = 0; h < kQ; ++h) {
+      float xs[4][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-        continue;
+      for (int k = 0; k < 4; ++k) {
+        if (src[4 * h + k] < 0) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
+          continue;
+        }
+        if (ex[4 * h + k] != se) {
+          se = ex[4 * h + k];
+          const float* sr = scale + se * scale_stride + c;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[4 * h + k].v[i]) * s[i];
       }
-      if (ex[k] != se) {
-        se = ex[k];
-        const float* sr = scale + se * scale_stride + c;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[k].v[i]) * s[i];
+      for (int i = 0; i < 8; ++i)
+        w[h][i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
     }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
+  for (int h = 0; h < kQ; ++h)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * kWords + ((32 * h + rq) ^ (cg << 2))] = w[h][i];
   __syncthreads();
 #pragma unroll
-  for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
+  for (int it = 0; it < kQCols * kRows / 16 / kQThreads; ++it) {
     const int idx = threadIdx.x + it * kQThreads;
-    const int cl = idx >> 3, wg = idx & 7;
+    const int cl = idx / (kRows / 16), wg = idx % (kRows / 16);
     const int64_t cc = c0 + cl;
     const int64_t pw = p0 + 16 * wg;
     if (cc >= cols || pw >= out_rows) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
+    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * kWords + 4 * (wg ^ (cl >> 3))]);
     uint8_t* dst = q + cc * q_stride + pw;
     const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
     if (q_align == 16 && n == 16) {
@@ -732,6 +752,26 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
       }
     }
   }
+}
+
+// Pass 2's tile height (row quads a thread: 1 or 2) and block order (column tiles a group; 0:
+// column tiles fastest). EXPERTACT_FP8_COLQ="<quads>,<group>" overrides them (a tuning knob,
+// read once per process).
+struct ColQuantShape {
+  int quads;
+  int64_t group;
+};
+ColQuantShape col_quant_shape() {
+  static const ColQuantShape shape = [] {
+    ColQuantShape s{1, 8};
+    if (const char* env = std::getenv("EXPERTACT_FP8_COLQ")) {
+      int qd = 0;
+      long g = -1;
+      if (std::sscanf(env, "%d,%ld", &qd, &g) == 2 && (qd == 1 || qd == 2) && g >= 0 && g <= 4096) s = {qd, g};
+    }
+    return s;
+  }();
+  return shape;
 }
 
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
@@ -1245,13 +1285,18 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       }
       if (p.out_rows == 0 || p.cols == 0) return Status::kOk;
       const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
-      const int64_t row_tiles = (p.out_rows + cuda::kQRows - 1) / cuda::kQRows;
+      const cuda::ColQuantShape shape = cuda::col_quant_shape();
+      const int64_t tile_rows = cuda::kQRows * shape.quads;
+      const int64_t row_tiles = (p.out_rows + tile_rows - 1) / tile_rows;
       const int64_t blocks = col_tiles * row_tiles;
       if (blocks > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
-          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+      auto launch = [&](auto kernel) {
+        kernel<<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
+            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
+            p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align, shape.group);
+      };
+      if (shape.quads == 2) launch(cuda::col_quant_kernel<T, kVec, 2>); else launch(cuda::col_quant_kernel<T, kVec, 1>);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
