@@ -1,36 +1,67 @@
 """The FP8 quantisation kernels alone at the busiest rank's shape (1,045,120 rows, bf16, CUDA):
-rowwise plain and with the fused column amax, column-wise with and without a given amax, and the
-FP8 activation beside the bf16 one. Medians of 10 CUDA-event-timed calls after 2.
+rowwise plain and with the fused column amax, column-wise with and without a given amax, the
+FP8 activation beside the bf16 one, and the fused FP8 activation backward beside the bf16
+backward + rowwise pass it replaces. Medians of 10 CUDA-event-timed calls after 2.
 
-    python bench/fp8_kernels_timing.py
+    python bench/fp8_kernels_timing.py                 # every section
+    python bench/fp8_kernels_timing.py colwise glu     # sections: colwise rowwise glu bwd
 """
+import sys
+
 import torch
 
 import expertact.fp8 as xf
 import expertact.functional as XF
+from expertact._library import glu_backward_op
 from expertact.bench.common import median_ms
+from expertact.moe import _glu_args
 
+SECTIONS = ("colwise", "rowwise", "glu", "bwd")
+want = [a for a in sys.argv[1:] if a in SECTIONS] or list(SECTIONS)
 T, F = 1045120, 3072
 gu = torch.randn(T, 2 * F, device="cuda", dtype=torch.bfloat16)
 dy = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
 w = torch.rand(T, device="cuda")
 offs = torch.arange(1, 5, dtype=torch.int32, device="cuda") * 261280
 ends = offs.tolist()
-cases = {"colwise [T,3072] pad16": lambda: xf.quantize_colwise_grouped(dy, offs, pad_to=16, ends=ends),
-         "colwise [T,6144] pad16": lambda: xf.quantize_colwise_grouped(gu, offs, pad_to=16, ends=ends)}
-a3 = xf.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)[2]
-a6 = xf.quantize_rowwise(gu, col_amax_offsets=offs, ends=ends)[2]
-cases.update({
-    "glu_rowwise (swiglu_oai interleaved, weights)":
-        lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w),
-    "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w),
-    "rowwise [T,3072]": lambda: xf.quantize_rowwise(dy),
-    "rowwise + col amax [T,3072]": lambda: xf.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends),
-    "colwise [T,3072] pad16, amax given": lambda: xf.quantize_colwise_grouped(dy, offs, pad_to=16, ends=ends,
-                                                                               amax=a3),
-    "rowwise [T,6144]": lambda: xf.quantize_rowwise(gu),
-    "rowwise + col amax [T,6144]": lambda: xf.quantize_rowwise(gu, col_amax_offsets=offs, ends=ends),
-    "colwise [T,6144] pad16, amax given": lambda: xf.quantize_colwise_grouped(gu, offs, pad_to=16, ends=ends,
-                                                                               amax=a6)})
+cases = {}
+if "colwise" in want:
+    a3 = xf.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)[2]
+    a6 = xf.quantize_rowwise(gu, col_amax_offsets=offs, ends=ends)[2]
+    cases.update({
+        "colwise [T,3072] pad16": lambda: xf.quantize_colwise_grouped(dy, offs, pad_to=16, ends=ends),
+        "colwise [T,6144] pad16": lambda: xf.quantize_colwise_grouped(gu, offs, pad_to=16, ends=ends),
+        "colwise [T,3072] pad16, amax given": lambda: xf.quantize_colwise_grouped(dy, offs, pad_to=16, ends=ends,
+                                                                                   amax=a3),
+        "colwise [T,6144] pad16, amax given": lambda: xf.quantize_colwise_grouped(gu, offs, pad_to=16, ends=ends,
+                                                                                   amax=a6)})
+if "rowwise" in want:
+    cases.update({
+        "rowwise [T,3072]": lambda: xf.quantize_rowwise(dy),
+        "rowwise + col amax [T,3072]": lambda: xf.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends),
+        "rowwise [T,6144]": lambda: xf.quantize_rowwise(gu),
+        "rowwise + col amax [T,6144]": lambda: xf.quantize_rowwise(gu, col_amax_offsets=offs, ends=ends)})
+if "glu" in want:
+    cases.update({
+        "glu_rowwise (swiglu_oai interleaved, weights)":
+            lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w),
+        "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w)})
+if "bwd" in want:
+    glu = _glu_args("swiglu_oai", 1.702, 7.0, "interleaved")
+    keep = torch.empty_like(gu)
+
+    def bf16_then_rowwise():
+        dg = glu_backward_op(dy, gu, None, w, True, *glu)[0]
+        return xf.quantize_rowwise(dg, col_amax_offsets=offs, ends=ends)
+
+    cases.update({
+        "bf16 glu backward (weights' grad)": lambda: glu_backward_op(dy, gu, None, w, True, *glu),
+        "bf16 glu backward + rowwise + col amax": bf16_then_rowwise,
+        "fp8 glu_backward_rowwise + col amax": lambda: xf.glu_backward_rowwise(
+            dy, gu, "swiglu_oai", layout="interleaved", weights=w, weights_grad=True, offsets=offs, ends=ends,
+            col_amax=True),
+        "fp8 glu_backward_rowwise + col amax + bf16 copy": lambda: xf.glu_backward_rowwise(
+            dy, gu, "swiglu_oai", layout="interleaved", weights=w, weights_grad=True, offsets=offs, ends=ends,
+            col_amax=True, dgate_up_out=keep)})
 for n, f in cases.items():
     print(f"{n}: {median_ms(f, 10, 2, 'cuda'):.3f} ms", flush=True)
