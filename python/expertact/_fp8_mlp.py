@@ -130,8 +130,9 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
     None): the activation's backward quantised rowwise from its float32 values in one pass
     (expertact.fp8.glu_backward_rowwise; b13 added inside, its gradient not computed), the
     column amax for dw13's column-wise operand when ``col_amax``, and the bf16 gradient that
-    operand is quantised from when ``keep_bf16``."""
-    out = torch.empty_like(gate_up) if keep_bf16 else None
+    operand is quantised from when ``keep_bf16``, written in place over gate_up (its last use:
+    the node holds no second [T, 2F] tensor at the peak)."""
+    out = gate_up if keep_bf16 else None
     grouped = b13 is not None or col_amax
     dgq, sdg, dweights, amax = fp8.glu_backward_rowwise(
         dh, gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights,

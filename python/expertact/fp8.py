@@ -289,7 +289,8 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     ``ends``: offsets' values as host ints (see :func:`quantize_colwise_grouped`).
     ``dgate_up_out`` (gate_up's shape and dtype, contiguous rows): also receives the gradient
     rounded to gate_up's dtype, as the activation's backward writes it (e.g. for
-    :func:`quantize_colwise_grouped`, which needs the values again). CPU and CUDA quantise
+    :func:`quantize_colwise_grouped`, which needs the values again); it may be ``gate_up``
+    itself (in place: gate_up is overwritten), no other output or input may share its bytes. CPU and CUDA quantise
     alike (dg_q and dg_scale are the same function of the float32 gradient); that gradient
     differs in its last bits between them as the activation's backward does (the GPU's exp and
     division are approximate forms), and the weights' gradient by its float32 sum's order."""

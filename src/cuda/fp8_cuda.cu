@@ -195,7 +195,10 @@ struct BiasGluSrc {
 };
 
 // The amax of a row across its G lanes: a warp's shuffles, then for G > 32 the row's warps
-// through shared memory (a block-wide barrier: every thread of the block calls this).
+// through shared memory (a block-wide barrier: every thread of the block calls this). A block
+// that takes row after row alternates between two `red` arrays (row parity): a warp that runs
+// ahead writes the other array while slower warps still read this one, and cannot come back
+// to this one before they have passed the next row's barrier.
 __device__ __forceinline__ float row_amax(float a, int G, float* red) {
   a = warp_amax(a);
   if (G > 32) {
@@ -205,7 +208,6 @@ __device__ __forceinline__ float row_amax(float a, int G, float* red) {
     const int w0 = warp & ~(G / 32 - 1);
     a = red[w0];
     for (int k = 1; k < G / 32; ++k) a = fmaxf(a, red[w0 + k]);
-    __syncthreads();  // every warp has read red before any writes it again (the next row of a loop)
   }
   return a;
 }
@@ -366,7 +368,7 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6
     const T* __restrict__ x, int64_t x_stride, int64_t rows, int packs, int G, uint8_t* __restrict__ q,
     int64_t q_stride, bool q_vec, float* __restrict__ scale, int64_t scale_stride, const int32_t* __restrict__ offs,
     int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block) {
-  __shared__ float red[kRowThreads / 32];
+  __shared__ float red[2][kRowThreads / 32];  // by row parity (row_amax)
   const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (rows + R - 1) / R;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
@@ -390,7 +392,7 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6
     acc.on = live && held >= 0;
     const PlainSrc<T, V> src{x + r * x_stride};
     quantize_row<PlainSrc<T, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec, scale + r * scale_stride,
-                                       red, &acc);
+                                       red[st & 1], &acc);
   }
   if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
 }
@@ -835,8 +837,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The row's amax and sum across its G lanes (every thread of the block calls this: it has
-// two block-wide barriers for G > 32, the second before red is written again).
+// The row's amax and sum across its G lanes (every thread of the block calls this: a
+// block-wide barrier for G > 32; red_a / red_s alternate by row parity, as row_amax's red).
 __device__ __forceinline__ void row_amax_sum(float& a, float& sum, int G, float* red_a, float* red_s) {
   a = warp_amax(a);
   sum = warp_sum(sum);
@@ -848,7 +850,6 @@ __device__ __forceinline__ void row_amax_sum(float& a, float& sum, int G, float*
     a = red_a[w0];
     sum = red_s[w0];
     for (int k = 1; k < G / 32; ++k) a = fmaxf(a, red_a[w0 + k]), sum += red_s[w0 + k];
-    __syncthreads();
   }
 }
 
@@ -860,7 +861,7 @@ template <typename T, Activation A, int kStep, int V, int N, bool kAmax>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
-  __shared__ float red_a[kBwdThreads / 32], red_s[kBwdThreads / 32];
+  __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
   // its own words: no bank conflicts, no atomics), in shared memory to spare registers.
   __shared__ float cm[kAmax ? 2 * V * N * kBwdThreads : 1];
@@ -961,7 +962,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
         }
       }
     }
-    row_amax_sum(m, sum, G, red_a, red_s);
+    row_amax_sum(m, sum, G, red_a[st & 1], red_s[st & 1]);
     if (!live) continue;
     const float s = fp8::scale_of(m);
     uint8_t* qr = a.q + r * a.q_stride;

@@ -158,6 +158,33 @@ def test_bf16_dgate_up_out_and_amax(layout):
     _check_against_float64(q, scale, d64)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("F", [3, 48, 3072])
+def test_in_place_over_gate_up(device, layout, F):
+    """dgate_up_out=gate_up: the same bytes as a separate output (q, scale, weights' gradient,
+    column amax and the bf16 gradient), gate_up overwritten by the gradient; F = 3 takes the
+    GPU's scalar kernel, 48 and 3,072 the held rows."""
+    T = 97
+    z, dh, b, w = _case(T, F, torch.bfloat16, 12)
+    z, dh, b, w = z.to(device), dh.to(device), b.to(device), w.to(device)
+    offs = torch.tensor(ENDS, dtype=torch.int32, device=device)
+    kw = dict(layout=layout, weights=w, weights_grad=True, bias=b, offsets=offs, ends=ENDS, col_amax=True)
+    out = torch.full_like(z, 7.0)
+    ref = fp8.glu_backward_rowwise(dh, z, "swiglu_oai", dgate_up_out=out, **kw)
+    zi = z.clone()
+    got = fp8.glu_backward_rowwise(dh, zi, "swiglu_oai", dgate_up_out=zi, **kw)
+    for a, r in zip(got, ref):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           r.view(torch.uint8) if r.dtype == torch.float8_e4m3fn else r)
+    assert torch.equal(zi.view(torch.int16), out.view(torch.int16))
+    with pytest.raises(Exception, match="grad_gate_up"):  # a shifted view of gate_up is not in place
+        fp8.glu_backward_rowwise(dh[:-1], z[:-1], "swiglu_oai", layout=layout, dgate_up_out=z[1:])
+
+
 def test_nan_and_inf():
     """NaN in gate_up or dh: ignored by the amax, written 0x7f; an infinite gradient: scale
     inf and its row's products NaN (0x7f) or 0; all as the recipe of the float32 gradient."""
