@@ -95,6 +95,7 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);
 Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, void* stream);
 Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream);
+Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c, void* stream);
 #endif
 
 }  // namespace expertact::detail

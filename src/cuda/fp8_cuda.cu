@@ -34,7 +34,6 @@
 // runs of rows (as many blocks as are resident). The other forms compute it by colwise pass 1.
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -544,7 +543,7 @@ constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
 // spilled when bounded to 3 blocks, so pass 1 stays as it is.
 constexpr int kAmaxUnroll = 4;
 constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
-constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile (x kQ rows)
+constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
 
 // Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
 // (two for float32) when kVec and all 8 lie in the row, else one by one.
@@ -627,115 +626,95 @@ __global__ void __launch_bounds__(kAmaxThreads) col_amax_kernel(const T* __restr
   }
 }
 
-// Pass 2: a tile of kQ * 128 output rows x 64 columns a block; thread t reads output rows
-// 4 (t / 8) + 128 h .. + 3 for h < kQ (their source rows, or none: padding) at columns
-// 8 (t % 8) .. + 7, all kQ * 4 loads in flight at once, and packs each column's 4 bytes of a
-// row quad into one word of the tile (64 columns x 32 kQ words). Word w of column j sits at
-// j * 32 kQ + (w ^ 4 (j / 8)): the stores (a warp: 4 words x 8 column groups) and the 16-byte
-// loads of the write-out each hit 32 distinct banks. Block order: groups of `group` column
-// tiles with the row tiles slowest within a group (the resident blocks read group x 128
-// contiguous bytes of each input row and write runs of many tiles along each output row);
-// group 0: column tiles fastest over all columns. pends: padded cumulative ends (offsets when
-// unpadded).
-template <typename T, bool kVec, int kQ>
-__global__ void __launch_bounds__(kQThreads, kQ == 1 ? 3 : 2) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
-                                                             int64_t rows, int64_t cols,
-                                                             const int32_t* __restrict__ offsets,
-                                                             const int32_t* __restrict__ pends, int64_t E,
-                                                             const float* __restrict__ scale, int64_t scale_stride,
-                                                             uint8_t* __restrict__ q, int64_t q_stride,
-                                                             int64_t out_rows, int64_t col_tiles, int q_align,
-                                                             int64_t group) {
-  constexpr int kRows = kQRows * kQ, kWords = kRows / 4;
-  __shared__ __align__(16) uint32_t tile[kQCols * kWords];
-  const int64_t b = blockIdx.x;
+// Pass 2 works on tiles of 128 output rows x 64 columns (tile t: row tile t / col_tiles,
+// column tile t % col_tiles). Thread t of a block takes output rows 4 (t / 8) .. + 3 of the
+// tile (their source rows, or none: padding) at columns 8 (t % 8) .. + 7, quantises them with
+// their expert's s = 1 / scale (exact: powers of two and 0 <-> inf) and packs each column's 4
+// bytes into one word of a shared tile (64 columns x 32 words; word w of column j at
+// j * 32 + (w ^ 4 (j / 8)): the stores (a warp: 4 words x 8 column groups) and the 16-byte
+// loads of the write-out each hit 32 distinct banks), written out transposed as 16-byte runs
+// of q_t's rows. Padding rows are written as 0 from the same tile. pends: padded cumulative
+// ends (offsets when unpadded).
+struct ColTile {
   int64_t p0, c0;
-  if (group > 0) {
-    const int64_t row_tiles = (out_rows + kRows - 1) / kRows;
-    const int64_t grp = b / (group * row_tiles);
-    const int64_t in_grp = b - grp * group * row_tiles;
-    const int64_t grp_cols = col_tiles - grp * group < group ? col_tiles - grp * group : group;
-    p0 = (in_grp / grp_cols) * kRows;
-    c0 = (grp * group + in_grp % grp_cols) * kQCols;
-  } else {
-    p0 = (b / col_tiles) * kRows;
-    c0 = (b % col_tiles) * kQCols;
-  }
-  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
-  const int64_t c = c0 + 8 * cg;
-  // Each output row's source row (-1: padding or past the blocks) and expert; both fit 32
-  // bits (a source row is below an int32 offset).
-  int32_t src[4 * kQ], ex[4 * kQ];
+  int32_t src[4], ex[4];  // each of the thread's rows: source row (-1: none) and expert
+};
+
+__device__ __forceinline__ ColTile col_tile(int64_t t, int64_t col_tiles, int64_t rows, int64_t out_rows,
+                                            const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
+                                            int64_t E) {
+  ColTile ct;
+  ct.p0 = (t / col_tiles) * kQRows;
+  ct.c0 = (t % col_tiles) * kQCols;
+  const int64_t pf = ct.p0 + 4 * (threadIdx.x >> 3);
+  int64_t e = detail::expert_of(pends, E, pf);
 #pragma unroll
-  for (int h = 0; h < kQ; ++h) {
-    const int64_t pf = p0 + kQRows * h + 4 * rq;
-    int64_t e = detail::expert_of(pends, E, pf);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t p = pf + k;
-      while (e < E && pends[e] <= p) ++e;
-      int32_t sr = -1;
-      if (e < E && p < out_rows) {
-        const int64_t start = e == 0 ? 0 : offsets[e - 1];
-        const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-        const int64_t r = start + local;
-        if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) sr = static_cast<int32_t>(r);
-      }
-      src[4 * h + k] = sr;
-      ex[4 * h + k] = static_cast<int32_t>(e);
+  for (int k = 0; k < 4; ++k) {
+    const int64_t p = pf + k;
+    while (e < E && pends[e] <= p) ++e;
+    ct.src[k] = -1;  // both fit 32 bits: a source row is below an int32 offset
+    ct.ex[k] = static_cast<int32_t>(e);
+    if (e < E && p < out_rows) {
+      const int64_t start = e == 0 ? 0 : offsets[e - 1];
+      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
+      const int64_t r = start + local;
+      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) ct.src[k] = static_cast<int32_t>(r);
     }
   }
-  uint32_t w[kQ][8];
+  return ct;
+}
+
+// The thread's 4 x 8 values (v(k, x): row k's 8 floats; rows without a source and columns
+// past the end give bytes 0x00), scaled by their expert's s and packed into the shared tile.
+template <typename Values>
+__device__ __forceinline__ void col_tile_pack(const ColTile& ct, int64_t cols, const float* __restrict__ scale,
+                                              int64_t scale_stride, uint32_t* tile, Values&& v) {
+  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
+  const int64_t c = ct.c0 + 8 * cg;
+  uint32_t w[8];
 #pragma unroll
-  for (int h = 0; h < kQ; ++h)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w[h][i] = 0;
+  for (int i = 0; i < 8; ++i) w[i] = 0;
   if (c < cols) {
-    Pack<T, 8> in[4 * kQ];
-#pragma unroll
-    for (int k = 0; k < 4 * kQ; ++k)
-      if (src[k] >= 0) load8<T, kVec>(x + static_cast<int64_t>(src[k]) * x_stride, c, cols, in[k]);
-    // The scaled values (0 for padding rows and columns past the end: bytes 0x00), each row
-    // with its expert's multipliers s = 1 / scale.
+    float xs[4][8];
     float s[8];
     int32_t se = -1;
 #pragma unroll
-    for (int h = 0; h < kQ; ++h) {
-      float xs[4][8];
+    for (int k = 0; k < 4; ++k) {
+      if (ct.src[k] < 0) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (src[4 * h + k] < 0) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-          continue;
-        }
-        if (ex[4 * h + k] != se) {
-          se = ex[4 * h + k];
-          const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[4 * h + k].v[i]) * s[i];
+        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
+        continue;
       }
+      if (ct.ex[k] != se) {
+        se = ct.ex[k];
+        const float* sr = scale + se * scale_stride + c;
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        w[h][i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
+        for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
+      }
+      v(k, xs[k]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xs[k][i] *= s[i];
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
   }
 #pragma unroll
-  for (int h = 0; h < kQ; ++h)
+  for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
+}
+
+// The shared tile written out: 16 bytes a thread and step, along q_t's rows.
+__device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t* tile, int64_t cols,
+                                               int64_t out_rows, uint8_t* __restrict__ q, int64_t q_stride,
+                                               int q_align) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * kWords + ((32 * h + rq) ^ (cg << 2))] = w[h][i];
-  __syncthreads();
-#pragma unroll
-  for (int it = 0; it < kQCols * kRows / 16 / kQThreads; ++it) {
+  for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
     const int idx = threadIdx.x + it * kQThreads;
-    const int cl = idx / (kRows / 16), wg = idx % (kRows / 16);
-    const int64_t cc = c0 + cl;
-    const int64_t pw = p0 + 16 * wg;
+    const int cl = idx >> 3, wg = idx & 7;
+    const int64_t cc = ct.c0 + cl;
+    const int64_t pw = ct.p0 + 16 * wg;
     if (cc >= cols || pw >= out_rows) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * kWords + 4 * (wg ^ (cl >> 3))]);
+    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
     uint8_t* dst = q + cc * q_stride + pw;
     const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
     if (q_align == 16 && n == 16) {
@@ -756,24 +735,225 @@ __global__ void __launch_bounds__(kQThreads, kQ == 1 ? 3 : 2) col_quant_kernel(c
   }
 }
 
-// Pass 2's tile height (row quads a thread: 1 or 2) and block order (column tiles a group; 0:
-// column tiles fastest). EXPERTACT_FP8_COLQ="<quads>,<group>" overrides them (a tuning knob,
-// read once per process).
-struct ColQuantShape {
-  int quads;
-  int64_t group;
+// Any dtype and alignment: a block a tile, its loads straight into registers (4 x 16 bytes a
+// thread, or element by element). 70 registers, 3 blocks an SM: about 1.6 TB/s on an H200
+// (Nsight Compute: 36% occupancy, latency-bound), hence the pipelined form below where it
+// applies.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                             int64_t rows, int64_t cols,
+                                                             const int32_t* __restrict__ offsets,
+                                                             const int32_t* __restrict__ pends, int64_t E,
+                                                             const float* __restrict__ scale, int64_t scale_stride,
+                                                             uint8_t* __restrict__ q, int64_t q_stride,
+                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
+  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
+  const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
+  const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
+  Pack<T, 8> in[4];
+  if (c < cols) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (ct.src[k] >= 0) load8<T, kVec>(x + static_cast<int64_t>(ct.src[k]) * x_stride, c, cols, in[k]);
+  }
+  col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f(in[k].v[i]);
+  });
+  __syncthreads();
+  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+}
+
+// ---- pass 2 pipelined through shared memory ----
+//
+// 16-bit rows in 16-byte packs, 8-column groups whole: persistent blocks (grid-stride over the
+// tiles, so the resident blocks work on a window of consecutive tiles, as the one-tile form's
+// waves do), each thread copying its own 4 rows x 16 bytes of a tile into shared memory by
+// cp.async (no registers held while in flight) kStages - 1 tiles ahead of the one it
+// converts (Src::kStages: 5 for the plain operand, 4 x 16 KB a block in flight; 3 for the
+// activation's 32 KB tiles; two blocks an SM either way). A thread reads back only the bytes
+// it copied (cp.async.wait_group is enough); the output tile is double-buffered, one barrier
+// a tile. Src gives the bytes to copy and turns them into values (the plain operand; the
+// activation recomputed from gate_up).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// The plain operand: chunk 0 of row r at column c is x's 8 values there.
+template <typename T>
+struct PlainColSrc {
+  static constexpr int kChunks = 1;  // 16-byte chunks per row and 8-column group
+  static constexpr int kStages = 5;
+  const T* x;
+  int64_t x_stride;
+  __device__ __forceinline__ const void* chunk(int64_t r, int64_t c, int) const { return x + r * x_stride + c; }
+  __device__ __forceinline__ void values(const uint4* ch, int64_t, int, int64_t, float (&v)[8]) const {
+    const Pack<T, 8> p = *reinterpret_cast<const Pack<T, 8>*>(&ch[0]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f(p.v[i]);
+  }
 };
-ColQuantShape col_quant_shape() {
-  static const ColQuantShape shape = [] {
-    ColQuantShape s{1, 8};
-    if (const char* env = std::getenv("EXPERTACT_FP8_COLQ")) {
-      int qd = 0;
-      long g = -1;
-      if (std::sscanf(env, "%d,%ld", &qd, &g) == 2 && (qd == 1 || qd == 2) && g >= 0 && g <= 4096) s = {qd, g};
+
+// The activation recomputed from gate_up (glu_colwise_grouped): h = act(gate [+ bias], up
+// [+ bias]) * w, rounded to T as the activation's forward writes it, so that the bytes are
+// quantize_colwise_grouped's of that h. kStep 2 (interleaved): the 8 columns' 16 values of
+// gate_up, two chunks; kStep 1: gate's 8 (chunk 0) and up's 8 (chunk 1).
+template <typename T, Activation A, int kStep>
+struct GluColSrc {
+  static constexpr int kChunks = 2;
+  static constexpr int kStages = 3;
+  const T* g;
+  const T* u;
+  int64_t g_stride, u_stride;
+  const float* w;
+  int64_t w_stride;
+  const T* bg;  // null: no bias
+  const T* bu;
+  int64_t b_stride;
+  math::Coeffs c;
+  __device__ __forceinline__ const void* chunk(int64_t r, int64_t col, int j) const {
+    if constexpr (kStep == 2) return g + r * g_stride + 2 * col + 8 * j;
+    return j == 0 ? g + r * g_stride + col : u + r * u_stride + col;
+  }
+  __device__ __forceinline__ void values(const uint4* ch, int64_t r, int e, int64_t col, float (&v)[8]) const {
+    const Pack<T, 8> p0 = *reinterpret_cast<const Pack<T, 8>*>(&ch[0]);
+    const Pack<T, 8> p1 = *reinterpret_cast<const Pack<T, 8>*>(&ch[1]);
+    const float wr = w ? w[r * w_stride] : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float gv, uv;
+      if constexpr (kStep == 2) {
+        gv = to_f(i < 4 ? p0.v[2 * i] : p1.v[2 * i - 8]);
+        uv = to_f(i < 4 ? p0.v[2 * i + 1] : p1.v[2 * i - 7]);
+      } else {
+        gv = to_f(p0.v[i]);
+        uv = to_f(p1.v[i]);
+      }
+      if (bg) {
+        gv += to_f(bg[e * b_stride + (col + i) * kStep]);
+        uv += to_f(bu[e * b_stride + (col + i) * kStep]);
+      }
+      v[i] = to_f(from_f<T>(math::glu_fwd<A>(gv, uv, wr, c)));
     }
-    return s;
+  }
+};
+
+// glu_colwise_grouped for operands the pipelined form does not take (any alignment, any
+// dtype): the one-tile form with the activation computed element by element.
+template <typename T, Activation A>
+__global__ void __launch_bounds__(kQThreads, 3) glu_col_quant_kernel(
+    const T* g, const T* u, int64_t g_stride, int64_t u_stride, int step, const float* __restrict__ w,
+    int64_t w_stride, const T* bg, const T* bu, int64_t b_stride, math::Coeffs cf, int64_t rows, int64_t cols,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends, int64_t E,
+    const float* __restrict__ scale, int64_t scale_stride, uint8_t* __restrict__ q, int64_t q_stride,
+    int64_t out_rows, int64_t col_tiles, int q_align) {
+  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
+  const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
+  const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
+  col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
+    const int64_t r = ct.src[k];
+    const float wr = w ? w[r * w_stride] : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = 0.0f;
+      if (c + i < cols) {
+        const int64_t j = (c + i) * step;
+        float gv = to_f(g[r * g_stride + j]), uv = to_f(u[r * u_stride + j]);
+        if (bg) gv += to_f(bg[ct.ex[k] * b_stride + j]), uv += to_f(bu[ct.ex[k] * b_stride + j]);
+        v[i] = to_f(from_f<T>(math::glu_fwd<A>(gv, uv, wr, cf)));
+      }
+    }
+  });
+  __syncthreads();
+  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+}
+
+template <typename Src>
+constexpr int col_async_smem() {
+  return Src::kStages * kQRows * 8 * Src::kChunks * 16 + 2 * kQCols * kQRows;
+}
+
+template <typename Src>
+__global__ void __launch_bounds__(kQThreads, 2) col_quant_async_kernel(const Src src, int64_t rows, int64_t cols,
+                                                                   const int32_t* __restrict__ offsets,
+                                                                   const int32_t* __restrict__ pends, int64_t E,
+                                                                   const float* __restrict__ scale,
+                                                                   int64_t scale_stride, uint8_t* __restrict__ q,
+                                                                   int64_t q_stride, int64_t out_rows,
+                                                                   int64_t col_tiles, int64_t tiles, int q_align) {
+  extern __shared__ __align__(16) uint4 col_smem[];
+  constexpr int kC = Src::kChunks, kStage = kQRows * 8 * kC, kColStages = Src::kStages;  // slots a stage
+  uint32_t* const outs = reinterpret_cast<uint32_t*>(col_smem + kColStages * kStage);
+  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
+  // Slot of row k of the thread's quad, chunk j: a quarter warp reads 128 contiguous bytes.
+  auto slot = [&](int s, int k, int j) { return col_smem + s * kStage + j * (kQRows * 8) + (4 * rq + k) * 8 + cg; };
+  auto issue = [&](int64_t t, int s) {
+    if (t < tiles) {
+      const ColTile ct = col_tile(t, col_tiles, rows, out_rows, offsets, pends, E);
+      const int64_t c = ct.c0 + 8 * cg;
+      if (c < cols) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (ct.src[k] >= 0) {
+#pragma unroll
+            for (int j = 0; j < kC; ++j) cp_async16(slot(s, k, j), src.chunk(ct.src[k], c, j));
+          }
+      }
+    }
+    cp_async_commit();  // an empty group past the end keeps the counts uniform
+  };
+  const int64_t step = gridDim.x;
+#pragma unroll
+  for (int s = 0; s < kColStages - 1; ++s) issue(blockIdx.x + s * step, s);
+  int it = 0;
+  for (int64_t t = blockIdx.x; t < tiles; t += step, ++it) {
+    // The stage refilled here was read in the previous iteration, before its barrier.
+    issue(t + (kColStages - 1) * step, (it + kColStages - 1) % kColStages);
+    cp_async_wait<kColStages - 1>();
+    const int s = it % kColStages;
+    const ColTile ct = col_tile(t, col_tiles, rows, out_rows, offsets, pends, E);
+    uint32_t* tile = outs + (it & 1) * (kQCols * kQRows / 4);
+    const int64_t c = ct.c0 + 8 * cg;
+    col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
+      uint4 ch[kC];
+#pragma unroll
+      for (int j = 0; j < kC; ++j) ch[j] = *slot(s, k, j);
+      src.values(ch, ct.src[k], ct.ex[k], c, v);
+    });
+    __syncthreads();
+    col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+  }
+  cp_async_wait<0>();
+}
+
+// Whether pass 2 takes the pipelined form (EXPERTACT_FP8_COLQ=sync forces the one-tile form:
+// a measurement knob, read once per process).
+bool col_async_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_COLQ");
+    return !(env && std::string(env) == "sync");
   }();
-  return shape;
+  return allowed;
+}
+
+// Grid of the pipelined form: as many blocks as are resident at once (smem-bound), at most
+// one a tile.
+template <typename Kernel>
+Status col_async_launch_shape(Kernel kernel, int smem, int device, int64_t tiles, unsigned& grid) {
+  EA_TRY(cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                    "fp8 colwise kernel attribute"));
+  int per_sm = 0;
+  EA_TRY(cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kQThreads, smem),
+                    "fp8 colwise occupancy query"));
+  const int64_t g = std::min<int64_t>(tiles, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device));
+  grid = static_cast<unsigned>(std::max<int64_t>(g, 1));
+  return Status::kOk;
 }
 
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
@@ -1286,18 +1466,29 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       }
       if (p.out_rows == 0 || p.cols == 0) return Status::kOk;
       const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
-      const cuda::ColQuantShape shape = cuda::col_quant_shape();
-      const int64_t tile_rows = cuda::kQRows * shape.quads;
-      const int64_t row_tiles = (p.out_rows + tile_rows - 1) / tile_rows;
-      const int64_t blocks = col_tiles * row_tiles;
-      if (blocks > 0x7fffffff)
+      const int64_t row_tiles = (p.out_rows + cuda::kQRows - 1) / cuda::kQRows;
+      const int64_t tiles = col_tiles * row_tiles;
+      if (tiles > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-      auto launch = [&](auto kernel) {
-        kernel<<<static_cast<unsigned>(blocks), cuda::kQThreads, 0, st>>>(
-            static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-            p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align, shape.group);
-      };
-      if (shape.quads == 2) launch(cuda::col_quant_kernel<T, kVec, 2>); else launch(cuda::col_quant_kernel<T, kVec, 1>);
+      if constexpr (kVec && sizeof(T) == 2) {
+        if (p.cols % 8 == 0 && cuda::col_async_allowed()) {
+          // (the kernel named with its full template argument: nvcc's host stub does not see a
+          // local alias)
+          using Src = cuda::PlainColSrc<T>;
+          const auto kernel = cuda::col_quant_async_kernel<cuda::PlainColSrc<T>>;
+          constexpr int smem = cuda::col_async_smem<Src>();
+          unsigned grid = 0;
+          EA_TRY(cuda::col_async_launch_shape(kernel, smem, device, tiles, grid));
+          kernel<<<grid, cuda::kQThreads, smem, st>>>(Src{static_cast<const T*>(p.x), p.x_stride}, p.rows, p.cols,
+                                                      p.offsets, pends, p.experts, p.scale, p.scale_stride,
+                                                      static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows,
+                                                      col_tiles, tiles, q_align);
+          return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
+        }
+      }
+      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
+          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
@@ -1413,6 +1604,77 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
           return scalar();
         });
       });
+    });
+  });
+}
+
+Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c, void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_TRY(enter_operands(p.device_id, guard,
+                        {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
+                         {"bias", bias ? bias->bg : nullptr}, {"offsets", c.offsets},
+                         {"padded_offsets", c.padded}, {"q_t", c.q_t}, {"scale", c.scale}, {"amax", c.amax}}));
+  if (!c.amax) return fail(Status::kInvalidArgument, "glu_colwise_grouped needs the column amax");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t sm = cuda::sm_count(p.device_id);
+  const int64_t n_scales = c.experts * c.cols;
+  if (n_scales > 0) {
+    const unsigned blocks =
+        static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
+    cuda::col_scale_kernel<true><<<blocks, 256, 0, st>>>(c.scale, c.scale_stride, c.experts, c.cols, c.amax,
+                                                         c.amax_stride);
+    EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
+  }
+  if (c.out_rows == 0 || c.cols == 0) return Status::kOk;
+  const int64_t col_tiles = (c.cols + cuda::kQCols - 1) / cuda::kQCols;
+  const int64_t tiles = col_tiles * ((c.out_rows + cuda::kQRows - 1) / cuda::kQRows);
+  if (tiles > 0x7fffffff) return fail(Status::kInvalidArgument, "q_t is too large (", c.cols, " x ", c.out_rows, ")");
+  const auto q_addr = reinterpret_cast<uintptr_t>(c.q_t);
+  const bool one_q_row = c.cols <= 1;
+  const int q_align = q_addr % 16 == 0 && (one_q_row || c.q_stride % 16 == 0) ? 16
+                      : q_addr % 4 == 0 && (one_q_row || c.q_stride % 4 == 0)  ? 4
+                                                                                : 1;
+  const int32_t* pends = c.padded ? c.padded : c.offsets;
+  const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
+    using T = decltype(t);
+    const T* g = static_cast<const T*>(p.g);
+    const T* u = static_cast<const T*>(p.u);
+    const T* bg = bias ? static_cast<const T*>(bias->bg) : nullptr;
+    const T* bu = bias ? static_cast<const T*>(bias->bu) : nullptr;
+    const int64_t b_stride = bias ? bias->b_stride : 0;
+    return dispatch_act(p.params.act, [&](auto act) -> Status {
+      constexpr Activation A = decltype(act)::value;
+      if constexpr (sizeof(T) == 2) {
+        // The pipelined form: every 16-byte chunk aligned (8 columns of h: 16 values of an
+        // interleaved row, or 8 of gate and 8 of up).
+        auto al = [&](const void* ptr, int64_t stride) {
+          return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (p.rows <= 1 || (stride * 2) % 16 == 0);
+        };
+        const bool ok = c.cols % 8 == 0 && cuda::col_async_allowed() &&
+                        (p.step == 2 ? al(g, p.g_stride) && u == g + 1 && p.u_stride == p.g_stride
+                                     : p.step == 1 && al(g, p.g_stride) && al(u, p.u_stride));
+        if (ok) {
+          return dispatch_step(p.step, [&](auto stp) -> Status {
+            constexpr int kStep = decltype(stp)::value;
+            using Src = cuda::GluColSrc<T, A, kStep>;
+            const auto kernel = cuda::col_quant_async_kernel<cuda::GluColSrc<T, A, kStep>>;
+            constexpr int smem = cuda::col_async_smem<Src>();
+            unsigned grid = 0;
+            EA_TRY(cuda::col_async_launch_shape(kernel, smem, p.device_id, tiles, grid));
+            const Src src{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, bg, bu, b_stride, cf};
+            kernel<<<grid, cuda::kQThreads, smem, st>>>(src, c.rows, c.cols, c.offsets, pends, c.experts, c.scale,
+                                                        c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
+                                                        c.out_rows, col_tiles, tiles, q_align);
+            return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
+          });
+        }
+      }
+      cuda::glu_col_quant_kernel<T, A><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
+          g, u, p.g_stride, p.u_stride, p.step, p.w, p.w_stride, bg, bu, b_stride, cf, c.rows, c.cols, c.offsets,
+          pends, c.experts, c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride, c.out_rows,
+          col_tiles, q_align);
+      return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
     });
   });
 }
