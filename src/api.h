@@ -72,6 +72,13 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
                             const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                             void* stream);
+// The activation quantised per expert and column (expertact.hpp, fp8_glu_colwise_grouped); up,
+// weights, bias, padded_offsets: null when not given.
+Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                                    const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                                    const OffsetsRef& offsets, const OffsetsRef* padded_offsets,
+                                    const MatrixRef& q_t, const MatrixRef& scale, const MatrixRef& amax,
+                                    void* stream);
 // The fused FP8 activation backward (expertact.hpp, fp8_glu_backward_rowwise); bias, offsets,
 // grad_weights, col_amax, grad_gate_up: null when not given.
 Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,

@@ -61,14 +61,14 @@ Extent offsets_extent(const OffsetsRef& o) {
 // expert's block at least its rows, the last end within q_t); on a GPU they are not read on
 // the host (the kernels keep every access in bounds whatever the values).
 Status check_padded_offsets(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows,
-                            DeviceType dev, int32_t dev_id) {
+                            DeviceType dev, int32_t dev_id, const char* ref_name = "x") {
   if (pad.size != offsets.size)
     return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
                 offsets.size, " (one padded end row per expert)");
   if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
   if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
     return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, "x"));
+  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
   if (dev != DeviceType::kCPU) return Status::kOk;
   int64_t prev = 0, prev_end = 0;
   for (int64_t e = 0; e < pad.size; ++e) {
@@ -269,6 +269,84 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
 #endif
 }
 
+// The activation quantised per expert and column (fp8_glu_colwise_grouped): the checks of
+// fp8_glu_rowwise's inputs with those of fp8_quantize_colwise_grouped's offsets, outputs and
+// amax (required here: h is computed once, so its scales must be known before).
+Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                                    const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                                    const OffsetsRef& offsets, const OffsetsRef* padded, const MatrixRef& q_t,
+                                    const MatrixRef& scale, const MatrixRef& amax, void* stream) {
+  const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
+  GluProblem p;
+  EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
+  EA_TRY(check_fp8_input(xname, p.dtype));
+  EA_TRY(check_offsets(offsets, p.rows, p.device, p.device_id, xname));
+  const Extent ex = extent_of(x);
+  // With padding, q_t's column count is the padded row count (checked against the padded
+  // offsets below); without, it is the input's.
+  const int64_t E = offsets.size, out_rows = padded ? q_t.cols : p.rows;
+  EA_TRY(check_fp8_output("q_t", q_t, p.F, out_rows, DType::kFloat8E4M3,
+                          padded ? "the activation quantised, transposed, each expert's rows at its padded offset"
+                                 : "the activation quantised, transposed",
+                          p.device, p.device_id, xname, ex));
+  if (padded) EA_TRY(check_padded_offsets(*padded, offsets, out_rows, p.device, p.device_id, xname));
+  EA_TRY(check_fp8_output("scale", scale, E, p.F, DType::kFloat32, "one scale per expert and column", p.device,
+                          p.device_id, xname, ex));
+  EA_TRY(check_matrix("amax", amax));
+  EA_TRY(check_shape("amax", amax, E, p.F, DType::kFloat32,
+                     "the per expert and column max |h| of the activation, as fp8_quantize_rowwise's col_amax "
+                     "of it"));
+  EA_TRY(check_same_device("amax", amax.device, amax.device_id, p.device, p.device_id, xname));
+  if (bias) {
+    // As glu_forward_bias (src/api_bias.cpp) checks its bias.
+    EA_TRY(check_matrix("bias", *bias));
+    EA_TRY(check_shape("bias", *bias, E, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype"));
+    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, xname));
+  }
+  // No output may share a byte with an input or the other output.
+  struct Named {
+    const char* name;
+    Extent e;
+  };
+  const Named outs[] = {{"q_t", extent_of(q_t)}, {"scale", extent_of(scale)}};
+  const Named ins[] = {{xname, ex},
+                       {"up", up ? extent_of(*up) : Extent{}},
+                       {"weights", weights ? extent_of(*weights) : Extent{}},
+                       {"bias", bias ? extent_of(*bias) : Extent{}},
+                       {"offsets", offsets_extent(offsets)},
+                       {"padded_offsets", padded ? offsets_extent(*padded) : Extent{}},
+                       {"amax", extent_of(amax)}};
+  for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); ++i) {
+    for (const Named& in : ins) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, in.name, in.e));
+    for (size_t k = 0; k < i; ++k) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, outs[k].name, outs[k].e));
+  }
+  if (p.F == 0) return Status::kOk;
+  GluBias b;
+  if (bias) split_bias(layout, p, *bias, offsets, b);
+  Fp8Cols c;
+  c.dtype = p.dtype;
+  c.device_id = p.device_id;
+  c.rows = p.rows;
+  c.cols = p.F;
+  c.offsets = offsets.data;
+  c.padded = padded ? padded->data : nullptr;
+  c.experts = E;
+  c.q_t = q_t.data;
+  c.q_stride = q_t.row_stride;
+  c.out_rows = out_rows;
+  c.scale = static_cast<float*>(scale.data);
+  c.scale_stride = scale.row_stride;
+  c.amax = static_cast<const float*>(amax.data);
+  c.amax_stride = amax.row_stride;
+  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_colwise_grouped(p, bias ? &b : nullptr, c);
+#if EXPERTACT_WITH_CUDA
+  return cuda_fp8_glu_colwise_grouped(p, bias ? &b : nullptr, c, stream);
+#else
+  (void)stream;
+  return no_fp8_cuda(xname);
+#endif
+}
+
 // The fused FP8 activation backward: packed layouts only (gate_up holds both halves; q has
 // its column layout).
 Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
@@ -421,6 +499,16 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        void* stream) {
   return detail::guarded("fp8_glu_rowwise", [&] {
     return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, stream);
+  });
+}
+
+Status fp8_glu_colwise_grouped(const GluParams& params, Layout layout, const MatrixRef& x, const MatrixRef* up,
+                               const VectorRef* weights, const MatrixRef* bias, const OffsetsRef& offsets,
+                               const OffsetsRef* padded_offsets, const MatrixRef& q_t, const MatrixRef& scale,
+                               const MatrixRef& amax, void* stream) {
+  return detail::guarded("fp8_glu_colwise_grouped", [&] {
+    return detail::fp8_glu_colwise_grouped_body(params, layout, x, up, weights, bias, offsets, padded_offsets, q_t,
+                                                scale, amax, stream);
   });
 }
 

@@ -581,6 +581,36 @@ expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* param
   });
 }
 
+expertact_status expertact_fp8_glu_colwise_grouped_2d(const expertact_params* params, int32_t layout,
+                                                     const expertact_matrix* x, const expertact_matrix* up,
+                                                     const expertact_vector* weights, const expertact_matrix* bias,
+                                                     const expertact_vector* offsets,
+                                                     const expertact_vector* padded_offsets, expertact_matrix* q_t,
+                                                     expertact_matrix* scale, const expertact_matrix* amax,
+                                                     void* stream) {
+  return guarded_c("expertact_fp8_glu_colwise_grouped_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mb, mq, ms, ma;
+    OffsetsRef offs, pads;
+    if (bias) EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    if (padded_offsets) EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
+    EA_TRY(to_matrix("q_t", q_t, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    if (amax == nullptr)
+      return fail(Status::kInvalidArgument,
+                  "amax is null: it is required (float32 [E, F], the per expert and column max |h|, e.g. "
+                  "expertact_fp8_quantize_rowwise_2d's col_amax of the activation)");
+    EA_TRY(to_matrix("amax", amax, ma));
+    return fp8_glu_colwise_grouped_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                        weights ? &o.w : nullptr, bias ? &mb : nullptr, offs,
+                                        padded_offsets ? &pads : nullptr, mq, ms, ma, stream);
+  });
+}
+
 expertact_status expertact_fp8_glu_backward_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
     const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_matrix* bias,

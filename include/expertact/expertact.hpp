@@ -226,6 +226,22 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
                        void* stream = nullptr);
 
+// The activation h (glu_forward's arguments, or glu_forward_bias's with bias, nullptr: none;
+// its offsets are `offsets`) quantised per expert and column as fp8_quantize_colwise_grouped
+// quantises a tensor: the same bytes and scales as fp8_quantize_colwise_grouped(h, offsets,
+// padded_offsets, q_t, scale, amax) with h the forward's output in x's dtype (q_t
+// [F, rows or Tp] kFloat8E4M3, scale float32 [E, F]), without writing h: x is read once and
+// only the float8 bytes and scales are written (the weight gradient's operand of the second
+// GEMM in an FP8 backward). amax (float32 [E, F]) is required: the max |h| of each column
+// over each expert's rows, of h rounded to x's dtype, as fp8_quantize_rowwise's col_amax of h
+// with the same offsets computes it (a forward that quantises h rowwise can keep it). The
+// bytes depend only on h's bits, so CPU and CUDA agree wherever their forwards do (the GPU's
+// exp and division are approximate forms: h may differ in its last bit between them).
+Status fp8_glu_colwise_grouped(const GluParams& params, Layout layout, const MatrixRef& x, const MatrixRef* up,
+                               const VectorRef* weights, const MatrixRef* bias, const OffsetsRef& offsets,
+                               const OffsetsRef* padded_offsets, const MatrixRef& q_t, const MatrixRef& scale,
+                               const MatrixRef& amax, void* stream = nullptr);
+
 // The activation's backward (glu_backward's gradient of gate_up, with glu_forward_bias's
 // per-expert bias when given) quantized as above from its float32 values, one rounding,
 // without writing it in gate_up's dtype: q [rows, 2F] (kFloat8E4M3) in gate_up's column

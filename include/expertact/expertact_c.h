@@ -207,6 +207,17 @@ EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_bias_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,
     const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
     const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale, void* stream);
+/* The activation of expertact_glu_forward_2d's arguments (with bias: expertact_glu_forward_bias_2d's;
+ * NULL: none) quantized per expert and column as expertact_fp8_quantize_colwise_grouped_2d
+ * quantizes that forward's output (in x's dtype), without writing it: the same q_t, scale and
+ * padding (expertact.hpp, fp8_glu_colwise_grouped, says it exactly). offsets: the experts' end
+ * rows (also the bias's); amax (float32 [E, F], required): the per expert and column max |h| of
+ * the rounded activation, e.g. expertact_fp8_quantize_rowwise_2d's col_amax of it. */
+EXPERTACT_API expertact_status expertact_fp8_glu_colwise_grouped_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* x,
+    const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
+    const expertact_vector* offsets, const expertact_vector* padded_offsets, expertact_matrix* q_t,
+    expertact_matrix* scale, const expertact_matrix* amax, void* stream);
 /* The activation's backward quantized rowwise from its float32 values (expertact.hpp,
  * fp8_glu_backward_rowwise, says it exactly): packed layouts only; q float8 [rows, 2F] in
  * gate_up's column layout, scale float32 [rows]. NULL for what is not given or not wanted:

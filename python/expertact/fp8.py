@@ -22,6 +22,10 @@ output is NaN, never finite garbage.
                                    weights=w, weights_grad=True, offsets=offsets, col_amax=True)
     # per expert and column, each expert's rows padded to a multiple of 16 (the weight gradients)
     x_q, x_scale = expertact.fp8.quantize_colwise_grouped(x, offsets, pad_to=16, ends=ends)
+    # the activation recomputed from gate_up and quantised so, without writing it; h_amax: its
+    # per expert and column amax (quantize_rowwise(h, col_amax_offsets=offsets)[2])
+    h_qc, h_cscale = expertact.fp8.glu_colwise_grouped(gate_up, "swiglu", offsets, pad_to=16, ends=ends,
+                                                       amax=h_amax)
     offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
 
 CPU and CUDA, the same bytes and scales on both. No autograd: these are operand producers for
@@ -36,12 +40,12 @@ from typing import Optional, Tuple
 import torch
 
 from . import _capi
-from ._args import check_ends, layout_code, preset_coeffs, tensor_arg
+from ._args import ACTIVATIONS, check_ends, layout_code, preset_coeffs, tensor_arg
 from ._bias import _check, _matrix, _params_ref, _vector
 from ._describe import stream_of
 
-__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_backward_rowwise",
-           "DL_FLOAT8_E4M3FN"]
+__all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_colwise_grouped",
+           "glu_backward_rowwise", "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -52,6 +56,7 @@ _LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_bias_2d.restype = c_int32
 _LIB.expertact_fp8_glu_backward_rowwise_2d.restype = c_int32
+_LIB.expertact_fp8_glu_colwise_grouped_2d.restype = c_int32
 
 
 def _outputs(like, cols):
@@ -265,6 +270,86 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
                                                   None if ws is None else byref(ws[1]), byref(bs[1]), byref(offs[1]),
                                                   byref(qs[1]), byref(ss[1]), stream_of(gate_up)))
     return q, scale
+
+
+def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.Tensor, *,
+                        up: Optional[torch.Tensor] = None, alpha: Optional[float] = None,
+                        limit: Optional[float] = None, layout: Optional[str] = None,
+                        weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                        pad_to: int = 1, ends=None,
+                        amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): the activation h = act(gate_up [+ bias[e]]) * weights of gate_up [T, 2F]
+    (or gate [T, F] with ``up``, the separate layout), in gate_up's dtype as the activation's
+    forward writes it (``functional.glu`` with the preset's parameters, ``bias=``,
+    ``offsets=``), quantised per expert and column as :func:`quantize_colwise_grouped` does:
+    exactly ``quantize_colwise_grouped(h, offsets, pad_to=pad_to, ends=ends)`` (q float8_e4m3fn
+    [T or Tp, F] column-major, scale float32 [E, F]), without writing h. It is the weight
+    gradient's operand of the second GEMM in an FP8 backward, recomputed from gate_up in one
+    read instead of a bf16 recompute followed by a column-wise pass.
+
+    ``activation``, ``alpha``, ``limit``, ``layout``, ``weights``, ``bias`` as in
+    :func:`glu_rowwise` (``bias`` [E, 2F] goes with ``offsets``, int32 [E], the experts'
+    cumulative end rows, which also group the quantisation); ``pad_to``, ``ends`` as in
+    :func:`quantize_colwise_grouped`.
+
+    ``amax`` (float32 [E, F] on gate_up's device): the max |h| of each column over each expert's
+    rows, of h in gate_up's dtype, as ``quantize_rowwise(h, col_amax_offsets=offsets)[2]``
+    gives it; a forward that quantises h can keep it. The fused path needs it: its scales must
+    be known before h is computed. Without it (None) h is computed here with
+    ``functional.glu`` and quantised by :func:`quantize_colwise_grouped` (h written once, read
+    twice): the same result. CPU and CUDA write the same bytes for the same h; h itself may
+    differ in its last bit between them as the activation's forward does."""
+    where = "expertact.fp8.glu_colwise_grouped"
+    tensor_arg("gate_up" if up is None else "gate", gate_up)
+    tensor_arg("up", up, optional=True)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, up is None)
+    P = _pad_arg(pad_to, where)
+    xname = "gate_up" if up is None else "gate"
+    if gate_up.dim() != 2:
+        raise ValueError(f"{where}: {xname} must be 2-D [T, {'2F' if up is None else 'F'}] "
+                         f"(got shape {tuple(gate_up.shape)})")
+    T = gate_up.shape[0]
+    F = gate_up.shape[1] if up is not None else gate_up.shape[1] // 2
+    offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
+    E = offsets.numel()
+    if amax is None:
+        from . import functional
+        name = next(k for k, v in ACTIVATIONS.items() if v == act)
+        with torch.no_grad():
+            h = functional.glu(gate_up, up, layout=layout, activation=name, alpha=a, limit=lim, beta=beta,
+                               weights=weights, bias=bias, offsets=None if bias is None else offsets)
+        return quantize_colwise_grouped(h, offsets, pad_to=P, ends=host)
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"{where}: amax must be a torch.Tensor (got {type(amax).__name__})")
+    if amax.dtype != torch.float32:
+        raise _capi.DTypeError(f"{where}: amax has dtype {amax.dtype}; it must be float32 [E, F]")
+    if tuple(amax.shape) != (E, F):
+        raise ValueError(f"{where}: amax must be [E, F] = [{E}, {F}] (got shape {tuple(amax.shape)})")
+    if amax.device != gate_up.device:
+        raise ValueError(f"{where}: amax is on {amax.device}; {xname} is on {gate_up.device}")
+    if P == 1:
+        rows, pads = T, None
+    else:
+        rows = padded_offsets(host, P)[-1]
+        if rows >= 2 ** 31:
+            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
+        pads = padded_offsets(offsets, P)
+    q_t = torch.empty((F, rows), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty((E, F), dtype=torch.float32, device=gate_up.device)
+    xs, qs, ss, offs, am = _matrix(gate_up), _matrix(q_t), _matrix(scale), _vector(offsets), _matrix(amax)
+    us = None if up is None else _matrix(up)
+    ws = None if weights is None else _vector(weights)
+    bs = None if bias is None else _matrix(bias)
+    ps = None if pads is None else _vector(pads)
+    pref, _keep = _params_ref(act, a, lim, beta)
+    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
+    _check(_LIB.expertact_fp8_glu_colwise_grouped_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws), ref(bs),
+                                                     byref(offs[1]), ref(ps), byref(qs[1]), byref(ss[1]),
+                                                     byref(am[1]), stream_of(gate_up)))
+    return q_t.t(), scale
 
 
 def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/bias.h"
+#include "core/checks.h"
 #include "core/dispatch.h"
 #include "core/error.h"
 #include "core/fp8.h"
@@ -102,6 +103,103 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
         for (int64_t j = pstart; j < p.out_rows; ++j) qc[j] = 0;  // past the last block
       }
     });
+    return Status::kOk;
+  });
+}
+
+// h in row tiles: each tile is written in the problem's dtype by the activation's own CPU
+// forward (cpu_forward, or cpu_glu_bias_forward with a bias: the same kernels, so the same
+// bits, as glu_forward / glu_forward_bias write, whichever instruction set they run on) into a
+// buffer, then threads over columns quantise the tile's rows into q_t with their expert's
+// multiplier. Why the forward itself rather than math::glu_fwd here: the AVX2 kernels contract
+// multiply-adds into FMAs and this file's plain loops do not, so a recompute here would differ
+// in the last bit of some float32 values, and the bytes must be those of h. The scales and the
+// padding bytes are written first; rows past the last offset are not computed (they land
+// nowhere).
+Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c) {
+  const int64_t E = c.experts, F = p.F;
+  if (F == 0) return Status::kOk;
+  if (c.amax == nullptr) return fail(Status::kInternal, "cpu_fp8_glu_colwise_grouped: no amax");
+  const int32_t* padded = c.padded ? c.padded : c.offsets;
+  std::vector<float> mult(static_cast<size_t>(E * F));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < F; ++j) {
+      const float s = fp8::scale_of(c.amax[e * c.amax_stride + j]);
+      mult[static_cast<size_t>(e * F + j)] = s;
+      c.scale[e * c.scale_stride + j] = 1.0f / s;
+    }
+  uint8_t* const q_t = static_cast<uint8_t*>(c.q_t);
+  cpu::parallel_for(F, c.out_rows, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      uint8_t* qc = q_t + j * c.q_stride;
+      int64_t start = 0, pstart = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t end = c.offsets[e], pend = padded[e];
+        for (int64_t k = pstart + (end - start); k < pend; ++k) qc[k] = 0;  // the block's padding
+        start = end;
+        pstart = pend;
+      }
+      for (int64_t k = pstart; k < c.out_rows; ++k) qc[k] = 0;  // past the last block
+    }
+  });
+  const int64_t covered = E > 0 ? c.offsets[E - 1] : 0;
+  if (covered <= 0) return Status::kOk;
+
+  // Tiles of about max(2^18, threads x 2^17) elements (the forward's threads each get at least
+  // 2^17), at most 2^22.
+  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17),
+                                         int64_t{1} << 22);
+  const int64_t R = std::min<int64_t>(covered, std::max<int64_t>(1, want / F));
+  const int64_t es = dtype_size(p.dtype);
+  return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) -> Status {
+    using T = decltype(t);
+    std::vector<T> h(static_cast<size_t>(R * F));
+    std::vector<int32_t> row_expert(static_cast<size_t>(R)), tile_offsets(bias ? static_cast<size_t>(E) : 0);
+    std::vector<int64_t> row_dst(static_cast<size_t>(R));
+    int64_t e = 0, start = 0, pstart = 0;  // the current row's expert, that expert's first row and q_t column
+    for (int64_t r0 = 0; r0 < covered; r0 += R) {
+      const int64_t n = std::min<int64_t>(R, covered - r0);
+      GluProblem sub = p;
+      sub.rows = n;
+      sub.g = static_cast<const char*>(p.g) + r0 * p.g_stride * es;
+      sub.u = static_cast<const char*>(p.u) + r0 * p.u_stride * es;
+      if (p.w) sub.w = p.w + r0 * p.w_stride;
+      const FwdOutput out{h.data(), F};
+      if (bias) {
+        GluBias tb = *bias;
+        for (int64_t k = 0; k < E; ++k)
+          tile_offsets[static_cast<size_t>(k)] =
+              static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - r0, 0), n));
+        tb.er.offsets = tile_offsets.data();
+        tb.er.chunk = bias_chunk_rows(n);
+        EA_TRY(cpu_glu_bias_forward(sub, tb, out));
+      } else {
+        EA_TRY(cpu_forward(sub, out));
+      }
+      // Each row's expert and q_t column.
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        while (c.offsets[e] <= r) {  // r < covered = offsets[E - 1]: stops at e < E
+          start = c.offsets[e];
+          pstart = padded[e];
+          ++e;
+        }
+        row_expert[static_cast<size_t>(r - r0)] = static_cast<int32_t>(e);
+        row_dst[static_cast<size_t>(r - r0)] = pstart + (r - start);
+      }
+      cpu::parallel_for(F, 2 * n, [&](int64_t j0, int64_t j1) {
+        constexpr int64_t kRows = 64;  // rows of h a pass over the columns reads (L1-resident)
+        for (int64_t b0 = 0; b0 < n; b0 += kRows) {
+          const int64_t b1 = std::min<int64_t>(n, b0 + kRows);
+          for (int64_t j = j0; j < j1; ++j) {
+            uint8_t* qc = q_t + j * c.q_stride;
+            for (int64_t r = b0; r < b1; ++r) {
+              const float s = mult[static_cast<size_t>(row_expert[static_cast<size_t>(r)] * F + j)];
+              qc[row_dst[static_cast<size_t>(r)]] = fp8::quantize(Cv<T>::ld(h[static_cast<size_t>(r * F + j)]), s);
+            }
+          }
+        }
+      });
+    }
     return Status::kOk;
   });
 }

@@ -60,6 +60,13 @@ struct Fp8Cols {
   int64_t amax_stride = 0;
 };
 Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
+// The activation h = act(gate, up [+ bias[e]]) * w of problem p, rounded to p.dtype as the
+// activation's forward writes it (glu_forward, or glu_forward_bias with bias), quantised per
+// expert and column into c.q_t and c.scale as cpu_fp8_quantize_colwise_grouped does for h:
+// c.x is unused (h is computed from the problem), c.rows = p.rows, c.cols = p.F, and c.amax
+// is required (the per expert and column max |h| of the rounded h, e.g. fp8_quantize_rowwise's
+// col_amax of it). bias (or nullptr): as in cpu_fp8_glu_rowwise, its offsets those of c.
+Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c);
 // bias (or nullptr): the per-expert bias added to gate and up before the activation (its
 // offsets, gate and up parts in the problem's layout; no bias on rows past the last offset).
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias = nullptr);
