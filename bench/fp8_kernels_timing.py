@@ -45,7 +45,19 @@ if "glu" in want:
     cases.update({
         "glu_rowwise (swiglu_oai interleaved, weights)":
             lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w),
-        "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w)})
+        "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w),
+        "glu_rowwise + col amax": lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w,
+                                                         col_amax_offsets=offs, ends=ends)})
+    ha = xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w, col_amax_offsets=offs, ends=ends)[2]
+
+    def bf16_then_colwise():
+        h = XF.swiglu_oai(gu, layout="interleaved", weights=w)
+        return xf.quantize_colwise_grouped(h, offs, pad_to=16, ends=ends)
+
+    cases.update({
+        "glu_colwise_grouped pad16, amax given": lambda: xf.glu_colwise_grouped(
+            gu, "swiglu_oai", offs, layout="interleaved", weights=w, pad_to=16, ends=ends, amax=ha),
+        "bf16 glu forward + colwise pad16": bf16_then_colwise})
 if "bwd" in want:
     glu = _glu_args("swiglu_oai", 1.702, 7.0, "interleaved")
     keep = torch.empty_like(gu)

@@ -77,16 +77,20 @@ def _zero_tail(t: Tensor, end: int) -> Tensor:
     return t
 
 
-def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Optional[Tensor], amax_a=None,
-           amax_b=None):
-    """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols]; laid out as ``like``
-    (a weight held as a transposed view gets its gradient in the weight's storage order).
-    amax_a / amax_b: the operands' per expert and column amax when a rowwise pass has already
-    taken it (quantize_rowwise(col_amax_offsets=)): the column-wise pass then reads them once."""
+def _cols(t: Tensor, offs: Tensor, ends, amax=None):
+    """t's column-wise operand of a weight-gradient GEMM: (e4m3 [Tp, C] column-major, scale
+    [E, C]), each expert's rows padded to ALIGN. amax: the per expert and column amax when a
+    rowwise pass has already taken it (quantize_rowwise(col_amax_offsets=)): t is read once."""
+    return fp8.quantize_colwise_grouped(t, offs, pad_to=ALIGN, ends=ends, amax=amax)
+
+
+def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
+    """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols], from the operands'
+    column-wise forms a = (aq, sa), b = (bq, sb) (_cols); laid out as ``like`` (a weight held as
+    a transposed view gets its gradient in the weight's storage order)."""
     if like is not None and like.stride(-2) == 1 and like.stride(-1) != 1:
-        return _wgrad(b, a, offs, poffs, ends, None, amax_b, amax_a).transpose(-2, -1)
-    aq, sa = fp8.quantize_colwise_grouped(a, offs, pad_to=ALIGN, ends=ends, amax=amax_a)  # [Tp, M] col-major, [E, M]
-    bq, sb = fp8.quantize_colwise_grouped(b, offs, pad_to=ALIGN, ends=ends, amax=amax_b)  # [Tp, N] col-major, [E, N]
+        return _wgrad(b, a, poffs, ends, None).transpose(-2, -1)
+    (aq, sa), (bq, sb) = a, b
     out = _sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs)
     start = 0
     for e, stop in enumerate(ends):
@@ -96,17 +100,36 @@ def _wgrad(a: Tensor, b: Tensor, offs: Tensor, poffs: Tensor, ends, like: Option
     return out
 
 
-def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
-    """h in e4m3 with its rowwise scales, from the activation kernel's float32 values (one
-    rounding), b13 added inside when given."""
+def _act_kw(fplan, weights, b13, offs, ends):
+    """The activation's arguments for the fp8 module's GLU entries (b13 with its offsets)."""
     bias = {} if b13 is None else dict(bias=b13, offsets=offs, ends=ends)
-    return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
-                           layout=fplan.layout, weights=weights, **bias)
+    return dict(alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights, **bias)
 
 
-def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False):
-    """(x as kept, gate_up, y, x's per expert and column amax or None). x_amax: take that amax
-    in the rowwise pass over x, for dw13's column-wise operand in backward."""
+def _h_fp8(gate_up, weights, fplan, b13, offs, ends, amax):
+    """(h in e4m3, its rowwise scales, h's per expert and column amax or None): from the
+    activation kernel's float32 values (one rounding), b13 added inside when given; amax (of h
+    in bf16, as the column-wise pass would take it) when ``amax``, for dw2's operand."""
+    kw = _act_kw(fplan, weights, b13, offs, ends)
+    if amax:
+        kw.update(col_amax_offsets=offs, ends=ends)
+        return fp8.glu_rowwise(gate_up, fplan.activation, **kw)
+    return (*fp8.glu_rowwise(gate_up, fplan.activation, **kw), None)
+
+
+def h_cols(gate_up, weights, fplan, b13, offs, ends, hamax):
+    """h's column-wise operand for dw2 straight from gate_up (glu_colwise_grouped: h recomputed
+    and quantised in one pass, with the amax the forward took)."""
+    kw = _act_kw(fplan, weights, b13, offs, ends)
+    kw.pop("offsets", None)
+    kw.pop("ends", None)
+    return fp8.glu_colwise_grouped(gate_up, fplan.activation, offs, pad_to=ALIGN, ends=ends, amax=hamax, **kw)
+
+
+def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False, h_amax=False):
+    """(x as kept, gate_up, y, x's per expert and column amax or None, h's or None). x_amax /
+    h_amax: take that amax in the rowwise pass over x / in the activation, for dw13's / dw2's
+    column-wise operand in backward."""
     end = plan.ends[-1] if plan.ends else 0
     x = x.contiguous()
     xamax = None
@@ -117,12 +140,12 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     w13q, s13 = _quant_b(w13)
     gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
-    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends)
+    hq, sh, hamax = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends, h_amax and fplan.wgrad)
     w2q, s2 = _quant_b(w2)
     y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
         _bias.row_forward(y, b2, offs, weights, inplace=True)
-    return x, gate_up, y, xamax
+    return x, gate_up, y, xamax, hamax
 
 
 def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
@@ -142,11 +165,12 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
 
 
 def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
-             glu_fp8=None):
+             glu_fp8=None, h_q=None):
     """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
 
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
-    memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
+    memory modes); h_of() -> h in bf16 recomputed from gate_up; h_q() -> h's column-wise
+    operand straight from gate_up (h_cols), or None (then h_of and a column-wise pass); gmm_wgrad: moe's bf16
     weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
     result, or None where it does not apply (b13's gradient wanted, or the in-place backward):
     then, when dx is wanted, dx's operand comes straight from the fused FP8 backward (dgate_up
@@ -167,12 +191,18 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
         else:
             dyq, sdy = fp8.quantize_rowwise(dy)
     if need_w2:  # first, so that h is freed before dh exists
-        h = h_of()
         if fplan.wgrad:
-            dw2 = _wgrad(h, dy, offs, poffs, ends, w2, None, dyamax)
+            hc = h_q() if h_q is not None else None
+            if hc is None:
+                h = h_of()
+                hc = _cols(h, offs, ends)
+                del h
+            dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
+            del hc
         else:
+            h = h_of()
             dw2 = gmm_wgrad(h, dy, offs, plan, like=w2)
-        del h
+            del h
     if need_dh:
         w2tq, s2t = _quant_b(w2.transpose(-2, -1))
         dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
@@ -196,7 +226,9 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
             del dgq, sdg, w13tq, s13t
         if need_w13:
             if fplan.wgrad:
-                dw13 = _wgrad(x, dgate_up, offs, poffs, ends, w13, xamax, dgamax)
+                dgc = _cols(dgate_up, offs, ends, dgamax)
+                del dgate_up  # (its storage freed before the GEMM: gate_up's, when written in place)
+                dw13 = _wgrad(_cols(x, offs, ends, xamax), dgc, poffs, ends, w13)
             else:
                 dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
     if dweights_b2 is not None:

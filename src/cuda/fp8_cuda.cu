@@ -298,7 +298,7 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
 }
 
 template <typename T, int V, int N>
-__global__ void __launch_bounds__(kRowThreads, 1) quantize_rows_vec_kernel(const T* __restrict__ x, int64_t x_stride,
+__global__ void __launch_bounds__(kRowThreads, N * V <= 24 ? 10 : 1) quantize_rows_vec_kernel(const T* __restrict__ x, int64_t x_stride,
                                                                        int64_t rows, int packs, int G,
                                                                        uint8_t* __restrict__ q, int64_t q_stride,
                                                                        bool q_vec, float* __restrict__ scale,
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6
 
 // (kRowThreads, 1): without the 1, ptxas capped some instances at 72-96 registers and spilled.
 template <typename T, Activation A, int kStep, int V, int N>
-__global__ void __launch_bounds__(kRowThreads, 1) glu_rows_vec_kernel(const T* g, const T* u, int64_t g_stride,
+__global__ void __launch_bounds__(kRowThreads, N * V <= 24 ? 10 : 1) glu_rows_vec_kernel(const T* g, const T* u, int64_t g_stride,
                                                                   int64_t u_stride, const float* __restrict__ w,
                                                                   int64_t w_stride, int64_t rows, int packs, int G,
                                                                   const math::Coeffs c, uint8_t* __restrict__ q,
@@ -437,7 +437,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 }
 
 // Calls go(IntTag<N>) with N = Elems / V for the first of Elems (values a lane holds) that
-// holds ppl packs, or N = 0 (read the row twice) when none does.
+// holds ppl packs, or N = 0 (read the row twice) when none does. (16-bit rows start at 24
+// values: 3,072 columns at 128 lanes, with fewer registers than 32 take, so more rows an SM.)
 template <int V, typename Go>
 Status pick_held(int64_t, Go&& go) {
   return go(detail::IntTag<0>{});
@@ -1313,7 +1314,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
         if (p.col_amax) {
           auto kernel = cuda::quantize_rows_amax_kernel<T, kV, N>;
           int per_sm = 0;
-          EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, 0),
+          EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kRowThreads, 0),
                                   "fp8 rowwise occupancy"));
           const int64_t steps = (p.rows + cuda::kRowThreads / G - 1) / (cuda::kRowThreads / G);
           const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
@@ -1334,7 +1335,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
       return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
     };
     const int64_t ppl = (packs + G - 1) / G;
-    if constexpr (es == 2) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
+    if constexpr (es == 2) return cuda::pick_held<kV, 24, 32, 64, 128>(ppl, go);
     else return cuda::pick_held<kV, 32, 64>(ppl, go);
   });
 }
@@ -1400,7 +1401,7 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
         // bias packs too).
         const int64_t ppl = (packs + G - 1) / G;
         if constexpr (es == 2) {
-          if (!bias) return cuda::pick_held<kV, 32, 64, 128>(ppl, go);
+          if (!bias) return cuda::pick_held<kV, 24, 32, 64, 128>(ppl, go);
         }
         return cuda::pick_held<kV, 32, 64>(ppl, go);
       });
