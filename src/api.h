@@ -40,9 +40,10 @@ Status no_cuda_path(Layout layout);
 #endif
 
 // The per-expert biases (src/api_bias.cpp). check_offsets: the offsets' description against the
-// tensors' device, and on the CPU their values (non-decreasing, within the rows).
+// tensors' device, and on the CPU their values (non-decreasing, within the rows); name: the
+// argument's name in the messages.
 Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t dev_id,
-                     const char* ref_name);
+                     const char* ref_name, const char* name = "offsets");
 Status glu_forward_bias_body(const GluParams& params, Layout layout, const MatrixRef& x,
                              const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
                              const OffsetsRef& offsets, const MatrixRef& out, void* stream);
@@ -67,11 +68,12 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
 Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
                                         const OffsetsRef* padded_offsets, const MatrixRef& q_t,
                                         const MatrixRef& scale, const MatrixRef* amax, void* stream);
-// bias and offsets: both null (no bias) or both given.
+// bias and offsets: both null (no bias) or both given; col_amax_offsets and col_amax: both
+// null or both given (with a bias, col_amax_offsets must be offsets).
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
                             const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
-                            void* stream);
+                            const OffsetsRef* col_amax_offsets, const MatrixRef* col_amax, void* stream);
 // The activation quantised per expert and column (expertact.hpp, fp8_glu_colwise_grouped); up,
 // weights, bias, padded_offsets: null when not given.
 Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,

@@ -24,26 +24,26 @@ namespace detail {
 
 // The offsets' description, and on the CPU their values (read there without cost).
 Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t dev_id,
-                     const char* ref_name) {
+                     const char* ref_name, const char* name) {
   if (o.size < 1 || o.size > 2147483647)
-    return fail(Status::kInvalidArgument, "offsets has ", o.size,
+    return fail(Status::kInvalidArgument, name, " has ", o.size,
                 " elements; expected E >= 1 (one cumulative end row per expert)");
-  if (o.data == nullptr) return fail(Status::kInvalidArgument, "offsets.data is null");
+  if (o.data == nullptr) return fail(Status::kInvalidArgument, name, ".data is null");
   if (reinterpret_cast<uintptr_t>(o.data) % 4 != 0)
-    return fail(Status::kInvalidArgument, "offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("offsets", o.device, o.device_id, dev, dev_id, ref_name));
+    return fail(Status::kInvalidArgument, name, ".data is not aligned to its 4-byte int32 element");
+  EA_TRY(check_same_device(name, o.device, o.device_id, dev, dev_id, ref_name));
   if (o.device != DeviceType::kCPU) return Status::kOk;
   int64_t prev = 0;
   for (int64_t e = 0; e < o.size; ++e) {
     const int64_t v = o.data[e];
     if (v < prev)
-      return e == 0 ? fail(Status::kInvalidArgument, "offsets[0] = ", v, " is negative")
-                    : fail(Status::kInvalidArgument, "offsets must be non-decreasing: offsets[", e,
-                           "] = ", v, " < offsets[", e - 1, "] = ", prev);
+      return e == 0 ? fail(Status::kInvalidArgument, name, "[0] = ", v, " is negative")
+                    : fail(Status::kInvalidArgument, name, " must be non-decreasing: ", name, "[", e,
+                           "] = ", v, " < ", name, "[", e - 1, "] = ", prev);
     prev = v;
   }
   if (prev > rows)
-    return fail(Status::kInvalidArgument, "offsets[", o.size - 1, "] = ", prev,
+    return fail(Status::kInvalidArgument, name, "[", o.size - 1, "] = ", prev,
                 " is past the last row (", rows, " rows)");
   return Status::kOk;
 }

@@ -120,7 +120,7 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
     return fail(Status::kInvalidArgument, "col_amax_offsets and col_amax go together (got only ",
                 col_amax ? "col_amax" : "col_amax_offsets", ")");
   if (col_amax) {
-    EA_TRY(check_offsets(*col_amax_offsets, x.rows, x.device, x.device_id, "x"));
+    EA_TRY(check_offsets(*col_amax_offsets, x.rows, x.device, x.device_id, "x", "col_amax_offsets"));
     EA_TRY(check_fp8_output("col_amax", *col_amax, col_amax_offsets->size, x.cols, DType::kFloat32,
                             "one amax per expert (col_amax_offsets) and column", x.device, x.device_id, "x",
                             extent_of(x)));
@@ -225,7 +225,7 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
 Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& x,
                             const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
                             const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
-                            void* stream) {
+                            const OffsetsRef* col_amax_offsets, const MatrixRef* col_amax, void* stream) {
   const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
@@ -254,15 +254,42 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
     EA_TRY(check_no_overlap("scale", es, "offsets", eo));
     split_bias(layout, p, *bias, *offsets, b);
   }
-  if (p.rows == 0) return Status::kOk;
+  if ((col_amax_offsets == nullptr) != (col_amax == nullptr))
+    return fail(Status::kInvalidArgument, "col_amax_offsets and col_amax go together (got only ",
+                col_amax ? "col_amax" : "col_amax_offsets", ")");
+  Fp8ColAmax am;
+  if (col_amax) {
+    // The biased form's rows take their experts from offsets: the column amax's must be those.
+    if (bias && (col_amax_offsets->data != offsets->data || col_amax_offsets->size != offsets->size))
+      return fail(Status::kInvalidArgument,
+                  "col_amax_offsets must be the bias's offsets (the same int32 buffer) when a bias is given");
+    if (!bias) EA_TRY(check_offsets(*col_amax_offsets, p.rows, p.device, p.device_id, xname, "col_amax_offsets"));
+    EA_TRY(check_fp8_output("col_amax", *col_amax, col_amax_offsets->size, p.F, DType::kFloat32,
+                            "one amax of h per expert (col_amax_offsets) and column", p.device, p.device_id, xname,
+                            extent_of(x)));
+    const Extent ea = extent_of(*col_amax), eo = offsets_extent(*col_amax_offsets);
+    EA_TRY(check_no_overlap("col_amax", ea, "q", eq));
+    EA_TRY(check_no_overlap("col_amax", ea, "scale", es));
+    EA_TRY(check_no_overlap("col_amax", ea, "col_amax_offsets", eo));
+    if (up) EA_TRY(check_no_overlap("col_amax", ea, "up", extent_of(*up)));
+    if (weights) EA_TRY(check_no_overlap("col_amax", ea, "weights", extent_of(*weights)));
+    if (bias) EA_TRY(check_no_overlap("col_amax", ea, "bias", extent_of(*bias)));
+    EA_TRY(check_no_overlap("q", eq, "col_amax_offsets", eo));
+    EA_TRY(check_no_overlap("scale", es, "col_amax_offsets", eo));
+    am.offsets = col_amax_offsets->data;
+    am.experts = col_amax_offsets->size;
+    am.col_amax = static_cast<float*>(col_amax->data);
+    am.stride = col_amax->row_stride;
+  }
+  if (p.rows == 0 && !col_amax) return Status::kOk;
   Fp8Out o;
   o.q = q.data;
   o.q_stride = q.row_stride;
   o.scale = scale.data;
   o.scale_stride = scale.stride;
-  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_rowwise(p, o, bias ? &b : nullptr);
+  if (p.device == DeviceType::kCPU) return cpu_fp8_glu_rowwise(p, o, bias ? &b : nullptr, col_amax ? &am : nullptr);
 #if EXPERTACT_WITH_CUDA
-  return cuda_fp8_glu_rowwise(p, o, bias ? &b : nullptr, stream);
+  return cuda_fp8_glu_rowwise(p, o, bias ? &b : nullptr, col_amax ? &am : nullptr, stream);
 #else
   (void)stream;
   return no_fp8_cuda(xname);
@@ -489,7 +516,18 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                        const VectorRef& scale, void* stream) {
   return detail::guarded("fp8_glu_rowwise", [&] {
-    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, nullptr, nullptr, q, scale, stream);
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, nullptr, nullptr, q, scale, nullptr, nullptr,
+                                        stream);
+  });
+}
+
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
+                       const VectorRef& scale, const OffsetsRef& col_amax_offsets, const MatrixRef& col_amax,
+                       void* stream) {
+  return detail::guarded("fp8_glu_rowwise", [&] {
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, nullptr, nullptr, q, scale, &col_amax_offsets,
+                                        &col_amax, stream);
   });
 }
 
@@ -498,7 +536,18 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
                        void* stream) {
   return detail::guarded("fp8_glu_rowwise", [&] {
-    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, stream);
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, nullptr, nullptr,
+                                        stream);
+  });
+}
+
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                       const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
+                       const MatrixRef& col_amax, void* stream) {
+  return detail::guarded("fp8_glu_rowwise", [&] {
+    return detail::fp8_glu_rowwise_body(params, layout, x, up, weights, &bias, &offsets, q, scale, &offsets,
+                                        &col_amax, stream);
   });
 }
 

@@ -544,18 +544,23 @@ expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matri
 expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, int32_t layout,
                                               const expertact_matrix* x, const expertact_matrix* up,
                                               const expertact_vector* weights, expertact_matrix* q,
-                                              expertact_vector* scale, void* stream) {
+                                              expertact_vector* scale, const expertact_vector* col_amax_offsets,
+                                              expertact_matrix* col_amax, void* stream) {
   return guarded_c("expertact_fp8_glu_rowwise_2d", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
     EA_TRY(to_glu_operands(layout, x, up, weights, o));
-    MatrixRef mq;
+    MatrixRef mq, ma;
     VectorRef vs;
+    OffsetsRef offs;
     EA_TRY(to_matrix("q", q, mq));
     EA_TRY(to_vector("scale", scale, vs));
+    if (col_amax_offsets) EA_TRY(to_offsets(col_amax_offsets, offs, "col_amax_offsets"));
+    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
     return fp8_glu_rowwise_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
-                                weights ? &o.w : nullptr, nullptr, nullptr, mq, vs, stream);
+                                weights ? &o.w : nullptr, nullptr, nullptr, mq, vs,
+                                col_amax_offsets ? &offs : nullptr, col_amax ? &ma : nullptr, stream);
   });
 }
 
@@ -563,21 +568,24 @@ expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* param
                                                    const expertact_matrix* x, const expertact_matrix* up,
                                                    const expertact_vector* weights, const expertact_matrix* bias,
                                                    const expertact_vector* offsets, expertact_matrix* q,
-                                                   expertact_vector* scale, void* stream) {
+                                                   expertact_vector* scale, expertact_matrix* col_amax,
+                                                   void* stream) {
   return guarded_c("expertact_fp8_glu_rowwise_bias_2d", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
     EA_TRY(to_glu_operands(layout, x, up, weights, o));
-    MatrixRef mb, mq;
+    MatrixRef mb, mq, ma;
     OffsetsRef offs;
     VectorRef vs;
     EA_TRY(to_matrix("bias", bias, mb));
     EA_TRY(to_offsets(offsets, offs));
     EA_TRY(to_matrix("q", q, mq));
     EA_TRY(to_vector("scale", scale, vs));
+    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
     return fp8_glu_rowwise_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
-                                weights ? &o.w : nullptr, &mb, &offs, mq, vs, stream);
+                                weights ? &o.w : nullptr, &mb, &offs, mq, vs, col_amax ? &offs : nullptr,
+                                col_amax ? &ma : nullptr, stream);
   });
 }
 

@@ -219,12 +219,29 @@ Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& 
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
                        const VectorRef& scale, void* stream = nullptr);
 
+// The same, also writing col_amax (float32 [E, F]): the max |h| (NaN ignored) of each column
+// over each expert's rows (col_amax_offsets as in fp8_quantize_rowwise: rows past the last
+// offset count for no expert, an expert without rows gets 0), h as the activation's forward
+// (glu_forward) writes it, in x's dtype: fp8_quantize_rowwise's col_amax of that output, bit
+// for bit, taken in the same pass (for fp8_quantize_colwise_grouped's amax of h recomputed in
+// x's dtype). q and scale are those of the form above.
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& q,
+                       const VectorRef& scale, const OffsetsRef& col_amax_offsets, const MatrixRef& col_amax,
+                       void* stream = nullptr);
+
 // The same with glu_forward_bias's per-expert bias (bias [E, 2F] in x's layout, x's dtype;
 // offsets as there) added to gate and up, in float32, before the activation.
 Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
                        const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
                        const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
                        void* stream = nullptr);
+// The biased form with the column amax (float32 [E, F]) as above, over offsets' experts, of h
+// as glu_forward_bias writes it.
+Status fp8_glu_rowwise(const GluParams& params, Layout layout, const MatrixRef& x,
+                       const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
+                       const OffsetsRef& offsets, const MatrixRef& q, const VectorRef& scale,
+                       const MatrixRef& col_amax, void* stream = nullptr);
 
 // The activation h (glu_forward's arguments, or glu_forward_bias's with bias, nullptr: none;
 // its offsets are `offsets`) quantised per expert and column as fp8_quantize_colwise_grouped

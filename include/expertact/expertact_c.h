@@ -196,17 +196,24 @@ EXPERTACT_API expertact_status expertact_fp8_quantize_colwise_grouped_2d(
     const expertact_matrix* x, const expertact_vector* offsets,
     const expertact_vector* padded_offsets, expertact_matrix* q_t, expertact_matrix* scale,
     const expertact_matrix* amax, void* stream);
-/* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values. */
+/* The activation of expertact_glu_forward_2d's arguments quantized from its float32 values.
+ * col_amax_offsets (int32 [E], NULL: none) with col_amax (float32 [E, F], NULL: none; both or
+ * neither): also the max |h| (NaN ignored) of each column over each expert's rows, h as the
+ * activation's forward writes it in x's dtype, taken in the same pass (expertact.hpp,
+ * fp8_glu_rowwise's column amax forms). */
 EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,
     const expertact_matrix* up, const expertact_vector* weights, expertact_matrix* q,
-    expertact_vector* scale, void* stream);
+    expertact_vector* scale, const expertact_vector* col_amax_offsets, expertact_matrix* col_amax,
+    void* stream);
 /* The same with expertact_glu_forward_bias_2d's per-expert bias (and offsets) added to gate and
- * up before the activation. */
+ * up before the activation; col_amax (float32 [E, F], NULL: none): the column amax as above,
+ * over the experts of offsets. */
 EXPERTACT_API expertact_status expertact_fp8_glu_rowwise_bias_2d(
     const expertact_params* params, int32_t layout, const expertact_matrix* x,
     const expertact_matrix* up, const expertact_vector* weights, const expertact_matrix* bias,
-    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale, void* stream);
+    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale,
+    expertact_matrix* col_amax, void* stream);
 /* The activation of expertact_glu_forward_2d's arguments (with bias: expertact_glu_forward_bias_2d's;
  * NULL: none) quantized per expert and column as expertact_fp8_quantize_colwise_grouped_2d
  * quantizes that forward's output (in x's dtype), without writing it: the same q_t, scale and

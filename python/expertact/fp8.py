@@ -17,6 +17,9 @@ output is NaN, never finite garbage.
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved")
     h_q, h_scale = expertact.fp8.glu_rowwise(gate_up, "swiglu_oai", layout="interleaved",
                                              bias=b13, offsets=offsets)   # per-expert bias [E, 2F]
+    # also the per expert and column amax of h as the bf16 forward writes it (h recomputed in
+    # bf16 for the weight gradient then takes it: quantize_colwise_grouped(h, ..., amax=amax))
+    h_q, h_scale, amax = expertact.fp8.glu_rowwise(gate_up, "swiglu", col_amax_offsets=offsets, ends=ends)
     # the activation's backward, quantised rowwise from float32 (+ the column amax, weights' grad)
     dg_q, dg_scale, dw, amax = expertact.fp8.glu_backward_rowwise(dh, gate_up, "swiglu",
                                    weights=w, weights_grad=True, offsets=offsets, col_amax=True)
@@ -228,7 +231,7 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
 def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,
                 alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
                 weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                offsets: Optional[torch.Tensor] = None, ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                offsets: Optional[torch.Tensor] = None, ends=None, col_amax_offsets: Optional[torch.Tensor] = None):
     """(h_q, scale): the gated activation of gate_up [..., 2F] (or gate [..., F] with ``up``,
     the separate layout) times ``weights``, quantised per row from its float32 values (one
     rounding) as :func:`quantize_rowwise` does: h_q float8_e4m3fn [..., F], scale float32 [...].
@@ -239,7 +242,18 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     separate layout) with ``offsets`` (int32 [E], each expert's cumulative end row over the
     rows of gate_up): bias[e] is added to the rows of expert e before the activation, in
     float32, as functional.glu(..., bias=, offsets=) does; rows past offsets[-1] take none.
-    ``ends``: offsets' values as host ints (see :func:`quantize_colwise_grouped`)."""
+
+    ``col_amax_offsets`` (int32 [E], the experts' cumulative end rows, as
+    :func:`quantize_rowwise` takes them): returns (h_q, scale, amax), amax float32 [E, F] the
+    max |h| (NaN ignored) of each column over each expert's rows (0 for an expert without
+    rows; rows past col_amax_offsets[-1] count for none), h as the activation's forward
+    (functional.glu with the same arguments) writes it in gate_up's dtype: bit for bit
+    ``quantize_rowwise(h, col_amax_offsets=col_amax_offsets)[2]`` of that output, the amax
+    :func:`quantize_colwise_grouped` takes as ``amax=`` for h recomputed in gate_up's dtype,
+    computed in the same pass on a GPU. h_q and scale are unchanged by it. With a bias,
+    col_amax_offsets must be ``offsets`` itself (the same tensor: the rows' experts are
+    offsets'). ``ends``: the offsets' (or col_amax_offsets') values as host ints (see
+    :func:`quantize_colwise_grouped`)."""
     where = "expertact.fp8.glu_rowwise"
     tensor_arg("gate_up" if up is None else "gate", gate_up)
     tensor_arg("up", up, optional=True)
@@ -247,6 +261,11 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     tensor_arg("bias", bias, optional=True)
     if (bias is None) != (offsets is None):
         raise ValueError(f"{where}: bias and offsets go together (got only {'bias' if offsets is None else 'offsets'})")
+    if ends is not None and offsets is None and col_amax_offsets is None:
+        raise ValueError(f"{where}: ends goes with offsets or col_amax_offsets (got ends alone)")
+    if col_amax_offsets is not None and offsets is not None and not _same_tensor(col_amax_offsets, offsets):
+        raise ValueError(f"{where}: col_amax_offsets must be offsets itself (the same tensor) when a bias is "
+                         "given: the rows' experts are offsets'")
     act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
     code = layout_code(layout, up is None)
     if gate_up.dim() < 1:
@@ -257,19 +276,34 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     us = None if up is None else _matrix(up)
     ws = None if weights is None else _vector(weights)
     pref, _keep = _params_ref(act, a, lim, beta)
+    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
+    offs = am = amax = None
+    if offsets is not None or col_amax_offsets is not None:
+        name = "offsets" if offsets is not None else "col_amax_offsets"
+        o, _ = _grouped_offsets(offsets if offsets is not None else col_amax_offsets, scale.numel(),
+                                gate_up.device, ends, where, name)
+        offs = _vector(o)
+        if col_amax_offsets is not None:
+            amax = torch.empty((o.numel(), cols), dtype=torch.float32, device=gate_up.device)
+            am = _matrix(amax)
     if bias is None:
-        _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]),
-                                                 None if us is None else byref(us[1]),
-                                                 None if ws is None else byref(ws[1]), byref(qs[1]), byref(ss[1]),
-                                                 stream_of(gate_up)))
-        return q, scale
-    offsets, _ = _grouped_offsets(offsets, scale.numel(), gate_up.device, ends, where)
-    bs, offs = _matrix(bias), _vector(offsets)
-    _check(_LIB.expertact_fp8_glu_rowwise_bias_2d(pref, c_int32(code), byref(xs[1]),
-                                                  None if us is None else byref(us[1]),
-                                                  None if ws is None else byref(ws[1]), byref(bs[1]), byref(offs[1]),
-                                                  byref(qs[1]), byref(ss[1]), stream_of(gate_up)))
-    return q, scale
+        _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws), byref(qs[1]),
+                                                 byref(ss[1]), ref(offs), ref(am), stream_of(gate_up)))
+    else:
+        bs = _matrix(bias)
+        _check(_LIB.expertact_fp8_glu_rowwise_bias_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws),
+                                                      byref(bs[1]), byref(offs[1]), byref(qs[1]), byref(ss[1]),
+                                                      ref(am), stream_of(gate_up)))
+    return (q, scale) if amax is None else (q, scale, amax)
+
+
+def _same_tensor(a, b) -> bool:
+    """Whether a and b are one tensor (or views of the same elements)."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.Tensor, *,

@@ -204,15 +204,37 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
   });
 }
 
-Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias) {
+// With the column amax: each thread's rows (contiguous, sorted by expert) keep a running
+// column amax of their expert, merged under a lock as cpu_fp8_quantize_rowwise does, of h in
+// the problem's dtype as the activation's forward writes it: for the biased form the float32
+// h rounded (the biased forward, src/cpu/bias_cpu.cpp, computes h with this same scalar
+// math); for the unbiased form the forward's own kernels' output for the row
+// (cpu_forward_rows), whose float32 values may differ in their last bit from h (the AVX2
+// kernels' FMAs). q and scale come from the float32 h either way.
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, const Fp8ColAmax* amax) {
+  const int64_t E = amax ? amax->experts : 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t j = 0; j < p.F; ++j) amax->col_amax[e * amax->stride + j] = 0.0f;
+  if (p.rows == 0) return Status::kOk;
+  std::mutex merge;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
       constexpr Activation A = decltype(act)::value;
       const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
-      cpu::parallel_for(p.rows, 4 * p.F, [&](int64_t r0, int64_t r1) {
+      cpu::parallel_for(p.rows, (E > 0 ? 6 : 4) * p.F, [&](int64_t r0, int64_t r1) {
         std::vector<float> h(static_cast<size_t>(p.F));
+        std::vector<float> cm(E > 0 ? static_cast<size_t>(p.F) : 0);
+        std::vector<T> fwd(E > 0 && !bias ? static_cast<size_t>(p.F) : 0);  // the forward's row
         int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
+        int64_t ea = E > 0 ? expert_of(amax->offsets, E, r0) : 0, held = -1;
+        auto flush = [&] {
+          if (held < 0) return;
+          std::lock_guard<std::mutex> lock(merge);
+          float* dst = amax->col_amax + held * amax->stride;
+          for (int64_t j = 0; j < p.F; ++j) dst[j] = std::fmax(dst[j], cm[j]);
+          held = -1;
+        };
         for (int64_t r = r0; r < r1; ++r) {
           const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
           const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
@@ -229,8 +251,32 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
             for (int64_t j = 0; j < p.F; ++j)
               h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
           }
+          if (E > 0) {
+            while (ea < E && amax->offsets[ea] <= r) ++ea;
+            if (ea != held) {
+              flush();
+              if (ea < E) {
+                held = ea;
+                std::fill(cm.begin(), cm.end(), 0.0f);
+              }
+            }
+            if (held >= 0) {
+              if (bias) {
+                for (int64_t j = 0; j < p.F; ++j)
+                  cm[j] = std::fmax(cm[j], std::fabs(Cv<T>::ld(Cv<T>::st(h[j]))));  // NaN ignored
+              } else {
+                FwdOutput fo;
+                fo.out = fwd.data();
+                fo.out_stride = 0;  // row r lands at fwd
+                const Status st = cpu_forward_rows(p, fo, r, r + 1);
+                (void)st;  // p's dtype, act and step were dispatched above: it cannot fail
+                for (int64_t j = 0; j < p.F; ++j) cm[j] = std::fmax(cm[j], std::fabs(Cv<T>::ld(fwd[j])));
+              }
+            }
+          }
           quantize_row(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
+        flush();
       });
       return Status::kOk;
     });

@@ -67,9 +67,30 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p);
 // is required (the per expert and column max |h| of the rounded h, e.g. fp8_quantize_rowwise's
 // col_amax of it). bias (or nullptr): as in cpu_fp8_glu_rowwise, its offsets those of c.
 Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c);
+
+// The GLU form's optional column amax: col_amax [E, F] (float32, row stride stride), the max
+// over each expert's rows (offsets, experts: cumulative end rows; rows past the last offset
+// count for none; an expert without rows gets 0) of |h| as the activation's forward writes h
+// (in the problem's dtype), NaN ignored. Overwritten (no need to zero it first). With a bias,
+// offsets are the bias's offsets.
+struct Fp8ColAmax {
+  const int32_t* offsets = nullptr;
+  int64_t experts = 0;
+  float* col_amax = nullptr;
+  int64_t stride = 0;
+};
+
 // bias (or nullptr): the per-expert bias added to gate and up before the activation (its
 // offsets, gate and up parts in the problem's layout; no bias on rows past the last offset).
-Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias = nullptr);
+// amax (or nullptr): also the column amax (Fp8ColAmax); p.rows may then be 0.
+Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias = nullptr,
+                           const Fp8ColAmax* amax = nullptr);
+
+// The activation's forward over rows [r0, r1), all columns, on the calling thread, with the
+// kernels cpu_forward picks (src/cpu/glu_cpu.cpp), into o: the forward's exact bytes of those
+// rows (fp8 glu_rowwise's column amax takes them; the AVX2 kernels' float32 values can differ
+// in their last bit from the scalar math's, which FMA contraction leaves alone).
+Status cpu_forward_rows(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1);
 
 // The fused FP8 activation backward (fp8_glu_backward_rowwise): the gradient of gate_up,
 // computed in float32 from dy [rows, F] (the problem's dtype, row stride dy_stride) and
@@ -100,7 +121,8 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
 #if EXPERTACT_WITH_CUDA
 Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias, void* stream);
 Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream);
-Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, void* stream);
+Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, const Fp8ColAmax* amax,
+                            void* stream);
 Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream);
 Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c, void* stream);
 #endif

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/problem.h"
+#include "cpu/fp8_cpu.h"
 #include "cpu/glu_cpu_kernels.h"
 #include "cpu/kernel_table.h"
 #include "cpu/parallel.h"
@@ -173,6 +174,15 @@ Status cpu_forward(const GluProblem& p, const FwdOutput& o) {
   run_chunks(s, [&](int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     fn(p, o, r0, r1, c0, c1, stream);
   });
+  return Status::kOk;
+}
+
+Status cpu_forward_rows(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1) {
+  using namespace cpu;
+  const int d = static_cast<int>(p.dtype), a = static_cast<int>(p.params.act);
+  if (d < 0 || d > 2 || a < 0 || a > 1 || (p.step != 1 && p.step != 2))
+    return fail(Status::kInternal, "cpu_forward_rows: dtype ", d, ", act ", a, ", step ", p.step);
+  if (r0 < r1 && p.F > 0) kernels().fwd[d][a][p.step - 1][p.w != nullptr][p.has_limit](p, o, r0, r1, 0, p.F, false);
   return Status::kOk;
 }
 

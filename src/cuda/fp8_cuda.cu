@@ -32,6 +32,11 @@
 // max |v| per expert (in x's type: exact), merged into the zeroed col_amax by atomicMax on
 // the float bits when a lane's expert changes and at its block's end; blocks take contiguous
 // runs of rows (as many blocks as are resident). The other forms compute it by colwise pass 1.
+//
+// glu_rowwise with col_amax: the same fusion in the GLU form's vector kernels (with and
+// without the bias: glu_rows_amax_kernel), the held float32 h rounded to the input type (as
+// the activation's forward writes it) before the running max; the other forms compute it by
+// glu_col_amax_kernel, its own read of gate_up, before their own kernel.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -140,6 +145,7 @@ struct GluSrc {
   const T* u;
   float w;
   const math::Coeffs& c;
+  __device__ __forceinline__ void init(Raw&) const {}
   __device__ __forceinline__ void load(int p, Raw& r) const { load_raw<T, V, kStep>(g, u, p, r); }
   __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
 #pragma unroll
@@ -193,6 +199,54 @@ struct BiasGluSrc {
   __device__ __forceinline__ float value(const Held& h, int i) const { return h.v[i]; }
 };
 
+// BiasGluSrc's form for glu_rows_amax_kernel: the bias pack is always added, -0 where the row
+// has none (bg null), so that finish has no branch (x + -0 is x for every float: the same
+// values as BiasGluSrc's, the same bytes).
+template <typename T, Activation A, int kStep, int V>
+struct AddBiasGluSrc {
+  using In = GuPack<T, V, kStep>;
+  struct Raw {
+    In in, b;
+  };
+  struct Held {
+    float v[V];
+  };
+  using Max = AbsMax<float>;
+  const T* g;
+  const T* u;
+  const T* bg;
+  const T* bu;
+  float w;
+  const math::Coeffs& c;
+  __device__ __forceinline__ static void no_bias(In& b) {
+    const T nz = from_f<T>(-0.0f);
+    if constexpr (kStep == 1) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) b.g.v[i] = nz, b.u.v[i] = nz;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2 * V; ++i) b.gu.v[i] = nz;
+    }
+  }
+  // A skipped pack's bias: -0 as well (never used; this form took 119-122 registers for
+  // the bf16 instances of up to 32 values a lane, leaving it 0 took 127-134).
+  __device__ __forceinline__ void init(Raw& r) const { no_bias(r.b); }
+  __device__ __forceinline__ void load(int p, Raw& r) const {
+    load_raw<T, V, kStep>(g, u, p, r.in);
+    if (bg) load_raw<T, V, kStep>(bg, bu, p, r.b); else no_bias(r.b);
+  }
+  __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      h.v[i] = math::glu_fwd<A>(gate_of(r.in, i) + gate_of(r.b, i), up_of(r.in, i) + up_of(r.b, i), w, c);
+  }
+  __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i) m.add(h.v[i]);
+  }
+  __device__ __forceinline__ float value(const Held& h, int i) const { return h.v[i]; }
+};
+
 // The amax of a row across its G lanes: a warp's shuffles, then for G > 32 the row's warps
 // through shared memory (a block-wide barrier: every thread of the block calls this). A block
 // that takes row after row alternates between two `red` arrays (row parity): a warp that runs
@@ -218,8 +272,13 @@ __device__ __forceinline__ float row_amax(float a, int G, float* red) {
 // lane, the second read mostly from L2. live: whether the lane's row exists (a block's last
 // rows may not; they still take part in row_amax's barrier).
 // What a lane's held packs are also given to (acc.add(j, held pack j)), for N > 0: nothing,
-// or quantize_rowwise's column amax (ColAmaxAcc).
+// or the column amax (ColAmaxAcc). Acc::kDefined: every raw and held pack is given a value
+// (0, then src.init, where it is not loaded), for the kernels that loop over rows: without it
+// a pack a lane skips keeps the previous row's value for all ptxas can tell, so the packs live
+// across the loop's back edge (the GLU form's loop took 150 registers where its body alone
+// takes 64; with it, 79).
 struct NoAcc {
+  static constexpr bool kDefined = false;
   template <typename H>
   __device__ __forceinline__ void add(int, const H&) {}
 };
@@ -231,12 +290,22 @@ __device__ __forceinline__ void quantize_row(const Src& src, bool live, int pack
   if constexpr (N > 0) {
     constexpr int U = sizeof(typename Src::Raw) <= sizeof(typename Src::Held) ? N : (N + 1) / 2;
     typename Src::Held h[N];
+    if constexpr (Acc::kDefined) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) h[j] = {};
+    }
 #pragma unroll
     for (int j0 = 0; j0 < N; j0 += U) {
       typename Src::Raw r[U];
 #pragma unroll
-      for (int k = 0; k < U; ++k)
-        if (j0 + k < N && live && lane + G * (j0 + k) < packs) src.load(lane + G * (j0 + k), r[k]);
+      for (int k = 0; k < U; ++k) {
+        if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
+          src.load(lane + G * (j0 + k), r[k]);
+        } else if constexpr (Acc::kDefined) {
+          r[k] = {};  // (its value is never used: the finish below skips the pack too)
+          src.init(r[k]);
+        }
+      }
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         if (j0 + k < N && live && lane + G * (j0 + k) < packs) {
@@ -319,6 +388,7 @@ __global__ void __launch_bounds__(kRowThreads, N * V <= 24 ? 10 : 1) quantize_ro
 // first) by atomicMax when the lane's expert changes and at its block's end.
 template <typename T, int V, int N>
 struct ColAmaxAcc {
+  static constexpr bool kDefined = false;  // (see NoAcc; quantize_rows_amax_kernel as measured)
   Pack<T, V> m[N];
   bool on = false;  // the lane's current row belongs to an expert
   __device__ __forceinline__ void reset() {
@@ -349,6 +419,67 @@ struct ColAmaxAcc {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float v = to_f(m[j].v[i]);
+          if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
+        }
+      }
+    }
+  }
+};
+
+// ColAmaxAcc's running maxima in shared memory instead of registers (the GLU form, whose
+// lanes already hold the float32 h): word k of a thread at words[k * kRowThreads + thread]
+// (each thread its own words: no bank conflicts, no atomics), a word two values of a 16-bit
+// T (max.bf16x2 / max.f16x2, exact, NaN ignored) or one float32. Always kDefined (the loop).
+template <typename T, int V, int N>
+struct SmemColAmaxAcc {
+  static constexpr bool kDefined = true;
+  static constexpr int kPer = sizeof(T) == 2 ? 2 : 1;  // values a word
+  static constexpr int kWords = N * V / kPer;         // words a thread
+  uint32_t* words;                                     // this thread's first word
+  bool on = false;
+  __device__ __forceinline__ uint32_t& at(int k) const { return words[k * kRowThreads]; }
+  __device__ __forceinline__ void reset() const {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) at(k) = 0u;  // +0 in either form
+  }
+  template <typename H>
+  __device__ __forceinline__ void add(int j, const H& h) const {
+    if (!on) return;
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        uint32_t& w = at(j * V + i);
+        w = __float_as_uint(fmaxf(__uint_as_float(w), fabsf(h.v[i])));  // NaN ignored
+      }
+    } else {
+      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        uint32_t& w = at(j * V / 2 + i);
+        const T2 v(from_f<T>(h.v[2 * i]), from_f<T>(h.v[2 * i + 1]));
+        T2 m = *reinterpret_cast<const T2*>(&w);
+        m = __hmax2(m, __habs2(v));
+        w = *reinterpret_cast<const uint32_t*>(&m);
+      }
+    }
+  }
+  __device__ __forceinline__ void flush(unsigned* dst, int lane, int G, int packs) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int p = lane + G * j;
+      if (p < packs) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          float v;
+          if constexpr (sizeof(T) == 4) {
+            v = __uint_as_float(at(j * V + i));
+          } else {
+            const uint32_t w = at((j * V + i) / 2);
+            const uint16_t b = static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffffu);
+            T t;
+            *reinterpret_cast<uint16_t*>(&t) = b;
+            v = to_f(t);
+          }
           if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
         }
       }
@@ -434,6 +565,70 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
                                        c};
   quantize_row<BiasGluSrc<T, A, kStep, V>, V, N>(src, live, packs, threadIdx.x & (G - 1), G, q + r * q_stride, q_vec,
                                                  scale + r * scale_stride, red);
+}
+
+// glu_rows_vec_kernel (kBias false) or glu_rows_bias_kernel (kBias true) with the column amax
+// of h, fused as quantize_rows_amax_kernel fuses quantize_rowwise's: block b takes the steps
+// (of 128 / G rows) [b * per_block, + per_block) one after another; each lane keeps its
+// columns' running max of |h| per expert, h rounded to T as the activation's forward writes it
+// (exact, in T; in shared memory, SmemColAmaxAcc: held in registers it cost 16 more), merged
+// into the zeroed amax by atomicMax on the float bits when its expert changes and at its
+// block's end. offs (E of them): the column amax's experts, and with kBias the bias's (the
+// same offsets); each row's expert is followed along the run, not searched. The biased rows
+// take AddBiasGluSrc (no branch in the finish). q and scale: those of the kernels without the
+// amax (the same float32 h, the same bytes).
+// (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
+// without spills, where unbounded it took 80-91 (5 blocks); the biased form and longer rows
+// spill under that bound and stay unbounded, as the kernels without the amax.)
+template <typename T, Activation A, int kStep, int V, int N, bool kBias>
+__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && !kBias ? 6 : 1) glu_rows_amax_kernel(
+    const T* g, const T* u, int64_t g_stride, int64_t u_stride, const float* __restrict__ w, int64_t w_stride,
+    const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
+    int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
+    float* __restrict__ scale, int64_t scale_stride, unsigned* __restrict__ amax, int64_t amax_stride,
+    int64_t per_block) {
+  __shared__ float red[2][kRowThreads / 32];  // by row parity (row_amax)
+  const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
+  const int64_t steps = (rows + R - 1) / R;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t s1 = s0 + per_block < steps ? s0 + per_block : steps;
+  using Acc = SmemColAmaxAcc<T, V, N>;
+  __shared__ uint32_t cm[Acc::kWords * kRowThreads];
+  Acc acc{cm + threadIdx.x};
+  acc.reset();
+  int64_t held = -1;
+  int64_t e = detail::expert_of(offs, E, s0 * R + threadIdx.x / G);
+  for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: row_amax's barrier
+    const int64_t row = st * R + threadIdx.x / G;
+    const bool live = row < rows;
+    const int64_t r = live ? row : 0;
+    if (live) {
+      while (e < E && offs[e] <= row) ++e;
+      if (e != held) {
+        if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
+        acc.reset();
+        held = e < E ? e : -1;
+      }
+    }
+    acc.on = live && held >= 0;
+    const float wr = w && live ? w[r * w_stride] : 1.0f;
+    if constexpr (kBias) {
+      const bool has_b = live && e < E;
+      const AddBiasGluSrc<T, A, kStep, V> src{g + r * g_stride,
+                                              u + r * u_stride,
+                                              has_b ? bg + e * b_stride : nullptr,
+                                              has_b ? bu + e * b_stride : nullptr,
+                                              wr,
+                                              c};
+      quantize_row<AddBiasGluSrc<T, A, kStep, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec,
+                                                        scale + r * scale_stride, red[st & 1], &acc);
+    } else {
+      const GluSrc<T, A, kStep, V> src{g + r * g_stride, u + r * u_stride, wr, c};
+      quantize_row<GluSrc<T, A, kStep, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec,
+                                                 scale + r * scale_stride, red[st & 1], &acc);
+    }
+  }
+  if (held >= 0) acc.flush(amax + held * amax_stride, lane, G, packs);
 }
 
 // Calls go(IntTag<N>) with N = Elems / V for the first of Elems (values a lane holds) that
@@ -533,6 +728,42 @@ __global__ void __launch_bounds__(kScalarThreads) glu_rows_kernel(const T* g, co
   const float s = fp8::scale_of(amax);
   store_row(q + row * q_stride, F, s, lane, h);
   if (lane == 0) scale[row * scale_stride] = 1.0f / s;
+}
+
+// The GLU form's column amax by its own read of gate_up, for the forms without a fused one
+// (the scalar rows, rows too long to hold, lanes holding over 64 values): block b covers rows
+// [chunk * (b / col_tiles), + chunk) and columns [256 (b % col_tiles), + 256), a column a
+// thread (a warp reads 32 neighbouring columns of a row); each thread's running max of |h|
+// (h rounded to T, as the activation's forward writes it; NaN ignored) over its expert's rows,
+// merged into the zeroed amax by atomicMax on the float bits at an expert change and at the
+// chunk's end. bg (or null: no bias): the bias, whose experts are offs's.
+constexpr int kGluAmaxThreads = 256;
+template <typename T, Activation A>
+__global__ void __launch_bounds__(kGluAmaxThreads) glu_col_amax_kernel(
+    const T* g, const T* u, int64_t g_stride, int64_t u_stride, int step, const float* w, int64_t w_stride,
+    const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows, int64_t F,
+    math::Coeffs c, int64_t chunk, int64_t col_tiles, unsigned* __restrict__ amax, int64_t amax_stride) {
+  const int64_t b = blockIdx.x;
+  const int64_t j = (b % col_tiles) * kGluAmaxThreads + threadIdx.x;
+  if (j >= F) return;  // no barriers below
+  const int64_t r0 = (b / col_tiles) * chunk;
+  const int64_t r1 = r0 + chunk < rows ? r0 + chunk : rows;
+  int64_t e = detail::expert_of(offs, E, r0), held = e;
+  float m = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    while (e < E && offs[e] <= r) ++e;
+    if (e >= E) break;  // rows past the last offset count for none
+    if (e != held) {
+      if (m > 0.0f) atomicMax(amax + held * amax_stride + j, __float_as_uint(m));
+      m = 0.0f;
+      held = e;
+    }
+    float gv = to_f(g[r * g_stride + j * step]), uv = to_f(u[r * u_stride + j * step]);
+    if (bg) gv += to_f(bg[e * b_stride + j * step]), uv += to_f(bu[e * b_stride + j * step]);
+    const float h = math::glu_fwd<A>(gv, uv, w ? w[r * w_stride] : 1.0f, c);
+    m = fmaxf(m, fabsf(to_f(from_f<T>(h))));  // NaN ignored
+  }
+  if (held < E && m > 0.0f) atomicMax(amax + held * amax_stride + j, __float_as_uint(m));
 }
 
 // ---- per expert and column ----
@@ -1340,15 +1571,29 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
   });
 }
 
-Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, void* stream) {
+Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, const Fp8ColAmax* amax,
+                            void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard,
                         {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
                          {"bias", bias ? bias->bg : nullptr}, {"offsets", bias ? bias->er.offsets : nullptr},
-                         {"q", o.q}, {"scale", o.scale}}));
+                         {"q", o.q}, {"scale", o.scale}, {"col_amax_offsets", amax ? amax->offsets : nullptr},
+                         {"col_amax", amax ? amax->col_amax : nullptr}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (amax) {
+    // Zeroed first (the atomics' identity).
+    const int64_t n = amax->experts * p.F;
+    if (n > 0) {
+      const unsigned zb =
+          static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, cuda::sm_count(p.device_id) * 8));
+      cuda::col_scale_kernel<false><<<zb, 256, 0, st>>>(amax->col_amax, amax->stride, amax->experts, p.F);
+      EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 glu col_amax zero kernel launch"));
+    }
+  }
+  if (p.rows == 0) return Status::kOk;
   const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  unsigned* am = amax ? reinterpret_cast<unsigned*>(amax->col_amax) : nullptr;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T);
@@ -1365,7 +1610,23 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
     const int32_t* offs = bias ? bias->er.offsets : nullptr;
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
+      // The column amax by its own pass (the forms without a fused one).
+      auto amax_separate = [&]() -> Status {
+        if (p.F == 0) return Status::kOk;
+        const int64_t col_tiles = (p.F + cuda::kGluAmaxThreads - 1) / cuda::kGluAmaxThreads;
+        const int64_t want = std::max<int64_t>(1, cuda::sm_count(p.device_id) * 16 / col_tiles);
+        int64_t chunk = (p.rows + want - 1) / want;
+        chunk = (chunk + 31) / 32 * 32;
+        const int64_t blocks = col_tiles * ((p.rows + chunk - 1) / chunk);
+        if (blocks > 0x7fffffff) return fail(Status::kInvalidArgument, "h is too large (", p.rows, " x ", p.F, ")");
+        cuda::glu_col_amax_kernel<T, A><<<static_cast<unsigned>(blocks), cuda::kGluAmaxThreads, 0, st>>>(
+            static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w,
+            p.w_stride, bg, bu, b_stride, amax->offsets, amax->experts, p.rows, p.F, c, chunk, col_tiles, am,
+            amax->stride);
+        return cuda::cuda_check(cudaGetLastError(), "fp8 glu col_amax kernel launch");
+      };
       if (V != 16 / es / p.step || p.F / V > 0x7fffffff) {
+        if (amax) EA_TRY(amax_separate());
         cuda::glu_rows_kernel<T, A><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(
             static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.step, p.w, p.w_stride,
             bg, bu, b_stride, offs, E, p.rows, p.F, c, static_cast<uint8_t*>(o.q), o.q_stride, o.scale,
@@ -1379,6 +1640,31 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
         const int G = cuda::lanes_per_row(packs, kV);
         auto go = [&](auto n) -> Status {
           constexpr int N = decltype(n)::value;
+          if constexpr (N > 0 && N * kV <= 64) {
+            if (amax) {
+              // The fused column amax: as many blocks as are resident, each a contiguous run of
+              // rows (few merges).
+              auto fused = [&](auto kernel) -> Status {
+                int per_sm = 0;
+                EA_TRY(cuda::cuda_check(
+                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kRowThreads, 0),
+                    "fp8 glu occupancy"));
+                const int64_t steps = (p.rows + cuda::kRowThreads / G - 1) / (cuda::kRowThreads / G);
+                const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+                const int64_t per_block = (steps + want - 1) / want;
+                const int64_t blocks = (steps + per_block - 1) / per_block;
+                kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, st>>>(
+                    static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
+                    bg, bu, b_stride, amax->offsets, amax->experts, p.rows, packs, G, c,
+                    static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride, am, amax->stride,
+                    per_block);
+                return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
+              };
+              if (bias) return fused(cuda::glu_rows_amax_kernel<T, A, kStep, kV, N, true>);
+              return fused(cuda::glu_rows_amax_kernel<T, A, kStep, kV, N, false>);
+            }
+          }
+          if (amax) EA_TRY(amax_separate());
           if (bias) {
             if constexpr (N * kV > 64) {
               return fail(Status::kInternal, "no biased kernel holds ", N * kV, " values a lane");
