@@ -134,14 +134,15 @@ def test_emulated_fp8_memory_modes_agree(emulated):
 @pytest.mark.parametrize("case", ["plain", "b13_frozen", "b13_grad", "inplace", "no_dx"])
 def test_emulated_fp8_fused_activation_backward(emulated, monkeypatch, case):
     """The fused FP8 activation backward (fp8.glu_backward_rowwise) gives dx's operand where
-    b13 needs no gradient and the backward is not in place (and dx is wanted); the gradients
-    stay within the FP8 tolerance of float64 either way."""
+    b13 needs no gradient and dx is wanted, in every memory mode (its bf16 copy of dgate_up for
+    dw13 is written over gate_up); the gradients stay within the FP8 tolerance of float64
+    either way."""
     from expertact import fp8
     calls = []
     real = fp8.glu_backward_rowwise
 
     def counting(*a, **kw):
-        calls.append(kw)
+        calls.append(dict(kw, gate_up=a[1]))
         return real(*a, **kw)
 
     monkeypatch.setattr(fp8, "glu_backward_rowwise", counting)
@@ -161,9 +162,10 @@ def test_emulated_fp8_fused_activation_backward(emulated, monkeypatch, case):
 
     g64 = run(t64)
     g = run(low, fp8="rowwise", **kw)
-    assert len(calls) == (1 if case in ("plain", "b13_frozen") else 0)
+    assert len(calls) == (1 if case in ("plain", "b13_frozen", "inplace") else 0)
     if calls:
         assert calls[0]["col_amax"] and calls[0]["dgate_up_out"] is not None and calls[0]["weights_grad"]
+        assert calls[0]["dgate_up_out"] is calls[0]["gate_up"]  # in place
     for k in g64:
         assert torch.isfinite(g[k]).all(), k
         assert _rel(g[k], g64[k]) < TOL, (k, _rel(g[k], g64[k]))
