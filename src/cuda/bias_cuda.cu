@@ -1,16 +1,15 @@
-// CUDA path of the per-expert biases (src/core/bias.h). The activation's kernels and
+// CUDA path of the per-expert biases (src/core/bias.h). The activation's backward and
 // expert_bias's backward: one block owns a chunk of rows and a tile of up to kBiasTilePacks
 // packs of each row; each thread owns one pack (V elements) of every row of its chunk,
 // walking the chunk's runs of one expert's rows four rows at a time. The bias pack of a run
 // is read once and kept in registers; the bias gradient of a run is summed in registers
 // (float32) and written to the run's partial row (slot chunk + expert), which a second kernel
 // adds up per expert in chunk order. Per-row sums (the routing weights' gradient) are reduced
-// across the block in a fixed order. No atomics: every sum has a fixed order. expert_bias's
-// forward (no sums) takes the row kernels' shape instead. Measurements and the forms tried:
+// across the block in a fixed order. No atomics: every sum has a fixed order. The forwards
+// (no sums: the activation's and expert_bias's) take the row kernels' shape instead. Measurements and the forms tried:
 // docs/perf-notes.md section 12.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <cstdint>
 
 #include "core/bias.h"
@@ -128,62 +127,12 @@ __device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int6
   }
 }
 
-// The activation's forward in the backward's shape (a block per chunk of rows and tile of
-// packs; a thread keeps its bias pack in registers for a run of one expert's rows). Measured
-// on the H200 at 4 x 261,280 rows of 3,072 (interleaved bf16, weights): 6.6-6.8 ms against
-// 4.5 ms for the unbiased forward; the row kernels' shape with the bias packs read per pack
-// from cache took 8.6 ms, and with a block's bias row in shared memory 11.1 ms.
-template <typename T, Activation A, int kStep, int V>
-__global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep, kStep, true))
-    glu_bias_fwd_kernel(const BiasArgs<T> a) {
-  const int64_t p = my_pack();
-  if (p >= a.packs) return;
-  const int64_t r0 = chunk_first_row(a.R), r1 = r0 + a.R < a.rows ? r0 + a.R : a.rows;
-  int64_t e = detail::expert_of(a.offs, a.E, r0);
-  for (int64_t r = r0; r < r1; ++e) {
-    const int64_t end = detail::run_end(a.offs, a.E, e, r, r1);
-    float bgv[V], buv[V];
-    if (e < a.E) {
-      GuPack<T, V, kStep> bp;
-      load_raw<T, V, kStep>(a.bg + e * a.b_stride, a.bu + e * a.b_stride, p, bp);
-#pragma unroll
-      for (int i = 0; i < V; ++i) bgv[i] = gate_of(bp, i), buv[i] = up_of(bp, i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) bgv[i] = buv[i] = 0.0f;
-    }
-    for (int64_t q = r; q < end; q += kRowsPerStep) {
-      GuPack<T, V, kStep> in[kRowsPerStep];
-      float wk[kRowsPerStep];
-#pragma unroll
-      for (int k = 0; k < kRowsPerStep; ++k) {
-        wk[k] = 1.0f;
-        if (q + k < end) {
-          load_raw<T, V, kStep>(a.g + (q + k) * a.g_stride, a.u + (q + k) * a.u_stride, p, in[k]);
-          if (a.w) wk[k] = a.w[(q + k) * a.w_stride];
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < kRowsPerStep; ++k) {
-        if (q + k < end) {
-          const float w = wk[k];
-          float ov[V];
-#pragma unroll
-          for (int i = 0; i < V; ++i)
-            ov[i] = math::glu_fwd<A>(gate_of(in[k], i) + bgv[i], up_of(in[k], i) + buv[i], w, a.c);
-          store_v<T, V>(a.out + (q + k) * a.out_stride, p, ov);
-        }
-      }
-    }
-    r = end;
-    if (e >= a.E) break;
-  }
-}
-
-// The same forward in the row kernels' shape (glu_kernels.cuh): a group of G lanes owns a
-// row, blocks follow each other along the rows; a row finds its expert once (a binary search
-// of the offsets, cached reads) and its bias packs come from L1/L2 (E rows of 2F).
-// EXPERTACT_BIAS_FWD=rows selects it (a measurement knob while the two forms are compared).
+// The activation's forward with b13, in the row kernels' shape (glu_kernels.cuh): a group of G
+// lanes owns a row, blocks follow each other along the rows; a row finds its expert once (a
+// binary search of the offsets, cached reads) and its bias packs come from L1/L2 (E rows of
+// 2F). Measured on the H200 at 4 x 261,280 rows of 3,072 (interleaved bf16, weights): 4.93 ms
+// against 5.55 for the backward's shape (a block per chunk of rows and tile of packs, a
+// thread's bias pack held for a run of one expert's rows), which it replaced.
 template <typename T, Activation A, int kStep, int V>
 __global__ void __launch_bounds__(256) glu_bias_fwd_rows_kernel(const BiasArgs<T> a, int G, int64_t splits) {
   constexpr int U = fwd_unroll_for(sizeof(T) * V * kStep);
@@ -550,18 +499,12 @@ Status glu_forward_t(const detail::GluProblem& p, const detail::GluBias& b,
   return dispatch_glu<T>(p, b, &out, 1, [&](auto v, auto s, auto act) {
     constexpr int kV = decltype(v)::value;
     a.packs = p.F / kV;
-    const char* form = std::getenv("EXPERTACT_BIAS_FWD");
-    if (form != nullptr && std::strcmp(form, "rows") == 0) {
-      constexpr int kS = decltype(s)::value;
-      const LaunchShape sh = shape_for(p.rows, a.packs, fwd_unroll_for(sizeof(T) * kV * kS), false, p.device_id,
-                                       kThreads);
-      if (p.rows > 0)
-        glu_bias_fwd_rows_kernel<T, decltype(act)::value, kS, kV>
-            <<<static_cast<unsigned>(sh.blocks), sh.threads, 0, st>>>(a, sh.G, sh.splits);
-      return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
-    }
-    const Grid g = grid_for(p.rows, a.R, a.packs);
-    glu_bias_fwd_kernel<T, decltype(act)::value, decltype(s)::value, kV><<<g.grid, g.block, 0, st>>>(a);
+    constexpr int kS = decltype(s)::value;
+    const LaunchShape sh = shape_for(p.rows, a.packs, fwd_unroll_for(sizeof(T) * kV * kS), false, p.device_id,
+                                     kThreads);
+    if (p.rows > 0)
+      glu_bias_fwd_rows_kernel<T, decltype(act)::value, kS, kV>
+          <<<static_cast<unsigned>(sh.blocks), sh.threads, 0, st>>>(a, sh.G, sh.splits);
     return cuda_check(cudaGetLastError(), "glu bias forward kernel launch");
   });
 }
