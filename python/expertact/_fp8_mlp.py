@@ -20,6 +20,7 @@ from gate_up (bf16) for w2's gradient, so the node keeps what ``recompute=True``
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -29,6 +30,10 @@ from . import _bias, fp8
 Tensor = torch.Tensor
 
 ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and N multiples of it
+# dw2's operand h straight from gate_up (glu_colwise_grouped, with the amax the forward's
+# activation takes) rather than h recomputed in bf16 and a column-wise pass: a measurement
+# knob while the two are compared (EXPERTACT_FP8_HCOLS=0: the two-step form).
+H_COLS = os.environ.get("EXPERTACT_FP8_HCOLS", "1") != "0"
 
 
 class Fp8Plan(NamedTuple):

@@ -398,7 +398,7 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
         x, gate_up, y, xamax, hamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
                                                        x_amax=ctx.needs_input_grad[1],
-                                                       h_amax=ctx.needs_input_grad[2])
+                                                       h_amax=ctx.needs_input_grad[2] and _fp8_mlp.H_COLS)
         # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
         # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
         hooked = _saved_tensor_hooks_active()

@@ -938,7 +938,7 @@ __device__ __forceinline__ void col_tile_pack(const ColTile& ct, int64_t cols, c
 // The shared tile written out: 16 bytes a thread and step, along q_t's rows.
 __device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t* tile, int64_t cols,
                                                int64_t out_rows, uint8_t* __restrict__ q, int64_t q_stride,
-                                               int q_align) {
+                                               int q_align, int64_t probe_tile = -1) {
 #pragma unroll
   for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
     const int idx = threadIdx.x + it * kQThreads;
@@ -948,6 +948,7 @@ __device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t
     if (cc >= cols || pw >= out_rows) continue;
     const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
     uint8_t* dst = q + cc * q_stride + pw;
+    if (probe_tile >= 0) dst = q + probe_tile * (kQCols * kQRows) + cl * kQRows + 16 * wg;  // measurement only
     const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
     if (q_align == 16 && n == 16) {
       *reinterpret_cast<uint4*>(dst) = v;
@@ -978,7 +979,8 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
                                                              const int32_t* __restrict__ pends, int64_t E,
                                                              const float* __restrict__ scale, int64_t scale_stride,
                                                              uint8_t* __restrict__ q, int64_t q_stride,
-                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
+                                                             int64_t out_rows, int64_t col_tiles, int q_align,
+                                                             bool probe) {
   __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
   const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
   const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
@@ -993,7 +995,7 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
     for (int i = 0; i < 8; ++i) v[i] = to_f(in[k].v[i]);
   });
   __syncthreads();
-  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align, probe ? int64_t{blockIdx.x} : -1);
 }
 
 // ---- pass 2 pipelined through shared memory ----
@@ -1118,7 +1120,8 @@ __global__ void __launch_bounds__(kQThreads, 2) col_quant_async_kernel(const Src
                                                                    const float* __restrict__ scale,
                                                                    int64_t scale_stride, uint8_t* __restrict__ q,
                                                                    int64_t q_stride, int64_t out_rows,
-                                                                   int64_t col_tiles, int64_t tiles, int q_align) {
+                                                                   int64_t col_tiles, int64_t tiles, int q_align,
+                                                                   int64_t strip, bool probe) {
   extern __shared__ __align__(16) uint4 col_smem[];
   constexpr int kC = Src::kChunks, kStage = kQRows * 8 * kC, kColStages = Src::kStages;  // slots a stage
   uint32_t* const outs = reinterpret_cast<uint32_t*>(col_smem + kColStages * kStage);
@@ -1140,13 +1143,23 @@ __global__ void __launch_bounds__(kQThreads, 2) col_quant_async_kernel(const Src
     }
     cp_async_commit();  // an empty group past the end keeps the counts uniform
   };
-  const int64_t step = gridDim.x;
+  // The block's i-th tile (tiles and past: none). strip > 0: column tile blockIdx.x %
+  // col_tiles, row tiles [strip * (blockIdx.x / col_tiles), + strip), in order; else
+  // grid-stride over the tiles.
+  const int64_t row_tiles = (out_rows + kQRows - 1) / kQRows;
+  auto tile_of = [&](int64_t i) -> int64_t {
+    if (strip > 0) {
+      const int64_t rt = strip * (blockIdx.x / col_tiles) + i;
+      return i < strip && rt < row_tiles ? rt * col_tiles + blockIdx.x % col_tiles : tiles;
+    }
+    return blockIdx.x + i * int64_t{gridDim.x};
+  };
 #pragma unroll
-  for (int s = 0; s < kColStages - 1; ++s) issue(blockIdx.x + s * step, s);
+  for (int s = 0; s < kColStages - 1; ++s) issue(tile_of(s), s);
   int it = 0;
-  for (int64_t t = blockIdx.x; t < tiles; t += step, ++it) {
+  for (int64_t t = tile_of(0); t < tiles; t = tile_of(++it)) {
     // The stage refilled here was read in the previous iteration, before its barrier.
-    issue(t + (kColStages - 1) * step, (it + kColStages - 1) % kColStages);
+    issue(tile_of(it + kColStages - 1), (it + kColStages - 1) % kColStages);
     cp_async_wait<kColStages - 1>();
     const int s = it % kColStages;
     const ColTile ct = col_tile(t, col_tiles, rows, out_rows, offsets, pends, E);
@@ -1159,32 +1172,53 @@ __global__ void __launch_bounds__(kQThreads, 2) col_quant_async_kernel(const Src
       src.values(ch, ct.src[k], ct.ex[k], c, v);
     });
     __syncthreads();
-    col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+    col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align, probe ? t : -1);
   }
   cp_async_wait<0>();
 }
 
-// Whether pass 2 takes the pipelined form (EXPERTACT_FP8_COLQ=sync forces the one-tile form:
-// a measurement knob, read once per process).
-bool col_async_allowed() {
-  static const bool allowed = [] {
+// Pass 2's form, a measurement knob read once per process: EXPERTACT_FP8_COLQ = async
+// (default: pipelined, grid-stride), strip (pipelined, each block a column tile's run of row
+// tiles), sync (one tile a block), and with "-probe" appended, each tile written as one
+// contiguous 8 KB block instead of transposed (wrong bytes: to time the reads alone).
+struct ColMode {
+  bool async = true, strip = false, probe = false;
+};
+ColMode col_mode() {
+  static const ColMode mode = [] {
+    ColMode m;
     const char* env = std::getenv("EXPERTACT_FP8_COLQ");
-    return !(env && std::string(env) == "sync");
+    if (env == nullptr) return m;
+    std::string v(env);
+    if (v.size() > 6 && v.compare(v.size() - 6, 6, "-probe") == 0) m.probe = true, v.resize(v.size() - 6);
+    if (v == "sync") m.async = false;
+    if (v == "strip") m.strip = true;
+    return m;
   }();
-  return allowed;
+  return mode;
 }
+bool col_async_allowed() { return col_mode().async; }
 
 // Grid of the pipelined form: as many blocks as are resident at once (smem-bound), at most
 // one a tile.
 template <typename Kernel>
-Status col_async_launch_shape(Kernel kernel, int smem, int device, int64_t tiles, unsigned& grid) {
+Status col_async_launch_shape(Kernel kernel, int smem, int device, int64_t tiles, int64_t col_tiles, unsigned& grid,
+                              int64_t& strip) {
   EA_TRY(cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
                     "fp8 colwise kernel attribute"));
   int per_sm = 0;
   EA_TRY(cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kQThreads, smem),
                     "fp8 colwise occupancy query"));
-  const int64_t g = std::min<int64_t>(tiles, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device));
+  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
+  const int64_t g = std::min<int64_t>(tiles, resident);
   grid = static_cast<unsigned>(std::max<int64_t>(g, 1));
+  strip = 0;
+  if (col_mode().strip && tiles > 0) {
+    const int64_t row_tiles = tiles / col_tiles;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(row_tiles, resident / col_tiles));
+    strip = (row_tiles + chunks - 1) / chunks;
+    grid = static_cast<unsigned>(col_tiles * ((row_tiles + strip - 1) / strip));
+  }
   return Status::kOk;
 }
 
@@ -1765,17 +1799,19 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
           const auto kernel = cuda::col_quant_async_kernel<cuda::PlainColSrc<T>>;
           constexpr int smem = cuda::col_async_smem<Src>();
           unsigned grid = 0;
-          EA_TRY(cuda::col_async_launch_shape(kernel, smem, device, tiles, grid));
+          int64_t strip = 0;
+          EA_TRY(cuda::col_async_launch_shape(kernel, smem, device, tiles, col_tiles, grid, strip));
           kernel<<<grid, cuda::kQThreads, smem, st>>>(Src{static_cast<const T*>(p.x), p.x_stride}, p.rows, p.cols,
                                                       p.offsets, pends, p.experts, p.scale, p.scale_stride,
                                                       static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows,
-                                                      col_tiles, tiles, q_align);
+                                                      col_tiles, tiles, q_align, strip, cuda::col_mode().probe);
           return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
         }
       }
       cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align,
+          cuda::col_mode().probe);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
@@ -1948,11 +1984,12 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
             const auto kernel = cuda::col_quant_async_kernel<cuda::GluColSrc<T, A, kStep>>;
             constexpr int smem = cuda::col_async_smem<Src>();
             unsigned grid = 0;
-            EA_TRY(cuda::col_async_launch_shape(kernel, smem, p.device_id, tiles, grid));
+            int64_t strip = 0;
+            EA_TRY(cuda::col_async_launch_shape(kernel, smem, p.device_id, tiles, col_tiles, grid, strip));
             const Src src{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, bg, bu, b_stride, cf};
             kernel<<<grid, cuda::kQThreads, smem, st>>>(src, c.rows, c.cols, c.offsets, pends, c.experts, c.scale,
                                                         c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
-                                                        c.out_rows, col_tiles, tiles, q_align);
+                                                        c.out_rows, col_tiles, tiles, q_align, strip, false);
             return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
           });
         }

@@ -262,9 +262,9 @@ def test_col_amax_c_abi():
 # ---- CUDA: the forward's amax on the GPU, and against the CPU ----
 
 def _rel_tol(dtype):
-    """How far apart the CPU's and the GPU's amax may be, relative: one step of a 16-bit dtype
-    (h rounded on either side of a rounding boundary), or float32's tolerance for the
-    activation itself (tests/python/conftest.py, TOL)."""
+    """One step of a 16-bit dtype relative (h rounded on either side of a rounding boundary),
+    or float32's tolerance for the activation itself (tests/python/conftest.py, TOL): the
+    CPU's and GPU's amax stay within a few of them."""
     return {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2e-5}[dtype]
 
 
@@ -274,12 +274,17 @@ def _cuda_case(T, F, dtype, layout, preset, biased, seed, ends):
     res, res0, h = _run(z.cuda(), preset, layout, w.cuda(), b.cuda() if biased else None, offs.cuda(), ends=ends)
     _check(res, res0, h, offs.cuda(), ends)
     # against the CPU: h differs in its last bits between them (the GPU's exp and division are
-    # approximate forms), so each amax by at most one rounding of h in dtype
-    cres, _, _ = _run(z, preset, layout, w, b if biased else None, offs)
+    # approximate forms), so each amax by at most the largest difference of |h| over that
+    # expert's rows of the column (|max a - max b| <= max |a - b|, exact), and that difference
+    # is itself small (a few roundings of h in dtype)
+    cres, _, ch = _run(z, preset, layout, w, b if biased else None, offs)
     a, ca = res[2].cpu().double(), cres[2].double()
     fin = torch.isfinite(ca)
     assert torch.equal(torch.isfinite(a), fin)
-    assert ((a - ca).abs()[fin] <= _rel_tol(dtype) * ca.abs()[fin]).all()
+    d = (h.cpu().double().abs() - ch.double().abs()).abs()
+    bound = _torch_col_amax(d, ends).double()
+    assert ((a - ca).abs()[fin] <= bound[fin]).all()
+    assert ((a - ca).abs()[fin] <= 4 * _rel_tol(dtype) * ca.abs()[fin]).all()
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
@@ -316,7 +321,7 @@ def test_cuda_col_amax_many_rows_and_experts(biased):
 def test_cuda_col_amax_views_and_empty():
     # a row stride of its own: 16-byte aligned rows (the fused kernels) and not (the separate pass)
     ends = [10, 10, 40]
-    base, b, w = _case(44, 3072 + 8, torch.bfloat16, 44, E=3, ends=ends)
+    base, b, w = _case(44, 3072 + 8, torch.bfloat16, 44, E=3, ends=ends, nan_rows=False)
     offs = torch.tensor(ends, dtype=torch.int32).cuda()
     for lo in (8, 1):
         z = base.cuda()[:, lo:lo + 2 * 3072]
