@@ -4,7 +4,7 @@ FP8 activation beside the bf16 one, and the fused FP8 activation backward beside
 backward + rowwise pass it replaces. Medians of 10 CUDA-event-timed calls after 2.
 
     python bench/fp8_kernels_timing.py                 # every section
-    python bench/fp8_kernels_timing.py colwise glu     # sections: colwise rowwise glu bwd
+    python bench/fp8_kernels_timing.py colwise glu     # sections: colwise rowwise glu glucol bwd
 """
 import sys
 
@@ -16,7 +16,7 @@ from expertact._library import glu_backward_op
 from expertact.bench.common import median_ms
 from expertact.moe import _glu_args
 
-SECTIONS = ("colwise", "rowwise", "glu", "bwd")
+SECTIONS = ("colwise", "rowwise", "glu", "glucol", "bwd")
 want = [a for a in sys.argv[1:] if a in SECTIONS] or list(SECTIONS)
 T, F = 1045120, 3072
 gu = torch.randn(T, 2 * F, device="cuda", dtype=torch.bfloat16)
@@ -48,6 +48,7 @@ if "glu" in want:
         "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w),
         "glu_rowwise + col amax": lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w,
                                                          col_amax_offsets=offs, ends=ends)})
+if "glucol" in want:
     ha = xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w, col_amax_offsets=offs, ends=ends)[2]
 
     def bf16_then_colwise():

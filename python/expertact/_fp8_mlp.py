@@ -20,7 +20,6 @@ from gate_up (bf16) for w2's gradient, so the node keeps what ``recompute=True``
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -30,10 +29,6 @@ from . import _bias, fp8
 Tensor = torch.Tensor
 
 ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and N multiples of it
-# dw2's operand h straight from gate_up (glu_colwise_grouped, with the amax the forward's
-# activation takes) rather than h recomputed in bf16 and a column-wise pass: a measurement
-# knob while the two are compared (EXPERTACT_FP8_HCOLS=0: the two-step form).
-H_COLS = os.environ.get("EXPERTACT_FP8_HCOLS", "1") != "0"
 
 
 class Fp8Plan(NamedTuple):
@@ -105,36 +100,20 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
     return out
 
 
-def _act_kw(fplan, weights, b13, offs, ends):
-    """The activation's arguments for the fp8 module's GLU entries (b13 with its offsets)."""
+def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
+    """h in e4m3 with its rowwise scales, from the activation kernel's float32 values (one
+    rounding), b13 added inside when given. (dw2's operand is h recomputed in bf16 and a
+    column-wise pass: glu_colwise_grouped, which makes it from gate_up in one pass, needs h's
+    column amax from the forward, and glu_rowwise's fused amax costs more than the pass saves;
+    docs/perf-notes.md section 13.)"""
     bias = {} if b13 is None else dict(bias=b13, offsets=offs, ends=ends)
-    return dict(alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights, **bias)
+    return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
+                           layout=fplan.layout, weights=weights, **bias)
 
 
-def _h_fp8(gate_up, weights, fplan, b13, offs, ends, amax):
-    """(h in e4m3, its rowwise scales, h's per expert and column amax or None): from the
-    activation kernel's float32 values (one rounding), b13 added inside when given; amax (of h
-    in bf16, as the column-wise pass would take it) when ``amax``, for dw2's operand."""
-    kw = _act_kw(fplan, weights, b13, offs, ends)
-    if amax:
-        kw.update(col_amax_offsets=offs, ends=ends)
-        return fp8.glu_rowwise(gate_up, fplan.activation, **kw)
-    return (*fp8.glu_rowwise(gate_up, fplan.activation, **kw), None)
-
-
-def h_cols(gate_up, weights, fplan, b13, offs, ends, hamax):
-    """h's column-wise operand for dw2 straight from gate_up (glu_colwise_grouped: h recomputed
-    and quantised in one pass, with the amax the forward took)."""
-    kw = _act_kw(fplan, weights, b13, offs, ends)
-    kw.pop("offsets", None)
-    kw.pop("ends", None)
-    return fp8.glu_colwise_grouped(gate_up, fplan.activation, offs, pad_to=ALIGN, ends=ends, amax=hamax, **kw)
-
-
-def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False, h_amax=False):
-    """(x as kept, gate_up, y, x's per expert and column amax or None, h's or None). x_amax /
-    h_amax: take that amax in the rowwise pass over x / in the activation, for dw13's / dw2's
-    column-wise operand in backward."""
+def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False):
+    """(x as kept, gate_up, y, x's per expert and column amax or None). x_amax: take that amax
+    in the rowwise pass over x, for dw13's column-wise operand in backward."""
     end = plan.ends[-1] if plan.ends else 0
     x = x.contiguous()
     xamax = None
@@ -145,12 +124,12 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     w13q, s13 = _quant_b(w13)
     gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
-    hq, sh, hamax = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends, h_amax and fplan.wgrad)
+    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends)
     w2q, s2 = _quant_b(w2)
     y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
         _bias.row_forward(y, b2, offs, weights, inplace=True)
-    return x, gate_up, y, xamax, hamax
+    return x, gate_up, y, xamax
 
 
 def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
@@ -170,12 +149,11 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
 
 
 def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
-             glu_fp8=None, h_q=None):
+             glu_fp8=None):
     """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
 
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
-    memory modes); h_of() -> h in bf16 recomputed from gate_up; h_q() -> h's column-wise
-    operand straight from gate_up (h_cols), or None (then h_of and a column-wise pass); gmm_wgrad: moe's bf16
+    memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
     weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
     result, or None where it does not apply (b13's gradient wanted, or the in-place backward):
     then, when dx is wanted, dx's operand comes straight from the fused FP8 backward (dgate_up
@@ -196,16 +174,13 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
         else:
             dyq, sdy = fp8.quantize_rowwise(dy)
     if need_w2:  # first, so that h is freed before dh exists
+        h = h_of()
         if fplan.wgrad:
-            hc = h_q() if h_q is not None else None
-            if hc is None:
-                h = h_of()
-                hc = _cols(h, offs, ends)
-                del h
+            hc = _cols(h, offs, ends)
+            del h
             dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
             del hc
         else:
-            h = h_of()
             dw2 = gmm_wgrad(h, dy, offs, plan, like=w2)
             del h
     if need_dh:

@@ -20,12 +20,12 @@
 // quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
 // word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
 // transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
-// Pass 2's blocks are few and long-lived (whole waves of the resident ones), each looping
-// over the row tiles of one column tile with the next tile's loads issued before this tile
-// is converted and written (116-118 registers, 2 blocks of 256 threads an SM: 32 KB of loads
-// always in flight per SM, where a short block per tile had its 16 KB in flight only between
-// its start and its first use), and an L2 prefetch of the tile after that (no registers:
-// another 32 KB per SM on its way). With the amax given (quantize_rowwise's col_amax), pass 1
+// One tile a block: about 1.5 TB/s of reads and writes on an H200, latency-bound (36%
+// occupancy); the forms that measured slower (a persistent block looping over a column tile's
+// row tiles with the next tile's loads in registers; 256-row tiles; grouped block orders; a
+// cp.async pipeline through shared memory, grid-stride or by column strips) are in
+// docs/perf-notes.md section 13. glu_colwise_grouped takes the same tiles with the activation
+// recomputed from gate_up as the values. With the amax given (quantize_rowwise's col_amax), pass 1
 // is skipped: x is read once.
 //
 // quantize_rowwise with col_amax: the vector form's lanes also keep their columns' running
@@ -938,7 +938,7 @@ __device__ __forceinline__ void col_tile_pack(const ColTile& ct, int64_t cols, c
 // The shared tile written out: 16 bytes a thread and step, along q_t's rows.
 __device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t* tile, int64_t cols,
                                                int64_t out_rows, uint8_t* __restrict__ q, int64_t q_stride,
-                                               int q_align, int64_t probe_tile = -1) {
+                                               int q_align) {
 #pragma unroll
   for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
     const int idx = threadIdx.x + it * kQThreads;
@@ -948,7 +948,6 @@ __device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t
     if (cc >= cols || pw >= out_rows) continue;
     const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
     uint8_t* dst = q + cc * q_stride + pw;
-    if (probe_tile >= 0) dst = q + probe_tile * (kQCols * kQRows) + cl * kQRows + 16 * wg;  // measurement only
     const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
     if (q_align == 16 && n == 16) {
       *reinterpret_cast<uint4*>(dst) = v;
@@ -968,10 +967,9 @@ __device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t
   }
 }
 
-// Any dtype and alignment: a block a tile, its loads straight into registers (4 x 16 bytes a
-// thread, or element by element). 70 registers, 3 blocks an SM: about 1.6 TB/s on an H200
-// (Nsight Compute: 36% occupancy, latency-bound), hence the pipelined form below where it
-// applies.
+// A block a tile, its loads straight into registers (4 x 16 bytes a thread, or element by
+// element where rows allow no 16-byte pack). 3 blocks an SM; Nsight Compute on an H200: 1.61
+// TB/s, 36% occupancy, latency-bound.
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
                                                              int64_t rows, int64_t cols,
@@ -979,8 +977,7 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
                                                              const int32_t* __restrict__ pends, int64_t E,
                                                              const float* __restrict__ scale, int64_t scale_stride,
                                                              uint8_t* __restrict__ q, int64_t q_stride,
-                                                             int64_t out_rows, int64_t col_tiles, int q_align,
-                                                             bool probe) {
+                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
   __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
   const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
   const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
@@ -995,91 +992,13 @@ __global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __rest
     for (int i = 0; i < 8; ++i) v[i] = to_f(in[k].v[i]);
   });
   __syncthreads();
-  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align, probe ? int64_t{blockIdx.x} : -1);
+  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
 }
 
-// ---- pass 2 pipelined through shared memory ----
-//
-// 16-bit rows in 16-byte packs, 8-column groups whole: persistent blocks (grid-stride over the
-// tiles, so the resident blocks work on a window of consecutive tiles, as the one-tile form's
-// waves do), each thread copying its own 4 rows x 16 bytes of a tile into shared memory by
-// cp.async (no registers held while in flight) kStages - 1 tiles ahead of the one it
-// converts (Src::kStages: 5 for the plain operand, 4 x 16 KB a block in flight; 3 for the
-// activation's 32 KB tiles; two blocks an SM either way). A thread reads back only the bytes
-// it copied (cp.async.wait_group is enough); the output tile is double-buffered, one barrier
-// a tile. Src gives the bytes to copy and turns them into values (the plain operand; the
-// activation recomputed from gate_up).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// The plain operand: chunk 0 of row r at column c is x's 8 values there.
-template <typename T>
-struct PlainColSrc {
-  static constexpr int kChunks = 1;  // 16-byte chunks per row and 8-column group
-  static constexpr int kStages = 5;
-  const T* x;
-  int64_t x_stride;
-  __device__ __forceinline__ const void* chunk(int64_t r, int64_t c, int) const { return x + r * x_stride + c; }
-  __device__ __forceinline__ void values(const uint4* ch, int64_t, int, int64_t, float (&v)[8]) const {
-    const Pack<T, 8> p = *reinterpret_cast<const Pack<T, 8>*>(&ch[0]);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_f(p.v[i]);
-  }
-};
-
-// The activation recomputed from gate_up (glu_colwise_grouped): h = act(gate [+ bias], up
-// [+ bias]) * w, rounded to T as the activation's forward writes it, so that the bytes are
-// quantize_colwise_grouped's of that h. kStep 2 (interleaved): the 8 columns' 16 values of
-// gate_up, two chunks; kStep 1: gate's 8 (chunk 0) and up's 8 (chunk 1).
-template <typename T, Activation A, int kStep>
-struct GluColSrc {
-  static constexpr int kChunks = 2;
-  static constexpr int kStages = 3;
-  const T* g;
-  const T* u;
-  int64_t g_stride, u_stride;
-  const float* w;
-  int64_t w_stride;
-  const T* bg;  // null: no bias
-  const T* bu;
-  int64_t b_stride;
-  math::Coeffs c;
-  __device__ __forceinline__ const void* chunk(int64_t r, int64_t col, int j) const {
-    if constexpr (kStep == 2) return g + r * g_stride + 2 * col + 8 * j;
-    return j == 0 ? g + r * g_stride + col : u + r * u_stride + col;
-  }
-  __device__ __forceinline__ void values(const uint4* ch, int64_t r, int e, int64_t col, float (&v)[8]) const {
-    const Pack<T, 8> p0 = *reinterpret_cast<const Pack<T, 8>*>(&ch[0]);
-    const Pack<T, 8> p1 = *reinterpret_cast<const Pack<T, 8>*>(&ch[1]);
-    const float wr = w ? w[r * w_stride] : 1.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      float gv, uv;
-      if constexpr (kStep == 2) {
-        gv = to_f(i < 4 ? p0.v[2 * i] : p1.v[2 * i - 8]);
-        uv = to_f(i < 4 ? p0.v[2 * i + 1] : p1.v[2 * i - 7]);
-      } else {
-        gv = to_f(p0.v[i]);
-        uv = to_f(p1.v[i]);
-      }
-      if (bg) {
-        gv += to_f(bg[e * b_stride + (col + i) * kStep]);
-        uv += to_f(bu[e * b_stride + (col + i) * kStep]);
-      }
-      v[i] = to_f(from_f<T>(math::glu_fwd<A>(gv, uv, wr, c)));
-    }
-  }
-};
-
-// glu_colwise_grouped for operands the pipelined form does not take (any alignment, any
-// dtype): the one-tile form with the activation computed element by element.
+// glu_colwise_grouped: the one-tile form with the activation recomputed from gate_up element
+// by element (h = act(gate [+ bias], up [+ bias]) * w, rounded to T as the activation's forward
+// writes it, so that the bytes are quantize_colwise_grouped's of that h; math::glu_fwd, the
+// forward kernels' expression).
 template <typename T, Activation A>
 __global__ void __launch_bounds__(kQThreads, 3) glu_col_quant_kernel(
     const T* g, const T* u, int64_t g_stride, int64_t u_stride, int step, const float* __restrict__ w,
@@ -1106,120 +1025,6 @@ __global__ void __launch_bounds__(kQThreads, 3) glu_col_quant_kernel(
   });
   __syncthreads();
   col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
-}
-
-template <typename Src>
-constexpr int col_async_smem() {
-  return Src::kStages * kQRows * 8 * Src::kChunks * 16 + 2 * kQCols * kQRows;
-}
-
-template <typename Src>
-__global__ void __launch_bounds__(kQThreads, 2) col_quant_async_kernel(const Src src, int64_t rows, int64_t cols,
-                                                                   const int32_t* __restrict__ offsets,
-                                                                   const int32_t* __restrict__ pends, int64_t E,
-                                                                   const float* __restrict__ scale,
-                                                                   int64_t scale_stride, uint8_t* __restrict__ q,
-                                                                   int64_t q_stride, int64_t out_rows,
-                                                                   int64_t col_tiles, int64_t tiles, int q_align,
-                                                                   int64_t strip, bool probe) {
-  extern __shared__ __align__(16) uint4 col_smem[];
-  constexpr int kC = Src::kChunks, kStage = kQRows * 8 * kC, kColStages = Src::kStages;  // slots a stage
-  uint32_t* const outs = reinterpret_cast<uint32_t*>(col_smem + kColStages * kStage);
-  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
-  // Slot of row k of the thread's quad, chunk j: a quarter warp reads 128 contiguous bytes.
-  auto slot = [&](int s, int k, int j) { return col_smem + s * kStage + j * (kQRows * 8) + (4 * rq + k) * 8 + cg; };
-  auto issue = [&](int64_t t, int s) {
-    if (t < tiles) {
-      const ColTile ct = col_tile(t, col_tiles, rows, out_rows, offsets, pends, E);
-      const int64_t c = ct.c0 + 8 * cg;
-      if (c < cols) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (ct.src[k] >= 0) {
-#pragma unroll
-            for (int j = 0; j < kC; ++j) cp_async16(slot(s, k, j), src.chunk(ct.src[k], c, j));
-          }
-      }
-    }
-    cp_async_commit();  // an empty group past the end keeps the counts uniform
-  };
-  // The block's i-th tile (tiles and past: none). strip > 0: column tile blockIdx.x %
-  // col_tiles, row tiles [strip * (blockIdx.x / col_tiles), + strip), in order; else
-  // grid-stride over the tiles.
-  const int64_t row_tiles = (out_rows + kQRows - 1) / kQRows;
-  auto tile_of = [&](int64_t i) -> int64_t {
-    if (strip > 0) {
-      const int64_t rt = strip * (blockIdx.x / col_tiles) + i;
-      return i < strip && rt < row_tiles ? rt * col_tiles + blockIdx.x % col_tiles : tiles;
-    }
-    return blockIdx.x + i * int64_t{gridDim.x};
-  };
-#pragma unroll
-  for (int s = 0; s < kColStages - 1; ++s) issue(tile_of(s), s);
-  int it = 0;
-  for (int64_t t = tile_of(0); t < tiles; t = tile_of(++it)) {
-    // The stage refilled here was read in the previous iteration, before its barrier.
-    issue(tile_of(it + kColStages - 1), (it + kColStages - 1) % kColStages);
-    cp_async_wait<kColStages - 1>();
-    const int s = it % kColStages;
-    const ColTile ct = col_tile(t, col_tiles, rows, out_rows, offsets, pends, E);
-    uint32_t* tile = outs + (it & 1) * (kQCols * kQRows / 4);
-    const int64_t c = ct.c0 + 8 * cg;
-    col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
-      uint4 ch[kC];
-#pragma unroll
-      for (int j = 0; j < kC; ++j) ch[j] = *slot(s, k, j);
-      src.values(ch, ct.src[k], ct.ex[k], c, v);
-    });
-    __syncthreads();
-    col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align, probe ? t : -1);
-  }
-  cp_async_wait<0>();
-}
-
-// Pass 2's form, a measurement knob read once per process: EXPERTACT_FP8_COLQ = async
-// (default: pipelined, grid-stride), strip (pipelined, each block a column tile's run of row
-// tiles), sync (one tile a block), and with "-probe" appended, each tile written as one
-// contiguous 8 KB block instead of transposed (wrong bytes: to time the reads alone).
-struct ColMode {
-  bool async = true, strip = false, probe = false;
-};
-ColMode col_mode() {
-  static const ColMode mode = [] {
-    ColMode m;
-    const char* env = std::getenv("EXPERTACT_FP8_COLQ");
-    if (env == nullptr) return m;
-    std::string v(env);
-    if (v.size() > 6 && v.compare(v.size() - 6, 6, "-probe") == 0) m.probe = true, v.resize(v.size() - 6);
-    if (v == "sync") m.async = false;
-    if (v == "strip") m.strip = true;
-    return m;
-  }();
-  return mode;
-}
-bool col_async_allowed() { return col_mode().async; }
-
-// Grid of the pipelined form: as many blocks as are resident at once (smem-bound), at most
-// one a tile.
-template <typename Kernel>
-Status col_async_launch_shape(Kernel kernel, int smem, int device, int64_t tiles, int64_t col_tiles, unsigned& grid,
-                              int64_t& strip) {
-  EA_TRY(cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                    "fp8 colwise kernel attribute"));
-  int per_sm = 0;
-  EA_TRY(cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kQThreads, smem),
-                    "fp8 colwise occupancy query"));
-  const int64_t resident = static_cast<int64_t>(std::max(per_sm, 1)) * sm_count(device);
-  const int64_t g = std::min<int64_t>(tiles, resident);
-  grid = static_cast<unsigned>(std::max<int64_t>(g, 1));
-  strip = 0;
-  if (col_mode().strip && tiles > 0) {
-    const int64_t row_tiles = tiles / col_tiles;
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(row_tiles, resident / col_tiles));
-    strip = (row_tiles + chunks - 1) / chunks;
-    grid = static_cast<unsigned>(col_tiles * ((row_tiles + strip - 1) / strip));
-  }
-  return Status::kOk;
 }
 
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
@@ -1791,27 +1596,9 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       const int64_t tiles = col_tiles * row_tiles;
       if (tiles > 0x7fffffff)
         return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
-      if constexpr (kVec && sizeof(T) == 2) {
-        if (p.cols % 8 == 0 && cuda::col_async_allowed()) {
-          // (the kernel named with its full template argument: nvcc's host stub does not see a
-          // local alias)
-          using Src = cuda::PlainColSrc<T>;
-          const auto kernel = cuda::col_quant_async_kernel<cuda::PlainColSrc<T>>;
-          constexpr int smem = cuda::col_async_smem<Src>();
-          unsigned grid = 0;
-          int64_t strip = 0;
-          EA_TRY(cuda::col_async_launch_shape(kernel, smem, device, tiles, col_tiles, grid, strip));
-          kernel<<<grid, cuda::kQThreads, smem, st>>>(Src{static_cast<const T*>(p.x), p.x_stride}, p.rows, p.cols,
-                                                      p.offsets, pends, p.experts, p.scale, p.scale_stride,
-                                                      static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows,
-                                                      col_tiles, tiles, q_align, strip, cuda::col_mode().probe);
-          return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
-        }
-      }
       cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align,
-          cuda::col_mode().probe);
+          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
       return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
     });
   });
@@ -1968,32 +1755,6 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
     const int64_t b_stride = bias ? bias->b_stride : 0;
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
-      if constexpr (sizeof(T) == 2) {
-        // The pipelined form: every 16-byte chunk aligned (8 columns of h: 16 values of an
-        // interleaved row, or 8 of gate and 8 of up).
-        auto al = [&](const void* ptr, int64_t stride) {
-          return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (p.rows <= 1 || (stride * 2) % 16 == 0);
-        };
-        const bool ok = c.cols % 8 == 0 && cuda::col_async_allowed() &&
-                        (p.step == 2 ? al(g, p.g_stride) && u == g + 1 && p.u_stride == p.g_stride
-                                     : p.step == 1 && al(g, p.g_stride) && al(u, p.u_stride));
-        if (ok) {
-          return dispatch_step(p.step, [&](auto stp) -> Status {
-            constexpr int kStep = decltype(stp)::value;
-            using Src = cuda::GluColSrc<T, A, kStep>;
-            const auto kernel = cuda::col_quant_async_kernel<cuda::GluColSrc<T, A, kStep>>;
-            constexpr int smem = cuda::col_async_smem<Src>();
-            unsigned grid = 0;
-            int64_t strip = 0;
-            EA_TRY(cuda::col_async_launch_shape(kernel, smem, p.device_id, tiles, col_tiles, grid, strip));
-            const Src src{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, bg, bu, b_stride, cf};
-            kernel<<<grid, cuda::kQThreads, smem, st>>>(src, c.rows, c.cols, c.offsets, pends, c.experts, c.scale,
-                                                        c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
-                                                        c.out_rows, col_tiles, tiles, q_align, strip, false);
-            return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
-          });
-        }
-      }
       cuda::glu_col_quant_kernel<T, A><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
           g, u, p.g_stride, p.u_stride, p.step, p.w, p.w_stride, bg, bu, b_stride, cf, c.rows, c.cols, c.offsets,
           pends, c.experts, c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride, c.out_rows,

@@ -261,13 +261,6 @@ def test_col_amax_c_abi():
 
 # ---- CUDA: the forward's amax on the GPU, and against the CPU ----
 
-def _rel_tol(dtype):
-    """One step of a 16-bit dtype relative (h rounded on either side of a rounding boundary),
-    or float32's tolerance for the activation itself (tests/python/conftest.py, TOL): the
-    CPU's and GPU's amax stay within a few of them."""
-    return {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2e-5}[dtype]
-
-
 def _cuda_case(T, F, dtype, layout, preset, biased, seed, ends):
     z, b, w = _case(T, F, dtype, seed, E=len(ends), ends=ends)
     offs = torch.tensor(ends, dtype=torch.int32)
@@ -275,8 +268,8 @@ def _cuda_case(T, F, dtype, layout, preset, biased, seed, ends):
     _check(res, res0, h, offs.cuda(), ends)
     # against the CPU: h differs in its last bits between them (the GPU's exp and division are
     # approximate forms), so each amax by at most the largest difference of |h| over that
-    # expert's rows of the column (|max a - max b| <= max |a - b|, exact), and that difference
-    # is itself small (a few roundings of h in dtype)
+    # expert's rows of the column (|max a - max b| <= max |a - b|, exact); each device's h is
+    # checked against float64 by the activation's own tests
     cres, _, ch = _run(z, preset, layout, w, b if biased else None, offs)
     a, ca = res[2].cpu().double(), cres[2].double()
     fin = torch.isfinite(ca)
@@ -284,7 +277,6 @@ def _cuda_case(T, F, dtype, layout, preset, biased, seed, ends):
     d = (h.cpu().double().abs() - ch.double().abs()).abs()
     bound = _torch_col_amax(d, ends).double()
     assert ((a - ca).abs()[fin] <= bound[fin]).all()
-    assert ((a - ca).abs()[fin] <= 4 * _rel_tol(dtype) * ca.abs()[fin]).all()
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
