@@ -162,6 +162,33 @@ def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
     return offsets.contiguous(), host
 
 
+def _amax_arg(amax, E, C, cname, xname, device, where):
+    """Checks a given per expert and column amax: a float32 [E, C] tensor on the input's device."""
+    if not isinstance(amax, torch.Tensor):
+        raise TypeError(f"{where}: amax must be a torch.Tensor (got {type(amax).__name__})")
+    if amax.dtype != torch.float32:
+        raise _capi.DTypeError(f"{where}: amax has dtype {amax.dtype}; it must be float32 [E, {cname}]")
+    if tuple(amax.shape) != (E, C):
+        raise ValueError(f"{where}: amax must be [E, {cname}] = [{E}, {C}] (got shape {tuple(amax.shape)})")
+    if amax.device != device:
+        raise ValueError(f"{where}: amax is on {amax.device}; {xname} is on {device}")
+
+
+def _colwise_outputs(offsets, host, T, C, P, device, where):
+    """(q_t [C, rows] e4m3, scale [E, C] float32, the padded offsets or None) of a column-wise
+    quantisation of T rows padded to P per expert."""
+    if P == 1:
+        rows, pads = T, None
+    else:
+        rows = padded_offsets(host, P)[-1]
+        if rows >= 2 ** 31:
+            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
+        pads = padded_offsets(offsets, P)
+    q_t = torch.empty((C, rows), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((offsets.numel(), C), dtype=torch.float32, device=device)
+    return q_t, scale, pads
+
+
 def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: int = 1,
                              ends=None, amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) per expert and column: t [T, C] (rows sorted by expert; ``offsets`` int32 [E],
@@ -201,23 +228,8 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     offsets, host = _grouped_offsets(offsets, T, t.device, ends, where)
     E = offsets.numel()
     if amax is not None:
-        if not isinstance(amax, torch.Tensor):
-            raise TypeError(f"{where}: amax must be a torch.Tensor (got {type(amax).__name__})")
-        if amax.dtype != torch.float32:
-            raise _capi.DTypeError(f"{where}: amax has dtype {amax.dtype}; it must be float32 [E, C]")
-        if tuple(amax.shape) != (E, C):
-            raise ValueError(f"{where}: amax must be [E, C] = [{E}, {C}] (got shape {tuple(amax.shape)})")
-        if amax.device != t.device:
-            raise ValueError(f"{where}: amax is on {amax.device}; t is on {t.device}")
-    if P == 1:
-        rows, pads = T, None
-    else:
-        rows = padded_offsets(host, P)[-1]
-        if rows >= 2 ** 31:
-            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
-        pads = padded_offsets(offsets, P)
-    q_t = torch.empty((C, rows), dtype=torch.float8_e4m3fn, device=t.device)
-    scale = torch.empty((E, C), dtype=torch.float32, device=t.device)
+        _amax_arg(amax, E, C, "C", "t", t.device, where)
+    q_t, scale, pads = _colwise_outputs(offsets, host, T, C, P, t.device, where)
     xs, qs, ss, offs = _matrix(t), _matrix(q_t), _matrix(scale), _vector(offsets)
     ps = None if pads is None else _vector(pads)
     am = None if amax is None else _matrix(amax)
@@ -356,23 +368,8 @@ def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.T
             h = functional.glu(gate_up, up, layout=layout, activation=name, alpha=a, limit=lim, beta=beta,
                                weights=weights, bias=bias, offsets=None if bias is None else offsets)
         return quantize_colwise_grouped(h, offsets, pad_to=P, ends=host)
-    if not isinstance(amax, torch.Tensor):
-        raise TypeError(f"{where}: amax must be a torch.Tensor (got {type(amax).__name__})")
-    if amax.dtype != torch.float32:
-        raise _capi.DTypeError(f"{where}: amax has dtype {amax.dtype}; it must be float32 [E, F]")
-    if tuple(amax.shape) != (E, F):
-        raise ValueError(f"{where}: amax must be [E, F] = [{E}, {F}] (got shape {tuple(amax.shape)})")
-    if amax.device != gate_up.device:
-        raise ValueError(f"{where}: amax is on {amax.device}; {xname} is on {gate_up.device}")
-    if P == 1:
-        rows, pads = T, None
-    else:
-        rows = padded_offsets(host, P)[-1]
-        if rows >= 2 ** 31:
-            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
-        pads = padded_offsets(offsets, P)
-    q_t = torch.empty((F, rows), dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty((E, F), dtype=torch.float32, device=gate_up.device)
+    _amax_arg(amax, E, F, "F", xname, gate_up.device, where)
+    q_t, scale, pads = _colwise_outputs(offsets, host, T, F, P, gate_up.device, where)
     xs, qs, ss, offs, am = _matrix(gate_up), _matrix(q_t), _matrix(scale), _vector(offsets), _matrix(amax)
     us = None if up is None else _matrix(up)
     ws = None if weights is None else _vector(weights)
