@@ -29,47 +29,79 @@ void quantize_row(const float* v, int64_t n, uint8_t* q, float* scale_out) {
   *scale_out = 1.0f / s;
 }
 
+// A column amax per expert and column, dst [E, C] (row stride `stride`): zeroed by the
+// constructor; each thread's Run keeps a running amax over its rows (contiguous, sorted by
+// expert) and merges it into dst under the lock when the row's expert changes and at finish()
+// (max is exact and order-free: the same result for any split of the rows). E = 0: nothing.
+class ColAmax {
+ public:
+  ColAmax(const int32_t* offs, int64_t E, float* dst, int64_t stride, int64_t C)
+      : offs_(offs), E_(E), dst_(dst), stride_(stride), C_(C) {
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t j = 0; j < C; ++j) dst[e * stride + j] = 0.0f;
+  }
+  bool on() const { return E_ > 0; }
+
+  class Run {
+   public:
+    Run(ColAmax& a, int64_t r0)
+        : a_(a), cm_(a.E_ > 0 ? static_cast<size_t>(a.C_) : 0), e_(a.E_ > 0 ? expert_of(a.offs_, a.E_, r0) : 0) {}
+    // Moves to row r's expert; whether the row counts (it belongs to one of the E).
+    bool at(int64_t r) {
+      if (a_.E_ == 0) return false;
+      while (e_ < a_.E_ && a_.offs_[e_] <= r) ++e_;
+      if (e_ != held_) {
+        finish();
+        if (e_ < a_.E_) {
+          held_ = e_;
+          std::fill(cm_.begin(), cm_.end(), 0.0f);
+        }
+      }
+      return held_ >= 0;
+    }
+    void add(int64_t j, float v) { cm_[static_cast<size_t>(j)] = std::fmax(cm_[static_cast<size_t>(j)], std::fabs(v)); }  // NaN ignored
+    void finish() {
+      if (held_ < 0) return;
+      std::lock_guard<std::mutex> lock(a_.merge_);
+      float* dst = a_.dst_ + held_ * a_.stride_;
+      for (int64_t j = 0; j < a_.C_; ++j) dst[j] = std::fmax(dst[j], cm_[static_cast<size_t>(j)]);
+      held_ = -1;
+    }
+
+   private:
+    ColAmax& a_;
+    std::vector<float> cm_;
+    int64_t e_, held_ = -1;
+  };
+
+ private:
+  const int32_t* offs_;
+  int64_t E_;
+  float* dst_;
+  int64_t stride_, C_;
+  std::mutex merge_;
+};
+
 }  // namespace
 
 // With col_amax: each thread's rows (contiguous, sorted by expert) keep a running column
 // amax of their current expert, merged into col_amax under a lock when the expert changes
 // and at the end (max is exact and order-free: the same result for any split).
 Status cpu_fp8_quantize_rowwise(const Fp8Rows& p) {
-  const int64_t E = p.col_amax ? p.col_amax_experts : 0;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t j = 0; j < p.cols; ++j) p.col_amax[e * p.col_amax_stride + j] = 0.0f;
-  std::mutex merge;
+  ColAmax amax(p.col_amax_offsets, p.col_amax ? p.col_amax_experts : 0, p.col_amax, p.col_amax_stride, p.cols);
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     cpu::parallel_for(p.rows, 2 * p.cols, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(static_cast<size_t>(p.cols));
-      std::vector<float> cm(E > 0 ? static_cast<size_t>(p.cols) : 0);
-      int64_t e = E > 0 ? expert_of(p.col_amax_offsets, E, r0) : 0, held = -1;
-      auto flush = [&] {
-        if (held < 0) return;
-        std::lock_guard<std::mutex> lock(merge);
-        float* dst = p.col_amax + held * p.col_amax_stride;
-        for (int64_t j = 0; j < p.cols; ++j) dst[j] = std::fmax(dst[j], cm[j]);
-        held = -1;
-      };
+      ColAmax::Run run(amax, r0);
       for (int64_t r = r0; r < r1; ++r) {
         const T* x = static_cast<const T*>(p.x) + r * p.x_stride;
         for (int64_t j = 0; j < p.cols; ++j) buf[j] = Cv<T>::ld(x[j]);
-        if (E > 0) {
-          while (e < E && p.col_amax_offsets[e] <= r) ++e;
-          if (e != held) {
-            flush();
-            if (e < E) {
-              held = e;
-              std::fill(cm.begin(), cm.end(), 0.0f);
-            }
-          }
-          if (held >= 0)
-            for (int64_t j = 0; j < p.cols; ++j) cm[j] = std::fmax(cm[j], std::fabs(buf[j]));  // NaN ignored
-        }
+        if (run.at(r))
+          for (int64_t j = 0; j < p.cols; ++j) run.add(j, buf[j]);
         quantize_row(buf.data(), p.cols, static_cast<uint8_t*>(p.q) + r * p.q_stride, p.scale + r * p.scale_stride);
       }
-      flush();
+      run.finish();
     });
     return Status::kOk;
   });
@@ -213,10 +245,8 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
 // kernels' FMAs). q and scale come from the float32 h either way.
 Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* bias, const Fp8ColAmax* amax) {
   const int64_t E = amax ? amax->experts : 0;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t j = 0; j < p.F; ++j) amax->col_amax[e * amax->stride + j] = 0.0f;
+  ColAmax ca(amax ? amax->offsets : nullptr, E, amax ? amax->col_amax : nullptr, amax ? amax->stride : 0, p.F);
   if (p.rows == 0) return Status::kOk;
-  std::mutex merge;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
@@ -224,17 +254,9 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
       const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
       cpu::parallel_for(p.rows, (E > 0 ? 6 : 4) * p.F, [&](int64_t r0, int64_t r1) {
         std::vector<float> h(static_cast<size_t>(p.F));
-        std::vector<float> cm(E > 0 ? static_cast<size_t>(p.F) : 0);
         std::vector<T> fwd(E > 0 && !bias ? static_cast<size_t>(p.F) : 0);  // the forward's row
         int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
-        int64_t ea = E > 0 ? expert_of(amax->offsets, E, r0) : 0, held = -1;
-        auto flush = [&] {
-          if (held < 0) return;
-          std::lock_guard<std::mutex> lock(merge);
-          float* dst = amax->col_amax + held * amax->stride;
-          for (int64_t j = 0; j < p.F; ++j) dst[j] = std::fmax(dst[j], cm[j]);
-          held = -1;
-        };
+        ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
           const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
           const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
@@ -251,32 +273,21 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
             for (int64_t j = 0; j < p.F; ++j)
               h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
           }
-          if (E > 0) {
-            while (ea < E && amax->offsets[ea] <= r) ++ea;
-            if (ea != held) {
-              flush();
-              if (ea < E) {
-                held = ea;
-                std::fill(cm.begin(), cm.end(), 0.0f);
-              }
-            }
-            if (held >= 0) {
-              if (bias) {
-                for (int64_t j = 0; j < p.F; ++j)
-                  cm[j] = std::fmax(cm[j], std::fabs(Cv<T>::ld(Cv<T>::st(h[j]))));  // NaN ignored
-              } else {
-                FwdOutput fo;
-                fo.out = fwd.data();
-                fo.out_stride = 0;  // row r lands at fwd
-                const Status st = cpu_forward_rows(p, fo, r, r + 1);
-                (void)st;  // p's dtype, act and step were dispatched above: it cannot fail
-                for (int64_t j = 0; j < p.F; ++j) cm[j] = std::fmax(cm[j], std::fabs(Cv<T>::ld(fwd[j])));
-              }
+          if (run.at(r)) {
+            if (bias) {
+              for (int64_t j = 0; j < p.F; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(h[j])));
+            } else {
+              FwdOutput fo;
+              fo.out = fwd.data();
+              fo.out_stride = 0;  // row r lands at fwd
+              const Status st = cpu_forward_rows(p, fo, r, r + 1);
+              (void)st;  // p's dtype, act and step were dispatched above: it cannot fail
+              for (int64_t j = 0; j < p.F; ++j) run.add(j, Cv<T>::ld(fwd[j]));
             }
           }
           quantize_row(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
-        flush();
+        run.finish();
       });
       return Status::kOk;
     });
@@ -288,11 +299,9 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
 // then quantize_row. The column amax is kept per thread and expert and merged under a lock,
 // as cpu_fp8_quantize_rowwise does.
 Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias) {
-  const int64_t C = 2 * p.F, E = o.col_amax ? o.experts : 0;
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t j = 0; j < C; ++j) o.col_amax[e * o.col_amax_stride + j] = 0.0f;
+  const int64_t C = 2 * p.F;
+  ColAmax ca(o.offsets, o.col_amax ? o.experts : 0, o.col_amax, o.col_amax_stride, C);
   if (p.rows == 0) return Status::kOk;
-  std::mutex merge;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) {
@@ -300,16 +309,8 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
       const math::Coeffs c{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
       cpu::parallel_for(p.rows, 8 * p.F, [&](int64_t r0, int64_t r1) {
         std::vector<float> buf(static_cast<size_t>(C));
-        std::vector<float> cm(E > 0 ? static_cast<size_t>(C) : 0);
         int64_t eb = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
-        int64_t ea = E > 0 ? expert_of(o.offsets, E, r0) : 0, held = -1;
-        auto flush = [&] {
-          if (held < 0) return;
-          std::lock_guard<std::mutex> lock(merge);
-          float* dst = o.col_amax + held * o.col_amax_stride;
-          for (int64_t j = 0; j < C; ++j) dst[j] = std::fmax(dst[j], cm[j]);
-          held = -1;
-        };
+        ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
           const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
           const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
@@ -342,21 +343,11 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
             T* d = static_cast<T*>(o.dgu) + r * o.dgu_stride;
             for (int64_t j = 0; j < C; ++j) d[j] = Cv<T>::st(buf[j]);
           }
-          if (E > 0) {
-            while (ea < E && o.offsets[ea] <= r) ++ea;
-            if (ea != held) {
-              flush();
-              if (ea < E) {
-                held = ea;
-                std::fill(cm.begin(), cm.end(), 0.0f);
-              }
-            }
-            if (held >= 0)
-              for (int64_t j = 0; j < C; ++j) cm[j] = std::fmax(cm[j], std::fabs(buf[j]));  // NaN ignored
-          }
+          if (run.at(r))
+            for (int64_t j = 0; j < C; ++j) run.add(j, buf[j]);
           quantize_row(buf.data(), C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
-        flush();
+        run.finish();
       });
       return Status::kOk;
     });
