@@ -161,49 +161,13 @@ struct GluSrc {
 // The GLU form with a per-expert bias added to gate and up (in float32) before the
 // activation: each pack's bias loaded with it from the row's expert's bias row (bg null: no
 // bias, rows past the last offset). Rows are sorted by expert, so the blocks on an SM mostly
-// read one expert's bias row, from L1.
-template <typename T, Activation A, int kStep, int V>
+// read one expert's bias row, from L1. kAlwaysAdd (glu_rows_amax_kernel's form): the bias pack
+// is always added, -0 where the row has none, so that finish has no branch (x + -0 is x for
+// every float: the same values, the same bytes); a skipped pack's bias is -0 as well (never
+// used; that form took 119-122 registers for the bf16 instances of up to 32 values a lane,
+// leaving it unset took 127-134).
+template <typename T, Activation A, int kStep, int V, bool kAlwaysAdd = false>
 struct BiasGluSrc {
-  using In = GuPack<T, V, kStep>;
-  struct Raw {
-    In in, b;
-  };
-  struct Held {
-    float v[V];
-  };
-  using Max = AbsMax<float>;
-  const T* g;
-  const T* u;
-  const T* bg;
-  const T* bu;
-  float w;
-  const math::Coeffs& c;
-  __device__ __forceinline__ void load(int p, Raw& r) const {
-    load_raw<T, V, kStep>(g, u, p, r.in);
-    if (bg) load_raw<T, V, kStep>(bg, bu, p, r.b);
-  }
-  __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
-    if (bg) {
-#pragma unroll
-      for (int i = 0; i < V; ++i)
-        h.v[i] = math::glu_fwd<A>(gate_of(r.in, i) + gate_of(r.b, i), up_of(r.in, i) + up_of(r.b, i), w, c);
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) h.v[i] = math::glu_fwd<A>(gate_of(r.in, i), up_of(r.in, i), w, c);
-    }
-  }
-  __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
-#pragma unroll
-    for (int i = 0; i < V; ++i) m.add(h.v[i]);
-  }
-  __device__ __forceinline__ float value(const Held& h, int i) const { return h.v[i]; }
-};
-
-// BiasGluSrc's form for glu_rows_amax_kernel: the bias pack is always added, -0 where the row
-// has none (bg null), so that finish has no branch (x + -0 is x for every float: the same
-// values as BiasGluSrc's, the same bytes).
-template <typename T, Activation A, int kStep, int V>
-struct AddBiasGluSrc {
   using In = GuPack<T, V, kStep>;
   struct Raw {
     In in, b;
@@ -228,17 +192,26 @@ struct AddBiasGluSrc {
       for (int i = 0; i < 2 * V; ++i) b.gu.v[i] = nz;
     }
   }
-  // A skipped pack's bias: -0 as well (never used; this form took 119-122 registers for
-  // the bf16 instances of up to 32 values a lane, leaving it 0 took 127-134).
-  __device__ __forceinline__ void init(Raw& r) const { no_bias(r.b); }
+  __device__ __forceinline__ void init(Raw& r) const {
+    if constexpr (kAlwaysAdd) no_bias(r.b);
+  }
   __device__ __forceinline__ void load(int p, Raw& r) const {
     load_raw<T, V, kStep>(g, u, p, r.in);
-    if (bg) load_raw<T, V, kStep>(bg, bu, p, r.b); else no_bias(r.b);
+    if (bg) {
+      load_raw<T, V, kStep>(bg, bu, p, r.b);
+    } else if constexpr (kAlwaysAdd) {
+      no_bias(r.b);
+    }
   }
   __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const {
+    if (kAlwaysAdd || bg) {
 #pragma unroll
-    for (int i = 0; i < V; ++i)
-      h.v[i] = math::glu_fwd<A>(gate_of(r.in, i) + gate_of(r.b, i), up_of(r.in, i) + up_of(r.b, i), w, c);
+      for (int i = 0; i < V; ++i)
+        h.v[i] = math::glu_fwd<A>(gate_of(r.in, i) + gate_of(r.b, i), up_of(r.in, i) + up_of(r.b, i), w, c);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) h.v[i] = math::glu_fwd<A>(gate_of(r.in, i), up_of(r.in, i), w, c);
+    }
   }
   __device__ __forceinline__ void absmax(const Held& h, Max& m) const {
 #pragma unroll
@@ -575,7 +548,7 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // into the zeroed amax by atomicMax on the float bits when its expert changes and at its
 // block's end. offs (E of them): the column amax's experts, and with kBias the bias's (the
 // same offsets); each row's expert is followed along the run, not searched. The biased rows
-// take AddBiasGluSrc (no branch in the finish). q and scale: those of the kernels without the
+// take BiasGluSrc<..., true> (no branch in the finish). q and scale: those of the kernels without the
 // amax (the same float32 h, the same bytes).
 // (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
 // without spills, where unbounded it took 80-91 (5 blocks); the biased form and longer rows
@@ -614,13 +587,13 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && 
     const float wr = w && live ? w[r * w_stride] : 1.0f;
     if constexpr (kBias) {
       const bool has_b = live && e < E;
-      const AddBiasGluSrc<T, A, kStep, V> src{g + r * g_stride,
+      const BiasGluSrc<T, A, kStep, V, true> src{g + r * g_stride,
                                               u + r * u_stride,
                                               has_b ? bg + e * b_stride : nullptr,
                                               has_b ? bu + e * b_stride : nullptr,
                                               wr,
                                               c};
-      quantize_row<AddBiasGluSrc<T, A, kStep, V>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec,
+      quantize_row<BiasGluSrc<T, A, kStep, V, true>, V, N>(src, live, packs, lane, G, q + r * q_stride, q_vec,
                                                         scale + r * scale_stride, red[st & 1], &acc);
     } else {
       const GluSrc<T, A, kStep, V> src{g + r * g_stride, u + r * u_stride, wr, c};
