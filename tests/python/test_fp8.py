@@ -613,11 +613,12 @@ def test_cuda_glu_rowwise_bias_many_experts_and_views():
 
 # ---- the fused column amax: quantize_rowwise(col_amax_offsets=) -> quantize_colwise_grouped(amax=) ----
 
-def _torch_col_amax(t, ends):
-    """Per expert and column max |v| with NaN ignored, by torch ops (exact: a max)."""
-    a = t.reshape(-1, t.shape[-1]).float().abs()
+def _torch_col_amax(t, ends, dtype=torch.float32):
+    """Per expert and column max |v| with NaN ignored, by torch ops (exact: a max), in dtype;
+    0 for an expert without rows."""
+    a = t.reshape(-1, t.shape[-1]).to(dtype).abs()
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
-    out, start = torch.zeros(len(ends), a.shape[1]), 0
+    out, start = torch.zeros(len(ends), a.shape[1], dtype=dtype), 0
     for e, end in enumerate(ends):
         if end > start:
             out[e] = a[start:end].amax(0)

@@ -9,7 +9,7 @@ import torch
 
 from expertact import fp8
 from support.oracle import glu64
-from test_fp8 import _bits, _recipe
+from test_fp8 import _bits, _recipe, _torch_col_amax
 
 ACTS = ["swiglu", "swiglu_oai", "geglu_tanh"]
 LAYOUTS = ["halves", "up_first", "interleaved"]
@@ -110,16 +110,6 @@ def test_zz_report_share():
               f"over {len(_SHARES)} calls")
 
 
-def _amax_ref(d, ends):
-    """Per expert and column max |d| (NaN ignored) in torch; 0 for an expert without rows."""
-    a = torch.where(torch.isnan(d), torch.zeros_like(d), d.abs())
-    out, start = [], 0
-    for stop in ends:
-        out.append(a[start:stop].amax(0) if stop > start else torch.zeros(d.shape[1]))
-        start = stop
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_float32_values_bit_for_bit(activation, layout):
@@ -134,7 +124,7 @@ def test_float32_values_bit_for_bit(activation, layout):
                                                   offsets=offs, ends=ENDS, col_amax=True, dgate_up_out=d32)
     rq, rs = _recipe(d32)
     assert torch.equal(_bits(q), rq) and torch.equal(scale, rs)
-    assert amax.shape == (len(ENDS), 2 * F) and torch.equal(amax, _amax_ref(d32, ENDS))
+    assert amax.shape == (len(ENDS), 2 * F) and torch.equal(amax, _torch_col_amax(d32, ENDS))
     d64, _ = _oracle(z, dh, activation, layout, w, b, ENDS)
     torch.testing.assert_close(d32.double(), d64, rtol=1e-5, atol=1e-6 * d64.abs().max().item())
 
@@ -154,7 +144,7 @@ def test_bf16_dgate_up_out_and_amax(layout):
     ref = d64.float().to(torch.bfloat16)
     ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
     assert ulps.max() <= 1 and (ulps > 0).float().mean() < 1e-3
-    torch.testing.assert_close(amax.double(), _amax_ref(d64, ENDS), rtol=1e-5, atol=0)
+    torch.testing.assert_close(amax.double(), _torch_col_amax(d64, ENDS, d64.dtype), rtol=1e-5, atol=0)
     _check_against_float64(q, scale, d64)
 
 
@@ -204,7 +194,7 @@ def test_nan_and_inf():
     assert torch.equal(_bits(q), rq) and torch.equal(scale, rs)
     assert torch.isinf(scale[3]) and torch.isinf(scale[5]) and torch.isfinite(scale[1])
     assert (_bits(q)[1] == 0x7F).sum() >= 1
-    assert torch.equal(amax, _amax_ref(d32, [4, 12]))
+    assert torch.equal(amax, _torch_col_amax(d32, [4, 12], d32.dtype))
     assert not torch.isnan(amax).any()
 
 
@@ -271,7 +261,7 @@ def test_cuda_against_float64(activation, layout, dtype, F, bias):
     q, scale, dw, amax = fp8.glu_backward_rowwise(dh.cuda(), z.cuda(), activation, layout=layout, **kw)
     d64, dw64 = _oracle(z, dh, activation, layout, w, b if bias else None, ENDS)
     _check_against_float64(q.cpu(), scale.cpu(), d64)
-    torch.testing.assert_close(amax.cpu().double(), _amax_ref(d64, ENDS), rtol=1e-5, atol=0)
+    torch.testing.assert_close(amax.cpu().double(), _torch_col_amax(d64, ENDS, d64.dtype), rtol=1e-5, atol=0)
     finite = torch.isfinite(dw64)
     torch.testing.assert_close(dw.cpu().double()[finite], dw64[finite], rtol=1e-5,
                                atol=1e-5 * dw64[finite].abs().max().item())
@@ -298,7 +288,7 @@ def test_cuda_float32_values_bit_for_bit(layout, F, bias):
     d32 = d32.cpu()
     rq, rs = _recipe(d32)
     assert torch.equal(_bits(q).cpu(), rq) and torch.equal(scale.cpu(), rs)
-    assert torch.equal(amax.cpu(), _amax_ref(d32, ENDS))
+    assert torch.equal(amax.cpu(), _torch_col_amax(d32, ENDS))
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
