@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _bias, fp8
+from ._grouped import held_transposed, zero_empty_groups
 
 Tensor = torch.Tensor
 
@@ -88,16 +89,10 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
     """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols], from the operands'
     column-wise forms a = (aq, sa), b = (bq, sb) (_cols); laid out as ``like`` (a weight held as
     a transposed view gets its gradient in the weight's storage order)."""
-    if like is not None and like.stride(-2) == 1 and like.stride(-1) != 1:
+    if held_transposed(like):
         return _wgrad(b, a, poffs, ends, None).transpose(-2, -1)
     (aq, sa), (bq, sb) = a, b
-    out = _sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs)
-    start = 0
-    for e, stop in enumerate(ends):
-        if stop == start:
-            out[e].zero_()  # an empty group's block may be left unwritten
-        start = stop
-    return out
+    return zero_empty_groups(_sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
 def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
@@ -155,9 +150,9 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
     memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
     weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
-    result, or None where it does not apply (b13's gradient wanted, or the in-place backward):
-    then, when dx is wanted, dx's operand comes straight from the fused FP8 backward (dgate_up
-    not written in bf16 and read back for the rowwise pass; written only when dw13 needs it)."""
+    result, or None where it does not apply (b13's gradient wanted): when dx is wanted, dx's
+    operand comes straight from the fused FP8 backward (dgate_up not written in bf16 and read
+    back for the rowwise pass; written, over gate_up, only when dw13 needs it)."""
     need_x, need_w13, need_w2, need_w, need_b13, need_b2 = ctx_needs
     ends = plan.ends
     end = ends[-1] if ends else 0

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _bias, _capi, _fp8_mlp, _fused
+from ._grouped import held_transposed, zero_empty_groups
 from ._args import LAYOUTS, preset_coeffs
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from ._capi import DTypeError
@@ -225,21 +226,14 @@ def _gmm_wgrad(a, b, offs, plan, like=None):
     computed as (b^T a)^T, the same sums laid out as the weight's storage, so that autograd
     hands it to the leaf without a transposing copy (two such copies took 0.85 ms a step at
     the busiest rank on an H200, docs/perf-notes.md)."""
-    if like is not None and like.dim() == 3 and like.stride(-2) == 1 and like.stride(-1) != 1:
+    if held_transposed(like):
         return _gmm_wgrad(b, a, offs, plan).transpose(-2, -1)
     ends = plan.ends
     end = ends[-1] if ends else 0
     if plan.grouped and end > 0:
         # a^T column-major, b row-major: the form with no constraint on the groups' sizes
         out = torch._grouped_mm(_mm_operand(a, row_major=True).t(), _mm_operand(b, row_major=True), offs=offs)
-        # Correct on Hopper already; written anyway because some kernels leave an empty
-        # group's block unwritten (pytorch/pytorch#172439: non-zero on B200). E is small.
-        start = 0
-        for e, stop in enumerate(ends):
-            if stop == start:
-                out[e].zero_()
-            start = stop
-        return out
+        return zero_empty_groups(out, ends)
     out = a.new_zeros((len(ends), a.shape[1], b.shape[1]))
     start = 0
     for e, stop in enumerate(ends):
