@@ -1290,6 +1290,37 @@ namespace expertact::detail {
 // kernels.
 namespace {
 
+// The column-wise pass's setup, shared by quantize_colwise_grouped and glu_colwise_grouped:
+// the scale kernel's grid, the widest store q_t's rows take, and the pass-2 tiles (0 when
+// there is nothing to write).
+unsigned col_scale_blocks(const Fp8Cols& c) {
+  const int64_t n = c.experts * c.cols;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, cuda::sm_count(c.device_id) * 8)));
+}
+
+int q_t_align(const Fp8Cols& c) {
+  const auto addr = reinterpret_cast<uintptr_t>(c.q_t);
+  const bool one_row = c.cols <= 1;
+  return addr % 16 == 0 && (one_row || c.q_stride % 16 == 0)  ? 16
+         : addr % 4 == 0 && (one_row || c.q_stride % 4 == 0) ? 4
+                                                              : 1;
+}
+
+// The scales straight from the given amax (no pass 1).
+Status col_scales_from_amax(const Fp8Cols& c, cudaStream_t st) {
+  if (c.experts * c.cols == 0) return Status::kOk;
+  cuda::col_scale_kernel<true><<<col_scale_blocks(c), 256, 0, st>>>(c.scale, c.scale_stride, c.experts, c.cols, c.amax,
+                                                                    c.amax_stride);
+  return cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch");
+}
+
+Status col_tiles_of(const Fp8Cols& c, int64_t& col_tiles, int64_t& tiles) {
+  col_tiles = (c.cols + cuda::kQCols - 1) / cuda::kQCols;
+  tiles = c.out_rows == 0 || c.cols == 0 ? 0 : col_tiles * ((c.out_rows + cuda::kQRows - 1) / cuda::kQRows);
+  if (tiles > 0x7fffffff) return fail(Status::kInvalidArgument, "q_t is too large (", c.cols, " x ", c.out_rows, ")");
+  return Status::kOk;
+}
+
 // quantize_rowwise's col_amax: zeroed first (the atomics' identity).
 Status col_amax_zero(const Fp8Rows& p, cudaStream_t st) {
   const int64_t sm = cuda::sm_count(p.device_id);
@@ -1517,24 +1548,12 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   // 16-byte packs of x when its pointer and row stride allow (any column count: a row's last
   // partial pack is read element by element).
   const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && (p.rows <= 1 || (p.x_stride * es) % 16 == 0);
-  const auto q_addr = reinterpret_cast<uintptr_t>(p.q_t);
-  const bool one_q_row = p.cols <= 1;
-  const int q_align = q_addr % 16 == 0 && (one_q_row || p.q_stride % 16 == 0) ? 16
-                      : q_addr % 4 == 0 && (one_q_row || p.q_stride % 4 == 0)  ? 4
-                                                                                : 1;
+  const int q_align = q_t_align(p);
   const int32_t* pends = p.padded ? p.padded : p.offsets;
-  const int device = p.device_id;
-  const int64_t sm = cuda::sm_count(device);
-  const int64_t n_scales = p.experts * p.cols;
-  const unsigned scale_blocks =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
+  const int64_t sm = cuda::sm_count(p.device_id);
+  const unsigned scale_blocks = col_scale_blocks(p);
   if (p.amax) {
-    // The amax given: no pass 1, the scales straight from it.
-    if (n_scales > 0) {
-      cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols, p.amax,
-                                                                 p.amax_stride);
-      EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
-    }
+    EA_TRY(col_scales_from_amax(p, st));  // the amax given: no pass 1
   } else {
     // The scales: zeroed, then (after pass 1) turned from amax into 1 / s.
     cuda::col_scale_kernel<false><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
@@ -1563,12 +1582,9 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
         cuda::col_scale_kernel<true><<<scale_blocks, 256, 0, st>>>(p.scale, p.scale_stride, p.experts, p.cols);
         EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
       }
-      if (p.out_rows == 0 || p.cols == 0) return Status::kOk;
-      const int64_t col_tiles = (p.cols + cuda::kQCols - 1) / cuda::kQCols;
-      const int64_t row_tiles = (p.out_rows + cuda::kQRows - 1) / cuda::kQRows;
-      const int64_t tiles = col_tiles * row_tiles;
-      if (tiles > 0x7fffffff)
-        return fail(Status::kInvalidArgument, "q_t is too large (", p.cols, " x ", p.out_rows, ")");
+      int64_t col_tiles = 0, tiles = 0;
+      EA_TRY(col_tiles_of(p, col_tiles, tiles));
+      if (tiles == 0) return Status::kOk;
       cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
           static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
           p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
@@ -1699,24 +1715,11 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
                          {"padded_offsets", c.padded}, {"q_t", c.q_t}, {"scale", c.scale}, {"amax", c.amax}}));
   if (!c.amax) return fail(Status::kInvalidArgument, "glu_colwise_grouped needs the column amax");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const int64_t sm = cuda::sm_count(p.device_id);
-  const int64_t n_scales = c.experts * c.cols;
-  if (n_scales > 0) {
-    const unsigned blocks =
-        static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((n_scales + 255) / 256, sm * 8)));
-    cuda::col_scale_kernel<true><<<blocks, 256, 0, st>>>(c.scale, c.scale_stride, c.experts, c.cols, c.amax,
-                                                         c.amax_stride);
-    EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8 colwise scale kernel launch"));
-  }
-  if (c.out_rows == 0 || c.cols == 0) return Status::kOk;
-  const int64_t col_tiles = (c.cols + cuda::kQCols - 1) / cuda::kQCols;
-  const int64_t tiles = col_tiles * ((c.out_rows + cuda::kQRows - 1) / cuda::kQRows);
-  if (tiles > 0x7fffffff) return fail(Status::kInvalidArgument, "q_t is too large (", c.cols, " x ", c.out_rows, ")");
-  const auto q_addr = reinterpret_cast<uintptr_t>(c.q_t);
-  const bool one_q_row = c.cols <= 1;
-  const int q_align = q_addr % 16 == 0 && (one_q_row || c.q_stride % 16 == 0) ? 16
-                      : q_addr % 4 == 0 && (one_q_row || c.q_stride % 4 == 0)  ? 4
-                                                                                : 1;
+  EA_TRY(col_scales_from_amax(c, st));
+  int64_t col_tiles = 0, tiles = 0;
+  EA_TRY(col_tiles_of(c, col_tiles, tiles));
+  if (tiles == 0) return Status::kOk;
+  const int q_align = q_t_align(c);
   const int32_t* pends = c.padded ? c.padded : c.offsets;
   const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
