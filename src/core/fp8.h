@@ -80,4 +80,32 @@ EA_HD uint32_t from_scaled2(float x0, float x1) {
 #endif
 }
 
+// 1 / v by exponent arithmetic, when v is a positive normal power of two whose reciprocal is
+// normal (every scale the column-wise scale kernel writes: 1 / q with q in [2^-119, 2^48]): true
+// and r set to the exact reciprocal; false for anything else (the caller divides).
+EA_HD bool recip_pow2(float v, float& r) {
+  const uint32_t b = math::as_bits(v);
+  if ((b & 0x807fffffu) != 0 || b - 0x00800000u >= 0x7e800000u) return false;
+  r = math::as_float(0x7f000000u - b);
+  return true;
+}
+
+// Four e4m3fn bytes with every NaN (0x7f or 0xff, e4m3fn's only NaN bytes) written 0x7f: the
+// sign bit cleared where a byte's low 7 bits are all ones (adding 1 to those bits carries into
+// bit 7 of that byte only).
+EA_HD uint32_t nan_bytes_7f(uint32_t w) { return w & ~(((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u); }
+
+// from_scaled of four values as one word, x0's byte lowest. On sm_89 and later two conversions
+// and one NaN fix-up (nan_bytes_7f) for the four bytes.
+EA_HD uint32_t from_scaled4(float x0, float x1, float x2, float x3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+  return nan_bytes_7f(static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16));
+#else
+  return from_scaled2(x0, x1) | (from_scaled2(x2, x3) << 16);
+#endif
+}
+
 }  // namespace expertact::fp8

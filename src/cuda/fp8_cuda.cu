@@ -52,6 +52,7 @@
 #include "cpu/fp8_cpu.h"
 #include "cuda/common.cuh"
 #include "cuda/device.h"
+#include "cuda/fp8_colwise.cuh"
 #include "cuda/glu_launch.cuh"
 
 namespace expertact::cuda {
@@ -747,20 +748,8 @@ constexpr int kAmaxCols = 256;     // pass 1: columns per block, 8 per lane
 // loads in flight per SM. 8 rows a lane took 116 registers (2 blocks: the same 64 KB) or
 // spilled when bounded to 3 blocks, so pass 1 stays as it is.
 constexpr int kAmaxUnroll = 4;
-constexpr int kQThreads = 256;     // pass 2: 8 lanes x 8 columns, 32 x 4 rows
-constexpr int kQRows = 128, kQCols = 64;  // pass 2: output rows x columns per tile
 
-// Up to 8 elements of a row from column c on (0 past the row's end): one 16-byte access
-// (two for float32) when kVec and all 8 lie in the row, else one by one.
-template <typename T, bool kVec>
-__device__ __forceinline__ void load8(const T* row, int64_t c, int64_t cols, Pack<T, 8>& p) {
-  if (kVec && c + 8 <= cols) {
-    p = *reinterpret_cast<const Pack<T, 8>*>(row + c);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) p.v[i] = c + i < cols ? row[c + i] : from_f<T>(0.0f);
-  }
-}
+using colwise::load8;
 
 // The scale buffer before pass 1 (kFinal false: 0, the amax's identity) and after it
 // (kFinal true: the amax -> 1 / s; the amax read from `amax` (row stride amax_stride) when
@@ -831,158 +820,23 @@ __global__ void __launch_bounds__(kAmaxThreads) col_amax_kernel(const T* __restr
   }
 }
 
-// Pass 2 works on tiles of 128 output rows x 64 columns (tile t: row tile t / col_tiles,
-// column tile t % col_tiles). Thread t of a block takes output rows 4 (t / 8) .. + 3 of the
-// tile (their source rows, or none: padding) at columns 8 (t % 8) .. + 7, quantises them with
-// their expert's s = 1 / scale (exact: powers of two and 0 <-> inf) and packs each column's 4
-// bytes into one word of a shared tile (64 columns x 32 words; word w of column j at
-// j * 32 + (w ^ 4 (j / 8)): the stores (a warp: 4 words x 8 column groups) and the 16-byte
-// loads of the write-out each hit 32 distinct banks), written out transposed as 16-byte runs
-// of q_t's rows. Padding rows are written as 0 from the same tile. pends: padded cumulative
-// ends (offsets when unpadded).
-struct ColTile {
-  int64_t p0, c0;
-  int32_t src[4], ex[4];  // each of the thread's rows: source row (-1: none) and expert
-};
-
-__device__ __forceinline__ ColTile col_tile(int64_t t, int64_t col_tiles, int64_t rows, int64_t out_rows,
-                                            const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends,
-                                            int64_t E) {
-  ColTile ct;
-  ct.p0 = (t / col_tiles) * kQRows;
-  ct.c0 = (t % col_tiles) * kQCols;
-  const int64_t pf = ct.p0 + 4 * (threadIdx.x >> 3);
-  int64_t e = detail::expert_of(pends, E, pf);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int64_t p = pf + k;
-    while (e < E && pends[e] <= p) ++e;
-    ct.src[k] = -1;  // both fit 32 bits: a source row is below an int32 offset
-    ct.ex[k] = static_cast<int32_t>(e);
-    if (e < E && p < out_rows) {
-      const int64_t start = e == 0 ? 0 : offsets[e - 1];
-      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-      const int64_t r = start + local;
-      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) ct.src[k] = static_cast<int32_t>(r);
-    }
-  }
-  return ct;
-}
-
-// The thread's 4 x 8 values (v(k, x): row k's 8 floats; rows without a source and columns
-// past the end give bytes 0x00), scaled by their expert's s and packed into the shared tile.
-template <typename Values>
-__device__ __forceinline__ void col_tile_pack(const ColTile& ct, int64_t cols, const float* __restrict__ scale,
-                                              int64_t scale_stride, uint32_t* tile, Values&& v) {
-  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
-  const int64_t c = ct.c0 + 8 * cg;
-  uint32_t w[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) w[i] = 0;
-  if (c < cols) {
-    float xs[4][8];
-    float s[8];
-    int32_t se = -1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (ct.src[k] < 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-        continue;
-      }
-      if (ct.ex[k] != se) {
-        se = ct.ex[k];
-        const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
-      }
-      v(k, xs[k]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) xs[k][i] *= s[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
-}
-
-// The shared tile written out: 16 bytes a thread and step, along q_t's rows.
-__device__ __forceinline__ void col_tile_store(const ColTile& ct, const uint32_t* tile, int64_t cols,
-                                               int64_t out_rows, uint8_t* __restrict__ q, int64_t q_stride,
-                                               int q_align) {
-#pragma unroll
-  for (int it = 0; it < kQCols * kQRows / 16 / kQThreads; ++it) {
-    const int idx = threadIdx.x + it * kQThreads;
-    const int cl = idx >> 3, wg = idx & 7;
-    const int64_t cc = ct.c0 + cl;
-    const int64_t pw = ct.p0 + 16 * wg;
-    if (cc >= cols || pw >= out_rows) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(&tile[cl * (kQRows / 4) + 4 * (wg ^ (cl >> 3))]);
-    uint8_t* dst = q + cc * q_stride + pw;
-    const int64_t n = out_rows - pw < 16 ? out_rows - pw : 16;
-    if (q_align == 16 && n == 16) {
-      *reinterpret_cast<uint4*>(dst) = v;
-    } else {
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (q_align >= 4 && 4 * j + 4 <= n) {
-          reinterpret_cast<uint32_t*>(dst)[j] = words[j];
-        } else {
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            if (4 * j + k < n) dst[4 * j + k] = static_cast<uint8_t>(words[j] >> (8 * k));
-        }
-      }
-    }
-  }
-}
-
-// A block a tile, its loads straight into registers (4 x 16 bytes a thread, or element by
-// element where rows allow no 16-byte pack). 3 blocks an SM; Nsight Compute on an H200: 1.61
-// TB/s, 36% occupancy, latency-bound.
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kQThreads, 3) col_quant_kernel(const T* __restrict__ x, int64_t x_stride,
-                                                             int64_t rows, int64_t cols,
-                                                             const int32_t* __restrict__ offsets,
-                                                             const int32_t* __restrict__ pends, int64_t E,
-                                                             const float* __restrict__ scale, int64_t scale_stride,
-                                                             uint8_t* __restrict__ q, int64_t q_stride,
-                                                             int64_t out_rows, int64_t col_tiles, int q_align) {
-  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
-  const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
-  const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
-  Pack<T, 8> in[4];
-  if (c < cols) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (ct.src[k] >= 0) load8<T, kVec>(x + static_cast<int64_t>(ct.src[k]) * x_stride, c, cols, in[k]);
-  }
-  col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_f(in[k].v[i]);
-  });
-  __syncthreads();
-  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
-}
+// Pass 2: src/cuda/fp8_colwise.cuh.
 
 // glu_colwise_grouped: the one-tile form with the activation recomputed from gate_up element
 // by element (h = act(gate [+ bias], up [+ bias]) * w, rounded to T as the activation's forward
 // writes it, so that the bytes are quantize_colwise_grouped's of that h; math::glu_fwd, the
 // forward kernels' expression).
-template <typename T, Activation A>
-__global__ void __launch_bounds__(kQThreads, 3) glu_col_quant_kernel(
+template <typename T, Activation A, bool kAligned>
+__global__ void __launch_bounds__(colwise::kThreads, 3) glu_col_quant_kernel(
     const T* g, const T* u, int64_t g_stride, int64_t u_stride, int step, const float* __restrict__ w,
     int64_t w_stride, const T* bg, const T* bu, int64_t b_stride, math::Coeffs cf, int64_t rows, int64_t cols,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ pends, int64_t E,
     const float* __restrict__ scale, int64_t scale_stride, uint8_t* __restrict__ q, int64_t q_stride,
     int64_t out_rows, int64_t col_tiles, int q_align) {
-  __shared__ __align__(16) uint32_t tile[kQCols * kQRows / 4];
-  const ColTile ct = col_tile(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
+  __shared__ __align__(16) uint32_t tile[colwise::kCols * colwise::kWords];
+  const colwise::Tile ct = colwise::tile_of(blockIdx.x, col_tiles, rows, out_rows, offsets, pends, E);
   const int64_t c = ct.c0 + 8 * (threadIdx.x & 7);
-  col_tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
+  colwise::tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
     const int64_t r = ct.src[k];
     const float wr = w ? w[r * w_stride] : 1.0f;
 #pragma unroll
@@ -997,7 +851,7 @@ __global__ void __launch_bounds__(kQThreads, 3) glu_col_quant_kernel(
     }
   });
   __syncthreads();
-  col_tile_store(ct, tile, cols, out_rows, q, q_stride, q_align);
+  colwise::tile_store<kAligned>(ct, tile, cols, out_rows, q, q_stride, q_align);
 }
 
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
@@ -1315,8 +1169,9 @@ Status col_scales_from_amax(const Fp8Cols& c, cudaStream_t st) {
 }
 
 Status col_tiles_of(const Fp8Cols& c, int64_t& col_tiles, int64_t& tiles) {
-  col_tiles = (c.cols + cuda::kQCols - 1) / cuda::kQCols;
-  tiles = c.out_rows == 0 || c.cols == 0 ? 0 : col_tiles * ((c.out_rows + cuda::kQRows - 1) / cuda::kQRows);
+  namespace cw = cuda::colwise;
+  col_tiles = (c.cols + cw::kCols - 1) / cw::kCols;
+  tiles = c.out_rows == 0 || c.cols == 0 ? 0 : col_tiles * ((c.out_rows + cw::kRows - 1) / cw::kRows);
   if (tiles > 0x7fffffff) return fail(Status::kInvalidArgument, "q_t is too large (", c.cols, " x ", c.out_rows, ")");
   return Status::kOk;
 }
@@ -1585,10 +1440,13 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       int64_t col_tiles = 0, tiles = 0;
       EA_TRY(col_tiles_of(p, col_tiles, tiles));
       if (tiles == 0) return Status::kOk;
-      cuda::col_quant_kernel<T, kVec><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
-          static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
-          p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
-      return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
+      return detail::dispatch_bool(q_align == 16, [&](auto at) -> Status {
+        cuda::colwise::quant_kernel<T, kVec, decltype(at)::value>
+            <<<static_cast<unsigned>(tiles), cuda::colwise::kThreads, 0, st>>>(
+                static_cast<const T*>(p.x), p.x_stride, p.rows, p.cols, p.offsets, pends, p.experts, p.scale,
+                p.scale_stride, static_cast<uint8_t*>(p.q_t), p.q_stride, p.out_rows, col_tiles, q_align);
+        return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
+      });
     });
   });
 }
@@ -1731,11 +1589,14 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
     const int64_t b_stride = bias ? bias->b_stride : 0;
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
-      cuda::glu_col_quant_kernel<T, A><<<static_cast<unsigned>(tiles), cuda::kQThreads, 0, st>>>(
-          g, u, p.g_stride, p.u_stride, p.step, p.w, p.w_stride, bg, bu, b_stride, cf, c.rows, c.cols, c.offsets,
-          pends, c.experts, c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride, c.out_rows,
-          col_tiles, q_align);
-      return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
+      return detail::dispatch_bool(q_align == 16, [&](auto at) -> Status {
+        cuda::glu_col_quant_kernel<T, A, decltype(at)::value>
+            <<<static_cast<unsigned>(tiles), cuda::colwise::kThreads, 0, st>>>(
+                g, u, p.g_stride, p.u_stride, p.step, p.w, p.w_stride, bg, bu, b_stride, cf, c.rows, c.cols,
+                c.offsets, pends, c.experts, c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
+                c.out_rows, col_tiles, q_align);
+        return cuda::cuda_check(cudaGetLastError(), "fp8 glu colwise kernel launch");
+      });
     });
   });
 }

@@ -1,0 +1,81 @@
+// The bit arithmetic of the FP8 kernels (src/core/fp8.h), checked on the host: the NaN fix-up
+// of four e4m3fn bytes at once against the byte-by-byte rule for every byte value in every
+// position, and the reciprocal of a power of two by exponent arithmetic against IEEE division
+// for every float exponent, both signs, zero, infinity, NaN and values that are not powers of two.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "core/fp8.h"
+
+namespace {
+
+using expertact::fp8::nan_bytes_7f;
+using expertact::fp8::recip_pow2;
+
+uint32_t bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+float from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+uint32_t bytewise(uint32_t w) {
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k) {
+    uint32_t b = (w >> (8 * k)) & 0xffu;
+    if (b == 0xffu) b = 0x7fu;
+    out |= b << (8 * k);
+  }
+  return out;
+}
+
+TEST(Fp8Bits, NanBytesEveryValueEveryPosition) {
+  std::mt19937 gen(7);
+  for (int pos = 0; pos < 4; ++pos) {
+    for (uint32_t v = 0; v < 256; ++v) {
+      for (int rep = 0; rep < 64; ++rep) {
+        uint32_t w = gen();
+        w = (w & ~(0xffu << (8 * pos))) | (v << (8 * pos));
+        ASSERT_EQ(nan_bytes_7f(w), bytewise(w)) << std::hex << w;
+      }
+    }
+  }
+  for (uint32_t w : {0u, 0xffffffffu, 0x7f7f7f7fu, 0x7e7e7e7eu, 0xfefefefeu, 0x80808080u, 0xff00ff00u})
+    EXPECT_EQ(nan_bytes_7f(w), bytewise(w)) << std::hex << w;
+}
+
+TEST(Fp8Bits, RecipPow2MatchesDivision) {
+  int exact = 0;
+  for (uint32_t e = 0; e < 256; ++e) {
+    for (uint32_t sign : {0u, 0x80000000u}) {
+      for (uint32_t mant : {0u, 1u, 0x400000u, 0x7fffffu}) {
+        const float v = from_bits(sign | (e << 23) | mant);
+        float r = -1.0f;
+        if (!recip_pow2(v, r)) continue;
+        ++exact;
+        const float want = 1.0f / v;
+        ASSERT_EQ(bits(r), bits(want)) << "v = " << v;
+        EXPECT_TRUE(sign == 0 && mant == 0 && e >= 1 && e <= 253) << "taken for v = " << v;
+      }
+    }
+  }
+  EXPECT_EQ(exact, 253);  // every positive power of two from 2^-126 to 2^126
+  float r = 0.0f;
+  EXPECT_FALSE(recip_pow2(0.0f, r));
+  EXPECT_FALSE(recip_pow2(std::numeric_limits<float>::infinity(), r));
+  EXPECT_FALSE(recip_pow2(std::numeric_limits<float>::quiet_NaN(), r));
+  EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, 127), r));    // 2^-127 is subnormal
+  EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, -149), r));   // a subnormal power of two
+  EXPECT_FALSE(recip_pow2(3.0f, r));
+}
+
+}  // namespace
