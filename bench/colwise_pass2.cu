@@ -10,7 +10,7 @@
 //   v0g      v0 at other block sizes, and ablations (wrong bytes, timing only): a trivial row
 //            map, no global loads, no global stores
 //   rowcopy  the same bytes read and written row-major (the bandwidth a transpose-free pass gets)
-// Build and run on a GPU (sm_90):
+// Build and run on a GPU (sm_90): a CUDA build makes <build>/bench/expertact_colwise_pass2, or
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I src -I include \
 //        -o colwise_pass2 bench/colwise_pass2.cu && ./colwise_pass2
 // "./colwise_pass2 0 once" runs each form once at C = 3,072 (for a profiler).

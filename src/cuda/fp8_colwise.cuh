@@ -11,7 +11,7 @@
 // q_t's rows. Padding rows are written as 0 from the same tile.
 //
 // The pass is bound by instructions, not by memory (Nsight Compute on an H200: 64% of the SM's
-// issue throughput against 45% of DRAM's; without any global load it still took 90% of its
+// issue throughput against 45% of DRAM's; without any global load it still took 91% of its
 // time), so the work per tile is kept small: the row map in 32-bit integers (every row index
 // fits: the offsets are int32), s from scale by exponent arithmetic (scale is a power of two;
 // anything else takes the division), four bytes converted per NaN fix-up (fp8::from_scaled4),

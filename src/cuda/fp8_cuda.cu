@@ -16,17 +16,15 @@
 // packs along the row, the max |v| of each expert's run of rows and column merged into the
 // scale buffer by atomicMax on the float's bits (non-negative floats order as their bits, so
 // the result is the same whatever the order); the amax turned into the scale 1 / s in place;
-// pass 2, each block a tile of 128 output rows x 64 columns: its rows read in 16-byte packs,
-// quantised with s = 1 / scale (exact: powers of two and 0 <-> inf), packed four rows to a
-// word into shared memory (XOR-swizzled: no bank conflicts on either side) and written out
-// transposed as 16-byte runs of q_t's rows. Padding rows are written as 0 from the same tile.
-// One tile a block: about 1.5 TB/s of reads and writes on an H200, latency-bound (36%
-// occupancy); the forms that measured slower (a persistent block looping over a column tile's
-// row tiles with the next tile's loads in registers; 256-row tiles; grouped block orders; a
-// cp.async pipeline through shared memory, grid-stride or by column strips) are in
-// docs/perf-notes.md section 13. glu_colwise_grouped takes the same tiles with the activation
-// recomputed from gate_up as the values. With the amax given (quantize_rowwise's col_amax), pass 1
-// is skipped: x is read once.
+// pass 2 (src/cuda/fp8_colwise.cuh), each block a tile of 128 output rows x 64 columns: its
+// rows read in 16-byte packs, quantised with s = 1 / scale, packed four rows to a word into
+// shared memory and written out transposed as 16-byte runs of q_t's rows; padding rows are
+// written as 0 from the same tile. The pass is bound by its instructions, not by memory
+// (docs/perf-notes.md section 14); the forms that measured slower (persistent blocks with the
+// next tile's loads in registers, 256-row tiles, grouped block orders, a cp.async pipeline) are
+// in section 13. glu_colwise_grouped takes the same tiles with the activation recomputed from
+// gate_up as the values. With the amax given (quantize_rowwise's col_amax), pass 1 is skipped:
+// x is read once.
 //
 // quantize_rowwise with col_amax: the vector form's lanes also keep their columns' running
 // max |v| per expert (in x's type: exact), merged into the zeroed col_amax by atomicMax on

@@ -1,0 +1,62 @@
+"""Where one expert-MLP step's GPU time goes: one forward+backward at the busiest rank's shape
+(4 experts x 261,280 rows, D = F = 3,072, bf16, swiglu_oai, the FP8 table's defaults) under
+torch.profiler, after 2 warm-up steps; the step's wall time, the sum of its kernel times and
+the kernels by total time. Then 4 steps timed as the benchmark's clock times them (CUDA events
+around forward and backward).
+
+    python bench/mlp_kernel_profile.py            # expert_mlp(fp8="rowwise")
+    python bench/mlp_kernel_profile.py expertact  # any row name of python -m expertact.bench --mlp --fp8
+"""
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from expertact.bench import fp8 as table
+from expertact.bench import mlp
+
+impl = sys.argv[1] if len(sys.argv) > 1 else "fp8"
+args = table.parse_args([])
+inp = mlp.MlpInputs(4, 261280, 3072, 3072, torch.bfloat16, torch.device("cuda"), False)
+fn = table.make_fn(impl, args, inp.offsets, 3072)
+
+
+def step():
+    fn(*inp.args).backward(inp.grad)
+    inp.clear()
+
+
+for _ in range(2):
+    step()
+torch.cuda.synchronize()
+t0 = time.time()
+step()
+torch.cuda.synchronize()
+print(f"{impl}: one step {1e3 * (time.time() - t0):.1f} ms wall")
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    step()
+    torch.cuda.synchronize()
+rows = {}
+for e in prof.events():
+    if e.device_type.name == "CUDA":
+        r = rows.setdefault(e.name[:110], [0.0, 0])
+        r[0] += e.time_range.elapsed_us()
+        r[1] += 1
+print(f"{impl}: kernel time total {sum(v[0] for v in rows.values()) / 1e3:.2f} ms")
+for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:24]:
+    print(f"{us / 1e3:9.3f} ms {n:3d}x  {name}")
+ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+steps = []
+for _ in range(4):
+    inp.clear()
+    ev[0].record()
+    y = fn(*inp.args)
+    ev[1].record()
+    y.backward(inp.grad)
+    ev[2].record()
+    ev[2].synchronize()
+    steps.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
+    del y
+print(f"{impl}: steps timed as the benchmark's clock (fwd, bwd) ms: "
+      + ", ".join(f"({a:.1f}, {b:.1f})" for a, b in steps))
