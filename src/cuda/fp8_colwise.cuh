@@ -30,13 +30,6 @@ constexpr int kThreads = 256;            // 8 lanes x 8 columns, 32 x 4 rows
 constexpr int kRows = 128, kCols = 64;   // output rows x columns per tile
 constexpr int kWords = kRows / 4;        // shared words per column
 
-// 1 / v, rounded to nearest: by exponent arithmetic where fp8::recip_pow2 applies, the division
-// otherwise (0, infinities, NaN, other values): the same bits as __fdiv_rn(1.0f, v) for every v.
-__device__ __forceinline__ float inv_scale(float v) {
-  float r;
-  return fp8::recip_pow2(v, r) ? r : __fdiv_rn(1.0f, v);
-}
-
 // A tile's place and the thread's 4 rows: their source rows in x (-1: none) and experts.
 struct Tile {
   int64_t p0, c0;
@@ -97,8 +90,9 @@ __device__ __forceinline__ Tile tile_of(int64_t t, int64_t col_tiles, int64_t ro
 
 // s = 1 / scale for columns c .. c + 7 of expert e (0 past the end). All 8 loads are issued
 // before any is used: a division's branch between them made each load wait for the last (the
-// pass then stalled on them more than on x). The division, for scales that are not powers of
-// two, behind one branch for the 8.
+// pass then stalled on them more than on x). fp8::recip_pow2 gives the bits __fdiv_rn(1, v)
+// gives wherever it applies; where it does not for one of the 8 (0, infinities, NaN, scales
+// that are not powers of two), all 8 take the division, behind one branch.
 __device__ __forceinline__ void tile_scales(const float* __restrict__ scale, int64_t scale_stride, int32_t e,
                                             int64_t c, int64_t cols, float (&s)[8]) {
   const float* sr = scale + e * scale_stride + c;
@@ -115,7 +109,7 @@ __device__ __forceinline__ void tile_scales(const float* __restrict__ scale, int
   for (int i = 0; i < 8; ++i) all &= fp8::recip_pow2(v[i], s[i]);
   if (!all) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? inv_scale(v[i]) : 0.0f;
+    for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, v[i]) : 0.0f;
   }
 }
 
