@@ -2,7 +2,8 @@
 // output) on bf16 [T, C] at the busiest rank's shape (4 experts, 1,045,120 rows, C = 3,072 and
 // 6,144; uneven expert sizes so that padding occurs; a few NaN and -inf in x), timed with CUDA
 // events (median of 10 after 2). Forms:
-//   LIB      the library's kernel (src/cuda/fp8_colwise.cuh, colwise::quant_kernel)
+//   LIB      the library's kernels (src/cuda/fp8_colwise.cuh): quant_kernel (any operands) and
+//            run_kernel (the runs form, taken where runs_apply allows)
 //   v0       the form before it (int64 row map, a division per scale, from_scaled2), kept here
 //            as the baseline; every other form's bytes are checked against v0's
 //   mix      v0's row map with the library's pack, and the library's map with v0's pack
@@ -495,6 +496,31 @@ int main(int argc, char** argv) {
       float ms = time_it(run);
       CK(cudaGetLastError());
       check("LIB colwise::quant_kernel", ms, occ(colwise::quant_kernel<bf, true, true>));
+    }
+    {
+      const int64_t ct = (C + 63) / 64;
+      int32_t subs = 0;
+      int64_t blocks = 0;
+      int sms = 0;
+      CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      if (!colwise::runs_apply(2, true, 16, p.rows, C, p.out_rows, 4, sms, subs, blocks)) {
+        printf("runs_apply refused the shape\n");
+        exit(1);
+      }
+      auto form = [&](auto kern, const char* name) {
+        auto run = [&] {
+          kern<<<(unsigned)blocks, 256>>>(colwise::PlainRows<bf>{p.x, C}, (int32_t)p.rows, (int32_t)C, p.offs,
+                                          p.pends, 4, p.scale, C, q2, p.out_rows, (int32_t)p.out_rows, (int32_t)ct,
+                                          subs);
+        };
+        CK(cudaMemset(q2, 0xcd, got.size()));
+        float ms = time_it(run);
+        CK(cudaGetLastError());
+        check(name, ms, occ(kern));
+      };
+      form(colwise::run_kernel<colwise::PlainRows<bf>, colwise::kRunPlain>, "LIB run_kernel, plain");
+      form(colwise::run_kernel<colwise::PlainRows<bf>, colwise::kRunRegs>, "LIB run_kernel, regs prefetch");
+      form(colwise::run_kernel<colwise::PlainRows<bf>, colwise::kRunL2>, "LIB run_kernel, L2 prefetch");
     }
 
     for (int V = 0; V < 2; ++V) {

@@ -220,4 +220,228 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
   tile_store<kAligned>(ct, tile, cols, out_rows, q, q_stride, q_align);
 }
 
+// ---- runs: the form quantize_colwise_grouped takes where the operands allow it ----
+//
+// quant_kernel spends most of its instructions on what every tile repeats: finding its place,
+// its rows' experts (a search of the offsets), their scales, then 32 values a thread. run_kernel
+// gives a block kCols columns of `subs` consecutive 128-row tiles (a run) and carries what the
+// tiles share: the row map is a cursor over the experts (advanced when a row passes its expert's
+// padded end, which happens a few times a run at most), the scales stay in registers until the
+// expert changes, and the next tile's loads are issued before the current tile is packed, so a
+// block keeps its loads in flight while it converts. Its bytes are quant_kernel's (the tests
+// and bench/colwise_pass2.cu compare them). It takes 16-bit x with 16-byte rows of whole packs
+// (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends
+// included) inside int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
+
+// An expert's output rows, as the cursor holds them: output rows [vlo, vhi) have source rows
+// (p - delta, in 32-bit wrapping arithmetic: the result lies in [0, rows) wherever it is used).
+struct Cursor {
+  int32_t e;     // the expert (E: past the last)
+  int32_t pend;  // its padded end (INT32_MAX past the last expert)
+  int32_t vlo, vhi;
+  uint32_t delta;
+};
+
+// The cursor at expert e. The source row of output row p is start + (p - pstart); only rows with
+// p in [pstart, pend) and that source row in [0, min(end, rows)) have one: offsets that are not
+// ascending (not checked on the device) read nothing outside x.
+__device__ __forceinline__ Cursor cursor_at(int32_t e, int32_t ne, int32_t nrows, const int32_t* __restrict__ offsets,
+                                            const int32_t* __restrict__ pends) {
+  Cursor cu;
+  cu.e = e;
+  if (e >= ne) {
+    cu.pend = 0x7fffffff, cu.vlo = 1, cu.vhi = 0, cu.delta = 0;
+    return cu;
+  }
+  const int64_t start = e == 0 ? 0 : __ldg(offsets + e - 1), pstart = e == 0 ? 0 : __ldg(pends + e - 1);
+  const int64_t end = __ldg(offsets + e), pend = __ldg(pends + e);
+  const int64_t lo = pstart > pstart - start ? pstart : pstart - start;                // source row >= 0
+  const int64_t src_end = end < nrows ? end : nrows;
+  const int64_t hi = pend < pstart + src_end - start ? pend : pstart + src_end - start;  // < min(end, rows)
+  auto clamp32 = [](int64_t v) -> int32_t { return v < 0 ? 0 : v > 0x7fffffff ? 0x7fffffff : static_cast<int32_t>(v); };
+  cu.pend = pend <= 0 ? 0 : clamp32(pend);
+  cu.vlo = clamp32(lo);
+  cu.vhi = clamp32(hi);
+  cu.delta = static_cast<uint32_t>(pstart) - static_cast<uint32_t>(start);
+  return cu;
+}
+
+constexpr int kRunMaxSubs = 16;  // tiles a run at most
+
+// What run_kernel reads of a row: Raw (one load's worth: 8 columns from c), value(raw, i) (the
+// float that column c + i quantises), prefetch (the row's n columns from c0 asked of L2). The
+// plain source: x's 16-bit values. (glu_colwise_grouped's source computes h from gate_up.)
+template <typename T>
+struct PlainRows {
+  static_assert(sizeof(T) == 2, "16-bit rows: 8 values a 16-byte pack");
+  using Raw = Pack<T, 8>;
+  const T* x;
+  int64_t stride;
+  __device__ __forceinline__ void load(int32_t r, int32_t, int32_t c, Raw& p) const {
+    p = *reinterpret_cast<const Raw*>(x + static_cast<int64_t>(r) * stride + c);
+  }
+  __device__ __forceinline__ void zero(Raw& p) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p.v[i] = from_f<T>(0.0f);
+  }
+  __device__ __forceinline__ float value(const Raw& p, int i) const { return to_f(p.v[i]); }
+  __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
+    prefetch_l2(x + static_cast<int64_t>(r) * stride + c0, static_cast<uint32_t>(n * sizeof(T)));
+  }
+};
+
+// Forms (kForm): kRunPlain, each tile's loads at its start (three blocks an SM); kRunRegs, the
+// next tile's loads issued before the current tile is packed (more registers: two blocks an
+// SM); kRunL2, the plain form that also asks L2 for the next tile's rows (prefetch_l2) first.
+constexpr int kRunPlain = 0, kRunRegs = 1, kRunL2 = 2;
+
+// Sources whose rows load more than 16 bytes (the GLU's) also take two blocks an SM.
+template <typename Src, int kForm>
+__global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename Src::Raw) > 16 ? 2 : 3)
+    run_kernel(const Src src, int32_t rows, int32_t cols, const int32_t* __restrict__ offsets,
+               const int32_t* __restrict__ pends, int32_t E, const float* __restrict__ scale, int64_t scale_stride,
+               uint8_t* __restrict__ q, int64_t q_stride, int32_t out_rows, int32_t col_tiles, int32_t subs) {
+  using Raw = typename Src::Raw;
+  __shared__ __align__(16) uint32_t tile[2][kCols * kWords];
+  const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
+  const int32_t ct = static_cast<int32_t>(blockIdx.x % static_cast<uint32_t>(col_tiles));
+  const int32_t run = static_cast<int32_t>(blockIdx.x / static_cast<uint32_t>(col_tiles));
+  const int32_t c0 = ct * kCols, c = c0 + 8 * cg;
+  const bool col_ok = c < cols;
+  const int32_t row_tiles = (out_rows + kRows - 1) / kRows;
+  const int32_t first = run * subs;
+  const int32_t nsub = row_tiles - first < subs ? row_tiles - first : subs;
+  int32_t P = first * kRows;  // the current tile's first output row
+
+  // The map cursor: the expert of the thread's next row (first e with pends[e] > p).
+  Cursor mc;
+  {
+    const int32_t p = P + 4 * rq;
+    int32_t lo = 0, hi = E;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) >> 1;
+      if (__ldg(pends + mid) <= p) lo = mid + 1; else hi = mid;
+    }
+    mc = cursor_at(lo, E, rows, offsets, pends);
+  }
+  // Rows P + 4 rq + k: their source rows (-1: none) and experts; their loads.
+  auto map = [&](int32_t P0, int32_t (&rs)[4], int32_t (&es)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int32_t p = P0 + 4 * rq + k;
+      while (p >= mc.pend) mc = cursor_at(mc.e + 1, E, rows, offsets, pends);
+      const bool has = p >= mc.vlo && p < mc.vhi;
+      rs[k] = has ? static_cast<int32_t>(static_cast<uint32_t>(p) - mc.delta) : -1;
+      es[k] = has ? mc.e : -1;
+    }
+  };
+  auto load = [&](const int32_t (&rs)[4], const int32_t (&es)[4], Raw (&in)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (col_ok && rs[k] >= 0) src.load(rs[k], es[k], c, in[k]);
+      else src.zero(in[k]);
+    }
+  };
+
+  int32_t rsrc[4], ex[4];
+  Raw in[4];
+  constexpr bool kPrefetch = kForm == kRunRegs;
+  if constexpr (kPrefetch) {
+    map(P, rsrc, ex);
+    load(rsrc, ex, in);
+  }
+  float s[8] = {};
+  int32_t se = -1;  // the expert whose scales s holds
+  for (int t = 0; t < nsub; ++t, P += kRows) {
+    int32_t nsrc[4], nex[4];
+    Raw nin[4];
+    if constexpr (kPrefetch) {
+      if (t + 1 < nsub) {
+        map(P + kRows, nsrc, nex);
+        load(nsrc, nex, nin);
+      }
+    } else {
+      map(P, rsrc, ex);
+      if constexpr (kForm == kRunL2) {
+        // The next tile's rows, as the current expert maps them (a hint: a row of another
+        // expert is fetched by its own load), one 16-byte-multiple run of each row's columns.
+        if (cg == 0 && t + 1 < nsub) {
+          const int32_t n = cols - c0 < kCols ? cols - c0 : kCols;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int32_t r = static_cast<int32_t>(static_cast<uint32_t>(P + kRows + 4 * rq + k) - mc.delta);
+            if (r >= 0 && r < rows) src.prefetch(r, c0, n);
+          }
+        }
+      }
+      load(rsrc, ex, in);
+    }
+    uint32_t* tl = tile[t & 1];
+    {
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 0;
+      if (col_ok) {
+        // Once for each expert among the 4 rows (once, but at an expert's boundary): its
+        // scales, its rows' bytes (the others' masked off).
+        uint32_t left = 0;  // byte k set while row k (with a source) is still to be written
+#pragma unroll
+        for (int k = 0; k < 4; ++k) left |= ex[k] >= 0 ? 0xffu << (8 * k) : 0u;
+        while (left) {
+          const int k0 = (__ffs(left) - 1) >> 3;
+          int32_t e0 = ex[0];
+#pragma unroll
+          for (int k = 1; k < 4; ++k) e0 = k == k0 ? ex[k] : e0;
+          if (e0 != se) {
+            se = e0;
+            tile_scales(scale, scale_stride, se, c, cols, s);
+          }
+          uint32_t keep = 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) keep |= ex[k] == e0 ? 0xffu << (8 * k) : 0u;
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            w[i] |= fp8::from_scaled4(src.value(in[0], i) * s[i], src.value(in[1], i) * s[i],
+                                      src.value(in[2], i) * s[i], src.value(in[3], i) * s[i]) & keep;
+          left &= ~keep;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tl[(8 * cg + i) * kWords + (rq ^ (cg << 2))] = w[i];
+    }
+    __syncthreads();  // (tile[t & 1] is written again two tiles on, after the next barrier)
+#pragma unroll
+    for (int it = 0; it < kCols * kRows / 16 / kThreads; ++it) {
+      const int idx = threadIdx.x + it * kThreads;
+      const int cl = idx >> 3, wg = idx & 7;
+      const int32_t pw = P + 16 * wg;
+      if (c0 + cl >= cols || pw >= out_rows) continue;
+      *reinterpret_cast<uint4*>(q + static_cast<int64_t>(c0 + cl) * q_stride + pw) =
+          *reinterpret_cast<const uint4*>(&tl[cl * kWords + 4 * (wg ^ (cl >> 3))]);
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rsrc[k] = nsrc[k], ex[k] = nex[k], in[k] = nin[k];
+    }
+  }
+}
+
+// Whether run_kernel takes these operands (the source's pointers and row strides checked by the
+// caller: `vec`, 16-bit values in 16-byte packs), and its runs: `subs` tiles a run, `blocks`
+// blocks.
+inline bool runs_apply(int64_t elem_size, bool vec, int q_align, int64_t rows, int64_t cols, int64_t out_rows,
+                       int64_t experts, int64_t sm_count, int32_t& subs, int64_t& blocks) {
+  if (elem_size != 2 || !vec || q_align != 16 || cols % 8 != 0 || out_rows % 16 != 0) return false;
+  if (rows > 0x7fffffff || cols > 0x7fffffff || experts > 0x7fffffff) return false;
+  const int64_t row_tiles = (out_rows + kRows - 1) / kRows, col_tiles = (cols + kCols - 1) / kCols;
+  // About 16 waves of 3 blocks an SM at least, up to kRunMaxSubs tiles a run.
+  int64_t want = row_tiles * col_tiles / (sm_count * 3 * 16);
+  subs = static_cast<int32_t>(want < 1 ? 1 : want > kRunMaxSubs ? kRunMaxSubs : want);
+  const int64_t runs = (row_tiles + subs - 1) / subs;
+  // Every output row a run touches (its last tile's end included) fits in int32.
+  if ((runs * subs) * kRows > 0x7fffffffLL - kRows) return false;
+  blocks = runs * col_tiles;
+  return blocks > 0 && blocks <= 0x7fffffff;
+}
+
 }  // namespace expertact::cuda::colwise

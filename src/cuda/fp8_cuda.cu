@@ -852,6 +852,57 @@ __global__ void __launch_bounds__(colwise::kThreads, 3) glu_col_quant_kernel(
   colwise::tile_store<kAligned>(ct, tile, cols, out_rows, q, q_stride, q_align);
 }
 
+// glu_colwise_grouped's source for colwise::run_kernel: h = act(gate) * (up + beta) * w of 8
+// columns from c, rounded to T (the bytes of the bf16 forward, then the column-wise pass, as
+// glu_col_quant_kernel's). kStep 1: gate's 8 values at g + c and up's at u + c (16 bytes each);
+// kStep 2 (interleaved, u = g + 1): the 8 pairs at g + 2c, 32 contiguous bytes. No bias (that
+// form takes glu_col_quant_kernel).
+template <typename T, Activation A, int kStep>
+struct GluRows {
+  static_assert(sizeof(T) == 2, "16-bit rows: 8 values a 16-byte pack");
+  struct Raw {
+    Pack<T, 8> a, b;  // kStep 1: gate, up; kStep 2: pairs 0-3, 4-7
+    float w;
+  };
+  const T* g;
+  const T* u;
+  int64_t g_stride, u_stride;
+  const float* w;
+  int64_t w_stride;
+  math::Coeffs cf;
+  __device__ __forceinline__ void load(int32_t r, int32_t, int32_t c, Raw& p) const {
+    const T* gr = g + static_cast<int64_t>(r) * g_stride;
+    if constexpr (kStep == 1) {
+      p.a = *reinterpret_cast<const Pack<T, 8>*>(gr + c);
+      p.b = *reinterpret_cast<const Pack<T, 8>*>(u + static_cast<int64_t>(r) * u_stride + c);
+    } else {
+      p.a = *reinterpret_cast<const Pack<T, 8>*>(gr + 2 * c);
+      p.b = *reinterpret_cast<const Pack<T, 8>*>(gr + 2 * c + 8);
+    }
+    p.w = w ? w[static_cast<int64_t>(r) * w_stride] : 1.0f;
+  }
+  __device__ __forceinline__ void zero(Raw& p) const {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p.a.v[i] = p.b.v[i] = from_f<T>(0.0f);
+    p.w = 1.0f;
+  }
+  __device__ __forceinline__ float value(const Raw& p, int i) const {
+    float gv, uv;
+    if constexpr (kStep == 1) {
+      gv = to_f(p.a.v[i]), uv = to_f(p.b.v[i]);
+    } else {
+      const Pack<T, 8>& h = i < 4 ? p.a : p.b;
+      gv = to_f(h.v[2 * (i % 4)]), uv = to_f(h.v[2 * (i % 4) + 1]);
+    }
+    return to_f(from_f<T>(math::glu_fwd<A>(gv, uv, p.w, cf)));
+  }
+  __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
+    const uint32_t bytes = static_cast<uint32_t>(n * sizeof(T));
+    prefetch_l2(g + static_cast<int64_t>(r) * g_stride + kStep * c0, kStep * bytes);
+    if constexpr (kStep == 1) prefetch_l2(u + static_cast<int64_t>(r) * u_stride + c0, bytes);
+  }
+};
+
 // Blocks of `threads` for `rows` rows of `lanes` lanes each.
 unsigned blocks_for(int64_t rows, int threads, int lanes = 32) {
   return static_cast<unsigned>((rows + threads / lanes - 1) / (threads / lanes));
@@ -934,8 +985,12 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 
 // (256, 2): at most 128 registers, two blocks an SM.
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax>
+//
+// ahead: each row's lane 0 asks L2 for the row `ahead` steps on (prefetch_l2; 0: none). A block
+// works on one row at a time with a barrier in it (the row's amax), so its loads come in bursts
+// that leave DRAM idle between them; fetched ahead, they arrive from L2.
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
-                                                                      bool q_vec, int64_t per_block) {
+                                                                      bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
@@ -979,10 +1034,19 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     }
   };
   reset();
+  const uint32_t pack_bytes = V * sizeof(T);
   for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: the barriers
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < a.rows;
     const int64_t r = live ? row : 0;
+    if (ahead > 0 && lane == 0 && st + ahead < s1) {
+      const int64_t nr = row + ahead * R;
+      if (nr < a.rows) {
+        prefetch_l2(a.g + nr * a.x_stride, packs * pack_bytes * kStep);
+        if (kStep == 1) prefetch_l2(a.u + nr * a.x_stride, packs * pack_bytes);
+        prefetch_l2(a.dy + nr * a.dy_stride, packs * pack_bytes);
+      }
+    }
     if (live && need_e) {
       while (e < a.E && a.offs[e] <= row) ++e;
       if constexpr (kAmax) {
@@ -1156,6 +1220,50 @@ int q_t_align(const Fp8Cols& c) {
   return addr % 16 == 0 && (one_row || c.q_stride % 16 == 0)  ? 16
          : addr % 4 == 0 && (one_row || c.q_stride % 4 == 0) ? 4
                                                               : 1;
+}
+
+// Pass 2's form where run_kernel applies: 3 (the default) the next tile's rows asked of L2
+// (kRunL2), 0 run_kernel's plain form, 1 the next tile's loads issued early (kRunRegs), 2
+// quant_kernel (one tile a block). On an H200 at [1,045,120, 3,072] / [.., 6,144]: 3.47 / 6.61
+// ms, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
+// EXPERTACT_FP8_COLWISE_FORM=l2|plain|prefetch|tiles forces one (a tuning knob, read once per
+// process; other values are ignored).
+int colwise_form() {
+  static const int form = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_COLWISE_FORM");
+    const std::string v = env ? env : "";
+    return v == "prefetch" ? 1 : v == "tiles" ? 2 : v == "plain" ? 0 : 3;
+  }();
+  return form;
+}
+
+// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 1 step (on an H200 at the busiest rank's
+// shape 1 step took 13.4 ms, 2 steps 14.1, none 15.0, 4 steps 15.5), or
+// EXPERTACT_FP8_BWD_PREFETCH=0..8 (a tuning knob, read once per process; 0: none).
+int bwd_prefetch_steps() {
+  static const int steps = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_BWD_PREFETCH");
+    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 1;
+    return *env - '0';
+  }();
+  return steps;
+}
+
+// run_kernel over `src` in pass 2's form `form` (colwise_form()).
+template <typename Src>
+Status launch_runs(const Src& src, int form, const Fp8Cols& c, const int32_t* pends, int64_t col_tiles, int32_t subs,
+                   int64_t blocks, cudaStream_t st) {
+  namespace cw = cuda::colwise;
+  auto launch = [&](auto kernel) -> Status {
+    kernel<<<static_cast<unsigned>(blocks), cw::kThreads, 0, st>>>(
+        src, static_cast<int32_t>(c.rows), static_cast<int32_t>(c.cols), c.offsets, pends,
+        static_cast<int32_t>(c.experts), c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
+        static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
+    return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
+  };
+  return form == 1   ? launch(cw::run_kernel<Src, cw::kRunRegs>)
+         : form == 3 ? launch(cw::run_kernel<Src, cw::kRunL2>)
+                     : launch(cw::run_kernel<Src, cw::kRunPlain>);
 }
 
 // The scales straight from the given amax (no pass 1).
@@ -1438,6 +1546,17 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       int64_t col_tiles = 0, tiles = 0;
       EA_TRY(col_tiles_of(p, col_tiles, tiles));
       if (tiles == 0) return Status::kOk;
+      if constexpr (sizeof(T) == 2) {
+        int32_t subs = 0;
+        int64_t blocks = 0;
+        const int form = colwise_form();
+        if (form != 2 &&
+            cuda::colwise::runs_apply(es, kVec, q_align, p.rows, p.cols, p.out_rows, p.experts, sm, subs, blocks)) {
+          namespace cw = cuda::colwise;
+          return launch_runs(cw::PlainRows<T>{static_cast<const T*>(p.x), p.x_stride}, form, p, pends, col_tiles,
+                             subs, blocks, st);
+        }
+      }
       return detail::dispatch_bool(q_align == 16, [&](auto at) -> Status {
         cuda::colwise::quant_kernel<T, kVec, decltype(at)::value>
             <<<static_cast<unsigned>(tiles), cuda::colwise::kThreads, 0, st>>>(
@@ -1549,7 +1668,8 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
             per_block = (steps + want - 1) / want;
           }
           const int64_t blocks = (steps + per_block - 1) / per_block;
-          kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block);
+          kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
+                                                                              bwd_prefetch_steps());
           return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
         };
         return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
@@ -1578,6 +1698,21 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
   const int q_align = q_t_align(c);
   const int32_t* pends = c.padded ? c.padded : c.offsets;
   const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  // The runs form (colwise::run_kernel over GluRows): no bias, 16-bit gate_up in 16-byte packs
+  // (halves and up-first: gate and up each; interleaved: with up right after gate).
+  const int64_t es = detail::dtype_size(p.dtype);
+  auto a16 = [&](const void* ptr, int64_t stride) {
+    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (c.rows <= 1 || (stride * es) % 16 == 0);
+  };
+  const bool glu_vec = !bias && a16(p.g, p.g_stride) &&
+                       (p.step == 1 ? a16(p.u, p.u_stride)
+                                    : p.step == 2 && static_cast<const char*>(p.u) == static_cast<const char*>(p.g) + es &&
+                                          p.u_stride == p.g_stride);
+  int32_t subs = 0;
+  int64_t blocks = 0;
+  const int form = colwise_form();
+  const bool runs = form != 2 && cuda::colwise::runs_apply(es, glu_vec, q_align, c.rows, c.cols, c.out_rows,
+                                                           c.experts, cuda::sm_count(p.device_id), subs, blocks);
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     const T* g = static_cast<const T*>(p.g);
@@ -1587,6 +1722,15 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
     const int64_t b_stride = bias ? bias->b_stride : 0;
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
+      if constexpr (sizeof(T) == 2) {
+        if (runs) {
+          return dispatch_step(p.step, [&](auto step) -> Status {
+            constexpr int kStep = decltype(step)::value;
+            return launch_runs(cuda::GluRows<T, A, kStep>{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, cf}, form,
+                               c, pends, col_tiles, subs, blocks, st);
+          });
+        }
+      }
       return detail::dispatch_bool(q_align == 16, [&](auto at) -> Status {
         cuda::glu_col_quant_kernel<T, A, decltype(at)::value>
             <<<static_cast<unsigned>(tiles), cuda::colwise::kThreads, 0, st>>>(

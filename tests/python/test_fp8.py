@@ -426,6 +426,25 @@ def test_cuda_colwise_grouped_large_and_many_experts(pad_to):
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_colwise_grouped_runs_across_experts(dtype):
+    # Shapes the run form takes (16-bit, columns a multiple of 8, q_t rows a multiple of 16)
+    # with experts that change inside a thread's 4 rows and a run's tiles: unpadded ends at
+    # odd rows, one-row and empty experts, a partial last column tile, rows past the end, NaN
+    # and infinities; and a long run of one expert (tiles that carry the cursor and scales).
+    t = _grouped_input(4_096, 136, dtype, 15)  # (unpadded, q_t has a row for each of t's rows)
+    t[2, 5] = float("nan")
+    t[1_500, 135] = float("-inf")
+    t[4_000, 0] = float("inf")
+    t[4_095, 0] = float("nan")  # past the last end: never read
+    ends = [1, 2, 2, 3, 1_001, 1_002, 2_050, 4_090]
+    _cuda_vs_cpu(t, ends)
+    _cuda_vs_cpu(t, ends, pad_to=16)
+    long = _grouped_input(40_000, 64, dtype, 16)
+    _cuda_vs_cpu(long, [37_001, 40_000], pad_to=16)
+
+
+@pytest.mark.skipif(not CUDA, reason="no GPU")
 def test_cuda_colwise_grouped_strides_ends_and_empty():
     base = _grouped_input(300, 520, torch.bfloat16, 13)
     ends = [0, 33, 250, 251]
