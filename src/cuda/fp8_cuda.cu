@@ -72,11 +72,15 @@ constexpr int kStreamUnroll = 4;  // packs in flight per lane for rows too long 
 template <int V>
 __device__ __forceinline__ void store_q(uint8_t* q, int p, const float (&x)[V], bool vec) {
   static_assert(V == 2 || V == 4 || V == 8, "a pack of 2, 4 or 8 values");
+  // Four bytes a word by from_scaled4 (one NaN fix-up a word, where from_scaled2 took one
+  // test and select a byte); a pack of 2 by from_scaled2. The bytes are the same.
   uint32_t w[(V + 3) / 4];
+  if constexpr (V == 2) {
+    w[0] = fp8::from_scaled2(x[0], x[1]);
+  } else {
 #pragma unroll
-  for (int i = 0; i < (V + 3) / 4; ++i) w[i] = 0;
-#pragma unroll
-  for (int i = 0; i < V / 2; ++i) w[i / 2] |= fp8::from_scaled2(x[2 * i], x[2 * i + 1]) << (16 * (i % 2));
+    for (int i = 0; i < V / 4; ++i) w[i] = fp8::from_scaled4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  }
   if (vec) {
     if constexpr (V == 8) reinterpret_cast<uint2*>(q)[p] = make_uint2(w[0], w[1]);
     else if constexpr (V == 4) reinterpret_cast<uint32_t*>(q)[p] = w[0];
@@ -984,11 +988,12 @@ constexpr int kBwdThreads = 256;  // G = 32 .. 256 lanes a row
 constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 
 // (256, 2): at most 128 registers, two blocks an SM.
-template <typename T, Activation A, int kStep, int V, int N, bool kAmax>
 //
 // ahead: each row's lane 0 asks L2 for the row `ahead` steps on (prefetch_l2; 0: none). A block
 // works on one row at a time with a barrier in it (the row's amax), so its loads come in bursts
-// that leave DRAM idle between them; fetched ahead, they arrive from L2.
+// that leave DRAM idle between them; fetched ahead, they arrive from L2. kBias: a.bg is set
+// (without it the bias's loads and adds are compiled out, not predicated).
+template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
@@ -1000,7 +1005,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   const int64_t steps = (a.rows + R - 1) / R;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
   const int64_t s1 = s0 + per_block < steps ? s0 + per_block : steps;
-  const bool need_e = a.bg != nullptr || kAmax;
+  const bool need_e = kBias || kAmax;
   int64_t e = need_e ? detail::expert_of(a.offs, a.E, s0 * R + threadIdx.x / G) : 0;
   int64_t held = -1;
   auto at = [&](int j, int i) -> float& { return cm[(j * 2 * V + i) * kBwdThreads + threadIdx.x]; };
@@ -1060,7 +1065,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     const T* g = a.g + r * a.x_stride;
     const T* u = a.u + r * a.x_stride;
     const T* dy = a.dy + r * a.dy_stride;
-    const bool has_b = a.bg != nullptr && e < a.E;
+    const bool has_b = kBias && e < a.E;
     const T* bg = has_b ? a.bg + e * a.b_stride : nullptr;
     const T* bu = has_b ? a.bu + e * a.b_stride : nullptr;
     const float w = a.w && live ? a.w[r * a.w_stride] : 1.0f;
@@ -1655,22 +1660,25 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
         auto launch = [&](auto n_tag, auto amax_tag) -> Status {
           constexpr int N = decltype(n_tag)::value;
           constexpr bool kAmax = decltype(amax_tag)::value;
-          auto kernel = cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax>;
-          const int64_t R = cuda::kBwdThreads / G;
-          const int64_t steps = (p.rows + R - 1) / R;
-          int64_t per_block = 1;
-          if (kAmax) {
-            // As many blocks as are resident, each a contiguous run of rows: few merges.
-            int per_sm = 0;
-            EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, 0),
-                                    "fp8 backward occupancy"));
-            const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
-            per_block = (steps + want - 1) / want;
-          }
-          const int64_t blocks = (steps + per_block - 1) / per_block;
-          kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
-                                                                              bwd_prefetch_steps());
-          return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
+          return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
+            constexpr bool kBias = decltype(bias_tag)::value;
+            auto kernel = cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias>;
+            const int64_t R = cuda::kBwdThreads / G;
+            const int64_t steps = (p.rows + R - 1) / R;
+            int64_t per_block = 1;
+            if (kAmax) {
+              // As many blocks as are resident, each a contiguous run of rows: few merges.
+              int per_sm = 0;
+              EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, 0),
+                                      "fp8 backward occupancy"));
+              const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+              per_block = (steps + want - 1) / want;
+            }
+            const int64_t blocks = (steps + per_block - 1) / per_block;
+            kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
+                                                                                bwd_prefetch_steps());
+            return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
+          });
         };
         return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
           constexpr int kN16 = 16 / (2 * kV), kN32 = 32 / (2 * kV);
