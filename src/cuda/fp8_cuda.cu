@@ -1242,13 +1242,14 @@ int colwise_form() {
   return form;
 }
 
-// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 1 step (on an H200 at the busiest rank's
-// shape 1 step took 13.4 ms, 2 steps 14.1, none 15.0, 4 steps 15.5), or
-// EXPERTACT_FP8_BWD_PREFETCH=0..8 (a tuning knob, read once per process; 0: none).
+// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 2 steps, or EXPERTACT_FP8_BWD_PREFETCH=0..8
+// (a tuning knob, read once per process; 0: none). On an H200 in one step of the expert MLP
+// (layout halves) the kernel took 13.5 ms at 2 steps and 15.3 at 1; alone with the interleaved
+// layout 1 step was the faster (docs/perf-notes.md section 15).
 int bwd_prefetch_steps() {
   static const int steps = [] {
     const char* env = std::getenv("EXPERTACT_FP8_BWD_PREFETCH");
-    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 1;
+    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 2;
     return *env - '0';
   }();
   return steps;
