@@ -10,9 +10,10 @@
 // the 16-byte loads of the write-out each hit 32 distinct banks), written out as 16-byte runs of
 // q_t's rows. Padding rows are written as 0 from the same tile.
 //
-// The pass is bound by instructions, not by memory (Nsight Compute on an H200: 64% of the SM's
-// issue throughput against 45% of DRAM's; without any global load it still took 91% of its
-// time), so the work per tile is kept small: the row map in 32-bit integers (every row index
+// quant_kernel, one tile a block (any operands; run_kernel below takes the common ones), was
+// bound by instructions, not by memory (Nsight Compute on an H200: 64% of the SM's issue
+// throughput against 45% of DRAM's; without any global load it still took 91% of its time), so
+// the work per tile is kept small: the row map in 32-bit integers (every row index
 // fits: the offsets are int32), s from scale by exponent arithmetic (scale is a power of two;
 // anything else takes the division), four bytes converted per NaN fix-up (fp8::from_scaled4),
 // the write-out's addresses without per-byte branches where q_t takes 16-byte stores.
@@ -227,9 +228,11 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
 // gives a block kCols columns of `subs` consecutive 128-row tiles (a run) and carries what the
 // tiles share: the row map is a cursor over the experts (advanced when a row passes its expert's
 // padded end, which happens a few times a run at most), the scales stay in registers until the
-// expert changes, and the next tile's loads are issued before the current tile is packed, so a
-// block keeps its loads in flight while it converts. Its bytes are quant_kernel's (the tests
-// and bench/colwise_pass2.cu compare them). It takes 16-bit x with 16-byte rows of whole packs
+// expert changes, and (the default form, kRunL2) the next tile's rows are asked of L2 before the
+// current tile's loads. On an H200 at [1,045,120, 3,072] that took pass 2 from 4.8 to 3.3-3.5
+// ms; Nsight Compute then put it at 63% of DRAM's peak and 87% of L2's, no longer bound by
+// instructions (docs/perf-notes.md section 15). Its bytes are quant_kernel's (the tests and
+// bench/colwise_pass2.cu compare them). It takes 16-bit x with 16-byte rows of whole packs
 // (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends
 // included) inside int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
 
