@@ -77,7 +77,8 @@ class DeviceGuard {
 };
 
 // A hint that [p, p + bytes) will be read soon: on sm_90 one bulk prefetch into L2 (p and bytes
-// multiples of 16, inside one allocation); elsewhere nothing. It changes no result, only when
+// must be multiples of 16, the range inside one allocation: the caller checks); elsewhere
+// nothing. It changes no result, only when
 // the bytes leave DRAM: a kernel that holds too little in flight to cover DRAM's latency asks
 // for the rows it reads a step or two ahead.
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {

@@ -1047,9 +1047,14 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     if (ahead > 0 && lane == 0 && st + ahead < s1) {
       const int64_t nr = row + ahead * R;
       if (nr < a.rows) {
-        prefetch_l2(a.g + nr * a.x_stride, packs * pack_bytes * kStep);
-        if (kStep == 1) prefetch_l2(a.u + nr * a.x_stride, packs * pack_bytes);
-        prefetch_l2(a.dy + nr * a.dy_stride, packs * pack_bytes);
+        // (A row part whose address or size is not a multiple of 16 bytes, which the 8-byte
+        // packs of the interleaved and float32 forms allow, is not fetched.)
+        auto fetch = [](const T* ptr, uint32_t bytes) {
+          if (((reinterpret_cast<uintptr_t>(ptr) | bytes) & 15) == 0) prefetch_l2(ptr, bytes);
+        };
+        fetch(a.g + nr * a.x_stride, packs * pack_bytes * kStep);
+        if (kStep == 1) fetch(a.u + nr * a.x_stride, packs * pack_bytes);
+        fetch(a.dy + nr * a.dy_stride, packs * pack_bytes);
       }
     }
     if (live && need_e) {
