@@ -37,6 +37,17 @@ struct Tile {
   int32_t src[4], ex[4];
 };
 
+// The first expert e with pends[e] > p (E when none): the expert of output row p (pends
+// ascending; a binary search).
+__device__ __forceinline__ int32_t expert_at(const int32_t* __restrict__ pends, int32_t ne, int32_t p) {
+  int32_t lo = 0, hi = ne;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi) >> 1;
+    if (__ldg(pends + mid) <= p) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
 // Tile t (row tile t / col_tiles, column tile t % col_tiles). pends: the padded cumulative
 // ends (offsets when unpadded). Every offset is an int32, so the row map runs in 32 bits: a
 // thread whose rows start past INT32_MAX - 256 has no source rows (they are past every offset).
@@ -56,12 +67,7 @@ __device__ __forceinline__ Tile tile_of(int64_t t, int64_t col_tiles, int64_t ro
   const int32_t pf = static_cast<int32_t>(pf64);
   const int32_t nrows = rows < 0x7fffffff ? static_cast<int32_t>(rows) : 0x7fffffff;
   const int32_t nout = out_rows < 0x7fffffff ? static_cast<int32_t>(out_rows) : 0x7fffffff;
-  int32_t lo = 0, hi = ne;  // the first e with pends[e] > pf
-  while (lo < hi) {
-    const int32_t mid = (lo + hi) >> 1;
-    if (__ldg(pends + mid) <= pf) lo = mid + 1; else hi = mid;
-  }
-  int32_t e = lo;
+  int32_t e = expert_at(pends, ne, pf);
   // Expert e's run: source rows [start, end), output rows [pstart, pend).
   int32_t start = 0, end = 0, pstart = 0, pend = 0;
   auto load = [&] {
@@ -262,7 +268,7 @@ __device__ __forceinline__ Cursor cursor_at(int32_t e, int32_t ne, int32_t nrows
   const int64_t src_end = end < nrows ? end : nrows;
   const int64_t hi = pend < pstart + src_end - start ? pend : pstart + src_end - start;  // < min(end, rows)
   auto clamp32 = [](int64_t v) -> int32_t { return v < 0 ? 0 : v > 0x7fffffff ? 0x7fffffff : static_cast<int32_t>(v); };
-  cu.pend = pend <= 0 ? 0 : clamp32(pend);
+  cu.pend = clamp32(pend);
   cu.vlo = clamp32(lo);
   cu.vhi = clamp32(hi);
   cu.delta = static_cast<uint32_t>(pstart) - static_cast<uint32_t>(start);
@@ -280,7 +286,7 @@ struct PlainRows {
   using Raw = Pack<T, 8>;
   const T* x;
   int64_t stride;
-  __device__ __forceinline__ void load(int32_t r, int32_t, int32_t c, Raw& p) const {
+  __device__ __forceinline__ void load(int32_t r, int32_t c, Raw& p) const {
     p = *reinterpret_cast<const Raw*>(x + static_cast<int64_t>(r) * stride + c);
   }
   __device__ __forceinline__ void zero(Raw& p) const {
@@ -316,17 +322,8 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
   const int32_t nsub = row_tiles - first < subs ? row_tiles - first : subs;
   int32_t P = first * kRows;  // the current tile's first output row
 
-  // The map cursor: the expert of the thread's next row (first e with pends[e] > p).
-  Cursor mc;
-  {
-    const int32_t p = P + 4 * rq;
-    int32_t lo = 0, hi = E;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi) >> 1;
-      if (__ldg(pends + mid) <= p) lo = mid + 1; else hi = mid;
-    }
-    mc = cursor_at(lo, E, rows, offsets, pends);
-  }
+  // The map cursor: the expert of the thread's next row.
+  Cursor mc = cursor_at(expert_at(pends, E, P + 4 * rq), E, rows, offsets, pends);
   // Rows P + 4 rq + k: their source rows (-1: none) and experts; their loads.
   auto map = [&](int32_t P0, int32_t (&rs)[4], int32_t (&es)[4]) {
 #pragma unroll
@@ -338,10 +335,10 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
       es[k] = has ? mc.e : -1;
     }
   };
-  auto load = [&](const int32_t (&rs)[4], const int32_t (&es)[4], Raw (&in)[4]) {
+  auto load = [&](const int32_t (&rs)[4], Raw (&in)[4]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (col_ok && rs[k] >= 0) src.load(rs[k], es[k], c, in[k]);
+      if (col_ok && rs[k] >= 0) src.load(rs[k], c, in[k]);
       else src.zero(in[k]);
     }
   };
@@ -351,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
   constexpr bool kPrefetch = kForm == kRunRegs;
   if constexpr (kPrefetch) {
     map(P, rsrc, ex);
-    load(rsrc, ex, in);
+    load(rsrc, in);
   }
   float s[8] = {};
   int32_t se = -1;  // the expert whose scales s holds
@@ -361,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
     if constexpr (kPrefetch) {
       if (t + 1 < nsub) {
         map(P + kRows, nsrc, nex);
-        load(nsrc, nex, nin);
+        load(nsrc, nin);
       }
     } else {
       map(P, rsrc, ex);
@@ -377,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
           }
         }
       }
-      load(rsrc, ex, in);
+      load(rsrc, in);
     }
     uint32_t* tl = tile[t & 1];
     {

@@ -874,7 +874,7 @@ struct GluRows {
   const float* w;
   int64_t w_stride;
   math::Coeffs cf;
-  __device__ __forceinline__ void load(int32_t r, int32_t, int32_t c, Raw& p) const {
+  __device__ __forceinline__ void load(int32_t r, int32_t c, Raw& p) const {
     const T* gr = g + static_cast<int64_t>(r) * g_stride;
     if constexpr (kStep == 1) {
       p.a = *reinterpret_cast<const Pack<T, 8>*>(gr + c);
@@ -912,7 +912,8 @@ unsigned blocks_for(int64_t rows, int threads, int lanes = 32) {
   return static_cast<unsigned>((rows + threads / lanes - 1) / (threads / lanes));
 }
 
-// Whether q's rows take stores of V bytes (one pack of V outputs).
+// Whether rows at q, q_stride bytes apart, take accesses of V bytes (q's rows: stores of one
+// pack of V outputs).
 bool q_packs(const void* q, int64_t q_stride, int64_t rows, int V) {
   return reinterpret_cast<uintptr_t>(q) % V == 0 && (rows <= 1 || q_stride % V == 0);
 }
@@ -1232,17 +1233,19 @@ int q_t_align(const Fp8Cols& c) {
                                                               : 1;
 }
 
-// Pass 2's form where run_kernel applies: 3 (the default) the next tile's rows asked of L2
-// (kRunL2), 0 run_kernel's plain form, 1 the next tile's loads issued early (kRunRegs), 2
-// quant_kernel (one tile a block). On an H200 at [1,045,120, 3,072] / [.., 6,144]: 3.47 / 6.61
-// ms, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
+// Pass 2's form where run_kernel applies: one of run_kernel's (colwise::kRunL2, the default:
+// the next tile's rows asked of L2; kRunPlain; kRunRegs: the next tile's loads issued early),
+// or kTiles: quant_kernel, one tile a block. On an H200 at [1,045,120, 3,072] / [.., 6,144]:
+// 3.47 / 6.61 ms, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
 // EXPERTACT_FP8_COLWISE_FORM=l2|plain|prefetch|tiles forces one (a tuning knob, read once per
 // process; other values are ignored).
+constexpr int kTiles = -1;
 int colwise_form() {
+  namespace cw = cuda::colwise;
   static const int form = [] {
     const char* env = std::getenv("EXPERTACT_FP8_COLWISE_FORM");
     const std::string v = env ? env : "";
-    return v == "prefetch" ? 1 : v == "tiles" ? 2 : v == "plain" ? 0 : 3;
+    return v == "prefetch" ? cw::kRunRegs : v == "tiles" ? kTiles : v == "plain" ? cw::kRunPlain : cw::kRunL2;
   }();
   return form;
 }
@@ -1272,9 +1275,9 @@ Status launch_runs(const Src& src, int form, const Fp8Cols& c, const int32_t* pe
         static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
     return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
   };
-  return form == 1   ? launch(cw::run_kernel<Src, cw::kRunRegs>)
-         : form == 3 ? launch(cw::run_kernel<Src, cw::kRunL2>)
-                     : launch(cw::run_kernel<Src, cw::kRunPlain>);
+  return form == cw::kRunRegs ? launch(cw::run_kernel<Src, cw::kRunRegs>)
+         : form == cw::kRunL2 ? launch(cw::run_kernel<Src, cw::kRunL2>)
+                              : launch(cw::run_kernel<Src, cw::kRunPlain>);
 }
 
 // The scales straight from the given amax (no pass 1).
@@ -1561,7 +1564,7 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
         int32_t subs = 0;
         int64_t blocks = 0;
         const int form = colwise_form();
-        if (form != 2 &&
+        if (form != kTiles &&
             cuda::colwise::runs_apply(es, kVec, q_align, p.rows, p.cols, p.out_rows, p.experts, sm, subs, blocks)) {
           namespace cw = cuda::colwise;
           return launch_runs(cw::PlainRows<T>{static_cast<const T*>(p.x), p.x_stride}, form, p, pends, col_tiles,
@@ -1715,9 +1718,7 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
   // The runs form (colwise::run_kernel over GluRows): no bias, 16-bit gate_up in 16-byte packs
   // (halves and up-first: gate and up each; interleaved: with up right after gate).
   const int64_t es = detail::dtype_size(p.dtype);
-  auto a16 = [&](const void* ptr, int64_t stride) {
-    return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (c.rows <= 1 || (stride * es) % 16 == 0);
-  };
+  auto a16 = [&](const void* ptr, int64_t stride) { return cuda::q_packs(ptr, stride * es, c.rows, 16); };
   const bool glu_vec = !bias && a16(p.g, p.g_stride) &&
                        (p.step == 1 ? a16(p.u, p.u_stride)
                                     : p.step == 2 && static_cast<const char*>(p.u) == static_cast<const char*>(p.g) + es &&
@@ -1725,7 +1726,7 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
   int32_t subs = 0;
   int64_t blocks = 0;
   const int form = colwise_form();
-  const bool runs = form != 2 && cuda::colwise::runs_apply(es, glu_vec, q_align, c.rows, c.cols, c.out_rows,
+  const bool runs = form != kTiles && cuda::colwise::runs_apply(es, glu_vec, q_align, c.rows, c.cols, c.out_rows,
                                                            c.experts, cuda::sm_count(p.device_id), subs, blocks);
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
