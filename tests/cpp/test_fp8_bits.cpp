@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 
@@ -16,17 +15,8 @@ namespace {
 
 using expertact::fp8::nan_bytes_7f;
 using expertact::fp8::recip_pow2;
-
-uint32_t bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-float from_bits(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+using expertact::math::as_bits;
+using expertact::math::as_float;
 
 uint32_t bytewise(uint32_t w) {
   uint32_t out = 0;
@@ -58,12 +48,12 @@ TEST(Fp8Bits, RecipPow2MatchesDivision) {
   for (uint32_t e = 0; e < 256; ++e) {
     for (uint32_t sign : {0u, 0x80000000u}) {
       for (uint32_t mant : {0u, 1u, 0x400000u, 0x7fffffu}) {
-        const float v = from_bits(sign | (e << 23) | mant);
+        const float v = as_float(sign | (e << 23) | mant);
         float r = -1.0f;
         if (!recip_pow2(v, r)) continue;
         ++exact;
         const float want = 1.0f / v;
-        ASSERT_EQ(bits(r), bits(want)) << "v = " << v;
+        ASSERT_EQ(as_bits(r), as_bits(want)) << "v = " << v;
         EXPECT_TRUE(sign == 0 && mant == 0 && e >= 1 && e <= 253) << "taken for v = " << v;
       }
     }
