@@ -89,4 +89,35 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
+// Bytes (4, 8 or 16) copied from global src to shared dst without passing through registers
+// (cp.async, sm_80 on; earlier: an ordinary copy). Both aligned to Bytes. The issuing thread
+// groups its copies with cp_async_commit and waits with cp_async_wait<n> (all but the newest n
+// groups complete): only then may it read dst, and other threads only after a barrier.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(Bytes) : "memory");
+  }
+#else
+  struct alignas(Bytes) B { unsigned char b[Bytes]; };
+  *static_cast<B*>(dst) = *static_cast<const B*>(src);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 }  // namespace expertact::cuda

@@ -297,12 +297,19 @@ struct PlainRows {
   __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
     prefetch_l2(x + static_cast<int64_t>(r) * stride + c0, static_cast<uint32_t>(n * sizeof(T)));
   }
+  // load()'s 16 bytes copied into shared memory (cp_async; the caller commits and waits).
+  __device__ __forceinline__ void load_async(int32_t r, int32_t c, Raw* dst) const {
+    cp_async<16>(dst, x + static_cast<int64_t>(r) * stride + c);
+  }
 };
 
 // Forms (kForm): kRunPlain, each tile's loads at its start (three blocks an SM); kRunRegs, the
 // next tile's loads issued before the current tile is packed (more registers: two blocks an
-// SM); kRunL2, the plain form that also asks L2 for the next tile's rows (prefetch_l2) first.
-constexpr int kRunPlain = 0, kRunRegs = 1, kRunL2 = 2;
+// SM); kRunL2, the plain form that also asks L2 for the next tile's rows (prefetch_l2) first;
+// kRunAsync, the next tile's loads copied into shared memory (cp_async: the thread's own 4 x
+// 16 bytes, read back by it alone, so no barrier) while the current tile is packed, for sources
+// whose Raw is 16 bytes and that have load_async.
+constexpr int kRunPlain = 0, kRunRegs = 1, kRunL2 = 2, kRunAsync = 3;
 
 // Sources whose rows load more than 16 bytes (the GLU's) also take two blocks an SM.
 template <typename Src, int kForm>
@@ -311,7 +318,12 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
                const int32_t* __restrict__ pends, int32_t E, const float* __restrict__ scale, int64_t scale_stride,
                uint8_t* __restrict__ q, int64_t q_stride, int32_t out_rows, int32_t col_tiles, int32_t subs) {
   using Raw = typename Src::Raw;
+  constexpr bool kAsync = kForm == kRunAsync;
+  static_assert(!kAsync || sizeof(Raw) == 16, "the async form copies 16-byte loads");
   __shared__ __align__(16) uint32_t tile[2][kCols * kWords];
+  // kAsync: two stages of the thread's 4 loads, load k of stage b at stage[(4 b + k) kThreads + t]
+  // (16 KB each: 48 KB with the tiles, the static limit).
+  __shared__ __align__(16) Raw stage[kAsync ? 2 * 4 * kThreads : 1];
   const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
   const int32_t ct = static_cast<int32_t>(blockIdx.x % static_cast<uint32_t>(col_tiles));
   const int32_t run = static_cast<int32_t>(blockIdx.x / static_cast<uint32_t>(col_tiles));
@@ -343,12 +355,29 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
     }
   };
 
+  // The async form's copies of rows rs into stage b (rows without a source copy nothing: their
+  // bytes are masked off below, whatever the stage holds).
+  auto issue = [&](bool any, int b, const int32_t (&rs)[4]) {
+    if constexpr (kAsync) {
+      if (any) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (col_ok && rs[k] >= 0) src.load_async(rs[k], c, &stage[(4 * b + k) * kThreads + threadIdx.x]);
+      }
+      cp_async_commit();
+    }
+  };
+
   int32_t rsrc[4], ex[4];
   Raw in[4];
   constexpr bool kPrefetch = kForm == kRunRegs;
   if constexpr (kPrefetch) {
     map(P, rsrc, ex);
     load(rsrc, in);
+  }
+  if constexpr (kAsync) {
+    map(P, rsrc, ex);
+    issue(true, 0, rsrc);
   }
   float s[8] = {};
   int32_t se = -1;  // the expert whose scales s holds
@@ -360,6 +389,12 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
         map(P + kRows, nsrc, nex);
         load(nsrc, nin);
       }
+    } else if constexpr (kAsync) {
+      if (t + 1 < nsub) map(P + kRows, nsrc, nex);
+      issue(t + 1 < nsub, (t + 1) & 1, nsrc);  // (past the last tile an empty group: the wait counts it)
+      cp_async_wait<1>();        // this tile's copies are in
+#pragma unroll
+      for (int k = 0; k < 4; ++k) in[k] = stage[(4 * (t & 1) + k) * kThreads + threadIdx.x];
     } else {
       map(P, rsrc, ex);
       if constexpr (kForm == kRunL2) {
@@ -422,6 +457,10 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
     if constexpr (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) rsrc[k] = nsrc[k], ex[k] = nex[k], in[k] = nin[k];
+    }
+    if constexpr (kAsync) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) rsrc[k] = nsrc[k], ex[k] = nex[k];
     }
   }
 }

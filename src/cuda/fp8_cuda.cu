@@ -468,12 +468,15 @@ struct SmemColAmaxAcc {
 // quantize_rows_vec_kernel with the column amax: block b takes the steps (of 128 / G rows)
 // [b * per_block, + per_block), one after another, so its lanes see few expert changes and
 // merge each expert's column maxima once. offs: the experts' cumulative end rows (E of them;
-// rows past the last count for none; any values keep every access in bounds).
+// rows past the last count for none; any values keep every access in bounds). ahead: each
+// row's lane 0 asks L2 for the row that many steps on (0: none; the packs are 16 bytes, so the
+// row's packs are a 16-byte run).
 template <typename T, int V, int N>
 __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6 : 1) quantize_rows_amax_kernel(
     const T* __restrict__ x, int64_t x_stride, int64_t rows, int packs, int G, uint8_t* __restrict__ q,
     int64_t q_stride, bool q_vec, float* __restrict__ scale, int64_t scale_stride, const int32_t* __restrict__ offs,
-    int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block) {
+    int64_t E, unsigned* __restrict__ amax, int64_t amax_stride, int64_t per_block, int ahead) {
+  static_assert(V * sizeof(T) == 16, "16-byte packs");
   __shared__ float red[2][kRowThreads / 32];  // by row parity (row_amax)
   const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (rows + R - 1) / R;
@@ -487,6 +490,8 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 ? 6
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < rows;
     const int64_t r = live ? row : 0;
+    if (ahead > 0 && lane == 0 && st + ahead < s1 && row + ahead * R < rows)
+      prefetch_l2(x + (row + ahead * R) * x_stride, static_cast<uint32_t>(packs) * 16u);
     if (live) {
       while (e < E && offs[e] <= row) ++e;
       if (e != held) {
@@ -994,10 +999,26 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // works on one row at a time with a barrier in it (the row's amax), so its loads come in bursts
 // that leave DRAM idle between them; fetched ahead, they arrive from L2. kBias: a.bg is set
 // (without it the bias's loads and adds are compiled out, not predicated).
-template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias>
+//
+// kAsync: instead, each thread copies its own packs of the row `ahead` (1..3) steps on into
+// shared memory (cp_async; ahead + 1 slots of bwd_slot_bytes<...>() in the dynamic shared
+// memory, a ring) and reads the current row's from there: the loads stay in flight across the
+// row's barrier and stores. A thread reads only what it copied, so no barrier guards the slots;
+// a slot is copied into again one step after it was read, when the row's amax (which every
+// value read feeds) has been taken.
+template <typename T, int V, int kStep, int N>
+constexpr int bwd_slot_bytes() {
+  return N * kBwdThreads * static_cast<int>(sizeof(GuPack<T, V, kStep>) + sizeof(Pack<T, V>));
+}
+
+template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kAsync>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
+  using GP = GuPack<T, V, kStep>;
+  using DP = Pack<T, V>;
+  extern __shared__ __align__(16) unsigned char bwd_slots[];
+  constexpr int kSlot = bwd_slot_bytes<T, V, kStep, N>();
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
   // its own words: no bank conflicts, no atomics), in shared memory to spare registers.
@@ -1040,12 +1061,50 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     }
   };
   reset();
+  // kAsync: the slots' packs of this thread, and the copies of step st2's row into slot b
+  // (committed as one group, empty past the block's steps).
+  auto slot_g = [&](int b, int j) {
+    return reinterpret_cast<GP*>(bwd_slots + b * kSlot) + j * kBwdThreads + threadIdx.x;
+  };
+  auto slot_d = [&](int b, int j) {
+    return reinterpret_cast<DP*>(bwd_slots + b * kSlot + N * kBwdThreads * sizeof(GP)) + j * kBwdThreads + threadIdx.x;
+  };
+  auto copy_row = [&](int64_t st2, int b) {
+    const int64_t row2 = st2 * R + threadIdx.x / G;
+    if (st2 < s1 && row2 < a.rows) {
+      const T* g = a.g + row2 * a.x_stride;
+      const T* dy = a.dy + row2 * a.dy_stride;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int p = lane + G * j;
+        if (p < packs) {
+          if constexpr (kStep == 1) {
+            cp_async<sizeof(DP)>(&slot_g(b, j)->g, reinterpret_cast<const DP*>(g) + p);
+            cp_async<sizeof(DP)>(&slot_g(b, j)->u, reinterpret_cast<const DP*>(a.u + row2 * a.x_stride) + p);
+          } else {
+            cp_async<sizeof(GP)>(slot_g(b, j), reinterpret_cast<const Pack<T, 2 * V>*>(g) + p);
+          }
+          cp_async<sizeof(DP)>(slot_d(b, j), reinterpret_cast<const DP*>(dy) + p);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  int cur = 0;  // kAsync: the slot of step st's row
+  if constexpr (kAsync) {
+    for (int i = 0; i < ahead; ++i) copy_row(s0 + i, i);
+  }
   const uint32_t pack_bytes = V * sizeof(T);
   for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: the barriers
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < a.rows;
     const int64_t r = live ? row : 0;
-    if (ahead > 0 && lane == 0 && st + ahead < s1) {
+    if constexpr (kAsync) {
+      copy_row(st + ahead, cur == 0 ? ahead : cur - 1);  // the slot read one step ago
+      if (ahead == 1) cp_async_wait<1>();
+      else if (ahead == 2) cp_async_wait<2>();
+      else cp_async_wait<3>();
+    } else if (ahead > 0 && lane == 0 && st + ahead < s1) {
       const int64_t nr = row + ahead * R;
       if (nr < a.rows) {
         // (A row part whose address or size is not a multiple of 16 bytes, which the 8-byte
@@ -1081,10 +1140,16 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     for (int j = 0; j < N; ++j) {
       const int p = lane + G * j;
       if (live && p < packs) {
-        load_raw<T, V, kStep>(g, u, p, in[j]);
-        d[j] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
+        if constexpr (kAsync) {
+          in[j] = *slot_g(cur, j);
+          d[j] = *slot_d(cur, j);
+        } else {
+          load_raw<T, V, kStep>(g, u, p, in[j]);
+          d[j] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
+        }
       }
     }
+    if constexpr (kAsync) cur = cur == ahead ? 0 : cur + 1;
     float h[N][2 * V];
     float m = 0.0f, sum = 0.0f;
 #pragma unroll
@@ -1245,9 +1310,36 @@ int colwise_form() {
   static const int form = [] {
     const char* env = std::getenv("EXPERTACT_FP8_COLWISE_FORM");
     const std::string v = env ? env : "";
-    return v == "prefetch" ? cw::kRunRegs : v == "tiles" ? kTiles : v == "plain" ? cw::kRunPlain : cw::kRunL2;
+    return v == "prefetch" ? cw::kRunRegs
+           : v == "tiles"  ? kTiles
+           : v == "plain"  ? cw::kRunPlain
+           : v == "async"  ? cw::kRunAsync
+                           : cw::kRunL2;
   }();
   return form;
+}
+
+// The rows ahead quantize_rows_amax_kernel asks L2 for: EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a
+// tuning knob, read once per process; 0: none).
+int rows_prefetch_steps() {
+  static const int steps = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_ROWS_PREFETCH");
+    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 0;
+    return *env - '0';
+  }();
+  return steps;
+}
+
+// The backward's form for 16-bit operands: EXPERTACT_FP8_BWD_ASYNC=1..3, each thread copies its
+// packs of the row that many steps ahead into shared memory (the kernel's kAsync); 0, the L2
+// form below. A tuning knob, read once per process.
+int bwd_async_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("EXPERTACT_FP8_BWD_ASYNC");
+    if (env == nullptr || *env < '0' || *env > '3' || env[1] != 0) return 0;
+    return *env - '0';
+  }();
+  return rows;
 }
 
 // The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 2 steps, or EXPERTACT_FP8_BWD_PREFETCH=0..8
@@ -1275,6 +1367,11 @@ Status launch_runs(const Src& src, int form, const Fp8Cols& c, const int32_t* pe
         static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
     return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
   };
+  if constexpr (sizeof(typename Src::Raw) == 16) {
+    if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunAsync>);
+  } else {
+    if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunL2>);  // (16-byte sources only)
+  }
   return form == cw::kRunRegs ? launch(cw::run_kernel<Src, cw::kRunRegs>)
          : form == cw::kRunL2 ? launch(cw::run_kernel<Src, cw::kRunL2>)
                               : launch(cw::run_kernel<Src, cw::kRunPlain>);
@@ -1372,7 +1469,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
           kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, st>>>(
               static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride, q_vec,
               p.scale, p.scale_stride, p.col_amax_offsets, p.col_amax_experts,
-              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block);
+              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block, rows_prefetch_steps());
           return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
         }
       }
@@ -1671,22 +1768,37 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
           constexpr bool kAmax = decltype(amax_tag)::value;
           return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
             constexpr bool kBias = decltype(bias_tag)::value;
-            auto kernel = cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias>;
-            const int64_t R = cuda::kBwdThreads / G;
-            const int64_t steps = (p.rows + R - 1) / R;
-            int64_t per_block = 1;
-            if (kAmax) {
-              // As many blocks as are resident, each a contiguous run of rows: few merges.
-              int per_sm = 0;
-              EA_TRY(cuda::cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, 0),
-                                      "fp8 backward occupancy"));
-              const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
-              per_block = (steps + want - 1) / want;
+            auto go = [&](auto kernel, int ahead, int dyn) -> Status {
+              if (dyn > 0)
+                EA_TRY(cuda::cuda_check(
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
+                    "fp8 backward shared memory"));
+              const int64_t R = cuda::kBwdThreads / G;
+              const int64_t steps = (p.rows + R - 1) / R;
+              int64_t per_block = 1;
+              if (kAmax) {
+                // As many blocks as are resident, each a contiguous run of rows: few merges.
+                int per_sm = 0;
+                EA_TRY(cuda::cuda_check(
+                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, dyn),
+                    "fp8 backward occupancy"));
+                const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+                per_block = (steps + want - 1) / want;
+              }
+              const int64_t blocks = (steps + per_block - 1) / per_block;
+              kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, dyn, st>>>(a, packs, G, q_vec, per_block,
+                                                                                    ahead);
+              return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
+            };
+            // The async form for 16-bit operands (bwd_async_rows(): rows copied ahead, 0: the
+            // L2 form); float32 keeps the L2 form.
+            if constexpr (sizeof(T) == 2) {
+              const int async_rows = bwd_async_rows();
+              if (async_rows > 0)
+                return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, true>, async_rows,
+                          (async_rows + 1) * cuda::bwd_slot_bytes<T, kV, kStep, N>());
             }
-            const int64_t blocks = (steps + per_block - 1) / per_block;
-            kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
-                                                                                bwd_prefetch_steps());
-            return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
+            return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, false>, bwd_prefetch_steps(), 0);
           });
         };
         return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
