@@ -47,7 +47,10 @@ if "glu" in want:
             lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w),
         "bf16 glu forward, same": lambda: XF.swiglu_oai(gu, layout="interleaved", weights=w),
         "glu_rowwise + col amax": lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w,
-                                                         col_amax_offsets=offs, ends=ends)})
+                                                         col_amax_offsets=offs, ends=ends),
+        "glu_rowwise halves, no weights (the MLP's)": lambda: xf.glu_rowwise(gu, "swiglu_oai", layout="halves"),
+        "glu_rowwise halves, no weights + col amax (the MLP's)": lambda: xf.glu_rowwise(
+            gu, "swiglu_oai", layout="halves", col_amax_offsets=offs, ends=ends)})
 if "glucol" in want:
     ha = xf.glu_rowwise(gu, "swiglu_oai", layout="interleaved", weights=w, col_amax_offsets=offs, ends=ends)[2]
 
@@ -59,6 +62,9 @@ if "glucol" in want:
         "glu_colwise_grouped pad16, amax given": lambda: xf.glu_colwise_grouped(
             gu, "swiglu_oai", offs, layout="interleaved", weights=w, pad_to=16, ends=ends, amax=ha),
         "bf16 glu forward + colwise pad16": bf16_then_colwise})
+    hh = xf.glu_rowwise(gu, "swiglu_oai", layout="halves", col_amax_offsets=offs, ends=ends)[2]
+    cases["glu_colwise_grouped halves, no weights, amax given (the MLP's)"] = lambda: xf.glu_colwise_grouped(
+        gu, "swiglu_oai", offs, layout="halves", pad_to=16, ends=ends, amax=hh)
 if "bwd" in want:
     glu = _glu_args("swiglu_oai", 1.702, 7.0, "interleaved")
     keep = torch.empty_like(gu)

@@ -15,11 +15,14 @@ dequantisation scales):
 
 Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored), so
 each GEMM's operands can be compared bit for bit with torchao's. ``fp8_wgrad=False`` keeps the
-two weight-gradient GEMMs in bf16 (torch._grouped_mm). h is not kept: backward recomputes it
-from gate_up (bf16) for w2's gradient, so the node keeps what ``recompute=True`` keeps.
+two weight-gradient GEMMs in bf16 (torch._grouped_mm). h is not kept: backward makes w2's
+gradient operand from gate_up, in one pass with h's column amax taken by the forward's
+activation (fp8.glu_colwise_grouped), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h
+recomputed in bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -95,20 +98,38 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
     return zero_empty_groups(_sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
-def _h_fp8(gate_up, weights, fplan, b13, offs, ends):
-    """h in e4m3 with its rowwise scales, from the activation kernel's float32 values (one
-    rounding), b13 added inside when given. (dw2's operand is h recomputed in bf16 and a
-    column-wise pass: glu_colwise_grouped, which makes it from gate_up in one pass, needs h's
-    column amax from the forward, and glu_rowwise's fused amax costs more than the pass saves;
-    docs/perf-notes.md sections 13 and 15.)"""
+# dw2's operand from gate_up in one pass (h's column amax fused into the forward's activation);
+# EXPERTACT_FP8_DW2=recompute: from h recomputed in bf16, its amax and the column-wise pass (a
+# tuning knob, read at import; docs/perf-notes.md section 16 compares the two).
+DW2_FROM_GATE_UP = os.environ.get("EXPERTACT_FP8_DW2", "") != "recompute"
+
+
+def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):
+    """(h in e4m3, its rowwise scales, h's per expert and column amax or None), h from the
+    activation kernel's float32 values (one rounding), b13 added inside when given. h_amax: the
+    same kernel also takes h's column amax, which lets backward make dw2's operand from gate_up
+    in one pass (h_cols)."""
     bias = {} if b13 is None else dict(bias=b13, offsets=offs, ends=ends)
-    return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
-                           layout=fplan.layout, weights=weights, **bias)
+    if h_amax:
+        return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
+                               layout=fplan.layout, weights=weights, col_amax_offsets=offs, ends=ends, **bias)
+    return (*fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
+                             layout=fplan.layout, weights=weights, **bias), None)
 
 
-def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False):
-    """(x as kept, gate_up, y, x's per expert and column amax or None). x_amax: take that amax
-    in the rowwise pass over x, for dw13's column-wise operand in backward."""
+def h_cols(gate_up, weights, offs, ends, fplan, hamax):
+    """dw2's column-wise operand of h (_cols' form), made from gate_up in one pass with the
+    column amax the forward took (fp8.glu_colwise_grouped: the bytes of h recomputed in bf16
+    and quantised column-wise, without writing h)."""
+    return fp8.glu_colwise_grouped(gate_up, fplan.activation, offs, alpha=fplan.alpha, limit=fplan.limit,
+                                   layout=fplan.layout, weights=weights, pad_to=ALIGN, ends=ends, amax=hamax)
+
+
+def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False, h_amax=False):
+    """(x as kept, gate_up, y, x's per expert and column amax or None, h's or None). x_amax:
+    take that amax in the rowwise pass over x, for dw13's column-wise operand in backward;
+    h_amax: h's in the activation's pass, for dw2's (without b13 only: with it backward
+    recomputes h)."""
     end = plan.ends[-1] if plan.ends else 0
     x = x.contiguous()
     xamax = None
@@ -119,12 +140,13 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     w13q, s13 = _quant_b(w13)
     gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
-    hq, sh = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends)
+    hq, sh, hamax = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends,
+                           h_amax and fplan.wgrad and b13 is None)
     w2q, s2 = _quant_b(w2)
     y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
         _bias.row_forward(y, b2, offs, weights, inplace=True)
-    return x, gate_up, y, xamax
+    return x, gate_up, y, xamax, hamax
 
 
 def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
@@ -144,11 +166,12 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
 
 
 def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
-             glu_fp8=None):
+             glu_fp8=None, h_cols_of=None):
     """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
 
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
-    memory modes); h_of() -> h in bf16 recomputed from gate_up; gmm_wgrad: moe's bf16
+    memory modes); h_of() -> h in bf16 recomputed from gate_up; h_cols_of() -> dw2's operand of h
+    made from gate_up (h_cols), or None where the forward took no amax of h; gmm_wgrad: moe's bf16
     weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
     result, or None where it does not apply (b13's gradient wanted): when dx is wanted, dx's
     operand comes straight from the fused FP8 backward (dgate_up not written in bf16 and read
@@ -169,8 +192,12 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
         else:
             dyq, sdy = fp8.quantize_rowwise(dy)
     if need_w2:  # first, so that h is freed before dh exists
-        h = h_of()
-        if fplan.wgrad:
+        hc = h_cols_of() if fplan.wgrad and h_cols_of is not None else None
+        h = h_of() if hc is None else None
+        if hc is not None:
+            dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
+            del hc
+        elif fplan.wgrad:
             hc = _cols(h, offs, ends)
             del h
             dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)

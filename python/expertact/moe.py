@@ -386,18 +386,21 @@ class _ExpertMLP(torch.autograd.Function):
 
 class _Fp8ExpertMLP(torch.autograd.Function):
     """expert_mlp(fp8="rowwise") (_fp8_mlp): keeps what recompute=True keeps (x, the weights,
-    gate_up in bf16); h is recomputed in backward for w2's gradient."""
+    gate_up in bf16, and two small amax tables); w2's gradient operand is made from gate_up in
+    backward."""
 
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
-        x, gate_up, y, xamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
-                                                x_amax=ctx.needs_input_grad[1])
+        x, gate_up, y, xamax, hamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
+                                                       x_amax=ctx.needs_input_grad[1],
+                                                       h_amax=ctx.needs_input_grad[2] and _fp8_mlp.DW2_FROM_GATE_UP)
         # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
         # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
         hooked = _saved_tensor_hooks_active()
         _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up if hooked else None, b13, b2), None)
         ctx.gate_up = None if hooked else gate_up
         ctx.xamax = xamax  # x's per expert and column amax [E, D] (float32, small), or None
+        ctx.hamax = hamax  # h's [E, F], or None
         ctx.fplan = fplan
         ctx.b13_index = 7
         return y
@@ -432,7 +435,9 @@ class _Fp8ExpertMLP(torch.autograd.Function):
         grads = _fp8_mlp.backward(
             needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
             h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad,
-            xamax=ctx.xamax, glu_fp8=glu_fp8)
+            xamax=ctx.xamax, glu_fp8=glu_fp8,
+            h_cols_of=None if ctx.hamax is None else lambda: _fp8_mlp.h_cols(
+                held["gate_up"], weights, offs, plan.ends, ctx.fplan, ctx.hamax))
         dx, dw13, dw2, dweights, db13, db2 = grads
         return dx, dw13, dw2, dweights, None, None, None, db13, db2
 

@@ -306,10 +306,15 @@ struct PlainRows {
 // Forms (kForm): kRunPlain, each tile's loads at its start (three blocks an SM); kRunRegs, the
 // next tile's loads issued before the current tile is packed (more registers: two blocks an
 // SM); kRunL2, the plain form that also asks L2 for the next tile's rows (prefetch_l2) first;
-// kRunAsync, the next tile's loads copied into shared memory (cp_async: the thread's own 4 x
-// 16 bytes, read back by it alone, so no barrier) while the current tile is packed, for sources
-// whose Raw is 16 bytes and that have load_async.
+// kRunAsync, the next tile's loads copied into shared memory (cp_async, Src::load_async: the
+// thread's own 4 Raws, read back by it alone, so no barrier) while the current tile is packed;
+// two stages of them in the dynamic shared memory (async_stage_bytes<Src>()).
 constexpr int kRunPlain = 0, kRunRegs = 1, kRunL2 = 2, kRunAsync = 3;
+
+template <typename Src>
+constexpr int async_stage_bytes() {
+  return 2 * 4 * kThreads * static_cast<int>(sizeof(typename Src::Raw));
+}
 
 // Sources whose rows load more than 16 bytes (the GLU's) also take two blocks an SM.
 template <typename Src, int kForm>
@@ -319,11 +324,10 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
                uint8_t* __restrict__ q, int64_t q_stride, int32_t out_rows, int32_t col_tiles, int32_t subs) {
   using Raw = typename Src::Raw;
   constexpr bool kAsync = kForm == kRunAsync;
-  static_assert(!kAsync || sizeof(Raw) == 16, "the async form copies 16-byte loads");
   __shared__ __align__(16) uint32_t tile[2][kCols * kWords];
-  // kAsync: two stages of the thread's 4 loads, load k of stage b at stage[(4 b + k) kThreads + t]
-  // (16 KB each: 48 KB with the tiles, the static limit).
-  __shared__ __align__(16) Raw stage[kAsync ? 2 * 4 * kThreads : 1];
+  // kAsync: two stages of the thread's 4 loads, load k of stage b at stage[(4 b + k) kThreads + t].
+  extern __shared__ __align__(16) unsigned char run_stage[];
+  Raw* const stage = reinterpret_cast<Raw*>(run_stage);
   const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
   const int32_t ct = static_cast<int32_t>(blockIdx.x % static_cast<uint32_t>(col_tiles));
   const int32_t run = static_cast<int32_t>(blockIdx.x / static_cast<uint32_t>(col_tiles));

@@ -557,7 +557,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // block's end. offs (E of them): the column amax's experts, and with kBias the bias's (the
 // same offsets); each row's expert is followed along the run, not searched. The biased rows
 // take BiasGluSrc<..., true> (no branch in the finish). q and scale: those of the kernels without the
-// amax (the same float32 h, the same bytes).
+// amax (the same float32 h, the same bytes). ahead: each row's lane 0 asks L2 for the row
+// that many steps on (0: none; parts not 16-byte aligned in address or size are not asked).
 // (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
 // without spills, where unbounded it took 80-91 (5 blocks); the biased form and longer rows
 // spill under that bound and stay unbounded, as the kernels without the amax.)
@@ -567,7 +568,7 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && 
     const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
     int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
     float* __restrict__ scale, int64_t scale_stride, unsigned* __restrict__ amax, int64_t amax_stride,
-    int64_t per_block) {
+    int64_t per_block, int ahead) {
   __shared__ float red[2][kRowThreads / 32];  // by row parity (row_amax)
   const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (rows + R - 1) / R;
@@ -583,6 +584,15 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && 
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < rows;
     const int64_t r = live ? row : 0;
+    if (ahead > 0 && lane == 0 && st + ahead < s1 && row + ahead * R < rows) {
+      const int64_t nr = row + ahead * R;
+      const uint32_t bytes = static_cast<uint32_t>(packs) * V * kStep * sizeof(T);
+      auto fetch = [bytes](const T* ptr) {
+        if (((reinterpret_cast<uintptr_t>(ptr) | bytes) & 15) == 0) prefetch_l2(ptr, bytes);
+      };
+      fetch(g + nr * g_stride);
+      if constexpr (kStep == 1) fetch(u + nr * u_stride);
+    }
     if (live) {
       while (e < E && offs[e] <= row) ++e;
       if (e != held) {
@@ -909,6 +919,19 @@ struct GluRows {
     const uint32_t bytes = static_cast<uint32_t>(n * sizeof(T));
     prefetch_l2(g + static_cast<int64_t>(r) * g_stride + kStep * c0, kStep * bytes);
     if constexpr (kStep == 1) prefetch_l2(u + static_cast<int64_t>(r) * u_stride + c0, bytes);
+  }
+  // load()'s bytes copied into shared memory (cp_async; w's too, or 1 stored there).
+  __device__ __forceinline__ void load_async(int32_t r, int32_t c, Raw* dst) const {
+    const T* gr = g + static_cast<int64_t>(r) * g_stride;
+    if constexpr (kStep == 1) {
+      cp_async<16>(&dst->a, gr + c);
+      cp_async<16>(&dst->b, u + static_cast<int64_t>(r) * u_stride + c);
+    } else {
+      cp_async<16>(&dst->a, gr + 2 * c);
+      cp_async<16>(&dst->b, gr + 2 * c + 8);
+    }
+    if (w) cp_async<4>(&dst->w, w + static_cast<int64_t>(r) * w_stride);
+    else dst->w = 1.0f;
   }
 };
 
@@ -1298,12 +1321,13 @@ int q_t_align(const Fp8Cols& c) {
                                                               : 1;
 }
 
-// Pass 2's form where run_kernel applies: one of run_kernel's (colwise::kRunL2, the default:
-// the next tile's rows asked of L2; kRunPlain; kRunRegs: the next tile's loads issued early),
-// or kTiles: quant_kernel, one tile a block. On an H200 at [1,045,120, 3,072] / [.., 6,144]:
-// 3.47 / 6.61 ms, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
-// EXPERTACT_FP8_COLWISE_FORM=l2|plain|prefetch|tiles forces one (a tuning knob, read once per
-// process; other values are ignored).
+// Pass 2's form where run_kernel applies: one of run_kernel's (colwise::kRunAsync, the default:
+// the next tile copied into shared memory; kRunL2: the next tile's rows asked of L2; kRunPlain;
+// kRunRegs: the next tile's loads issued early), or kTiles: quant_kernel, one tile a block. On an
+// H200 at [1,045,120, 3,072] / [.., 6,144] (amax given): async 2.63 / 5.33 ms, L2 3.34 / 6.44;
+// earlier, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
+// EXPERTACT_FP8_COLWISE_FORM=async|l2|plain|prefetch|tiles forces one (a tuning knob, read once
+// per process; other values are ignored).
 constexpr int kTiles = -1;
 int colwise_form() {
   namespace cw = cuda::colwise;
@@ -1313,18 +1337,20 @@ int colwise_form() {
     return v == "prefetch" ? cw::kRunRegs
            : v == "tiles"  ? kTiles
            : v == "plain"  ? cw::kRunPlain
-           : v == "async"  ? cw::kRunAsync
-                           : cw::kRunL2;
+           : v == "l2"     ? cw::kRunL2
+                           : cw::kRunAsync;
   }();
   return form;
 }
 
-// The rows ahead quantize_rows_amax_kernel asks L2 for: EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a
-// tuning knob, read once per process; 0: none).
+// The rows ahead quantize_rows_amax_kernel and glu_rows_amax_kernel ask L2 for: 1, or
+// EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a tuning knob, read once per process; 0: none). On an H200,
+// quantize_rowwise + column amax at [1,045,120, 3,072]: 2.90 ms without, 2.55 at 1 row, 2.82 at
+// 2, 3.64 at 4 (docs/perf-notes.md section 16).
 int rows_prefetch_steps() {
   static const int steps = [] {
     const char* env = std::getenv("EXPERTACT_FP8_ROWS_PREFETCH");
-    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 0;
+    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 1;
     return *env - '0';
   }();
   return steps;
@@ -1360,18 +1386,17 @@ template <typename Src>
 Status launch_runs(const Src& src, int form, const Fp8Cols& c, const int32_t* pends, int64_t col_tiles, int32_t subs,
                    int64_t blocks, cudaStream_t st) {
   namespace cw = cuda::colwise;
-  auto launch = [&](auto kernel) -> Status {
-    kernel<<<static_cast<unsigned>(blocks), cw::kThreads, 0, st>>>(
+  auto launch = [&](auto kernel, int dyn = 0) -> Status {
+    if (dyn > 0)
+      EA_TRY(cuda::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
+                              "fp8 colwise shared memory"));
+    kernel<<<static_cast<unsigned>(blocks), cw::kThreads, dyn, st>>>(
         src, static_cast<int32_t>(c.rows), static_cast<int32_t>(c.cols), c.offsets, pends,
         static_cast<int32_t>(c.experts), c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
         static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
     return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
   };
-  if constexpr (sizeof(typename Src::Raw) == 16) {
-    if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunAsync>);
-  } else {
-    if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunL2>);  // (16-byte sources only)
-  }
+  if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunAsync>, cw::async_stage_bytes<Src>());
   return form == cw::kRunRegs ? launch(cw::run_kernel<Src, cw::kRunRegs>)
          : form == cw::kRunL2 ? launch(cw::run_kernel<Src, cw::kRunL2>)
                               : launch(cw::run_kernel<Src, cw::kRunPlain>);
@@ -1572,7 +1597,7 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
                     static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
                     bg, bu, b_stride, amax->offsets, amax->experts, p.rows, packs, G, c,
                     static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride, am, amax->stride,
-                    per_block);
+                    per_block, rows_prefetch_steps());
                 return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
               };
               if (bias) return fused(cuda::glu_rows_amax_kernel<T, A, kStep, kV, N, true>);
