@@ -557,8 +557,9 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // block's end. offs (E of them): the column amax's experts, and with kBias the bias's (the
 // same offsets); each row's expert is followed along the run, not searched. The biased rows
 // take BiasGluSrc<..., true> (no branch in the finish). q and scale: those of the kernels without the
-// amax (the same float32 h, the same bytes). ahead: each row's lane 0 asks L2 for the row
-// that many steps on (0: none; parts not 16-byte aligned in address or size are not asked).
+// amax (the same float32 h, the same bytes). (Asking L2 for the rows ahead, as
+// quantize_rows_amax_kernel does, made it slower on an H200: 5.75 ms at [1,045,120, 2 x 3,072],
+// 5.87 at 1 row ahead, 6.01 at 2.)
 // (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
 // without spills, where unbounded it took 80-91 (5 blocks); the biased form and longer rows
 // spill under that bound and stay unbounded, as the kernels without the amax.)
@@ -568,7 +569,7 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && 
     const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
     int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
     float* __restrict__ scale, int64_t scale_stride, unsigned* __restrict__ amax, int64_t amax_stride,
-    int64_t per_block, int ahead) {
+    int64_t per_block) {
   __shared__ float red[2][kRowThreads / 32];  // by row parity (row_amax)
   const int R = kRowThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (rows + R - 1) / R;
@@ -584,15 +585,6 @@ __global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && 
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < rows;
     const int64_t r = live ? row : 0;
-    if (ahead > 0 && lane == 0 && st + ahead < s1 && row + ahead * R < rows) {
-      const int64_t nr = row + ahead * R;
-      const uint32_t bytes = static_cast<uint32_t>(packs) * V * kStep * sizeof(T);
-      auto fetch = [bytes](const T* ptr) {
-        if (((reinterpret_cast<uintptr_t>(ptr) | bytes) & 15) == 0) prefetch_l2(ptr, bytes);
-      };
-      fetch(g + nr * g_stride);
-      if constexpr (kStep == 1) fetch(u + nr * u_stride);
-    }
     if (live) {
       while (e < E && offs[e] <= row) ++e;
       if (e != held) {
@@ -1343,7 +1335,7 @@ int colwise_form() {
   return form;
 }
 
-// The rows ahead quantize_rows_amax_kernel and glu_rows_amax_kernel ask L2 for: 1, or
+// The rows ahead quantize_rows_amax_kernel asks L2 for: 1, or
 // EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a tuning knob, read once per process; 0: none). On an H200,
 // quantize_rowwise + column amax at [1,045,120, 3,072]: 2.90 ms without, 2.55 at 1 row, 2.82 at
 // 2, 3.64 at 4 (docs/perf-notes.md section 16).
@@ -1597,7 +1589,7 @@ Status cuda_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias*
                     static_cast<const T*>(p.g), static_cast<const T*>(p.u), p.g_stride, p.u_stride, p.w, p.w_stride,
                     bg, bu, b_stride, amax->offsets, amax->experts, p.rows, packs, G, c,
                     static_cast<uint8_t*>(o.q), o.q_stride, q_vec, o.scale, o.scale_stride, am, amax->stride,
-                    per_block, rows_prefetch_steps());
+                    per_block);
                 return cuda::cuda_check(cudaGetLastError(), "fp8 glu kernel launch");
               };
               if (bias) return fused(cuda::glu_rows_amax_kernel<T, A, kStep, kV, N, true>);
