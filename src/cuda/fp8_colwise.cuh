@@ -234,10 +234,11 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
 // gives a block kCols columns of `subs` consecutive 128-row tiles (a run) and carries what the
 // tiles share: the row map is a cursor over the experts (advanced when a row passes its expert's
 // padded end, which happens a few times a run at most), the scales stay in registers until the
-// expert changes, and (the default form, kRunL2) the next tile's rows are asked of L2 before the
-// current tile's loads. On an H200 at [1,045,120, 3,072] that took pass 2 from 4.8 to 3.3-3.5
-// ms; Nsight Compute then put it at 63% of DRAM's peak and 87% of L2's, no longer bound by
-// instructions (docs/perf-notes.md section 15). Its bytes are quant_kernel's (the tests and
+// expert changes, and the next tile's loads are started before the current tile is packed:
+// copied into shared memory (kRunAsync, the default) or asked of L2 (kRunL2). On an H200 at
+// [1,045,120, 3,072] that took pass 2 from 4.8 to 3.3-3.5 ms in the L2 form (Nsight Compute
+// then put it at 63% of DRAM's peak and 87% of L2's, no longer bound by instructions) and to
+// 2.6 ms in the async form (docs/perf-notes.md sections 15 and 16). Its bytes are quant_kernel's (the tests and
 // bench/colwise_pass2.cu compare them). It takes 16-bit x with 16-byte rows of whole packs
 // (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends
 // included) inside int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
@@ -396,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
     } else if constexpr (kAsync) {
       if (t + 1 < nsub) map(P + kRows, nsrc, nex);
       issue(t + 1 < nsub, (t + 1) & 1, nsrc);  // (past the last tile an empty group: the wait counts it)
-      cp_async_wait<1>();        // this tile's copies are in
+      cp_async_wait<1>();                      // this tile's copies are in
 #pragma unroll
       for (int k = 0; k < 4; ++k) in[k] = stage[(4 * (t & 1) + k) * kThreads + threadIdx.x];
     } else {
