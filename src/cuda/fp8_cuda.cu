@@ -1335,16 +1335,20 @@ int colwise_form() {
   return form;
 }
 
+// A tuning knob's value: the environment variable `name` if it is one digit 0..max, else
+// `fallback`. Each caller reads it once per process (a static).
+int digit_knob(const char* name, int max, int fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env < '0' || *env > '0' + max || env[1] != 0) return fallback;
+  return *env - '0';
+}
+
 // The rows ahead quantize_rows_amax_kernel asks L2 for: 1, or
 // EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a tuning knob, read once per process; 0: none). On an H200,
 // quantize_rowwise + column amax at [1,045,120, 3,072]: 2.90 ms without, 2.55 at 1 row, 2.82 at
 // 2, 3.64 at 4 (docs/perf-notes.md section 16).
 int rows_prefetch_steps() {
-  static const int steps = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_ROWS_PREFETCH");
-    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 1;
-    return *env - '0';
-  }();
+  static const int steps = digit_knob("EXPERTACT_FP8_ROWS_PREFETCH", 8, 1);
   return steps;
 }
 
@@ -1352,11 +1356,7 @@ int rows_prefetch_steps() {
 // packs of the row that many steps ahead into shared memory (the kernel's kAsync); 0, the L2
 // form below. A tuning knob, read once per process.
 int bwd_async_rows() {
-  static const int rows = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_BWD_ASYNC");
-    if (env == nullptr || *env < '0' || *env > '3' || env[1] != 0) return 0;
-    return *env - '0';
-  }();
+  static const int rows = digit_knob("EXPERTACT_FP8_BWD_ASYNC", 3, 0);
   return rows;
 }
 
@@ -1365,11 +1365,7 @@ int bwd_async_rows() {
 // (layout halves) the kernel took 13.5 ms at 2 steps and 15.3 at 1; alone with the interleaved
 // layout 1 step was the faster (docs/perf-notes.md section 15).
 int bwd_prefetch_steps() {
-  static const int steps = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_BWD_PREFETCH");
-    if (env == nullptr || *env < '0' || *env > '8' || env[1] != 0) return 2;
-    return *env - '0';
-  }();
+  static const int steps = digit_knob("EXPERTACT_FP8_BWD_PREFETCH", 8, 2);
   return steps;
 }
 
