@@ -27,18 +27,11 @@
 #include "cuda/common.cuh"
 #include "cuda/fp8_colwise.cuh"
 
+#include "cuda_check.h"
+
 using namespace expertact;
 using namespace expertact::cuda;
 using bf = __nv_bfloat16;
-
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
 
 constexpr int kQThreads = 256;
 constexpr int kQRows = 128, kQCols = 64;
@@ -61,6 +54,57 @@ __device__ __forceinline__ uint4 ld16(const void* p) {
 }
 
 // ---------------- v0: the library's one-tile form ----------------
+// v0's row map: output rows pf .. pf + 3, their source rows (-1: none) and experts (a 64-bit
+// search of the padded ends, then each row's bounds).
+__device__ __forceinline__ void v0_map(int64_t pf, int64_t rows, int64_t out_rows, const int32_t* __restrict__ offsets,
+                                       const int32_t* __restrict__ pends, int64_t E, int32_t (&src)[4],
+                                       int32_t (&ex)[4]) {
+  int64_t e = detail::expert_of(pends, E, pf);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t p = pf + k;
+    while (e < E && pends[e] <= p) ++e;
+    src[k] = -1;
+    ex[k] = static_cast<int32_t>(e);
+    if (e < E && p < out_rows) {
+      const int64_t start = e == 0 ? 0 : offsets[e - 1];
+      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
+      const int64_t r = start + local;
+      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src[k] = static_cast<int32_t>(r);
+    }
+  }
+}
+
+// v0's pack: s = 1 / scale by a division (kGuard: 0 for columns past the end), two bytes a
+// from_scaled2; w gets the thread's 8 column words (rows without a source give 0x00).
+template <bool kGuard>
+__device__ __forceinline__ void v0_pack(const int32_t (&src)[4], const int32_t (&ex)[4], const Pack<bf, 8> (&in)[4],
+                                        int64_t c, int64_t cols, const float* __restrict__ scale,
+                                        int64_t scale_stride, uint32_t (&w)[8]) {
+  float xs[4][8];
+  float s[8];
+  int32_t se = -1;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (src[k] < 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
+      continue;
+    }
+    if (ex[k] != se) {
+      se = ex[k];
+      const float* sr = scale + se * scale_stride + c;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = !kGuard || c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[k].v[i]) * s[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
+}
+
 struct ColTile {
   int64_t p0, c0;
   int32_t src[4], ex[4];
@@ -71,21 +115,7 @@ __device__ __forceinline__ ColTile col_tile(int64_t t, int64_t col_tiles, int64_
   ColTile ct;
   ct.p0 = (t / col_tiles) * kQRows;
   ct.c0 = (t % col_tiles) * kQCols;
-  const int64_t pf = ct.p0 + 4 * (threadIdx.x >> 3);
-  int64_t e = detail::expert_of(pends, E, pf);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int64_t p = pf + k;
-    while (e < E && pends[e] <= p) ++e;
-    ct.src[k] = -1;
-    ct.ex[k] = static_cast<int32_t>(e);
-    if (e < E && p < out_rows) {
-      const int64_t start = e == 0 ? 0 : offsets[e - 1];
-      const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-      const int64_t r = start + local;
-      if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) ct.src[k] = static_cast<int32_t>(r);
-    }
-  }
+  v0_map(ct.p0 + 4 * (threadIdx.x >> 3), rows, out_rows, offsets, pends, E, ct.src, ct.ex);
   return ct;
 }
 template <int H>
@@ -111,30 +141,7 @@ __global__ void __launch_bounds__(kQThreads, 3) v0_kernel(const bf* __restrict__
   uint32_t w[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) w[i] = 0;
-  if (c < cols) {
-    float xs[4][8];
-    float s[8];
-    int32_t se = -1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (ct.src[k] < 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-        continue;
-      }
-      if (ct.ex[k] != se) {
-        se = ct.ex[k];
-        const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = c + i < cols ? __fdiv_rn(1.0f, __ldg(sr + i)) : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[k].v[i]) * s[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
-  }
+  if (c < cols) v0_pack<true>(ct.src, ct.ex, in, c, cols, scale, scale_stride, w);
 #pragma unroll
   for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
   __syncthreads();
@@ -176,20 +183,7 @@ __global__ void __launch_bounds__(THREADS, MINB) v0g_kernel(const bf* __restrict
       ex[k] = 0;
     }
   } else {
-    int64_t e = detail::expert_of(pends, E, pf);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t p = pf + k;
-      while (e < E && pends[e] <= p) ++e;
-      src[k] = -1;
-      ex[k] = static_cast<int32_t>(e);
-      if (e < E && p < out_rows) {
-        const int64_t start = e == 0 ? 0 : offsets[e - 1];
-        const int64_t local = p - (e == 0 ? 0 : pends[e - 1]);
-        const int64_t r = start + local;
-        if (local >= 0 && r < offsets[e] && r >= 0 && r < rows) src[k] = static_cast<int32_t>(r);
-      }
-    }
+    v0_map(pf, rows, out_rows, offsets, pends, E, src, ex);
   }
   uint4 in[4];
 #pragma unroll
@@ -207,31 +201,8 @@ __global__ void __launch_bounds__(THREADS, MINB) v0g_kernel(const bf* __restrict
   uint32_t w[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) w[i] = 0;
-  if (c < cols) {
-    float xs[4][8];
-    float s[8];
-    int32_t se = -1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (src[k] < 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-        continue;
-      }
-      if (ex[k] != se) {
-        se = ex[k];
-        const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = __fdiv_rn(1.0f, __ldg(sr + i));
-      }
-      const Pack<bf, 8> pk = *reinterpret_cast<const Pack<bf, 8>*>(&in[k]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) xs[k][i] = to_f(pk.v[i]) * s[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
-  }
+  if (c < cols)
+    v0_pack<false>(src, ex, reinterpret_cast<const Pack<bf, 8>(&)[4]>(in), c, cols, scale, scale_stride, w);
 #pragma unroll
   for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * RW + (rq ^ ((cg & M) << 2))] = w[i];
   __syncthreads();
@@ -282,28 +253,7 @@ __global__ void __launch_bounds__(256, 3) mix_kernel(const bf* __restrict__ x, i
     });
   } else {
     uint32_t w[8];
-    float xs[4][8];
-    float s[8];
-    int32_t se = -1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (ct.src[k] < 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) xs[k][i] = 0.0f;
-        continue;
-      }
-      if (ct.ex[k] != se) {
-        se = ct.ex[k];
-        const float* sr = scale + se * scale_stride + c;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = __fdiv_rn(1.0f, __ldg(sr + i));
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) xs[k][i] = to_f(in[k].v[i]) * s[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      w[i] = fp8::from_scaled2(xs[0][i], xs[1][i]) | (fp8::from_scaled2(xs[2][i], xs[3][i]) << 16);
+    v0_pack<false>(ct.src, ct.ex, in, c, cols, scale, scale_stride, w);
 #pragma unroll
     for (int i = 0; i < 8; ++i) tile[(8 * cg + i) * (kQRows / 4) + (rq ^ (cg << 2))] = w[i];
   }
