@@ -20,16 +20,9 @@
 
 #include "expertact/expertact.hpp"
 
-using namespace expertact;
+#include "cuda_check.h"
 
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                 \
-    }                                                                               \
-  } while (0)
+using namespace expertact;
 
 #define EA(x)                                                                       \
   do {                                                                              \

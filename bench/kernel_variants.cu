@@ -17,18 +17,11 @@
 #include "cuda/entry.h"
 #include "cuda/glu_launch.cuh"
 
+#include "cuda_check.h"
+
 using namespace expertact;
 using namespace expertact::cuda;
 using T = __nv_bfloat16;
-
-#define CK(x)                                                                 \
-  do {                                                                        \
-    cudaError_t e_ = (x);                                                     \
-    if (e_ != cudaSuccess) {                                                  \
-      std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(2);                                                           \
-    }                                                                         \
-  } while (0)
 
 __global__ void fill(uint16_t* p, int64_t n, float scale) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
