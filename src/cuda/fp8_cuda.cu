@@ -19,10 +19,12 @@
 // pass 2 (src/cuda/fp8_colwise.cuh), each block a tile of 128 output rows x 64 columns: its
 // rows read in 16-byte packs, quantised with s = 1 / scale, packed four rows to a word into
 // shared memory and written out transposed as 16-byte runs of q_t's rows; padding rows are
-// written as 0 from the same tile. The pass is bound by its instructions, not by memory
-// (docs/perf-notes.md section 14); the forms that measured slower (persistent blocks with the
-// next tile's loads in registers, 256-row tiles, grouped block orders, a cp.async pipeline) are
-// in section 13. glu_colwise_grouped takes the same tiles with the activation recomputed from
+// written as 0 from the same tile. Where the operands allow 16-byte packs a block takes a run
+// of tiles, carrying the expert map and the scales across them and copying the next tile into
+// shared memory while it packs the current one (docs/perf-notes.md sections 14-16); the
+// one-tile forms that measured slower (persistent blocks over a column's tiles, 256-row tiles,
+// grouped block orders, a cp.async pipeline over grid-stride tiles or column strips) are in
+// section 13. glu_colwise_grouped takes the same tiles with the activation recomputed from
 // gate_up as the values. With the amax given (quantize_rowwise's col_amax), pass 1 is skipped:
 // x is read once.
 //
