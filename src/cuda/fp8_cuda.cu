@@ -1029,7 +1029,7 @@ constexpr int bwd_slot_bytes() {
 }
 
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kAsync>
-__global__ void __launch_bounds__(kBwdThreads, N == 3 && !kBias ? 3 : 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
+__global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
   using GP = GuPack<T, V, kStep>;
@@ -1360,14 +1360,6 @@ int rows_prefetch_steps() {
 int bwd_async_rows() {
   static const int rows = digit_knob("EXPERTACT_FP8_BWD_ASYNC", 3, 0);
   return rows;
-}
-
-// The backward in half packs where full packs leave a quarter or more of its 256 lanes idle
-// (cuda_fp8_glu_backward_rowwise): on by default, EXPERTACT_FP8_BWD_HALF=0 turns it off (a tuning
-// knob, read once per process).
-bool bwd_half_packs() {
-  static const bool on = digit_knob("EXPERTACT_FP8_BWD_HALF", 1, 1) == 1;
-  return on;
 }
 
 // The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 2 steps, or EXPERTACT_FP8_BWD_PREFETCH=0..8
@@ -1772,88 +1764,64 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
       };
       if (V != 16 / es / p.step || packs64 > 0x7fffffff) return scalar();
       return dispatch_step(p.step, [&](auto step) -> Status {
-        constexpr int kStep = decltype(step)::value, kFull = 16 / es / kStep;
-        // run(V, Ns...): packs of V values (V * es bytes), lanes G, and the instance holding N
-        // packs a lane for the first N in Ns that holds the lane's packs (else the scalar form).
-        auto run = [&](auto v_tag, auto... n_tags) -> Status {
-          constexpr int kV = decltype(v_tag)::value;
-          const int packs = static_cast<int>(p.F / kV);
-          // A pack holds 2 kV float32 values; lanes: the fewest of 32 .. 256 that leave a lane
-          // at most 16 values, else 256.
-          int G = cuda::kBwdThreads;
-          for (int g : {32, 64, 128}) {
-            if ((packs + g - 1) / g * 2 * kV <= 16) {
-              G = g;
-              break;
-            }
+        constexpr int kStep = decltype(step)::value, kV = 16 / es / kStep;
+        const int packs = static_cast<int>(packs64);
+        // A pack holds 2 kV float32 values; lanes: the fewest of 32 .. 256 that leave a lane
+        // at most 16 values, else 256; instances hold 16 or 32 values a lane.
+        int G = cuda::kBwdThreads;
+        for (int g : {32, 64, 128}) {
+          if ((packs + g - 1) / g * 2 * kV <= 16) {
+            G = g;
+            break;
           }
-          const int64_t ppl = (packs + G - 1) / G;
-          const bool q_vec = cuda::q_packs(o.q, o.q_stride, p.rows, kStep == 2 ? 2 * kV : kV) &&
-                             (kStep == 2 || o.q_u % kV == 0);
-          auto launch = [&](auto n_tag, auto amax_tag) -> Status {
-            constexpr int N = decltype(n_tag)::value;
-            constexpr bool kAmax = decltype(amax_tag)::value;
-            return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
-              constexpr bool kBias = decltype(bias_tag)::value;
-              auto go = [&](auto kernel, int ahead, int dyn) -> Status {
-                if (dyn > 0)
-                  EA_TRY(cuda::cuda_check(
-                      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
-                      "fp8 backward shared memory"));
-                const int64_t R = cuda::kBwdThreads / G;
-                const int64_t steps = (p.rows + R - 1) / R;
-                int64_t per_block = 1;
-                if (kAmax) {
-                  // As many blocks as are resident, each a contiguous run of rows: few merges.
-                  int per_sm = 0;
-                  EA_TRY(cuda::cuda_check(
-                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, dyn),
-                      "fp8 backward occupancy"));
-                  const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
-                  per_block = (steps + want - 1) / want;
-                }
-                const int64_t blocks = (steps + per_block - 1) / per_block;
-                kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, dyn, st>>>(a, packs, G, q_vec, per_block,
-                                                                                      ahead);
-                return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
-              };
-              // The async form for 16-bit operands in full packs (bwd_async_rows(): rows copied
-              // ahead, 0: the L2 form); float32 and half packs keep the L2 form.
-              if constexpr (sizeof(T) == 2 && kV == kFull) {
-                const int async_rows = bwd_async_rows();
-                if (async_rows > 0)
-                  return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, true>, async_rows,
-                            (async_rows + 1) * cuda::bwd_slot_bytes<T, kV, kStep, N>());
+        }
+        const int64_t ppl = (packs + G - 1) / G;
+        const bool q_vec = cuda::q_packs(o.q, o.q_stride, p.rows, kStep == 2 ? 2 * kV : kV) &&
+                           (kStep == 2 || o.q_u % kV == 0);
+        auto launch = [&](auto n_tag, auto amax_tag) -> Status {
+          constexpr int N = decltype(n_tag)::value;
+          constexpr bool kAmax = decltype(amax_tag)::value;
+          return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
+            constexpr bool kBias = decltype(bias_tag)::value;
+            auto go = [&](auto kernel, int ahead, int dyn) -> Status {
+              if (dyn > 0)
+                EA_TRY(cuda::cuda_check(
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
+                    "fp8 backward shared memory"));
+              const int64_t R = cuda::kBwdThreads / G;
+              const int64_t steps = (p.rows + R - 1) / R;
+              int64_t per_block = 1;
+              if (kAmax) {
+                // As many blocks as are resident, each a contiguous run of rows: few merges.
+                int per_sm = 0;
+                EA_TRY(cuda::cuda_check(
+                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, dyn),
+                    "fp8 backward occupancy"));
+                const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
+                per_block = (steps + want - 1) / want;
               }
-              return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, false>, bwd_prefetch_steps(),
-                        0);
-            });
-          };
-          return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
-            Status s = Status::kOk;
-            bool done = false;
-            auto try_n = [&](auto n_tag) {
-              if (!done && ppl <= decltype(n_tag)::value) {
-                done = true;
-                s = launch(n_tag, amax_tag);
-              }
+              const int64_t blocks = (steps + per_block - 1) / per_block;
+              kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, dyn, st>>>(a, packs, G, q_vec, per_block,
+                                                                                    ahead);
+              return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
             };
-            (try_n(n_tags), ...);
-            return done ? s : scalar();
+            // The async form for 16-bit operands (bwd_async_rows(): rows copied ahead, 0: the
+            // L2 form); float32 keeps the L2 form.
+            if constexpr (sizeof(T) == 2) {
+              const int async_rows = bwd_async_rows();
+              if (async_rows > 0)
+                return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, true>, async_rows,
+                          (async_rows + 1) * cuda::bwd_slot_bytes<T, kV, kStep, N>());
+            }
+            return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, false>, bwd_prefetch_steps(), 0);
           });
         };
-        // Half packs (8 bytes) for 16-bit gate/up halves whose full packs would leave lanes
-        // idle at 256 lanes: F in (2,048, 3,072] is 257-384 full packs, 2 a lane for the first
-        // 128 lanes and 1 for the rest (a quarter or more of the lane slots empty, and the
-        // row's barrier waits for the full lanes); in half packs 3 a lane for every lane.
-        // EXPERTACT_FP8_BWD_HALF=0 keeps full packs (a tuning knob, read once per process).
-        if constexpr (kStep == 1 && es == 2) {
-          const int64_t full = p.F / kFull;
-          if (bwd_half_packs() && full > cuda::kBwdThreads && full <= cuda::kBwdThreads * 3 / 2)
-            return run(detail::IntTag<kFull / 2>{}, detail::IntTag<3>{});
-        }
-        constexpr int kN16 = 16 / (2 * kFull), kN32 = 32 / (2 * kFull);
-        return run(detail::IntTag<kFull>{}, detail::IntTag<kN16>{}, detail::IntTag<kN32>{});
+        return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
+          constexpr int kN16 = 16 / (2 * kV), kN32 = 32 / (2 * kV);
+          if (ppl <= kN16) return launch(detail::IntTag<kN16>{}, amax_tag);
+          if (ppl <= kN32) return launch(detail::IntTag<kN32>{}, amax_tag);
+          return scalar();
+        });
       });
     });
   });
