@@ -82,8 +82,11 @@ if "bwd" in want:
         "fp8 glu_backward_rowwise + col amax + bf16 copy": lambda: xf.glu_backward_rowwise(
             dy, gu, "swiglu_oai", layout="interleaved", weights=w, weights_grad=True, offsets=offs, ends=ends,
             col_amax=True, dgate_up_out=keep),
-        "fp8 glu_backward_rowwise halves + col amax + bf16 copy (the MLP's)": lambda: xf.glu_backward_rowwise(
+        "fp8 glu_backward_rowwise halves + weights + col amax + bf16 copy": lambda: xf.glu_backward_rowwise(
             dy, gu, "swiglu_oai", layout="halves", weights=w, weights_grad=True, offsets=offs, ends=ends,
-            col_amax=True, dgate_up_out=keep)})
+            col_amax=True, dgate_up_out=keep),
+        "fp8 glu_backward_rowwise halves + col amax + bf16 copy (the MLP's: no weights)":
+            lambda: xf.glu_backward_rowwise(dy, gu, "swiglu_oai", layout="halves", offsets=offs, ends=ends,
+                                            col_amax=True, dgate_up_out=keep)})
 for n, f in cases.items():
     print(f"{n}: {median_ms(f, 10, 2, 'cuda'):.3f} ms", flush=True)

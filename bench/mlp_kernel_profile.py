@@ -3,7 +3,7 @@
 torch.profiler, after 2 warm-up steps; the step's wall time, the sum of its kernel times and
 the kernels by total time; the GPU's idle gaps inside the step (between one kernel's end and
 the next one's start, 50 us or more) with the CUDA runtime calls the host made during them, the
-calls summed over every gap. Then 4 steps timed as the benchmark's clock times them (CUDA events
+calls summed over every gap; each GEMM's time in launch order. Then 4 steps timed as the benchmark's clock times them (CUDA events
 around forward and backward).
 
     python bench/mlp_kernel_profile.py            # expert_mlp(fp8="rowwise")
@@ -50,6 +50,8 @@ for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:24]:
     print(f"{us / 1e3:9.3f} ms {n:3d}x  {name}")
 # The GPU's idle time between kernels, and what the host was doing then.
 kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA")
+gemms = [(b - a) / 1e3 for a, b, n in kern if "gemm" in n.lower()]
+print(f"{impl}: the GEMMs in launch order, ms: " + ", ".join(f"{g:.2f}" for g in gemms))
 calls = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
          if e.device_type.name == "CPU" and e.name.startswith("cuda")]
 gaps = [(b[0] - a[1], a, b) for a, b in zip(kern, kern[1:]) if b[0] - a[1] >= 50]

@@ -1015,27 +1015,14 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // ahead: each row's lane 0 asks L2 for the row `ahead` steps on (prefetch_l2; 0: none). A block
 // works on one row at a time with a barrier in it (the row's amax), so its loads come in bursts
 // that leave DRAM idle between them; fetched ahead, they arrive from L2. kBias: a.bg is set
-// (without it the bias's loads and adds are compiled out, not predicated).
-//
-// kAsync: instead, each thread copies its own packs of the row `ahead` (1..3) steps on into
-// shared memory (cp_async; ahead + 1 slots of bwd_slot_bytes<...>() in the dynamic shared
-// memory, a ring) and reads the current row's from there: the loads stay in flight across the
-// row's barrier and stores. A thread reads only what it copied, so no barrier guards the slots;
-// a slot is copied into again one step after it was read, when the row's amax (which every
-// value read feeds) has been taken.
-template <typename T, int V, int kStep, int N>
-constexpr int bwd_slot_bytes() {
-  return N * kBwdThreads * static_cast<int>(sizeof(GuPack<T, V, kStep>) + sizeof(Pack<T, V>));
-}
-
-template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kAsync>
+// (without it the bias's loads and adds are compiled out, not predicated). kW: a.w is set
+// (without it the weight is the constant 1, so the multiplies by it fold away, and the
+// weights' gradient, which needs a.w, is neither computed nor summed across the row: on an
+// H200 the kernel is bound by its instructions, section 17 of docs/perf-notes.md).
+template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
-  using GP = GuPack<T, V, kStep>;
-  using DP = Pack<T, V>;
-  extern __shared__ __align__(16) unsigned char bwd_slots[];
-  constexpr int kSlot = bwd_slot_bytes<T, V, kStep, N>();
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
   // its own words: no bank conflicts, no atomics), in shared memory to spare registers.
@@ -1078,50 +1065,12 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     }
   };
   reset();
-  // kAsync: the slots' packs of this thread, and the copies of step st2's row into slot b
-  // (committed as one group, empty past the block's steps).
-  auto slot_g = [&](int b, int j) {
-    return reinterpret_cast<GP*>(bwd_slots + b * kSlot) + j * kBwdThreads + threadIdx.x;
-  };
-  auto slot_d = [&](int b, int j) {
-    return reinterpret_cast<DP*>(bwd_slots + b * kSlot + N * kBwdThreads * sizeof(GP)) + j * kBwdThreads + threadIdx.x;
-  };
-  auto copy_row = [&](int64_t st2, int b) {
-    const int64_t row2 = st2 * R + threadIdx.x / G;
-    if (st2 < s1 && row2 < a.rows) {
-      const T* g = a.g + row2 * a.x_stride;
-      const T* dy = a.dy + row2 * a.dy_stride;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int p = lane + G * j;
-        if (p < packs) {
-          if constexpr (kStep == 1) {
-            cp_async<sizeof(DP)>(&slot_g(b, j)->g, reinterpret_cast<const DP*>(g) + p);
-            cp_async<sizeof(DP)>(&slot_g(b, j)->u, reinterpret_cast<const DP*>(a.u + row2 * a.x_stride) + p);
-          } else {
-            cp_async<sizeof(GP)>(slot_g(b, j), reinterpret_cast<const Pack<T, 2 * V>*>(g) + p);
-          }
-          cp_async<sizeof(DP)>(slot_d(b, j), reinterpret_cast<const DP*>(dy) + p);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-  int cur = 0;  // kAsync: the slot of step st's row
-  if constexpr (kAsync) {
-    for (int i = 0; i < ahead; ++i) copy_row(s0 + i, i);
-  }
   const uint32_t pack_bytes = V * sizeof(T);
   for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: the barriers
     const int64_t row = st * R + threadIdx.x / G;
     const bool live = row < a.rows;
     const int64_t r = live ? row : 0;
-    if constexpr (kAsync) {
-      copy_row(st + ahead, cur == 0 ? ahead : cur - 1);  // the slot read one step ago
-      if (ahead == 1) cp_async_wait<1>();
-      else if (ahead == 2) cp_async_wait<2>();
-      else cp_async_wait<3>();
-    } else if (ahead > 0 && lane == 0 && st + ahead < s1) {
+    if (ahead > 0 && lane == 0 && st + ahead < s1) {
       const int64_t nr = row + ahead * R;
       if (nr < a.rows) {
         // (A row part whose address or size is not a multiple of 16 bytes, which the 8-byte
@@ -1150,23 +1099,17 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     const bool has_b = kBias && e < a.E;
     const T* bg = has_b ? a.bg + e * a.b_stride : nullptr;
     const T* bu = has_b ? a.bu + e * a.b_stride : nullptr;
-    const float w = a.w && live ? a.w[r * a.w_stride] : 1.0f;
+    const float w = kW && live ? a.w[r * a.w_stride] : 1.0f;
     GuPack<T, V, kStep> in[N];
     Pack<T, V> d[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int p = lane + G * j;
       if (live && p < packs) {
-        if constexpr (kAsync) {
-          in[j] = *slot_g(cur, j);
-          d[j] = *slot_d(cur, j);
-        } else {
-          load_raw<T, V, kStep>(g, u, p, in[j]);
-          d[j] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
-        }
+        load_raw<T, V, kStep>(g, u, p, in[j]);
+        d[j] = reinterpret_cast<const Pack<T, V>*>(dy)[p];
       }
     }
-    if constexpr (kAsync) cur = cur == ahead ? 0 : cur + 1;
     float h[N][2 * V];
     float m = 0.0f, sum = 0.0f;
 #pragma unroll
@@ -1184,7 +1127,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
           // held in output order: kStep 2 pairs (dg, du), kStep 1 gate's V then up's V
           h[j][kStep == 2 ? 2 * i : i] = dg;
           h[j][kStep == 2 ? 2 * i + 1 : V + i] = du;
-          sum += term;
+          if constexpr (kW) sum += term;
           m = fmaxf(m, fmaxf(fabsf(dg), fabsf(du)));
         }
         if constexpr (kAmax) {
@@ -1195,7 +1138,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
         }
       }
     }
-    row_amax_sum(m, sum, G, red_a[st & 1], red_s[st & 1]);
+    if constexpr (kW) row_amax_sum(m, sum, G, red_a[st & 1], red_s[st & 1]);
+    else m = row_amax(m, G, red_a[st & 1]);
     if (!live) continue;
     const float s = fp8::scale_of(m);
     uint8_t* qr = a.q + r * a.q_stride;
@@ -1233,7 +1177,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     }
     if (lane == 0) {
       a.scale[r * a.scale_stride] = 1.0f / s;
-      if (a.dw) a.dw[r * a.dw_stride] = sum;
+      if (kW && a.dw) a.dw[r * a.dw_stride] = sum;
     }
   }
   flush();
@@ -1352,14 +1296,6 @@ int digit_knob(const char* name, int max, int fallback) {
 int rows_prefetch_steps() {
   static const int steps = digit_knob("EXPERTACT_FP8_ROWS_PREFETCH", 8, 1);
   return steps;
-}
-
-// The backward's form for 16-bit operands: EXPERTACT_FP8_BWD_ASYNC=1..3, each thread copies its
-// packs of the row that many steps ahead into shared memory (the kernel's kAsync); 0, the L2
-// form below. A tuning knob, read once per process.
-int bwd_async_rows() {
-  static const int rows = digit_knob("EXPERTACT_FP8_BWD_ASYNC", 3, 0);
-  return rows;
 }
 
 // The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 2 steps, or EXPERTACT_FP8_BWD_PREFETCH=0..8
@@ -1783,11 +1719,8 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
           constexpr bool kAmax = decltype(amax_tag)::value;
           return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
             constexpr bool kBias = decltype(bias_tag)::value;
-            auto go = [&](auto kernel, int ahead, int dyn) -> Status {
-              if (dyn > 0)
-                EA_TRY(cuda::cuda_check(
-                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
-                    "fp8 backward shared memory"));
+            return detail::dispatch_bool(a.w != nullptr, [&](auto w_tag) -> Status {
+              auto kernel = cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, decltype(w_tag)::value>;
               const int64_t R = cuda::kBwdThreads / G;
               const int64_t steps = (p.rows + R - 1) / R;
               int64_t per_block = 1;
@@ -1795,25 +1728,16 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
                 // As many blocks as are resident, each a contiguous run of rows: few merges.
                 int per_sm = 0;
                 EA_TRY(cuda::cuda_check(
-                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, dyn),
+                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cuda::kBwdThreads, 0),
                     "fp8 backward occupancy"));
                 const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
                 per_block = (steps + want - 1) / want;
               }
               const int64_t blocks = (steps + per_block - 1) / per_block;
-              kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, dyn, st>>>(a, packs, G, q_vec, per_block,
-                                                                                    ahead);
+              kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
+                                                                                  bwd_prefetch_steps());
               return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
-            };
-            // The async form for 16-bit operands (bwd_async_rows(): rows copied ahead, 0: the
-            // L2 form); float32 keeps the L2 form.
-            if constexpr (sizeof(T) == 2) {
-              const int async_rows = bwd_async_rows();
-              if (async_rows > 0)
-                return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, true>, async_rows,
-                          (async_rows + 1) * cuda::bwd_slot_bytes<T, kV, kStep, N>());
-            }
-            return go(cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, false>, bwd_prefetch_steps(), 0);
+            });
           });
         };
         return detail::dispatch_bool(a.amax != nullptr, [&](auto amax_tag) -> Status {
