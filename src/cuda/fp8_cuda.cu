@@ -563,10 +563,12 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // quantize_rows_amax_kernel does, made it slower on an H200: 5.75 ms at [1,045,120, 2 x 3,072],
 // 5.87 at 1 row ahead, 6.01 at 2.)
 // (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
-// without spills, where unbounded it took 80-91 (5 blocks); the biased form and longer rows
-// spill under that bound and stay unbounded, as the kernels without the amax.)
+// without spills, where unbounded it took 80-91 (5 blocks); up to 24 values a lane (3,072
+// columns at 128 lanes) to 8 blocks, 56-64 registers without spills (10 blocks spilled); the
+// biased form and longer rows spill under these bounds and stay unbounded, as the kernels
+// without the amax.)
 template <typename T, Activation A, int kStep, int V, int N, bool kBias>
-__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 32 && !kBias ? 6 : 1) glu_rows_amax_kernel(
+__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 24 && !kBias ? 8 : sizeof(T) == 2 && N * V <= 32 && !kBias ? 6 : 1) glu_rows_amax_kernel(
     const T* g, const T* u, int64_t g_stride, int64_t u_stride, const float* __restrict__ w, int64_t w_stride,
     const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
     int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
