@@ -50,7 +50,7 @@ for name, (us, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:24]:
     print(f"{us / 1e3:9.3f} ms {n:3d}x  {name}")
 # The GPU's idle time between kernels, and what the host was doing then.
 kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA")
-gemms = [(b - a) / 1e3 for a, b, n in kern if "gemm" in n.lower()]
+gemms = [(b - a) / 1e3 for a, b, n in kern if "gemm" in n.lower() and "prepare" not in n]  # (not torch's setup kernels)
 print(f"{impl}: the GEMMs in launch order, ms: " + ", ".join(f"{g:.2f}" for g in gemms))
 calls = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
          if e.device_type.name == "CPU" and e.name.startswith("cuda")]
