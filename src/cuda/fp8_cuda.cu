@@ -567,8 +567,14 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // columns at 128 lanes) to 8 blocks, 56-64 registers without spills (10 blocks spilled); the
 // biased form and longer rows spill under these bounds and stay unbounded, as the kernels
 // without the amax.)
+template <typename T, int V, int N, bool kBias>
+constexpr int glu_amax_min_blocks() {
+  if (sizeof(T) != 2 || kBias) return 1;
+  return N * V <= 24 ? 8 : N * V <= 32 ? 6 : 1;
+}
+
 template <typename T, Activation A, int kStep, int V, int N, bool kBias>
-__global__ void __launch_bounds__(kRowThreads, sizeof(T) == 2 && N * V <= 24 && !kBias ? 8 : sizeof(T) == 2 && N * V <= 32 && !kBias ? 6 : 1) glu_rows_amax_kernel(
+__global__ void __launch_bounds__(kRowThreads, glu_amax_min_blocks<T, V, N, kBias>()) glu_rows_amax_kernel(
     const T* g, const T* u, int64_t g_stride, int64_t u_stride, const float* __restrict__ w, int64_t w_stride,
     const T* bg, const T* bu, int64_t b_stride, const int32_t* __restrict__ offs, int64_t E, int64_t rows,
     int packs, int G, const math::Coeffs c, uint8_t* __restrict__ q, int64_t q_stride, bool q_vec,
