@@ -3,8 +3,8 @@
 torch.profiler, after 2 warm-up steps; the step's wall time, the sum of its kernel times and
 the kernels by total time; the GPU's idle gaps inside the step (between one kernel's end and
 the next one's start, 50 us or more) with the CUDA runtime calls the host made during them, the
-calls summed over every gap; each GEMM's time in launch order. Then 4 steps timed as the benchmark's clock times them (CUDA events
-around forward and backward).
+calls summed over every gap; each GEMM's time in launch order. Then 4 steps timed as the
+benchmark's clock times them (CUDA events around forward and backward).
 
     python bench/mlp_kernel_profile.py            # expert_mlp(fp8="rowwise")
     python bench/mlp_kernel_profile.py expertact  # any row name of python -m expertact.bench --mlp --fp8

@@ -13,13 +13,13 @@ dequantisation scales):
               dw13    = x^T dgate_up   written transposed and padded to 16-row groups (the 2-D x
                                        2-D form asserts on the device for other sizes)
 
-Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored); which
-operands are torchao's bit for bit and which are quantised from float32 values instead: docs/spec.md
-section 10. ``fp8_wgrad=False`` keeps the
-two weight-gradient GEMMs in bf16 (torch._grouped_mm). h is not kept: backward makes w2's
-gradient operand from gate_up, in one pass with h's column amax taken by the forward's
-activation (fp8.glu_colwise_grouped), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h
-recomputed in bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
+Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored);
+docs/spec.md section 10 says which operands are torchao's bit for bit and which are quantised
+from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16
+(torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up, in one
+pass with h's column amax taken by the forward's activation (fp8.glu_colwise_grouped), or (with
+b13, or EXPERTACT_FP8_DW2=recompute) from h recomputed in bf16 and a column-wise pass, so the
+node keeps what ``recompute=True`` keeps.
 """
 from __future__ import annotations
 
