@@ -1032,9 +1032,13 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
-  // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
-  // its own words: no bank conflicts, no atomics), in shared memory to spare registers.
-  __shared__ float cm[kAmax ? 2 * V * N * kBwdThreads : 1];
+  // The column amax of a lane's values, of the gradient as rounded to T (the values
+  // dgate_up_out gets, which the column-wise pass quantises), in shared memory to spare
+  // registers: word k of pack j at cm[(j * kWords + k) * kBwdThreads + thread] (each thread its
+  // own words: no bank conflicts, no atomics); for 16-bit T two values a word (max.bf16x2 /
+  // max.f16x2, exact, NaN ignored), else one float32.
+  constexpr int kPer = sizeof(T) == 2 ? 2 : 1, kWords = 2 * V / kPer;
+  __shared__ uint32_t cm[kAmax ? N * kWords * kBwdThreads : 1];
   const int R = kBwdThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (a.rows + R - 1) / R;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
@@ -1042,13 +1046,26 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   const bool need_e = kBias || kAmax;
   int64_t e = need_e ? detail::expert_of(a.offs, a.E, s0 * R + threadIdx.x / G) : 0;
   int64_t held = -1;
-  auto at = [&](int j, int i) -> float& { return cm[(j * 2 * V + i) * kBwdThreads + threadIdx.x]; };
+  auto word = [&](int j, int k) -> uint32_t& { return cm[(j * kWords + k) * kBwdThreads + threadIdx.x]; };
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  // Value i of pack j, as held (0 where nothing was seen: +0 in either form).
+  auto value_at = [&](int j, int i) -> float {
+    if constexpr (kPer == 2) {
+      const uint32_t w = word(j, i / 2);
+      const uint16_t b = static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffffu);
+      T t;
+      *reinterpret_cast<uint16_t*>(&t) = b;
+      return to_f(t);
+    } else {
+      return __uint_as_float(word(j, i));
+    }
+  };
   auto reset = [&] {
     if constexpr (kAmax) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
 #pragma unroll
-        for (int i = 0; i < 2 * V; ++i) at(j, i) = 0.0f;
+        for (int k = 0; k < kWords; ++k) word(j, k) = 0u;
     }
   };
   // Pack j's 2V columns: gate's V then up's V (kStep 1: at q_g / q_u + V p), or V pairs
@@ -1065,7 +1082,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
           for (int i = 0; i < 2 * V; ++i) {
             const int64_t col = kStep == 2 ? 2 * V * static_cast<int64_t>(p) + i
                                            : (i < V ? a.q_g : a.q_u) + static_cast<int64_t>(V) * p + (i % V);
-            const float v = at(j, i);
+            const float v = value_at(j, i);
             if (v > 0.0f) atomicMax(dst + col, __float_as_uint(v));
           }
         }
@@ -1140,8 +1157,22 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
         }
         if constexpr (kAmax) {
           if (held >= 0) {
+            if constexpr (kPer == 2) {
+              // (values 2k and 2k + 1 of a pack: adjacent columns of gate's or up's part, or
+              // of a pair, whichever the layout)
 #pragma unroll
-            for (int i = 0; i < 2 * V; ++i) at(j, i) = fmaxf(at(j, i), fabsf(h[j][i]));
+              for (int k = 0; k < kWords; ++k) {
+                uint32_t& w = word(j, k);
+                const T2 v(from_f<T>(h[j][2 * k]), from_f<T>(h[j][2 * k + 1]));
+                T2 mm = *reinterpret_cast<const T2*>(&w);
+                mm = __hmax2(mm, __habs2(v));
+                w = *reinterpret_cast<const uint32_t*>(&mm);
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < 2 * V; ++i)
+                word(j, i) = __float_as_uint(fmaxf(__uint_as_float(word(j, i)), fabsf(h[j][i])));
+            }
           }
         }
       }
@@ -1229,9 +1260,10 @@ __global__ void __launch_bounds__(kScalarThreads) glu_bwd_rows_kernel(const BwdR
     qr[cg] = fp8::quantize(dg, s);
     qr[cu] = fp8::quantize(du, s);
     if (dgr) dgr[cg] = from_f<T>(dg), dgr[cu] = from_f<T>(du);
-    if (am) {
-      if (fabsf(dg) > 0.0f) atomicMax(am + cg, __float_as_uint(fabsf(dg)));
-      if (fabsf(du) > 0.0f) atomicMax(am + cu, __float_as_uint(fabsf(du)));
+    if (am) {  // of the values as rounded to T (what dgr gets)
+      const float ag = fabsf(to_f(from_f<T>(dg))), au = fabsf(to_f(from_f<T>(du)));
+      if (ag > 0.0f) atomicMax(am + cg, __float_as_uint(ag));
+      if (au > 0.0f) atomicMax(am + cu, __float_as_uint(au));
     }
   }
   if (lane == 0) {
