@@ -266,8 +266,9 @@ Status fp8_glu_colwise_grouped(const GluParams& params, Layout layout, const Mat
 // of its dtype). Optional outputs (nullptr: not wanted): grad_weights (float32 [rows], needs
 // weights: the row's sum of grad_out * act * (up + beta), as glu_backward computes it);
 // col_amax (float32 [E, 2F], needs offsets): the max |gradient| (NaN ignored) of each column
-// over each expert's rows, as fp8_quantize_rowwise's col_amax computes it from the gradient,
-// for fp8_quantize_colwise_grouped's amax; grad_gate_up ([rows, 2F] of gate_up's dtype): the
+// over each expert's rows, of the gradient rounded to gate_up's dtype (grad_gate_up's values:
+// fp8_quantize_rowwise's col_amax of grad_gate_up, bit for bit), for
+// fp8_quantize_colwise_grouped's amax when it quantises grad_gate_up; grad_gate_up ([rows, 2F] of gate_up's dtype): the
 // gradient rounded to that dtype, as glu_backward writes it. bias (with offsets, as
 // fp8_glu_rowwise's): added to gate and up before the activation; its own gradient is not
 // computed here (glu_backward_bias computes it). CPU and CUDA quantise alike (the float32

@@ -398,8 +398,9 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     ``weights_grad`` (needs ``weights``): also the routing weights' gradient, float32 [...]
     (the row's sum of dh * act * (up + beta), in float32). ``col_amax`` (needs ``offsets``):
     also amax float32 [E, 2F], the max |gradient| (NaN ignored) of each column over each
-    expert's rows, as ``quantize_rowwise(col_amax_offsets=)`` computes it: pass it to
-    :func:`quantize_colwise_grouped` as ``amax=``. ``bias`` [E, 2F] with ``offsets`` (int32
+    expert's rows, of the gradient rounded to gate_up's dtype (``dgate_up_out``'s values:
+    ``quantize_rowwise(dgate_up_out, col_amax_offsets=)[2]`` bit for bit): pass it to
+    :func:`quantize_colwise_grouped` of that tensor as ``amax=``. ``bias`` [E, 2F] with ``offsets`` (int32
     [E], the experts' cumulative end rows): as in :func:`glu_rowwise`; the bias's own gradient
     is not computed here (``functional`` / the biased backward computes it where needed).
     ``ends``: offsets' values as host ints (see :func:`quantize_colwise_grouped`).

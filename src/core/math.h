@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "expertact/expertact.hpp"
 
@@ -105,14 +106,53 @@ EA_HD S sigmoid_neg_f(S m) { return div_f(S(1), S(1) + exp_f(m)); }
 template <typename S>
 EA_HD S sigmoid_f(S x) { return sigmoid_neg_f(-x); }
 
+#if defined(__CUDA_ARCH__)
+// The device's forms, in float (the kernels compute in float only). The GPU kernels of the FP8
+// paths are bound by their instructions (docs/perf-notes.md section 18): each of these is one
+// instruction where the portable form takes two or more.
+//
+// 1 / (1 + 2^t): ex2 and rcp (the flush-to-zero forms, as exp_f and div_f on the device; the
+// reciprocal of 1 + 2^t >= 1 is never subnormal, and where div_f's 1 / b adds a flush of its
+// result, rcp.approx.ftz is one MUFU instruction). The callers pass t = x (k log2 e) with the
+// product k log2 e of per-call or literal constants, which the compiler takes out of the loops:
+// one multiply per element, where sigmoid_neg_f(k x) takes two (k x, then x log2 e in exp_f).
+__device__ __forceinline__ float sigmoid_neg2_f(float t) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+// min / max that return NaN when either operand is NaN (min.NaN, max.NaN: sm_80 and later):
+// torch.clamp's semantics in one instruction where the select takes a compare and a select.
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#endif
+
 // min(g, L) with NaN kept (torch.clamp(max=L) semantics).
 template <typename S>
-EA_HD S clamp_hi(S g, S L) { return g > L ? L : g; }
+EA_HD S clamp_hi(S g, S L) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<S, float>) return min_nan(g, L);
+#endif
+  return g > L ? L : g;
+}
 // clamp(u, -L, L) with NaN kept (L > 0). Two one-sided selects rather than a
 // nested one: each is a single max/min instruction on x86, the nested form
 // compiled to eight.
 template <typename S>
 EA_HD S clamp_sym(S u, S L) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<S, float>) return min_nan(max_nan(u, -L), L);
+#endif
   S t = u < -L ? -L : u;
   return t > L ? L : t;
 }
@@ -124,13 +164,22 @@ struct Act;
 template <>
 struct Act<Activation::kSilu> {
   // silu_alpha(x) = x * sigmoid(alpha x); derivative s (1 + alpha x (1 - s)).
+  // The derivative as s + (alpha a) (1 - s) with a = x s: one multiply fewer than the
+  // factored form.
   template <typename S>
-  EA_HD static S fwd(S x, S alpha) { return x * sigmoid_neg_f((-alpha) * x); }
+  EA_HD static S sig(S x, S alpha) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<S, float>) return sigmoid_neg2_f(x * ((-alpha) * kLog2e));
+#endif
+    return sigmoid_neg_f((-alpha) * x);
+  }
+  template <typename S>
+  EA_HD static S fwd(S x, S alpha) { return x * sig(x, alpha); }
   template <typename S>
   EA_HD static void fwd_bwd(S x, S alpha, S& a, S& da) {
-    S s = sigmoid_neg_f((-alpha) * x);
+    S s = sig(x, alpha);
     a = x * s;
-    da = s * (S(1) + alpha * x * (S(1) - s));
+    da = (alpha * a) * (S(1) - s) + s;
   }
 };
 
@@ -154,17 +203,22 @@ struct Act<Activation::kGeluTanh> {
   // 1 - tanh(y)^2 = 4 s (1 - s), so gelu' = s (1 + x (1 - s) 2 k0 (1 + 3 k1 x^2)).
   // 2y = x (c1 + c3 x^2) with c1 = 2 k0, c3 = 2 k0 k1; -2y = x ((-c1) + (-c3) x^2)
   // exactly, which sigmoid_neg_f takes.
+  // sig(x, x2): s, with log2 e folded into the constants on the device.
   template <typename S>
-  EA_HD static S fwd(S x, S) {
+  EA_HD static S sig(S x, S x2) {
     const S c1 = S(2) * GeluK<S>::k0, c3 = S(2) * GeluK<S>::k0 * GeluK<S>::k1;
-    S s = sigmoid_neg_f(x * ((-c1) + (-c3) * (x * x)));
-    return x * s;
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<S, float>) return sigmoid_neg2_f(x * ((-c1 * kLog2e) + (-c3 * kLog2e) * x2));
+#endif
+    return sigmoid_neg_f(x * ((-c1) + (-c3) * x2));
   }
+  template <typename S>
+  EA_HD static S fwd(S x, S) { return x * sig(x, x * x); }
   template <typename S>
   EA_HD static void fwd_bwd(S x, S, S& a, S& da) {
     const S c1 = S(2) * GeluK<S>::k0, c3 = S(2) * GeluK<S>::k0 * GeluK<S>::k1;
     S x2 = x * x;
-    S s = sigmoid_neg_f(x * ((-c1) + (-c3) * x2));
+    S s = sig(x, x2);
     a = x * s;
     da = s * (S(1) + x * (S(1) - s) * (c1 + S(3) * c3 * x2));
   }
@@ -200,7 +254,7 @@ EA_HD void glu_bwd(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_ter
   S v = uc + S(c.beta);
   S dyw = dy * w;
   bool gpass = (!c.has_limit) | (g <= L);
-  bool upass = (!c.has_limit) | ((u >= -L) & (u <= L));
+  bool upass = (!c.has_limit) | (std::fabs(u) <= L);  // -L <= u <= L as one compare of |u|
   S dgv = dyw * v * da;
   S duv = dyw * a;
   dg = gpass ? dgv : S(0);

@@ -295,9 +295,9 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
 }
 
 // Each row: its float32 gradient into a per-thread buffer in gate_up's column layout (its
-// weight-gradient term summed in column order), the optional rounded copy and column amax,
-// then quantize_row. The column amax is kept per thread and expert and merged under a lock,
-// as cpu_fp8_quantize_rowwise does.
+// weight-gradient term summed in column order), the optional rounded copy and the column amax
+// (of the gradient rounded to T, as the copy holds it), then quantize_row. The column amax
+// is kept per thread and expert and merged under a lock, as cpu_fp8_quantize_rowwise does.
 Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias) {
   const int64_t C = 2 * p.F;
   ColAmax ca(o.offsets, o.col_amax ? o.experts : 0, o.col_amax, o.col_amax_stride, C);
@@ -343,8 +343,8 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
             T* d = static_cast<T*>(o.dgu) + r * o.dgu_stride;
             for (int64_t j = 0; j < C; ++j) d[j] = Cv<T>::st(buf[j]);
           }
-          if (run.at(r))
-            for (int64_t j = 0; j < C; ++j) run.add(j, buf[j]);
+          if (run.at(r))  // of the gradient as rounded to T (what dgu gets)
+            for (int64_t j = 0; j < C; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(buf[j])));
           quantize_row(buf.data(), C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
         }
         run.finish();

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kBiasThreads, min_blocks(sizeof(T) * V * kStep
 #pragma unroll
           for (int i = 0; i < V; ++i) {
             float dwt;
-            math::glu_bwd<A>(gate_of(in[k], i) + bgv[i], up_of(in[k], i) + buv[i], to_f(d[k].v[i]), w,
+            math::glu_bwd<A>(gate_of(in[k], i) + bgv[i], up_of(in[k], i) + buv[i], pack_f(d[k], i), w,
                              a.c, dgv[i], duv[i], dwt);
             rs[k] += dwt;
             ag[i] += dgv[i];
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(256) row_bias_fwd_kernel(const BiasArgs<T> a, 
       if (p < s.end) {
         float ov[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) ov[i] = to_f(in[k].v[i]) + w * to_f(bp[k].v[i]);
+        for (int i = 0; i < V; ++i) ov[i] = pack_f(in[k], i) + w * pack_f(bp[k], i);
         store_v<T, V>(out, p, ov);
       }
     }
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kBiasThreads, 3) row_bias_bwd_kernel(const Bia
     if (has && live) {
       const Pack<T, V> bp = reinterpret_cast<const Pack<T, V>*>(a.bg + e * a.b_stride)[p];
 #pragma unroll
-      for (int i = 0; i < V; ++i) bv[i] = to_f(bp.v[i]);
+      for (int i = 0; i < V; ++i) bv[i] = pack_f(bp, i);
     }
     for (int64_t q = r; q < end; q += kRowsPerStep) {
       Pack<T, V> d[kRowsPerStep];
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kBiasThreads, 3) row_bias_bwd_kernel(const Bia
           const float w = wk[k];
 #pragma unroll
           for (int i = 0; i < V; ++i) {
-            const float dv = to_f(d[k].v[i]);
+            const float dv = pack_f(d[k], i);
             rs[k] += dv * bv[i];
             acc[i] += w * dv;
           }

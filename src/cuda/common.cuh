@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dispatch.h"
 #include "core/error.h"
@@ -41,6 +42,19 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
   T v[N];
 };
+
+// Value i of a pack as float. 16-bit bfloat16 by its 32-bit words: the high value masked, the
+// low one shifted up, one instruction each, where __bfloat162float on a value taken out of the
+// word costs two for the high one (a byte permute, then the shift). Exact either way.
+template <typename T, int N>
+__device__ __forceinline__ float pack_f(const Pack<T, N>& p, int i) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(p.v)[i / 2];
+    return __uint_as_float(i % 2 ? w & 0xffff0000u : w << 16);
+  } else {
+    return to_f(p.v[i]);
+  }
+}
 
 // Sets the message and returns kCudaError when a CUDA call failed.
 inline Status cuda_check(cudaError_t e, const char* what) {

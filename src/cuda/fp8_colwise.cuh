@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
   }
   tile_pack(ct, cols, scale, scale_stride, tile, [&](int k, float (&v)[8]) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_f(in[k].v[i]);
+    for (int i = 0; i < 8; ++i) v[i] = pack_f(in[k], i);
   });
   __syncthreads();
   tile_store<kAligned>(ct, tile, cols, out_rows, q, q_stride, q_align);
@@ -294,7 +294,7 @@ struct PlainRows {
 #pragma unroll
     for (int i = 0; i < 8; ++i) p.v[i] = from_f<T>(0.0f);
   }
-  __device__ __forceinline__ float value(const Raw& p, int i) const { return to_f(p.v[i]); }
+  __device__ __forceinline__ float value(const Raw& p, int i) const { return pack_f(p, i); }
   __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
     prefetch_l2(x + static_cast<int64_t>(r) * stride + c0, static_cast<uint32_t>(n * sizeof(T)));
   }

@@ -103,7 +103,7 @@ struct AbsMax {
   template <int V>
   __device__ __forceinline__ void add(const Pack<T, V>& p) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) add(to_f(p.v[i]));
+    for (int i = 0; i < V; ++i) add(pack_f(p, i));
   }
   __device__ __forceinline__ float get() const { return m; }
 };
@@ -124,6 +124,62 @@ struct AbsMax<__nv_bfloat16> : AbsMax16<__nv_bfloat16, __nv_bfloat162> {};
 template <>
 struct AbsMax<__half> : AbsMax16<__half, __half2> {};
 
+// Two values of a 16-bit T as one word, x0 in the low half, rounded as from_f (one
+// cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2_of(float x0, float x1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x0, x1);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(x0, x1);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// The running column amax of two values of a 16-bit T a word: each half the larger magnitude
+// of m's and v's (NaN ignored: max returns the other input, as fmaxf does; exact). The result's
+// sign bits carry no meaning (max.xorsign.abs, sm_86 and later: one instruction where |v| and
+// max take two); half_abs_f reads the magnitudes.
+template <typename T>
+__device__ __forceinline__ uint32_t absmax2(uint32_t m, uint32_t v) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(v));
+  else asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(m), "r"(v));
+#else
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  const T2 x = __hmax2(__habs2(*reinterpret_cast<const T2*>(&m)), __habs2(*reinterpret_cast<const T2*>(&v)));
+  r = *reinterpret_cast<const uint32_t*>(&x);
+#endif
+  return r;
+}
+
+// The magnitude of half `hi` (0: low, 1: high) of an absmax2 word, as float (exact).
+template <typename T>
+__device__ __forceinline__ float half_abs_f(uint32_t w, int hi) {
+  const uint32_t b = (hi ? w >> 16 : w) & 0x7fffu;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __uint_as_float(b << 16);
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+}
+
+// K words (K = 1, 2, 4 or 8) stored at p, which is aligned to min(4 K, 16) bytes as the packs
+// are that hold them.
+template <int K, typename T>
+__device__ __forceinline__ void store_words(T* p, const uint32_t* w) {
+  static_assert(K == 1 || K == 2 || K == 4 || K == 8, "1, 2, 4 or 8 words");
+  if constexpr (K == 8) {
+    reinterpret_cast<uint4*>(p)[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    reinterpret_cast<uint4*>(p)[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  } else if constexpr (K == 4) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else if constexpr (K == 2) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = w[0];
+  }
+}
+
 // The values of one row, in packs of V: Raw is what one pack's load brings, Held what a lane
 // keeps of it between the amax and the quantisation (the raw elements for a plain row, the
 // float32 activation for the GLU form: computed once).
@@ -136,7 +192,7 @@ struct PlainSrc {
   __device__ __forceinline__ void load(int p, Raw& r) const { r = reinterpret_cast<const Raw*>(x)[p]; }
   __device__ __forceinline__ void finish(const Raw& r, int, Held& h) const { h = r; }
   __device__ __forceinline__ void absmax(const Held& h, Max& m) const { m.add(h); }
-  __device__ __forceinline__ float value(const Held& h, int i) const { return to_f(h.v[i]); }
+  __device__ __forceinline__ float value(const Held& h, int i) const { return pack_f(h, i); }
 };
 
 template <typename T, Activation A, int kStep, int V>
@@ -396,7 +452,7 @@ struct ColAmaxAcc {
       if (p < packs) {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          const float v = to_f(m[j].v[i]);
+          const float v = pack_f(m[j], i);
           if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
         }
       }
@@ -407,7 +463,7 @@ struct ColAmaxAcc {
 // ColAmaxAcc's running maxima in shared memory instead of registers (the GLU form, whose
 // lanes already hold the float32 h): word k of a thread at words[k * kRowThreads + thread]
 // (each thread its own words: no bank conflicts, no atomics), a word two values of a 16-bit
-// T (max.bf16x2 / max.f16x2, exact, NaN ignored) or one float32. Always kDefined (the loop).
+// T (absmax2 of h rounded to T, exact, NaN ignored) or one float32. Always kDefined (the loop).
 template <typename T, int V, int N>
 struct SmemColAmaxAcc {
   static constexpr bool kDefined = true;
@@ -430,14 +486,10 @@ struct SmemColAmaxAcc {
         w = __float_as_uint(fmaxf(__uint_as_float(w), fabsf(h.v[i])));  // NaN ignored
       }
     } else {
-      using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
 #pragma unroll
       for (int i = 0; i < V / 2; ++i) {
         uint32_t& w = at(j * V / 2 + i);
-        const T2 v(from_f<T>(h.v[2 * i]), from_f<T>(h.v[2 * i + 1]));
-        T2 m = *reinterpret_cast<const T2*>(&w);
-        m = __hmax2(m, __habs2(v));
-        w = *reinterpret_cast<const uint32_t*>(&m);
+        w = absmax2<T>(w, pack2_of<T>(h.v[2 * i], h.v[2 * i + 1]));
       }
     }
   }
@@ -449,15 +501,8 @@ struct SmemColAmaxAcc {
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           float v;
-          if constexpr (sizeof(T) == 4) {
-            v = __uint_as_float(at(j * V + i));
-          } else {
-            const uint32_t w = at((j * V + i) / 2);
-            const uint16_t b = static_cast<uint16_t>(i % 2 ? w >> 16 : w & 0xffffu);
-            T t;
-            *reinterpret_cast<uint16_t*>(&t) = b;
-            v = to_f(t);
-          }
+          if constexpr (sizeof(T) == 4) v = __uint_as_float(at(j * V + i));
+          else v = half_abs_f<T>(at((j * V + i) / 2), i % 2);
           if (v > 0.0f) atomicMax(dst + static_cast<int64_t>(p) * V + i, __float_as_uint(v));
         }
       }
@@ -823,7 +868,7 @@ __global__ void __launch_bounds__(kAmaxThreads) col_amax_kernel(const T* __restr
         for (int k = 0; k < kAmaxUnroll; ++k)
           if (r + 8 * k < hi) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], fabsf(to_f(in[k].v[i])));  // NaN ignored
+            for (int i = 0; i < 8; ++i) m[i] = fmaxf(m[i], fabsf(pack_f(in[k], i)));  // NaN ignored
           }
       }
     }
@@ -910,10 +955,10 @@ struct GluRows {
   __device__ __forceinline__ float value(const Raw& p, int i) const {
     float gv, uv;
     if constexpr (kStep == 1) {
-      gv = to_f(p.a.v[i]), uv = to_f(p.b.v[i]);
+      gv = pack_f(p.a, i), uv = pack_f(p.b, i);
     } else {
       const Pack<T, 8>& h = i < 4 ? p.a : p.b;
-      gv = to_f(h.v[2 * (i % 4)]), uv = to_f(h.v[2 * (i % 4) + 1]);
+      gv = pack_f(h, 2 * (i % 4)), uv = pack_f(h, 2 * (i % 4) + 1);
     }
     return to_f(from_f<T>(math::glu_fwd<A>(gv, uv, p.w, cf)));
   }
@@ -1032,9 +1077,16 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
-  // The column amax of a lane's values, value k at cm[k * kBwdThreads + thread] (each thread
-  // its own words: no bank conflicts, no atomics), in shared memory to spare registers.
-  __shared__ float cm[kAmax ? 2 * V * N * kBwdThreads : 1];
+  // The column amax of a lane's values, of the gradient as rounded to T (the values
+  // dgate_up_out gets, which the column-wise pass quantises). 16-bit T: in registers, two
+  // values a word, cw[j][k] holding values 2k and 2k + 1 of pack j, taken from the same
+  // rounded words the copy stores (absmax2: one instruction a word; sign bits are dropped at
+  // the flush). float32 T: in shared memory, to spare registers, value i of pack j at
+  // cm[(j * 2V + i) * kBwdThreads + thread] (each thread its own words: no bank conflicts).
+  constexpr bool kHalf = sizeof(T) == 2;
+  static_assert(!kHalf || kStep == 2 || V % 2 == 0, "gate's and up's values of a pack fill whole words");
+  __shared__ float cm[kAmax && !kHalf ? N * 2 * V * kBwdThreads : 1];
+  uint32_t cw[N][kHalf ? V : 1] = {};
   const int R = kBwdThreads / G, lane = threadIdx.x & (G - 1);
   const int64_t steps = (a.rows + R - 1) / R;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
@@ -1043,12 +1095,23 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   int64_t e = need_e ? detail::expert_of(a.offs, a.E, s0 * R + threadIdx.x / G) : 0;
   int64_t held = -1;
   auto at = [&](int j, int i) -> float& { return cm[(j * 2 * V + i) * kBwdThreads + threadIdx.x]; };
+  // Value i of pack j, as held (0 where nothing was seen).
+  auto value_at = [&](int j, int i) -> float {
+    if constexpr (kHalf) return half_abs_f<T>(cw[j][i / 2], i % 2);
+    else return at(j, i);
+  };
   auto reset = [&] {
     if constexpr (kAmax) {
 #pragma unroll
-      for (int j = 0; j < N; ++j)
+      for (int j = 0; j < N; ++j) {
+        if constexpr (kHalf) {
 #pragma unroll
-        for (int i = 0; i < 2 * V; ++i) at(j, i) = 0.0f;
+          for (int k = 0; k < V; ++k) cw[j][k] = 0u;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 2 * V; ++i) at(j, i) = 0.0f;
+        }
+      }
     }
   };
   // Pack j's 2V columns: gate's V then up's V (kStep 1: at q_g / q_u + V p), or V pairs
@@ -1065,7 +1128,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
           for (int i = 0; i < 2 * V; ++i) {
             const int64_t col = kStep == 2 ? 2 * V * static_cast<int64_t>(p) + i
                                            : (i < V ? a.q_g : a.q_u) + static_cast<int64_t>(V) * p + (i % V);
-            const float v = at(j, i);
+            const float v = value_at(j, i);
             if (v > 0.0f) atomicMax(dst + col, __float_as_uint(v));
           }
         }
@@ -1108,6 +1171,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     const T* bg = has_b ? a.bg + e * a.b_stride : nullptr;
     const T* bu = has_b ? a.bu + e * a.b_stride : nullptr;
     const float w = kW && live ? a.w[r * a.w_stride] : 1.0f;
+    T* dgr = a.dgu && live ? a.dgu + r * a.dgu_stride : nullptr;
     GuPack<T, V, kStep> in[N];
     Pack<T, V> d[N];
 #pragma unroll
@@ -1131,18 +1195,38 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
           float gv = gate_of(in[j], i), uv = up_of(in[j], i);
           if (bg) gv += gate_of(b, i), uv += up_of(b, i);
           float dg, du, term;
-          math::glu_bwd<A>(gv, uv, to_f(d[j].v[i]), w, a.c, dg, du, term);
+          math::glu_bwd<A>(gv, uv, pack_f(d[j], i), w, a.c, dg, du, term);
           // held in output order: kStep 2 pairs (dg, du), kStep 1 gate's V then up's V
           h[j][kStep == 2 ? 2 * i : i] = dg;
           h[j][kStep == 2 ? 2 * i + 1 : V + i] = du;
           if constexpr (kW) sum += term;
           m = fmaxf(m, fmaxf(fabsf(dg), fabsf(du)));
         }
-        if constexpr (kAmax) {
-          if (held >= 0) {
+        const bool take_amax = kAmax && held >= 0;
+        if constexpr (kHalf) {
+          // The gradient rounded to T, two values a word (values 2k and 2k + 1 of the pack:
+          // adjacent columns of gate's or up's part, or a pair, whichever the layout): stored
+          // as dgate_up_out now (it needs no scale) and maxed into the column amax.
+          if (dgr || take_amax) {
+            uint32_t wd[V];
 #pragma unroll
-            for (int i = 0; i < 2 * V; ++i) at(j, i) = fmaxf(at(j, i), fabsf(h[j][i]));
+            for (int k = 0; k < V; ++k) wd[k] = pack2_of<T>(h[j][2 * k], h[j][2 * k + 1]);
+            if (dgr) {
+              if constexpr (kStep == 2) {
+                store_words<V>(dgr + 2 * V * static_cast<int64_t>(p), wd);
+              } else {
+                store_words<V / 2>(dgr + a.q_g + V * static_cast<int64_t>(p), wd);
+                store_words<V / 2>(dgr + a.q_u + V * static_cast<int64_t>(p), wd + V / 2);
+              }
+            }
+            if (take_amax) {
+#pragma unroll
+              for (int k = 0; k < V; ++k) cw[j][k] = absmax2<T>(cw[j][k], wd[k]);
+            }
           }
+        } else if (take_amax) {
+#pragma unroll
+          for (int i = 0; i < 2 * V; ++i) at(j, i) = fmaxf(at(j, i), fabsf(h[j][i]));
         }
       }
     }
@@ -1151,7 +1235,6 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     if (!live) continue;
     const float s = fp8::scale_of(m);
     uint8_t* qr = a.q + r * a.q_stride;
-    T* dgr = a.dgu ? a.dgu + r * a.dgu_stride : nullptr;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int p = lane + G * j;
@@ -1161,7 +1244,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
 #pragma unroll
           for (int i = 0; i < 2 * V; ++i) x[i] = h[j][i] * s;
           store_q<2 * V>(qr, p, x, q_vec);
-          if (dgr) {
+          if (!kHalf && dgr) {  // (16-bit T: stored with the amax above)
             Pack<T, 2 * V> o;
 #pragma unroll
             for (int i = 0; i < 2 * V; ++i) o.v[i] = from_f<T>(h[j][i]);
@@ -1173,7 +1256,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
           for (int i = 0; i < V; ++i) xg[i] = h[j][i] * s, xu[i] = h[j][V + i] * s;
           store_q<V>(qr + a.q_g, p, xg, q_vec);
           store_q<V>(qr + a.q_u, p, xu, q_vec);
-          if (dgr) {
+          if (!kHalf && dgr) {
             Pack<T, V> og, ou;
 #pragma unroll
             for (int i = 0; i < V; ++i) og.v[i] = from_f<T>(h[j][i]), ou.v[i] = from_f<T>(h[j][V + i]);
@@ -1229,9 +1312,10 @@ __global__ void __launch_bounds__(kScalarThreads) glu_bwd_rows_kernel(const BwdR
     qr[cg] = fp8::quantize(dg, s);
     qr[cu] = fp8::quantize(du, s);
     if (dgr) dgr[cg] = from_f<T>(dg), dgr[cu] = from_f<T>(du);
-    if (am) {
-      if (fabsf(dg) > 0.0f) atomicMax(am + cg, __float_as_uint(fabsf(dg)));
-      if (fabsf(du) > 0.0f) atomicMax(am + cu, __float_as_uint(fabsf(du)));
+    if (am) {  // of the values as rounded to T (what dgr gets)
+      const float ag = fabsf(to_f(from_f<T>(dg))), au = fabsf(to_f(from_f<T>(du)));
+      if (ag > 0.0f) atomicMax(am + cg, __float_as_uint(ag));
+      if (au > 0.0f) atomicMax(am + cu, __float_as_uint(au));
     }
   }
   if (lane == 0) {

@@ -107,7 +107,7 @@ __device__ __forceinline__ void bwd_flat(const KernelArgs<T>& a, const math::Coe
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         float dwt;  // no weight gradient here: dead
-        math::glu_bwd<A>(gate_of(in[k], i), up_of(in[k], i), to_f(d[k].v[i]), w[k], c, dgv[i],
+        math::glu_bwd<A>(gate_of(in[k], i), up_of(in[k], i), pack_f(d[k], i), w[k], c, dgv[i],
                          duv[i], dwt);
       }
       store_gu<T, V, kStep>(a.dg + at[k].row * a.dg_stride, a.du + at[k].row * a.du_stride,

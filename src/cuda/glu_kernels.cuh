@@ -176,11 +176,11 @@ __device__ __forceinline__ void load_raw(const T* g, const T* u, int64_t p, GuPa
 
 template <typename T, int V, int kStep>
 __device__ __forceinline__ float gate_of(const GuPack<T, V, kStep>& r, int i) {
-  if constexpr (kStep == 1) return to_f(r.g.v[i]); else return to_f(r.gu.v[2 * i]);
+  if constexpr (kStep == 1) return pack_f(r.g, i); else return pack_f(r.gu, 2 * i);
 }
 template <typename T, int V, int kStep>
 __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
-  if constexpr (kStep == 1) return to_f(r.u.v[i]); else return to_f(r.gu.v[2 * i + 1]);
+  if constexpr (kStep == 1) return pack_f(r.u, i); else return pack_f(r.gu, 2 * i + 1);
 }
 
 // The per-call constants with limit = +inf and has_limit = false as
@@ -233,7 +233,7 @@ __device__ __forceinline__ void bwd_tile(const GuPack<T, V, kStep> (&in)[U],
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         float dwt;
-        math::glu_bwd<A>(gate_of(in[k], i), up_of(in[k], i), to_f(d[k].v[i]), w, c, dgv[i],
+        math::glu_bwd<A>(gate_of(in[k], i), up_of(in[k], i), pack_f(d[k], i), w, c, dgv[i],
                          duv[i], dwt);
         if constexpr (kDW) acc += dwt;
       }
