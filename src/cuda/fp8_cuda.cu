@@ -1390,12 +1390,14 @@ int rows_prefetch_steps() {
   return steps;
 }
 
-// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 2 steps, or EXPERTACT_FP8_BWD_PREFETCH=0..8
-// (a tuning knob, read once per process; 0: none). On an H200 in one step of the expert MLP
-// (layout halves) the kernel took 13.5 ms at 2 steps and 15.3 at 1; alone with the interleaved
-// layout 1 step was the faster (docs/perf-notes.md section 15).
+// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 1 step, or EXPERTACT_FP8_BWD_PREFETCH=0..8
+// (a tuning knob, read once per process; 0: none). On an H200, the MLP's instance (layout
+// halves, column amax, bf16 copy, in its fewer-instruction form) alone: 10.48 ms at 1 step,
+// 11.52 at 2, 12.91 at 3; in the expert MLP's profiled step 12.44 and 11.44 at 1 against 12.79
+// and 12.67 at 2 (docs/perf-notes.md section 18). Before that form, 2 steps were the faster in
+// the MLP (section 15).
 int bwd_prefetch_steps() {
-  static const int steps = digit_knob("EXPERTACT_FP8_BWD_PREFETCH", 8, 2);
+  static const int steps = digit_knob("EXPERTACT_FP8_BWD_PREFETCH", 8, 1);
   return steps;
 }
 
