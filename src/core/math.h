@@ -123,8 +123,11 @@ __device__ __forceinline__ float sigmoid_neg2_f(float t) {
   return r;
 }
 constexpr float kLog2e = 1.4426950408889634f;
-// min / max that return NaN when either operand is NaN (min.NaN, max.NaN: sm_80 and later):
-// torch.clamp's semantics in one instruction where the select takes a compare and a select.
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// min / max that return NaN when either operand is NaN (min.NaN, max.NaN: sm_80 and later;
+// earlier GPUs take the selects below): torch.clamp's semantics in one instruction where the
+// select takes a compare and a select.
 __device__ __forceinline__ float min_nan(float a, float b) {
   float r;
   asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -140,7 +143,7 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 // min(g, L) with NaN kept (torch.clamp(max=L) semantics).
 template <typename S>
 EA_HD S clamp_hi(S g, S L) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same_v<S, float>) return min_nan(g, L);
 #endif
   return g > L ? L : g;
@@ -150,7 +153,7 @@ EA_HD S clamp_hi(S g, S L) {
 // compiled to eight.
 template <typename S>
 EA_HD S clamp_sym(S u, S L) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (std::is_same_v<S, float>) return min_nan(max_nan(u, -L), L);
 #endif
   S t = u < -L ? -L : u;
