@@ -1001,10 +1001,13 @@ bool q_packs(const void* q, int64_t q_stride, int64_t rows, int V) {
 // too). All of a lane's loads are issued, then its float32 gradients (dg, du: 2V values a
 // pack) computed once and held in registers while the row's amax (NaN ignored) and the
 // weights' gradient sum are reduced across its lanes (shuffles, then shared memory); then
-// quantised from there (from_scaled2) and written as 2V bytes a pack. Blocks take contiguous
-// runs of rows; with the column amax, each lane keeps its columns' running max per expert
-// (in shared memory, each thread its own words) and merges them into col_amax (zeroed first) by atomicMax on the float
-// bits when its expert changes and at the end, as quantize_rows_amax_kernel does.
+// quantised from there (from_scaled4) and written as 2V bytes a pack. The copy in T
+// (dgate_up_out) is written before the row's reduction, from the same rounded words that the
+// column amax takes. Blocks take contiguous runs of rows; with the column amax, each lane
+// keeps its columns' running max per expert (16-bit T: in registers, two values a word;
+// float32: in shared memory, each thread its own words) and merges them into col_amax (zeroed
+// first) by atomicMax on the float bits when its expert changes and at the end, as
+// quantize_rows_amax_kernel does.
 // Rows longer than a lane holds (over 32 values at 256 lanes: F > 4,096) and operands that allow no 16-byte pack take the scalar form: a warp per row,
 // the gradient computed twice (amax and sums, then the bytes), the column amax by one
 // atomicMax per positive element.
