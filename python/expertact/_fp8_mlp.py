@@ -16,10 +16,11 @@ dequantisation scales):
 Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored);
 docs/spec.md section 10 says which operands are torchao's bit for bit and which are quantised
 from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16
-(torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up, in one
-pass with h's column amax taken by the forward's activation (fp8.glu_colwise_grouped), or (with
-b13, or EXPERTACT_FP8_DW2=recompute) from h recomputed in bf16 and a column-wise pass, so the
-node keeps what ``recompute=True`` keeps.
+(torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up with h's
+column amax taken by the forward's activation, inside the fused activation backward's pass
+(fp8.glu_backward_rowwise_colwise; EXPERTACT_FP8_DW2=apart: by its own pass first,
+fp8.glu_colwise_grouped), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h recomputed in
+bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
 """
 from __future__ import annotations
 
