@@ -33,6 +33,19 @@ EA_HD uint32_t as_bits(float f) {
 #endif
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+#if defined(__CUDA_ARCH__)
+// 2^t with the flush-to-zero form of ex2: one MUFU instruction, where the
+// IEEE-denormal form adds range fix-ups around it. Only results below 2^-126
+// differ (they become 0), which no sigmoid or tanh here can see.
+__device__ __forceinline__ float exp2_f(float t) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(t));
+  return y;
+}
+#endif
+
 // e^x. On the device: ex2.approx (as __expf: relative error ~2 ulp + |x| * 2^-24,
 // which only touches results whose magnitude is far below the tolerances). On the host a branch-free
 // version the compiler vectorizes (glibc's expf is a scalar call): x = n ln2 + r,
@@ -43,12 +56,7 @@ EA_HD uint32_t as_bits(float f) {
 // 1 + e^x, the only use here, is exactly 1) it is 0. NaN in, NaN out.
 EA_HD float exp_f(float x) {
 #if defined(__CUDA_ARCH__)
-  // 2^(x log2 e) with the flush-to-zero form of ex2: one MUFU instruction,
-  // where the IEEE-denormal form adds range fix-ups around it. Only results
-  // below 2^-126 differ (they become 0), which no sigmoid or tanh here can see.
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
+  return exp2_f(x * kLog2e);
 #else
   // Two one-sided selects (each a single min/max on x86; NaN fails both
   // comparisons and passes through). kHi: e^89 > FLT_MAX. kLo: n = -126 there.
@@ -78,23 +86,24 @@ EA_HD float exp_f(float x) {
 #endif
 }
 
-// a / b. On the device the fast division (div.approx, as __fdividef:
-// reciprocal + multiply, ~2 ulp); it returns 0 for |b| > 2^126, which is what sigmoid and tanh want there (the
-// exact quotient is below 1e-37). On the host an IEEE division.
-EA_HD float div_f(float a, float b) {
+// 1 / b. On the device rcp.approx.ftz: one MUFU instruction (div.approx.ftz's 1 / b is the
+// same reciprocal followed by a flush of its result, the same values); it returns 0 for
+// |b| > 2^126, which is what sigmoid and tanh want there (the exact value is below 1e-37). On
+// the host an IEEE division.
+EA_HD float recip_f(float b) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("div.approx.ftz.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
   return y;
 #else
-  return a / b;
+  return 1.0f / b;
 #endif
 }
 
 // float64 (the CPU gradient-checking path only): the C library's exp and an
 // IEEE division; nothing in float64 runs on the device.
 EA_HD double exp_f(double x) { return ::exp(x); }
-EA_HD double div_f(double a, double b) { return a / b; }
+EA_HD double recip_f(double b) { return 1.0 / b; }
 
 // Everything below is written once for the compute type S: float for every
 // storage dtype of the kernels, double for the float64 path.
@@ -102,28 +111,10 @@ EA_HD double div_f(double a, double b) { return a / b; }
 // negated, (-alpha) * x with the negation on the constant (the same float as
 // -(alpha * x)), which saves a negation per element in the CPU loops.
 template <typename S>
-EA_HD S sigmoid_neg_f(S m) { return div_f(S(1), S(1) + exp_f(m)); }
+EA_HD S sigmoid_neg_f(S m) { return recip_f(S(1) + exp_f(m)); }
 template <typename S>
 EA_HD S sigmoid_f(S x) { return sigmoid_neg_f(-x); }
 
-#if defined(__CUDA_ARCH__)
-// The device's forms, in float (the kernels compute in float only). The GPU kernels of the FP8
-// paths are bound by their instructions (docs/perf-notes.md section 18): each of these is one
-// instruction where the portable form takes two or more.
-//
-// 1 / (1 + 2^t): ex2 and rcp (the flush-to-zero forms, as exp_f and div_f on the device; the
-// reciprocal of 1 + 2^t >= 1 is never subnormal, and where div_f's 1 / b adds a flush of its
-// result, rcp.approx.ftz is one MUFU instruction). The callers pass t = x (k log2 e) with the
-// product k log2 e of per-call or literal constants, which the compiler takes out of the loops:
-// one multiply per element, where sigmoid_neg_f(k x) takes two (k x, then x log2 e in exp_f).
-__device__ __forceinline__ float sigmoid_neg2_f(float t) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(t));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
-  return r;
-}
-constexpr float kLog2e = 1.4426950408889634f;
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 // min / max that return NaN when either operand is NaN (min.NaN, max.NaN: sm_80 and later;
 // earlier GPUs take the selects below): torch.clamp's semantics in one instruction where the
@@ -168,11 +159,14 @@ template <>
 struct Act<Activation::kSilu> {
   // silu_alpha(x) = x * sigmoid(alpha x); derivative s (1 + alpha x (1 - s)).
   // The derivative as s + (alpha a) (1 - s) with a = x s: one multiply fewer than the
-  // factored form.
+  // factored form. On the device the sigmoid's argument is x (-alpha log2 e), the constant
+  // taken out of the loops: one multiply an element where (-alpha) x, then exp_f's x log2 e,
+  // take two (the GPU kernels of the FP8 paths are bound by their instructions,
+  // docs/perf-notes.md section 18).
   template <typename S>
   EA_HD static S sig(S x, S alpha) {
 #if defined(__CUDA_ARCH__)
-    if constexpr (std::is_same_v<S, float>) return sigmoid_neg2_f(x * ((-alpha) * kLog2e));
+    if constexpr (std::is_same_v<S, float>) return recip_f(1.0f + exp2_f(x * ((-alpha) * kLog2e)));
 #endif
     return sigmoid_neg_f((-alpha) * x);
   }
@@ -206,15 +200,12 @@ struct Act<Activation::kGeluTanh> {
   // 1 - tanh(y)^2 = 4 s (1 - s), so gelu' = s (1 + x (1 - s) 2 k0 (1 + 3 k1 x^2)).
   // 2y = x (c1 + c3 x^2) with c1 = 2 k0, c3 = 2 k0 k1; -2y = x ((-c1) + (-c3) x^2)
   // exactly, which sigmoid_neg_f takes.
-  // sig(x, x2): s. On the device without the div_f's flush (sigmoid_neg2_f), the same
-  // values; log2 e is not folded into c1 and c3 here: that rounds the argument differently,
-  // by up to 1.06x the CUDA-against-CPU tolerance of the float32 gradient at |2y| near 20.
+  // sig(x, x2): s. log2 e is not folded into c1 and c3 on the device, as silu's is into its
+  // constant: that rounds the argument differently, by up to 1.06x the CUDA-against-CPU
+  // tolerance of the float32 gradient at |2y| near 20.
   template <typename S>
   EA_HD static S sig(S x, S x2) {
     const S c1 = S(2) * GeluK<S>::k0, c3 = S(2) * GeluK<S>::k0 * GeluK<S>::k1;
-#if defined(__CUDA_ARCH__)
-    if constexpr (std::is_same_v<S, float>) return sigmoid_neg2_f((x * ((-c1) + (-c3) * x2)) * kLog2e);
-#endif
     return sigmoid_neg_f(x * ((-c1) + (-c3) * x2));
   }
   template <typename S>
