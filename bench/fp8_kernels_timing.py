@@ -90,19 +90,20 @@ if "bwd" in want:
                                             col_amax=True, dgate_up_out=keep)})
 if "bwdh" in want:
     # The MLP's backward with dw2's operand of h: one call (glu_backward_rowwise_colwise) against
-    # the column-wise pass over gate_up and the fused backward one after the other.
+    # the column-wise pass over gate_up and the fused backward one after the other (pad 32, as
+    # the MLP pads: the one kernel needs it).
     keep2 = torch.empty_like(gu)
     hh2 = xf.glu_rowwise(gu, "swiglu_oai", layout="halves", col_amax_offsets=offs, ends=ends)[2]
 
     def apart():
-        hc = xf.glu_colwise_grouped(gu, "swiglu_oai", offs, layout="halves", pad_to=16, ends=ends, amax=hh2)
+        hc = xf.glu_colwise_grouped(gu, "swiglu_oai", offs, layout="halves", pad_to=32, ends=ends, amax=hh2)
         return hc, xf.glu_backward_rowwise(dy, gu, "swiglu_oai", layout="halves", offsets=offs, ends=ends,
                                            col_amax=True, dgate_up_out=keep2)
 
     cases.update({
         "the MLP's backward + h's operand, apart (glu_colwise_grouped, then glu_backward_rowwise)": apart,
         "the MLP's backward + h's operand, one call (glu_backward_rowwise_colwise)":
-            lambda: xf.glu_backward_rowwise_colwise(dy, gu, "swiglu_oai", offs, h_amax=hh2, pad_to=16,
+            lambda: xf.glu_backward_rowwise_colwise(dy, gu, "swiglu_oai", offs, h_amax=hh2, pad_to=32,
                                                     layout="halves", ends=ends, col_amax=True, dgate_up_out=keep2)})
 for n, f in cases.items():
     print(f"{n}: {median_ms(f, 10, 2, 'cuda'):.3f} ms", flush=True)

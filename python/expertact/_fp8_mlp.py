@@ -35,6 +35,10 @@ from ._grouped import held_transposed, zero_empty_groups
 Tensor = torch.Tensor
 
 ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and N multiples of it
+# Each expert's rows in the weight-gradient GEMMs' operands start at a multiple of ROW_PAD (a
+# multiple of ALIGN): 32, the padding at which the fused backward writes dw2's operand of h in
+# its own pass (glu_backward_rowwise_colwise); at most 31 zero rows an expert.
+ROW_PAD = 32
 
 
 class Fp8Plan(NamedTuple):
@@ -85,9 +89,9 @@ def _zero_tail(t: Tensor, end: int) -> Tensor:
 
 def _cols(t: Tensor, offs: Tensor, ends, amax=None):
     """t's column-wise operand of a weight-gradient GEMM: (e4m3 [Tp, C] column-major, scale
-    [E, C]), each expert's rows padded to ALIGN. amax: the per expert and column amax when a
+    [E, C]), each expert's rows padded to ROW_PAD. amax: the per expert and column amax when a
     rowwise pass has already taken it (quantize_rowwise(col_amax_offsets=)): t is read once."""
-    return fp8.quantize_colwise_grouped(t, offs, pad_to=ALIGN, ends=ends, amax=amax)
+    return fp8.quantize_colwise_grouped(t, offs, pad_to=ROW_PAD, ends=ends, amax=amax)
 
 
 def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
@@ -127,7 +131,7 @@ def h_cols(gate_up, weights, offs, ends, fplan, hamax):
     column amax the forward took (fp8.glu_colwise_grouped: the bytes of h recomputed in bf16
     and quantised column-wise, without writing h)."""
     return fp8.glu_colwise_grouped(gate_up, fplan.activation, offs, alpha=fplan.alpha, limit=fplan.limit,
-                                   layout=fplan.layout, weights=weights, pad_to=ALIGN, ends=ends, amax=hamax)
+                                   layout=fplan.layout, weights=weights, pad_to=ROW_PAD, ends=ends, amax=hamax)
 
 
 def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False, h_amax=False):
@@ -164,7 +168,7 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
     out = gate_up if keep_bf16 else None
     if h_amax is not None:  # and dw2's operand of h (h_cols' form) from the same pass; no b13 here
         dgq, sdg, dweights, amax, hq, hs = fp8.glu_backward_rowwise_colwise(
-            dh, gate_up, fplan.activation, offs, h_amax=h_amax, pad_to=ALIGN, alpha=fplan.alpha, limit=fplan.limit,
+            dh, gate_up, fplan.activation, offs, h_amax=h_amax, pad_to=ROW_PAD, alpha=fplan.alpha, limit=fplan.limit,
             layout=fplan.layout, weights=weights, weights_grad=weights_grad, ends=ends, col_amax=col_amax,
             dgate_up_out=out)
         return dgq, sdg, dweights, amax, out, (hq, hs)
@@ -195,7 +199,7 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
     if b2 is not None:
         db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
-    poffs = fp8.padded_offsets(offs, ALIGN) if fplan.wgrad and (need_w2 or need_w13) else None
+    poffs = fp8.padded_offsets(offs, ROW_PAD) if fplan.wgrad and (need_w2 or need_w13) else None
     need_dh = need_x or need_w13 or need_w or need_b13
     dyq = sdy = dyamax = None
     if need_dh:  # dy's rowwise operand, and in the same read its column amax for dw2's operand

@@ -469,8 +469,9 @@ def glu_backward_rowwise_colwise(dh: torch.Tensor, gate_up: torch.Tensor, activa
     offsets, pad_to=pad_to, amax=h_amax)`` of the same gate_up in one call, with those
     functions' bytes. h's operand is computed before ``dgate_up_out`` (which may be gate_up)
     is written. On a GPU both come from one kernel where it applies (bf16 or fp16 gate_up in
-    16-byte packs, 2F a multiple of 32 and F at most 4,096, ``pad_to`` a multiple of 16,
-    ``col_amax=True``); otherwise the column-wise pass runs first."""
+    16-byte packs, 2F a multiple of 32, ``pad_to`` a multiple of 32, ``col_amax=True``, and two
+    blocks of 36 F bytes of shared memory fitting on an SM: F up to 3,136 on an H100 or H200);
+    otherwise the column-wise pass runs first."""
     where = "expertact.fp8.glu_backward_rowwise_colwise"
     tensor_arg("dh", dh)
     tensor_arg("gate_up", gate_up)

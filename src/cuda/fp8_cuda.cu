@@ -1040,8 +1040,8 @@ struct BwdRowArgs {
   T* dgu;  // null: not wanted
   int64_t dgu_stride;
   // kH (h's column-wise operand from the same pass, glu_colwise_grouped's bytes): the padded
-  // offsets (E, multiples of 16), h's dequantisation scales [E, F], q_t [F, h_tiles * 16];
-  // blocks below h_tile_blocks take h_tiles_per_block 16-row tiles of the padded order each,
+  // offsets (E, multiples of kHRows), h's dequantisation scales [E, F], q_t [F, h_tiles kHRows];
+  // blocks below h_tile_blocks take h_tiles_per_block tiles of the padded order each,
   // the others share the rows past the last offset (no column-wise output there).
   const int32_t* pends;
   const float* h_scale;
@@ -1087,18 +1087,23 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // H200 the kernel is bound by its instructions, section 17 of docs/perf-notes.md).
 //
 // kH: also h's column-wise operand (dw2's), as glu_colwise_grouped writes it from the same
-// gate_up: the blocks below a.h_tile_blocks walk the padded output rows in 16-row tiles (the
-// experts start at multiples of 16 there, so a tile is one expert's: up to 16 source rows, the
+// gate_up: the blocks below a.h_tile_blocks walk the padded output rows in kHRows-row tiles (the
+// experts start at multiples of kHRows there, so a tile is one expert's: up to kHRows source rows, the
 // rest padding, bytes 0x00). Each row's h (the forward's value, rounded to T) times its
-// column's multiplier goes into a row-major shared tile [16][F] (dynamic shared memory, then
-// the expert's F multipliers); at the tile's end each thread reads 4 columns of the 16 rows,
-// transposes them by byte permutes and stores 16 bytes a column into q_t. 16-bit T, no bias.
+// column's multiplier goes into a row-major shared tile [kHRows][F] (dynamic shared memory,
+// then the expert's F multipliers); at the tile's end each thread reads 4 columns of the tile's
+// rows, transposes them 16 rows at a time by byte permutes and stores 32 bytes a column into q_t:
+// whole 32-byte sectors (16-row tiles left half sectors in L2 between one tile and the next, and
+// the kernel took 23.4 ms on an H200 against 16.4 for the two passes; docs/perf-notes.md
+// section 18). 16-bit T, no bias.
+constexpr int kHRows = 32;  // kH: rows a tile (the padded offsets' multiple)
+
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW, bool kH = false>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
   static_assert(!kH || (sizeof(T) == 2 && !kBias && V % 4 == 0), "h's column-wise operand: 16-bit T, no bias");
-  extern __shared__ __align__(16) unsigned char h_smem[];  // kH: tile [16][F] bytes, then F multipliers
+  extern __shared__ __align__(16) unsigned char h_smem[];  // kH: tile [kHRows][F] bytes, then F multipliers
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, of the gradient as rounded to T (the values
   // dgate_up_out gets, which the column-wise pass quantises). 16-bit T: in registers, two
@@ -1112,9 +1117,9 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   uint32_t cw[N][kHalf ? V : 1] = {};
   const int R = kBwdThreads / G, lane = threadIdx.x & (G - 1);
   // Row mode: steps [s0, s1) of R rows from row0. Tile mode (kH, blocks below h_tile_blocks):
-  // steps [s0, s1) of the tiles' steps, 16 / R a tile.
+  // steps [s0, s1) of the tiles' steps, kHRows / R a tile.
   const bool tiles = kH && static_cast<int64_t>(blockIdx.x) < a.h_tile_blocks;
-  const int spt = 16 / R;
+  const int spt = kHRows / R;
   int64_t s0, s1, row0 = 0;
   if (tiles) {
     s0 = static_cast<int64_t>(blockIdx.x) * a.h_tiles_per_block * spt;
@@ -1135,7 +1140,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   // kH: the tile's expert (te; -1 before the first), its first source row and source rows.
   int64_t te = -1, tsrc = 0, tn = 0, tq = -1;
   uint8_t* const htile = h_smem;
-  float* const hmul = reinterpret_cast<float*>(h_smem + (kH ? 16 * a.F : 0));
+  float* const hmul = reinterpret_cast<float*>(h_smem + (kH ? kHRows * a.F : 0));
   auto at = [&](int j, int i) -> float& { return cm[(j * 2 * V + i) * kBwdThreads + threadIdx.x]; };
   // Value i of pack j, as held (0 where nothing was seen).
   auto value_at = [&](int j, int i) -> float {
@@ -1187,14 +1192,14 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
       if (tiles) {
         const int k = static_cast<int>(st % spt);
         if (k == 0) {  // the tile's expert and rows (the same in every thread)
-          const int64_t P = st / spt * 16;
+          const int64_t P = st / spt * kHRows;
           if (te < 0) te = detail::expert_of(a.pends, a.E, P);
           while (te < a.E && a.pends[te] <= P) ++te;
           const int64_t pstart = te == 0 ? 0 : a.pends[te - 1], start = te == 0 ? 0 : a.offs[te - 1];
           tsrc = start + (P - pstart);
           const int64_t nv = te < a.E ? a.offs[te] - tsrc : 0;
           const int64_t nr = a.rows - tsrc < nv ? a.rows - tsrc : nv;
-          tn = nr < 0 ? 0 : nr > 16 ? 16 : nr;
+          tn = nr < 0 ? 0 : nr > kHRows ? kHRows : nr;
           if (te != tq) {  // the expert's multipliers, 1 / scale as the column-wise pass takes them
             tq = te;
             for (int64_t c = threadIdx.x; c < a.F; c += kBwdThreads)
@@ -1362,27 +1367,33 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     if constexpr (kH) {
       if (tiles && st % spt == spt - 1) {  // the tile's end: its bytes, transposed, into q_t
         __syncthreads();
-        const int64_t P = st / spt * 16;
+        const int64_t P = st / spt * kHRows;
         const int64_t words = a.F / 4;
         const uint32_t* tw = reinterpret_cast<const uint32_t*>(htile);
         for (int64_t g4 = threadIdx.x; g4 < words; g4 += kBwdThreads) {
-          uint32_t col[4][4];  // col[j][b]: rows 4b .. 4b + 3 of column 4 g4 + j
+#pragma unroll 1
+          for (int half = 0; half < kHRows / 16; ++half) {  // rows 16 half .. 16 half + 15
+            uint32_t col[4][4];  // col[j][b]: rows 16 half + 4b .. + 3 of column 4 g4 + j
 #pragma unroll
-          for (int b4 = 0; b4 < 4; ++b4) {
-            uint32_t w4[4];
+            for (int b4 = 0; b4 < 4; ++b4) {
+              uint32_t w4[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) w4[k] = 4 * b4 + k < tn ? tw[(4 * b4 + k) * words + g4] : 0u;
-            const uint32_t x01 = __byte_perm(w4[0], w4[1], 0x5140), x23 = __byte_perm(w4[2], w4[3], 0x5140);
-            const uint32_t y01 = __byte_perm(w4[0], w4[1], 0x7362), y23 = __byte_perm(w4[2], w4[3], 0x7362);
-            col[0][b4] = __byte_perm(x01, x23, 0x5410);
-            col[1][b4] = __byte_perm(x01, x23, 0x7632);
-            col[2][b4] = __byte_perm(y01, y23, 0x5410);
-            col[3][b4] = __byte_perm(y01, y23, 0x7632);
+              for (int k = 0; k < 4; ++k) {
+                const int rr = 16 * half + 4 * b4 + k;
+                w4[k] = rr < tn ? tw[rr * words + g4] : 0u;
+              }
+              const uint32_t x01 = __byte_perm(w4[0], w4[1], 0x5140), x23 = __byte_perm(w4[2], w4[3], 0x5140);
+              const uint32_t y01 = __byte_perm(w4[0], w4[1], 0x7362), y23 = __byte_perm(w4[2], w4[3], 0x7362);
+              col[0][b4] = __byte_perm(x01, x23, 0x5410);
+              col[1][b4] = __byte_perm(x01, x23, 0x7632);
+              col[2][b4] = __byte_perm(y01, y23, 0x5410);
+              col[3][b4] = __byte_perm(y01, y23, 0x7632);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              *reinterpret_cast<uint4*>(a.h_q + (4 * g4 + j) * a.h_q_stride + P + 16 * half) =
+                  make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
           }
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            *reinterpret_cast<uint4*>(a.h_q + (4 * g4 + j) * a.h_q_stride + P) =
-                make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
         }
         __syncthreads();
       }
@@ -1857,7 +1868,7 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
   const Fp8Cols* hc = o.h_cols;
   auto h_apart = [&]() -> Status { return hc ? cuda_fp8_glu_colwise_grouped(p, bias, *hc, stream) : Status::kOk; };
   const bool h_inside = hc && !bias && hc->amax && hc->padded && hc->offsets == o.offsets && o.col_amax &&
-                        o.h_pad > 0 && o.h_pad % 16 == 0 && hc->out_rows % 16 == 0 && hc->cols == p.F &&
+                        o.h_pad > 0 && o.h_pad % cuda::kHRows == 0 && hc->out_rows % cuda::kHRows == 0 && hc->cols == p.F &&
                         p.F % 16 == 0 && reinterpret_cast<uintptr_t>(hc->q_t) % 16 == 0 && hc->q_stride % 16 == 0;
   if (o.col_amax && o.experts > 0) {
     EA_TRY(cuda::cuda_check(cudaMemset2DAsync(o.col_amax, static_cast<size_t>(o.col_amax_stride) * sizeof(float), 0,
@@ -1942,26 +1953,43 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
             constexpr bool kBias = decltype(bias_tag)::value;
             return detail::dispatch_bool(a.w != nullptr, [&](auto w_tag) -> Status {
               if constexpr (es == 2 && kAmax && !kBias && kV % 4 == 0) {
+                // Inside where two blocks of it fit on an SM (the tile [kHRows][F] bytes, then F
+                // multipliers: F = 3,072 takes 110,592 bytes a block, all the shared memory an
+                // SM has), else h's own pass first (one block an SM would halve the rows in
+                // flight).
+                auto kernel_h =
+                    cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, decltype(w_tag)::value, true>;
+                const int smem = static_cast<int>((cuda::kHRows + 4) * p.F);
+                int per_sm = 0;
                 if (h_inside) {
-                  auto kernel_h =
-                      cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, decltype(w_tag)::value, true>;
-                  EA_TRY(col_scales_from_amax(*hc, st));
-                  const int smem = static_cast<int>(20 * p.F);  // the tile [16][F] bytes, F multipliers
-                  if (smem > 48 * 1024)
-                    EA_TRY(cuda::cuda_check(
-                        cudaFuncSetAttribute(kernel_h, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "fp8 backward shared memory"));
-                  int per_sm = 0;
+                  int optin = 0;
                   EA_TRY(cuda::cuda_check(
-                      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_h, cuda::kBwdThreads, smem),
-                      "fp8 backward occupancy"));
+                      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id),
+                      "fp8 backward shared memory limit"));
+                  if (smem <= optin) {
+                    if (smem > 48 * 1024) {
+                      EA_TRY(cuda::cuda_check(
+                          cudaFuncSetAttribute(kernel_h, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                          "fp8 backward shared memory"));
+                      EA_TRY(cuda::cuda_check(cudaFuncSetAttribute(kernel_h,
+                                                                   cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                                   cudaSharedmemCarveoutMaxShared),
+                                              "fp8 backward shared memory carveout"));
+                    }
+                    EA_TRY(cuda::cuda_check(
+                        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_h, cuda::kBwdThreads, smem),
+                        "fp8 backward occupancy"));
+                  }
+                }
+                if (per_sm >= 2) {
+                  EA_TRY(col_scales_from_amax(*hc, st));
                   const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
                   a.pends = hc->padded;
                   a.h_scale = hc->scale;
                   a.h_scale_stride = hc->scale_stride;
                   a.h_q = static_cast<uint8_t*>(hc->q_t);
                   a.h_q_stride = hc->q_stride;
-                  a.h_tiles = hc->out_rows / 16;
+                  a.h_tiles = hc->out_rows / cuda::kHRows;
                   a.h_tiles_per_block = std::max<int64_t>(1, (a.h_tiles + want - 1) / want);
                   a.h_tile_blocks = (a.h_tiles + a.h_tiles_per_block - 1) / a.h_tiles_per_block;
                   // The blocks after the tiles' share the rows past the last offset (none in

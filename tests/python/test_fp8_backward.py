@@ -366,13 +366,15 @@ def _h_case(T, F, dtype, ends, device, seed=5):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("F,pad", [(64, 16), (48, 16), (40, 16), (64, 1), (64, 32), (1024, 16)])
+@pytest.mark.parametrize("F,pad", [(64, 16), (48, 32), (40, 32), (64, 1), (64, 32), (64, 64), (1024, 32),
+                                   (1024, 16), (3072, 32)])
 @pytest.mark.parametrize("weights", [False, True])
 def test_backward_with_h_colwise(device, layout, dtype, F, pad, weights):
     """glu_backward_rowwise_colwise = glu_backward_rowwise and glu_colwise_grouped of the same
     gate_up, bit for bit, dgate_up_out over gate_up included (h's operand is taken first). On a
-    GPU the bf16 and fp16 cases with F a multiple of 16 and pad a multiple of 16 take the one
-    kernel; the others the two passes. Ragged experts, an empty one, rows past the last offset."""
+    GPU the bf16 and fp16 cases with F a multiple of 16 and pad a multiple of 32 take the one
+    kernel (F = 3,072: the expert MLP's, two blocks of 110,592 bytes of shared memory an SM);
+    the others the two passes. Ragged experts, an empty one, rows past the last offset."""
     ends = [5, 5, 40, 77, 131]
     T = 140
     z, dh, w, offs = _h_case(T, F, dtype, ends, device)
