@@ -17,10 +17,10 @@ Scales are torchao's recipe (powers of two from the row's or column's amax, NaN 
 docs/spec.md section 10 says which operands are torchao's bit for bit and which are quantised
 from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16
 (torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up with h's
-column amax taken by the forward's activation, inside the fused activation backward's pass
-(fp8.glu_backward_rowwise_colwise; EXPERTACT_FP8_DW2=apart: by its own pass first,
-fp8.glu_colwise_grouped), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h recomputed in
-bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
+column amax taken by the forward's activation, by its own pass over gate_up before dh's GEMM
+(fp8.glu_colwise_grouped; EXPERTACT_FP8_DW2=inside: inside the fused activation backward's
+pass, fp8.glu_backward_rowwise_colwise), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h
+recomputed in bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
 """
 from __future__ import annotations
 
@@ -108,9 +108,11 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
 # EXPERTACT_FP8_DW2=recompute: from h recomputed in bf16, its amax and the column-wise pass (a
 # tuning knob, read at import; docs/perf-notes.md section 16 compares the two).
 DW2_FROM_GATE_UP = os.environ.get("EXPERTACT_FP8_DW2", "") != "recompute"
-# ... and by default inside the fused backward's pass (glu_backward_rowwise_colwise);
-# EXPERTACT_FP8_DW2=apart keeps its own pass over gate_up before dh's GEMM.
-H_INSIDE = DW2_FROM_GATE_UP and os.environ.get("EXPERTACT_FP8_DW2", "") != "apart"
+# ... by its own pass over gate_up before dh's GEMM; EXPERTACT_FP8_DW2=inside: inside the fused
+# backward's pass (glu_backward_rowwise_colwise), which reads gate_up once fewer but on an H200
+# took as long a step (201.9 and 204.9 ms against 205.2 and 200.8, alternating) with 2.85 GiB
+# more peak (docs/perf-notes.md section 18).
+H_INSIDE = DW2_FROM_GATE_UP and os.environ.get("EXPERTACT_FP8_DW2", "") == "inside"
 
 
 def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):
@@ -207,9 +209,9 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
             dyq, sdy, dyamax = fp8.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)
         else:
             dyq, sdy = fp8.quantize_rowwise(dy)
-    # dw2's operand of h from the fused FP8 backward's own pass (EXPERTACT_FP8_DW2=apart: by its
-    # own pass over gate_up first, as before): dw2 then follows that pass, dy's column-wise
-    # operand made after it (not alive at its peak).
+    # dw2's operand of h from the fused FP8 backward's own pass (EXPERTACT_FP8_DW2=inside; else
+    # by its own pass over gate_up first): dw2 then follows that pass, dy's column-wise operand
+    # made after it (not alive at its peak).
     h_inside = (H_INSIDE and fplan.wgrad and need_w2 and h_cols_of is not None and glu_fp8 is not None and need_x
                 and need_dh)
     if need_w2 and not h_inside:  # first, so that h is freed before dh exists

@@ -275,8 +275,8 @@ def test_cuda_fp8_matches_emulation(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["plain", "inplace", "recompute"])
 def test_emulated_fp8_dw2_operand_inside_the_fused_backward(emulated, monkeypatch, mode):
-    """dw2's operand of h made inside the fused backward's pass (the default) gives the
-    gradients of the separate pass over gate_up (EXPERTACT_FP8_DW2=apart) bit for bit: the same
+    """dw2's operand of h made inside the fused backward's pass (EXPERTACT_FP8_DW2=inside)
+    gives the gradients of the separate pass over gate_up (the default) bit for bit: the same
     bytes of h's column-wise operand, the same GEMMs."""
     from expertact import _fp8_mlp, fp8
     t64, low, dy, offsets = _problem()
