@@ -647,6 +647,37 @@ expertact_status expertact_fp8_glu_backward_rowwise_2d(
                                          grad_gate_up ? &mg : nullptr, stream);
   });
 }
+expertact_status expertact_fp8_glu_backward_rowwise_colwise_2d(
+    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
+    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_vector* offsets,
+    const expertact_vector* padded_offsets, int64_t h_pad, expertact_matrix* q, expertact_vector* scale,
+    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
+    expertact_matrix* h_q_t, expertact_matrix* h_scale, const expertact_matrix* h_amax, void* stream) {
+  return guarded_c("expertact_fp8_glu_backward_rowwise_colwise_2d", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, gate_up, nullptr, weights, o));
+    MatrixRef mq, ma, mg, mhq, mhs, mha;
+    OffsetsRef offs, pads;
+    VectorRef vs, vgw;
+    EA_TRY(to_matrix("grad_out", grad_out, o.grad_out));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_vector("scale", scale, vs));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
+    if (grad_gate_up) EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mg));
+    EA_TRY(to_matrix("h_q_t", h_q_t, mhq));
+    EA_TRY(to_matrix("h_scale", h_scale, mhs));
+    EA_TRY(to_matrix("h_amax", h_amax, mha));
+    return fp8_glu_backward_rowwise_colwise_body(p, static_cast<Layout>(layout), o.grad_out, o.x,
+                                                 weights ? &o.w : nullptr, offs, pads, h_pad, mq, vs,
+                                                 grad_weights ? &vgw : nullptr, col_amax ? &ma : nullptr,
+                                                 grad_gate_up ? &mg : nullptr, mhq, mhs, mha, stream);
+  });
+}
 
 const char* expertact_last_error(void) { return expertact::last_error(); }
 int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }

@@ -422,13 +422,15 @@ class _Fp8ExpertMLP(torch.autograd.Function):
             held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
             return out
 
-        def glu_fp8(dh, col_amax, keep_bf16):
+        def glu_fp8(dh, col_amax, keep_bf16, h_cols=False):
             # The fused FP8 activation backward (in place over gate_up), where b13 needs no
-            # gradient (the biased bf16 backward computes it).
+            # gradient (the biased bf16 backward computes it); h_cols: dw2's operand of h from
+            # the same pass (from the column amax the forward took).
             if b13 is not None and n[7]:
                 return None
             out = _fp8_mlp.glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs,
-                                        plan.ends, ctx.fplan, col_amax, keep_bf16)
+                                        plan.ends, ctx.fplan, col_amax, keep_bf16,
+                                        h_amax=ctx.hamax if h_cols else None)
             held.clear()
             return out
 

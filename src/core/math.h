@@ -237,11 +237,12 @@ EA_HD S glu_fwd(S g, S u, S w, const Coeffs& c) {
 }
 
 // The gradients of one element: dg, du, and this element's term of grad_w
-// (dy * a * (uc + beta), summed over the row in float32 by the caller).
+// (dy * a * (uc + beta), summed over the row in float32 by the caller); and h, the forward's
+// value act(gc) (uc + beta) w, bit for bit glu_fwd's.
 // Masks are inclusive (g == L passes, as torch.clamp's backward) and false at
 // NaN when clamped; unclamped (limit = inf) nothing is masked.
 template <Activation A, typename S>
-EA_HD void glu_bwd(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_term) {
+EA_HD void glu_bwd_h(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_term, S& h) {
   const S L = S(c.limit);
   S gc = clamp_hi(g, L);
   S uc = clamp_sym(u, L);
@@ -256,6 +257,14 @@ EA_HD void glu_bwd(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_ter
   dg = gpass ? dgv : S(0);
   du = upass ? duv : S(0);
   dw_term = dy * a * v;
+  h = a * v * w;  // glu_fwd's value: the same operations in the same order
+}
+
+// glu_bwd_h without h (the forward's value, which the fused FP8 backward also quantises).
+template <Activation A, typename S>
+EA_HD void glu_bwd(S g, S u, S dy, S w, const Coeffs& c, S& dg, S& du, S& dw_term) {
+  S h;
+  glu_bwd_h<A>(g, u, dy, w, c, dg, du, dw_term, h);
 }
 
 }  // namespace expertact::math
