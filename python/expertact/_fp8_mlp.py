@@ -10,8 +10,9 @@ dequantisation scales):
     backward  dh      = dy_q @ w2^T_q  dy rowwise;  w2^T per expert and column [E, F]
               dx      = dg_q @ w13^T_q dgate_up rowwise; w13^T [E, D]
               dw2     = h^T dy         both per expert and column over the expert's rows,
-              dw13    = x^T dgate_up   written transposed and padded to 16-row groups (the 2-D x
-                                       2-D form asserts on the device for other sizes)
+              dw13    = x^T dgate_up   written transposed, each expert's rows padded to 32
+                                       (ROW_PAD; the 2-D x 2-D form asserts on the device
+                                       for groups that are not multiples of 16)
 
 Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored);
 docs/spec.md section 10 says which operands are torchao's bit for bit and which are quantised
