@@ -1094,8 +1094,8 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // then the expert's F multipliers); at the tile's end each thread reads 4 columns of the tile's
 // rows, transposes them 16 rows at a time by byte permutes and stores 32 bytes a column into q_t:
 // whole 32-byte sectors (16-row tiles left half sectors in L2 between one tile and the next, and
-// the kernel took 23.4 ms on an H200 against 16.4 for the two passes; docs/perf-notes.md
-// section 18). 16-bit T, no bias.
+// the kernel took 23.4 ms on an H200 against 16.4 for the two passes; 32-row tiles 18.1 ms:
+// docs/perf-notes.md section 19). 16-bit T, no bias.
 constexpr int kHRows = 32;  // kH: rows a tile (the padded offsets' multiple)
 
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW, bool kH = false>
@@ -1289,7 +1289,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
             for (int i = 0; i < V; ++i) x[i] = to_f(from_f<T>(hv[i])) * hmul[V * p + i];
             uint32_t wq[V / 4];
 #pragma unroll
-            for (int i = 0; i < V / 4; ++i) wq[i] = fp8::from_scaled4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+            for (int i = 0; i < V / 4; ++i)
+              wq[i] = fp8::from_scaled4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
             uint8_t* dst = htile + static_cast<int64_t>(slot) * a.F + V * static_cast<int64_t>(p);
             if constexpr (V == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(wq[0], wq[1]);
             else *reinterpret_cast<uint32_t*>(dst) = wq[0];
@@ -1868,8 +1869,9 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
   const Fp8Cols* hc = o.h_cols;
   auto h_apart = [&]() -> Status { return hc ? cuda_fp8_glu_colwise_grouped(p, bias, *hc, stream) : Status::kOk; };
   const bool h_inside = hc && !bias && hc->amax && hc->padded && hc->offsets == o.offsets && o.col_amax &&
-                        o.h_pad > 0 && o.h_pad % cuda::kHRows == 0 && hc->out_rows % cuda::kHRows == 0 && hc->cols == p.F &&
-                        p.F % 16 == 0 && reinterpret_cast<uintptr_t>(hc->q_t) % 16 == 0 && hc->q_stride % 16 == 0;
+                        o.h_pad > 0 && o.h_pad % cuda::kHRows == 0 && hc->out_rows % cuda::kHRows == 0 &&
+                        hc->cols == p.F && p.F % 16 == 0 && reinterpret_cast<uintptr_t>(hc->q_t) % 16 == 0 &&
+                        hc->q_stride % 16 == 0;
   if (o.col_amax && o.experts > 0) {
     EA_TRY(cuda::cuda_check(cudaMemset2DAsync(o.col_amax, static_cast<size_t>(o.col_amax_stride) * sizeof(float), 0,
                                               static_cast<size_t>(2 * p.F) * sizeof(float),
