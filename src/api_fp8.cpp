@@ -46,6 +46,20 @@ Status check_fp8_outputs(const MatrixRef& q, const VectorRef& scale, int64_t row
   return check_no_overlap("scale", es, "q", extent_of(q));
 }
 
+// An operand's name and the bytes it spans, for the overlap checks.
+struct Named {
+  const char* name;
+  Extent e;
+};
+
+// No operand of `a` shares a byte with one of `b`.
+template <size_t N, size_t M>
+Status check_apart(const Named (&a)[N], const Named (&b)[M]) {
+  for (const Named& x : a)
+    for (const Named& y : b) EA_TRY(check_no_overlap(x.name, x.e, y.name, y.e));
+  return Status::kOk;
+}
+
 // The bytes an int32 offsets vector spans, for the overlap checks.
 Extent offsets_extent(const OffsetsRef& o) {
   Extent e;
@@ -334,10 +348,6 @@ Status prepare_glu_colwise(const GluParams& params, Layout layout, const MatrixR
     EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, xname));
   }
   // No output may share a byte with an input or the other output.
-  struct Named {
-    const char* name;
-    Extent e;
-  };
   const Named outs[] = {{"q_t", extent_of(q_t)}, {"scale", extent_of(scale)}};
   const Named ins[] = {{xname, ex},
                        {"up", up ? extent_of(*up) : Extent{}},
@@ -346,10 +356,8 @@ Status prepare_glu_colwise(const GluParams& params, Layout layout, const MatrixR
                        {"offsets", offsets_extent(offsets)},
                        {"padded_offsets", padded ? offsets_extent(*padded) : Extent{}},
                        {"amax", extent_of(amax)}};
-  for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); ++i) {
-    for (const Named& in : ins) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, in.name, in.e));
-    for (size_t k = 0; k < i; ++k) EA_TRY(check_no_overlap(outs[i].name, outs[i].e, outs[k].name, outs[k].e));
-  }
+  EA_TRY(check_apart(outs, ins));
+  EA_TRY(check_no_overlap("scale", outs[1].e, "q_t", outs[0].e));
   if (p.F == 0) return Status::kOk;
   if (bias) split_bias(layout, p, *bias, offsets, b);
   c.dtype = p.dtype;
@@ -437,10 +445,6 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
                              "gate_up"));
   }
   // No output may share a byte with an input or another output.
-  struct Named {
-    const char* name;
-    Extent e;
-  };
   const Named outs[] = {{"q", extent_of(q)},
                         {"scale", extent_of(scale)},
                         {"grad_weights", grad_weights ? extent_of(*grad_weights) : Extent{}},
@@ -522,10 +526,6 @@ Status fp8_glu_backward_rowwise_colwise_body(const GluParams& params, Layout lay
   bool prepared = false;
   EA_TRY(prepare_glu_colwise(params, layout, x, nullptr, weights, nullptr, offsets, &padded, h_q_t, h_scale, h_amax,
                              hp, hb, c, prepared));
-  struct Named {
-    const char* name;
-    Extent e;
-  };
   const Named hs[] = {{"h_q_t", extent_of(h_q_t)}, {"h_scale", extent_of(h_scale)}};
   const Named others[] = {{"grad_out", extent_of(grad_out)},
                           {"q", extent_of(q)},
@@ -533,8 +533,7 @@ Status fp8_glu_backward_rowwise_colwise_body(const GluParams& params, Layout lay
                           {"grad_weights", grad_weights ? extent_of(*grad_weights) : Extent{}},
                           {"col_amax", col_amax ? extent_of(*col_amax) : Extent{}},
                           {"grad_gate_up", grad_gate_up ? extent_of(*grad_gate_up) : Extent{}}};
-  for (const Named& h : hs)
-    for (const Named& o : others) EA_TRY(check_no_overlap(h.name, h.e, o.name, o.e));
+  EA_TRY(check_apart(hs, others));
   return fp8_glu_backward_rowwise_body(params, layout, grad_out, x, weights, nullptr, &offsets, q, scale, grad_weights,
                                        col_amax, grad_gate_up, stream, prepared ? &c : nullptr, h_pad);
 }

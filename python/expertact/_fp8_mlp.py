@@ -112,8 +112,8 @@ DW2_FROM_GATE_UP = os.environ.get("EXPERTACT_FP8_DW2", "") != "recompute"
 # ... by its own pass over gate_up before dh's GEMM; EXPERTACT_FP8_DW2=inside: inside the fused
 # backward's pass (glu_backward_rowwise_colwise), which reads gate_up once fewer but on an H200
 # took as long a step (201.9 and 204.9 ms against 205.2 and 200.8, alternating) with 2.85 GiB
-# more peak (docs/perf-notes.md section 18).
-H_INSIDE = DW2_FROM_GATE_UP and os.environ.get("EXPERTACT_FP8_DW2", "") == "inside"
+# more peak (docs/perf-notes.md section 19).
+H_INSIDE = os.environ.get("EXPERTACT_FP8_DW2", "") == "inside"
 
 
 def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):

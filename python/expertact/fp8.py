@@ -384,6 +384,19 @@ def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.T
     return q_t.t(), scale
 
 
+def _dgate_up_out_arg(dgate_up_out, gate_up, where):
+    """dgate_up_out's matrix description (None when not given): gate_up's shape, with rows it
+    can be written through (no copy)."""
+    if dgate_up_out is None:
+        return None
+    gs = _matrix(dgate_up_out)
+    if gs[0].data_ptr() != dgate_up_out.data_ptr() or dgate_up_out.shape != gate_up.shape:
+        raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
+                         f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
+                         f"{dgate_up_out.stride()})")
+    return gs
+
+
 def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,
                          alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
                          weights: Optional[torch.Tensor] = None, weights_grad: bool = False,
@@ -446,11 +459,7 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
             am = _matrix(amax)
     if bias is not None:
         bs = _matrix(bias)
-    gs = None if dgate_up_out is None else _matrix(dgate_up_out)
-    if gs is not None and (gs[0].data_ptr() != dgate_up_out.data_ptr() or dgate_up_out.shape != gate_up.shape):
-        raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
-                         f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
-                         f"{dgate_up_out.stride()})")
+    gs = _dgate_up_out_arg(dgate_up_out, gate_up, where)
     pref, _keep = _params_ref(act, a, lim, beta)
     ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
     _check(_LIB.expertact_fp8_glu_backward_rowwise_2d(pref, c_int32(code), byref(ds[1]), byref(xs[1]), ref(ws),
@@ -495,11 +504,7 @@ def glu_backward_rowwise_colwise(dh: torch.Tensor, gate_up: torch.Tensor, activa
     hq_t, hs, pads = _colwise_outputs(offsets, host, T, F, P, gate_up.device, where)
     if pads is None:
         pads = offsets  # no padding: the padded offsets are the offsets
-    gs = None if dgate_up_out is None else _matrix(dgate_up_out)
-    if gs is not None and (gs[0].data_ptr() != dgate_up_out.data_ptr() or dgate_up_out.shape != gate_up.shape):
-        raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
-                         f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
-                         f"{dgate_up_out.stride()})")
+    gs = _dgate_up_out_arg(dgate_up_out, gate_up, where)
     xs, ds, qs, ss = _matrix(gate_up), _matrix(dh), _matrix(q), _vector(scale.view(-1))
     ws = None if weights is None else _vector(weights)
     dws = None if dw is None else _vector(dw.view(-1))
