@@ -6,9 +6,7 @@
 #   MANYLINUX=1 bash scripts/build_wheel.sh   also retag it manylinux with auditwheel
 # Needs nvcc (the CUDA toolkit) and python3; installs scikit-build-core, cmake and ninja with
 # pip where they are missing, and the check's cuobjdump where no CUDA toolkit has it (the PyPI
-# package nvidia-cuda-cuobjdump, into build/tools: scripts/check_library.sh). The fused grouped
-# GEMMs (sm_90a) are built in when the CUTLASS headers are found (pip install
-# nvidia-cutlass==4.2.0.0, or EXPERTACT_CUTLASS_DIR=<folder holding cutlass/cutlass.h>).
+# package nvidia-cuda-cuobjdump, into build/tools: scripts/check_library.sh).
 # Output: the wheel in dist/ (DIST), the build log in out/wheel/build.log (OUT).
 # The wheel needs no CUDA toolkit and no torch build where it is installed, only an
 # NVIDIA driver >= 580 (docs/python.md, "Installing"). A full build takes ~10 minutes on 2 cores.

@@ -14,16 +14,12 @@
 #   prepare  on a machine WITH network, before going to a GPU machine without one: fills the
 #            git-ignored .deps/ (dlpack.h, GoogleTest sources; from libdlpack-dev and
 #            libgtest-dev, apt-get installed where missing) and .whl/ (DeepSpeed 0.19.8, built
-#            from its sdist, the packages it needs, and nvidia-cutlass 4.2.0.0 for the fused
-#            GEMMs' headers), to be carried along. 8 s with pip's cache warm (2026-12-01);
+#            from its sdist, and the packages it needs), to be carried along. 8 s with pip's cache warm (2026-12-01);
 #            ~1-2 minutes cold.
 #   build    GoogleTest from .deps/googletest where no GTest is installed; the library with its
 #            CUDA path (sm_90; ARCHS for others), the C++ tests and benchmarks, in build/gpu
-#            (BUILD; incremental when kept from an earlier call); the fused grouped GEMMs
-#            (sm_90a) too when the CUTLASS headers are found (the nvidia-cutlass wheel of .whl/,
-#            an installed nvidia-cutlass, or EXPERTACT_CUTLASS_DIR; CMakeLists.txt). Not timed
-#            alone on the H200 (~2-3 minutes with the fused GEMMs); 248 s on a shared 2-core
-#            machine without them (2026-12-01).
+#            (BUILD; incremental when kept from an earlier call). ~1-2 minutes on the H200's
+#            16 cores (estimated).
 #   ctest    the GoogleTest suite, the kernel-choice entries; fails unless the kernels' CUDA
 #            cases ran (CTEST_JOBS, default 4). ~1 minute (46-64 s on a shared 2-core machine,
 #            CUDA cases skipped, 2026-12-01).
@@ -35,8 +31,7 @@
 #            BENCH_ARGS replaces these options), then the C++ GPU benchmark (GPU_BENCH_ARGS).
 #            ~2-3 minutes: the same at five sizes took 243 s on the H200 (2026-11-30).
 #   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
-#            (4 experts x 261,280 rows, D = F = 3,072, bf16), the fused rows when built
-#            (MLP_ARGS adds options). 59 s on the H200 (2026-11-30). Then --mlp --bias (the
+#            (4 experts x 261,280 rows, D = F = 3,072, bf16) (MLP_ARGS adds options). 59 s on the H200 (2026-11-30). Then --mlp --bias (the
 #            same with and without GPT-OSS's expert biases, about 110 s on the H200, 2026-12-01)
 #            and python -m expertact.bench.bias_kernels (the bias kernels alone, ~20 s).
 #   fuzz     the differential fuzzer on CUDA over this build: scripts/reliability_gpu.sh's fuzz
@@ -49,15 +44,12 @@
 #            209 s on the H200 (2026-11-30).
 # With 10 minutes a command: "build ctest pytest", then "bench mlp fuzz", then "sanitize",
 # then "wheel", the build folder kept between the calls.
-# Other fused-GEMM schedules: CMAKE_EXTRA="-DEXPERTACT_CUTLASS_SCHEDULES=cooperative;pingpong64"
-# at the build, then EXPERTACT_FUSED_SCHEDULE=pingpong64 for the stages that run them.
 #
 # Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest (the prepare stage:
 # torch too, to build DeepSpeed's wheel, and wheels for Python 3.12; PYVER=3.11 etc. for another
 # Python on the GPU machine). Without network the
 # GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
-# along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip and the fused
-# GEMMs are not built. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
+# along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
 # into the machine's own site-packages. Exit status: 0 when every stage run passed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -102,7 +94,7 @@ if has prepare; then
     fail "building DeepSpeed's wheel"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version ${PYVER:-3.12} --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux2010_x86_64 -d "$WHEELS" nvidia-cutlass==4.2.0.0 hjson py-cpuinfo msgpack psutil \
+    --platform manylinux2010_x86_64 -d "$WHEELS" hjson py-cpuinfo msgpack psutil \
     pydantic pydantic-core annotated-types typing-extensions typing-inspection einops tqdm ||
     fail "downloading wheels into $WHEELS"
   note "prepared: .deps ($(du -sh .deps | cut -f1)), $WHEELS ($(du -sh "$WHEELS" | cut -f1)): carry both"
@@ -127,14 +119,13 @@ fi
 "gpus", torch.cuda.device_count())' 2>&1
   python3 - <<'EOF' 2>&1 | grep -v "^\["
 import importlib, os
-for name in ("triton", "deepspeed", "cutlass_library"):
+for name in ("triton", "deepspeed"):
     try:
         m = importlib.import_module(name)
     except Exception as e:  # a missing peer: its rows and tests skip
         print(f"{name}: not importable ({type(e).__name__})")
         continue
-    where = os.path.join(os.path.dirname(m.__file__), "source", "include") if name == "cutlass_library" else ""
-    print(name, getattr(m, "__version__", ""), f"(CUTLASS headers {where})" if where else "")
+    print(name, getattr(m, "__version__", ""))
 EOF
   echo "cores: $(nproc)"
 } > "$R/env.txt"
@@ -157,14 +148,10 @@ if has build; then
         > "$R/gtest-build.log" 2>&1 || fail "GoogleTest build (gtest-build.log)"
     fi
   fi
-  # The fused GEMMs are required (not only tried) where their headers import: a build that
-  # then skipped them would be an error. EXPERTACT_CUTLASS_DIR is read by CMake itself.
-  CUTLASS=AUTO
-  python3 -c "import cutlass_library" > /dev/null 2>&1 && CUTLASS=ON
-  note "build expertact (CUDA on, architectures ${ARCHS:-90}, fused GEMMs $CUTLASS) in $BUILD"
+  note "build expertact (CUDA on, architectures ${ARCHS:-90}) in $BUILD"
   t=$SECONDS
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
-       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_CUTLASS=$CUTLASS -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
+       -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
        ${GTEST_PREFIX:+-DCMAKE_PREFIX_PATH=$GTEST_PREFIX} ${CMAKE_EXTRA:-} > "$R/build.log" 2>&1 &&
      cmake --build "$BUILD" -j "$JOBS" >> "$R/build.log" 2>&1; then
     grep "expertact:" "$R/build.log" | sort -u | tee -a "$R/summary.txt"
@@ -210,17 +197,14 @@ import sys, xml.etree.ElementTree as ET
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
 cuda = [c for c in cases if "cuda" in (c.get("name", "") + c.get("classname", "")).lower()]
 ran = [c for c in cuda if c.find("skipped") is None]
-fused = [c for c in cuda if "fused" in c.get("classname", "")]
-print(f"pytest: {len(cases)} cases; CUDA cases: {len(ran)} ran of {len(cuda)}; "
-      f"fused-GEMM CUDA cases: {sum(c.find('skipped') is None for c in fused)} ran of {len(fused)}")
+print(f"pytest: {len(cases)} cases; CUDA cases: {len(ran)} ran of {len(cuda)}")
 sys.exit(0 if ran else "no CUDA case ran")
 EOF
   [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: no CUDA case ran"
-  (cd /tmp && PYTHONPATH=$PKG_PATH python3 -c "import expertact; from expertact import _capi
+  (cd /tmp && PYTHONPATH=$PKG_PATH python3 -c "import expertact
 assert expertact.LIBRARY_PATH == '$EXPERTACT_LIBRARY', expertact.LIBRARY_PATH
 assert expertact.has_cuda(), 'no CUDA path'
-print('library', expertact.LIBRARY_PATH, '| CUDA path', expertact.has_cuda(),
-      '| fused GEMMs', getattr(_capi, 'has_fused_gemm', lambda: 'unknown')())") \
+print('library', expertact.LIBRARY_PATH, '| CUDA path', expertact.has_cuda())") \
     2>&1 | grep -v "^\[" | tee -a "$R/summary.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || fail "pytest: the library imported is not $EXPERTACT_LIBRARY with its CUDA path"
   note "pytest: $((SECONDS - t)) s"

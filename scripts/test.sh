@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds the C++ core (and, when nvcc is present, the
-# CUDA path for sm_80 and sm_90 and the experimental fused grouped GEMMs for sm_90a,
-# so that they keep compiling), runs the GoogleTest suite, installs the Python package
-# and runs pytest. GPU tests skip cleanly on a machine without one.
+# CUDA path for sm_80 and sm_90, so that it keeps compiling), runs the GoogleTest suite,
+# installs the Python package and runs pytest. GPU tests skip cleanly on a machine without one.
 #   bash scripts/test.sh            (from the repository root)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,28 +34,11 @@ $PY -m pip install -q "transformers==5.17.0"
 $PY -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
 $PY -c "import triton" 2> /dev/null || $PY -m pip install -q --no-deps triton==3.9.0
 
-# The CUTLASS headers (a PyPI package of headers only) for the fused grouped GEMMs, where
-# nvcc can compile them; CMake finds them through the package (CMakeLists.txt). The
-# CUTLASS part of the build is then required (EXPERTACT_CUTLASS=ON): a CI run must not
-# skip it silently. It adds about 4 minutes to the build on a 2-core machine: 4 kernels of
-# 88-122 s and the layout tests' 52 s, compiled 2 at a time (478 of 934 s of compile steps;
-# configure 26 s + build 484 s in all, measured 2026-12-01 on a shared 2-core VM, nvcc 13.0).
-CUTLASS=${EXPERTACT_CUTLASS:-AUTO}
-NVCC=$(command -v nvcc || echo "${CUDACXX:-/usr/local/cuda/bin/nvcc}")
-if [ -x "$NVCC" ]; then
-  $PY -m pip install -q "nvidia-cutlass==4.2.0.0"
-  # Required only where nvcc can build them (12.4 or newer, CMakeLists.txt); AUTO elsewhere.
-  nv=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
-  if [ -z "${EXPERTACT_CUTLASS:-}" ] && [ -n "$nv" ] && { [ "${nv% *}" -gt 12 ] || { [ "${nv% *}" = 12 ] && [ "${nv#* }" -ge 4 ]; }; }; then
-    CUTLASS=ON
-  fi
-fi
-
 BUILD=${BUILD_DIR:-build/test}
 echo "== configuring (CUDA: ${EXPERTACT_CUDA:-AUTO})"
 mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${EXPERTACT_CUDA:-AUTO}" \
-  -DEXPERTACT_CUTLASS="$CUTLASS" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD/configure.log" 2>&1 || {
+  -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON > "$BUILD/configure.log" 2>&1 || {
   cat "$BUILD/configure.log"; exit 1; }
 grep "expertact:" "$BUILD/configure.log" || true
 echo "== building"

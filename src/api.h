@@ -101,15 +101,4 @@ Status fp8_glu_backward_rowwise_colwise_body(const GluParams& params, Layout lay
                                              const MatrixRef* grad_gate_up, const MatrixRef& h_q_t,
                                              const MatrixRef& h_scale, const MatrixRef& h_amax, void* stream);
 
-// The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h).
-Status moe_fused_forward_body(const GluParams& params, const MatrixRef& x, const MatrixRef& w13,
-                              int32_t num_experts, const int32_t* offsets,
-                              const VectorRef* weights, const MatrixRef& gate_up,
-                              const MatrixRef& h, void* stream);
-Status moe_fused_backward_body(const GluParams& params, const MatrixRef& grad_y,
-                               const MatrixRef& w2, int32_t num_experts, const int32_t* offsets,
-                               const MatrixRef& gate_up, const VectorRef* weights,
-                               const MatrixRef& grad_gate_up, const VectorRef* grad_weights,
-                               void* stream);
-
 }  // namespace expertact::detail

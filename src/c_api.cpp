@@ -11,7 +11,6 @@
 
 #include "api.h"
 #include "core/error.h"
-#include "expertact/experimental/fused_gemm.h"
 #include "expertact/expertact.hpp"
 
 // The C codes are the C++ enums' values: the conversions below cast one to the other.
@@ -647,141 +646,11 @@ expertact_status expertact_fp8_glu_backward_rowwise_2d(
                                          grad_gate_up ? &mg : nullptr, stream);
   });
 }
-expertact_status expertact_fp8_glu_backward_rowwise_colwise_2d(
-    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
-    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_vector* offsets,
-    const expertact_vector* padded_offsets, int64_t h_pad, expertact_matrix* q, expertact_vector* scale,
-    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
-    expertact_matrix* h_q_t, expertact_matrix* h_scale, const expertact_matrix* h_amax, void* stream) {
-  return guarded_c("expertact_fp8_glu_backward_rowwise_colwise_2d", [&]() -> Status {
-    GluParams p;
-    EA_TRY(to_params(params, p));
-    GluOperands o;
-    EA_TRY(to_glu_operands(layout, gate_up, nullptr, weights, o));
-    MatrixRef mq, ma, mg, mhq, mhs, mha;
-    OffsetsRef offs, pads;
-    VectorRef vs, vgw;
-    EA_TRY(to_matrix("grad_out", grad_out, o.grad_out));
-    EA_TRY(to_offsets(offsets, offs));
-    EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
-    EA_TRY(to_matrix("q", q, mq));
-    EA_TRY(to_vector("scale", scale, vs));
-    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
-    if (col_amax) EA_TRY(to_matrix("col_amax", col_amax, ma));
-    if (grad_gate_up) EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mg));
-    EA_TRY(to_matrix("h_q_t", h_q_t, mhq));
-    EA_TRY(to_matrix("h_scale", h_scale, mhs));
-    EA_TRY(to_matrix("h_amax", h_amax, mha));
-    return fp8_glu_backward_rowwise_colwise_body(p, static_cast<Layout>(layout), o.grad_out, o.x,
-                                                 weights ? &o.w : nullptr, offs, pads, h_pad, mq, vs,
-                                                 grad_weights ? &vgw : nullptr, col_amax ? &ma : nullptr,
-                                                 grad_gate_up ? &mg : nullptr, mhq, mhs, mha, stream);
-  });
-}
 
 const char* expertact_last_error(void) { return expertact::last_error(); }
 int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }
 int32_t expertact_abi_version(void) { return EXPERTACT_ABI_VERSION; }
 int32_t expertact_cpu_threads(void) { return expertact::cpu_threads(); }
 void expertact_set_cpu_threads(int32_t n) { expertact::set_cpu_threads(n); }
-
-}  // extern "C"
-
-// The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h): their own
-// conversions (the offsets, the experts' dimension of a weight), then the bodies of src/api.h.
-namespace expertact::detail {
-namespace {
-
-// offsets of the fused grouped GEMMs: int32 [E], contiguous, in CUDA memory (its device
-// is checked against the tensors' by the launcher, from the pointer itself).
-Status to_offsets(const DLTensor* t, const int32_t*& ptr, int32_t& E) {
-  if (t == nullptr) return fail(Status::kInvalidArgument, "offsets is null");
-  if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
-    return fail(Status::kInvalidDtype, "offsets must be int32 (got DLPack dtype code ",
-                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
-  if (t->ndim != 1 || t->shape == nullptr)
-    return fail(Status::kInvalidArgument, "offsets must be 1-D [E] (got ", t->ndim, " dims)");
-  if (t->shape[0] < 1 || t->shape[0] > 2147483647)
-    return fail(Status::kInvalidArgument, "offsets has ", t->shape[0],
-                " elements; expected 1 to 2^31 - 1 experts");
-  if (t->strides != nullptr && t->shape[0] > 1 && t->strides[0] != 1)
-    return fail(Status::kInvalidArgument, "offsets must be contiguous (stride ", t->strides[0], ")");
-  if (t->device.device_type != kDLCUDA)
-    return fail(Status::kInvalidArgument, "offsets is on DLPack device type ",
-                static_cast<int>(t->device.device_type),
-                "; the fused GEMM reads it on the GPU: pass a CUDA tensor (cuda = 2)");
-  ptr = reinterpret_cast<const int32_t*>(static_cast<const char*>(t->data) + t->byte_offset);
-  E = static_cast<int32_t>(t->shape[0]);
-  return Status::kOk;
-}
-
-// An expert weight [E, rows, D] (D contiguous, collapsible) as [E * rows, D]; E must match
-// the offsets'.
-Status to_expert_weight(const char* name, const DLTensor* t, int32_t E, MatrixRef& m) {
-  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
-  if (t->ndim != 3 || t->shape == nullptr)
-    return fail(Status::kInvalidArgument, name, " must be 3-D [E, rows, D] (got ", t->ndim, " dims)");
-  if (t->shape[0] != E)
-    return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), ": ", t->shape[0],
-                " experts but offsets has ", E);
-  return to_matrix(name, t, m);
-}
-
-// The fused GEMMs' first two arguments.
-Status to_params_offsets(const expertact_params* params, const DLTensor* offsets, GluParams& p,
-                         const int32_t*& offs, int32_t& E) {
-  EA_TRY(to_params(params, p));
-  return to_offsets(offsets, offs, E);
-}
-
-}  // namespace
-}  // namespace expertact::detail
-
-extern "C" {
-
-expertact_status expertact_moe_fused_forward(const expertact_params* params, const DLTensor* x,
-                                             const DLTensor* w13, const DLTensor* offsets,
-                                             const DLTensor* weights, DLTensor* gate_up,
-                                             DLTensor* h, void* stream) {
-  return guarded_c("expertact_moe_fused_forward", [&]() -> Status {
-    GluParams p;
-    const int32_t* offs = nullptr;
-    int32_t E = 0;
-    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
-    MatrixRef mx, mw, mgu, mh;
-    VectorRef vw;
-    EA_TRY(to_matrix("x", x, mx));
-    EA_TRY(to_expert_weight("w13", w13, E, mw));
-    if (weights) EA_TRY(to_vector("weights", weights, vw));
-    EA_TRY(to_matrix("gate_up", gate_up, mgu));
-    EA_TRY(to_matrix("h", h, mh));
-    return moe_fused_forward_body(p, mx, mw, E, offs, weights ? &vw : nullptr, mgu, mh, stream);
-  });
-}
-
-expertact_status expertact_moe_fused_backward(const expertact_params* params,
-                                              const DLTensor* grad_y, const DLTensor* w2,
-                                              const DLTensor* offsets, const DLTensor* gate_up,
-                                              const DLTensor* weights, DLTensor* grad_gate_up,
-                                              DLTensor* grad_weights, void* stream) {
-  return guarded_c("expertact_moe_fused_backward", [&]() -> Status {
-    GluParams p;
-    const int32_t* offs = nullptr;
-    int32_t E = 0;
-    EA_TRY(to_params_offsets(params, offsets, p, offs, E));
-    MatrixRef mdy, mw, mgu, mdgu;
-    VectorRef vw, vgw;
-    EA_TRY(to_matrix("grad_y", grad_y, mdy));
-    EA_TRY(to_expert_weight("w2", w2, E, mw));
-    EA_TRY(to_matrix("gate_up", gate_up, mgu));
-    if (weights) EA_TRY(to_vector("weights", weights, vw));
-    EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mdgu));
-    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
-    return moe_fused_backward_body(p, mdy, mw, E, offs, mgu, weights ? &vw : nullptr, mdgu,
-                                   grad_weights ? &vgw : nullptr, stream);
-  });
-}
-
-int32_t expertact_has_fused_gemm(void) { return expertact::experimental::has_fused_gemm() ? 1 : 0; }
 
 }  // extern "C"

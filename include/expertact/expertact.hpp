@@ -105,9 +105,6 @@ Status glu_backward(const GluParams& params, Layout layout, const MatrixRef& gra
                     const MatrixRef& grad_x, const MatrixRef* grad_up,
                     const VectorRef* grad_weights, void* stream = nullptr);
 
-// The experimental fused grouped GEMMs of the expert MLP are declared apart, in
-// expertact/experimental/fused_gemm.h (namespace expertact::experimental).
-
 // The message of the last failed call on this thread ("" after a success).
 // ---------------------------------------------------------------------------
 // Per-expert biases (docs/spec.md section 7): rows sorted by expert, expert e owning

@@ -236,18 +236,6 @@ EXPERTACT_API expertact_status expertact_fp8_glu_backward_rowwise_2d(
     const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale,
     expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
     void* stream);
-/* expertact_fp8_glu_backward_rowwise_2d and expertact_fp8_glu_colwise_grouped_2d of the same
- * gate_up in one call (expertact.hpp, fp8_glu_backward_rowwise_colwise, says it exactly): no
- * bias; offsets and padded_offsets (made with padding h_pad) required; h_q_t float8 [F, Tp],
- * h_scale float32 [E, F] from h_amax float32 [E, F]. NULL for what is not given or not wanted:
- * weights, grad_weights, col_amax, grad_gate_up. */
-EXPERTACT_API expertact_status expertact_fp8_glu_backward_rowwise_colwise_2d(
-    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
-    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_vector* offsets,
-    const expertact_vector* padded_offsets, int64_t h_pad, expertact_matrix* q, expertact_vector* scale,
-    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
-    expertact_matrix* h_q_t, expertact_matrix* h_scale, const expertact_matrix* h_amax, void* stream);
-
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);
 
@@ -257,9 +245,6 @@ EXPERTACT_API int32_t expertact_abi_version(void);
 /* CPU worker threads: get, and set (0 = default). */
 EXPERTACT_API int32_t expertact_cpu_threads(void);
 EXPERTACT_API void expertact_set_cpu_threads(int32_t n);
-
-/* The experimental fused grouped GEMMs (expertact_moe_fused_*, expertact_has_fused_gemm)
- * are declared apart, in expertact/experimental/fused_gemm.h. */
 
 #ifdef __cplusplus
 }

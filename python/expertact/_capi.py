@@ -118,13 +118,6 @@ def _load():
     lib.expertact_last_error.restype = c_char_p
     lib.expertact_set_cpu_threads.argtypes = [c_int32]
     lib.expertact_set_cpu_threads.restype = None
-    # The experimental fused grouped GEMMs (expertact/experimental/fused_gemm.h): absent from libraries built before them.
-    if hasattr(lib, "expertact_moe_fused_forward"):
-        lib.expertact_moe_fused_forward.argtypes = [POINTER(Params), P, P, P, P, P, P, c_void_p]
-        lib.expertact_moe_fused_backward.argtypes = [POINTER(Params), P, P, P, P, P, P, P, c_void_p]
-        for f in (lib.expertact_moe_fused_forward, lib.expertact_moe_fused_backward,
-                  lib.expertact_has_fused_gemm):
-            f.restype = c_int32
     got = lib.expertact_abi_version()
     if got != ABI_VERSION:
         raise ImportError(f"expertact: {path!r} has C ABI version {got}, this package expects {ABI_VERSION}")
@@ -165,12 +158,6 @@ _STATUS_ERRORS = {INVALID_ARGUMENT: ValueError, INVALID_DTYPE: DTypeError, UNSUP
 def has_cuda() -> bool:
     """Whether this build of the library has the CUDA path."""
     return bool(LIB.expertact_has_cuda())
-
-
-def has_fused_gemm() -> bool:
-    """Whether this build of the library has the fused grouped GEMMs (CUDA + CUTLASS, Hopper)."""
-    f = getattr(LIB, "expertact_has_fused_gemm", None)
-    return bool(f()) if f is not None else False
 
 
 def abi_version() -> int:

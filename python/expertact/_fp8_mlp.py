@@ -19,13 +19,11 @@ docs/spec.md section 10 says which operands are torchao's bit for bit and which 
 from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16
 (torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up with h's
 column amax taken by the forward's activation, by its own pass over gate_up before dh's GEMM
-(fp8.glu_colwise_grouped; EXPERTACT_FP8_DW2=inside: inside the fused activation backward's
-pass, fp8.glu_backward_rowwise_colwise), or (with b13, or EXPERTACT_FP8_DW2=recompute) from h
-recomputed in bf16 and a column-wise pass, so the node keeps what ``recompute=True`` keeps.
+(fp8.glu_colwise_grouped), or (with b13) from h recomputed in bf16 and a column-wise pass, so
+the node keeps what ``recompute=True`` keeps.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -37,8 +35,7 @@ Tensor = torch.Tensor
 
 ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and N multiples of it
 # Each expert's rows in the weight-gradient GEMMs' operands start at a multiple of ROW_PAD (a
-# multiple of ALIGN): 32, the padding at which the fused backward writes dw2's operand of h in
-# its own pass (glu_backward_rowwise_colwise); at most 31 zero rows an expert.
+# multiple of ALIGN; at most ROW_PAD - 1 zero rows an expert, which the GEMMs skip).
 ROW_PAD = 32
 
 
@@ -105,17 +102,6 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
     return zero_empty_groups(_sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
-# dw2's operand from gate_up in one pass (h's column amax fused into the forward's activation);
-# EXPERTACT_FP8_DW2=recompute: from h recomputed in bf16, its amax and the column-wise pass (a
-# tuning knob, read at import; docs/perf-notes.md section 16 compares the two).
-DW2_FROM_GATE_UP = os.environ.get("EXPERTACT_FP8_DW2", "") != "recompute"
-# ... by its own pass over gate_up before dh's GEMM; EXPERTACT_FP8_DW2=inside: inside the fused
-# backward's pass (glu_backward_rowwise_colwise), which reads gate_up once fewer but on an H200
-# took as long a step (201.9 and 204.9 ms against 205.2 and 200.8, alternating) with 2.85 GiB
-# more peak (docs/perf-notes.md section 19).
-H_INSIDE = os.environ.get("EXPERTACT_FP8_DW2", "") == "inside"
-
-
 def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):
     """(h in e4m3, its rowwise scales, h's per expert and column amax or None), h from the
     activation kernel's float32 values (one rounding), b13 added inside when given. h_amax: the
@@ -161,7 +147,7 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     return x, gate_up, y, xamax, hamax
 
 
-def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16, h_amax=None):
+def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
     """(dg_q, dg_scale, dweights or None, dgate_up's column amax or None, dgate_up in bf16 or
     None): the activation's backward quantised rowwise from its float32 values in one pass
     (expertact.fp8.glu_backward_rowwise; b13 added inside, its gradient not computed), the
@@ -169,18 +155,12 @@ def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col
     operand is quantised from when ``keep_bf16``, written in place over gate_up (its last use:
     the node holds no second [T, 2F] tensor at the peak)."""
     out = gate_up if keep_bf16 else None
-    if h_amax is not None:  # and dw2's operand of h (h_cols' form) from the same pass; no b13 here
-        dgq, sdg, dweights, amax, hq, hs = fp8.glu_backward_rowwise_colwise(
-            dh, gate_up, fplan.activation, offs, h_amax=h_amax, pad_to=ROW_PAD, alpha=fplan.alpha, limit=fplan.limit,
-            layout=fplan.layout, weights=weights, weights_grad=weights_grad, ends=ends, col_amax=col_amax,
-            dgate_up_out=out)
-        return dgq, sdg, dweights, amax, out, (hq, hs)
     grouped = b13 is not None or col_amax
     dgq, sdg, dweights, amax = fp8.glu_backward_rowwise(
         dh, gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights,
         weights_grad=weights_grad, bias=b13, offsets=offs if grouped else None, ends=ends if grouped else None,
         col_amax=col_amax, dgate_up_out=out)
-    return dgq, sdg, dweights, amax, out, None
+    return dgq, sdg, dweights, amax, out
 
 
 def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
@@ -190,9 +170,8 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
     memory modes); h_of() -> h in bf16 recomputed from gate_up; h_cols_of() -> dw2's operand of h
     made from gate_up (h_cols), or None where the forward took no amax of h; gmm_wgrad: moe's bf16
-    weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16, h_cols) -> glu_grad_fp8's
-    result (with h_cols, also dw2's operand of h from the same pass), or None where it does not
-    apply (b13's gradient wanted): when dx is wanted, dx's
+    weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
+    result, or None where it does not apply (b13's gradient wanted): when dx is wanted, dx's
     operand comes straight from the fused FP8 backward (dgate_up not written in bf16 and read
     back for the rowwise pass; written, over gate_up, only when dw13 needs it)."""
     need_x, need_w13, need_w2, need_w, need_b13, need_b2 = ctx_needs
@@ -210,12 +189,7 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
             dyq, sdy, dyamax = fp8.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)
         else:
             dyq, sdy = fp8.quantize_rowwise(dy)
-    # dw2's operand of h from the fused FP8 backward's own pass (EXPERTACT_FP8_DW2=inside; else
-    # by its own pass over gate_up first): dw2 then follows that pass, dy's column-wise operand
-    # made after it (not alive at its peak).
-    h_inside = (H_INSIDE and fplan.wgrad and need_w2 and h_cols_of is not None and glu_fp8 is not None and need_x
-                and need_dh)
-    if need_w2 and not h_inside:  # first, so that h is freed before dh exists
+    if need_w2:  # first, so that h is freed before dh exists
         hc = h_cols_of() if fplan.wgrad and h_cols_of is not None else None
         h = h_of() if hc is None else None
         if hc is not None:
@@ -233,18 +207,12 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
         w2tq, s2t = _quant_b(w2.transpose(-2, -1))
         dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
         del dyq, sdy, w2tq, s2t
-        fused = (glu_fp8(dh, fplan.wgrad and need_w13, need_w13, h_inside)
-                 if glu_fp8 is not None and need_x else None)
+        fused = glu_fp8(dh, fplan.wgrad and need_w13, need_w13) if glu_fp8 is not None and need_x else None
         dgamax = None
         if fused is not None:  # dx's operand (and dw13's amax) from the fused FP8 backward
-            dgq, sdg, dweights, dgamax, dgate_up, hc = fused
+            dgq, sdg, dweights, dgamax, dgate_up = fused
             del dh, fused
-            if hc is not None:
-                dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
-                del hc
         else:
-            if h_inside:  # (glu_fp8 applies wherever h_cols_of is given: the forward took h's amax without b13)
-                raise RuntimeError("expertact: dw2's operand was left to the fused FP8 backward, which did not run")
             dgate_up, dweights, db13 = glu_grad(dh)
             del dh
             if need_x:

@@ -48,7 +48,7 @@ from ._bias import _check, _matrix, _params_ref, _vector
 from ._describe import stream_of
 
 __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_colwise_grouped",
-           "glu_backward_rowwise", "glu_backward_rowwise_colwise", "DL_FLOAT8_E4M3FN"]
+           "glu_backward_rowwise", "DL_FLOAT8_E4M3FN"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -60,7 +60,6 @@ _LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
 _LIB.expertact_fp8_glu_rowwise_bias_2d.restype = c_int32
 _LIB.expertact_fp8_glu_backward_rowwise_2d.restype = c_int32
 _LIB.expertact_fp8_glu_colwise_grouped_2d.restype = c_int32
-_LIB.expertact_fp8_glu_backward_rowwise_colwise_2d.restype = c_int32
 
 
 def _outputs(like, cols):
@@ -466,54 +465,3 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
                                                       ref(bs), ref(offs), byref(qs[1]), byref(ss[1]), ref(dws),
                                                       ref(am), ref(gs), stream_of(gate_up)))
     return q, scale, dw, amax
-
-
-def glu_backward_rowwise_colwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str, offsets: torch.Tensor, *,
-                                 h_amax: torch.Tensor, pad_to: int = 1, alpha: Optional[float] = None,
-                                 limit: Optional[float] = None, layout: Optional[str] = None,
-                                 weights: Optional[torch.Tensor] = None, weights_grad: bool = False, ends=None,
-                                 col_amax: bool = False, dgate_up_out: Optional[torch.Tensor] = None):
-    """(dg_q, dg_scale, dweights or None, amax or None, h_q, h_scale): :func:`glu_backward_rowwise`
-    (no bias; ``offsets`` required) and :func:`glu_colwise_grouped` ``(gate_up, activation,
-    offsets, pad_to=pad_to, amax=h_amax)`` of the same gate_up in one call, with those
-    functions' bytes. h's operand is computed before ``dgate_up_out`` (which may be gate_up)
-    is written. On a GPU both come from one kernel where it applies (bf16 or fp16 gate_up in
-    16-byte packs, 2F a multiple of 32, ``pad_to`` a multiple of 32, ``col_amax=True``, and two
-    blocks of 36 F bytes of shared memory fitting on an SM: F up to 3,136 on an H100 or H200);
-    otherwise the column-wise pass runs first."""
-    where = "expertact.fp8.glu_backward_rowwise_colwise"
-    tensor_arg("dh", dh)
-    tensor_arg("gate_up", gate_up)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
-    tensor_arg("h_amax", h_amax)
-    if weights_grad and weights is None:
-        raise ValueError(f"{where}: weights_grad=True needs weights")
-    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
-    code = layout_code(layout, True)
-    P = _pad_arg(pad_to, where)
-    if gate_up.dim() != 2:
-        raise ValueError(f"{where}: gate_up must be 2-D [T, 2F] (got shape {tuple(gate_up.shape)})")
-    T, F = gate_up.shape[0], gate_up.shape[1] // 2
-    offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
-    E = offsets.numel()
-    _amax_arg(h_amax, E, F, "F", "gate_up", gate_up.device, where)
-    q, scale = _outputs(gate_up, gate_up.shape[-1])
-    dw = torch.empty(scale.shape, dtype=torch.float32, device=gate_up.device) if weights_grad else None
-    amax = torch.empty((E, gate_up.shape[-1]), dtype=torch.float32, device=gate_up.device) if col_amax else None
-    hq_t, hs, pads = _colwise_outputs(offsets, host, T, F, P, gate_up.device, where)
-    if pads is None:
-        pads = offsets  # no padding: the padded offsets are the offsets
-    gs = _dgate_up_out_arg(dgate_up_out, gate_up, where)
-    xs, ds, qs, ss = _matrix(gate_up), _matrix(dh), _matrix(q), _vector(scale.view(-1))
-    ws = None if weights is None else _vector(weights)
-    dws = None if dw is None else _vector(dw.view(-1))
-    am = None if amax is None else _matrix(amax)
-    offs, ps, hqs, hss, has = _vector(offsets), _vector(pads), _matrix(hq_t), _matrix(hs), _matrix(h_amax)
-    pref, _keep = _params_ref(act, a, lim, beta)
-    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
-    _check(_LIB.expertact_fp8_glu_backward_rowwise_colwise_2d(
-        pref, c_int32(code), byref(ds[1]), byref(xs[1]), ref(ws), byref(offs[1]), byref(ps[1]), c_int64(P),
-        byref(qs[1]), byref(ss[1]), ref(dws), ref(am), ref(gs), byref(hqs[1]), byref(hss[1]), byref(has[1]),
-        stream_of(gate_up)))
-    return q, scale, dw, amax, hq_t.t(), hs

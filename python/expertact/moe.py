@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _bias, _capi, _fp8_mlp, _fused
+from . import _bias, _capi, _fp8_mlp
 from ._grouped import held_transposed, zero_empty_groups
 from ._args import LAYOUTS, preset_coeffs
 from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
@@ -160,7 +160,7 @@ class _Plan(NamedTuple):
     glu: tuple          # (layout, act, alpha, limit, beta) for the glu operators
     recompute: bool
     inplace: bool
-    layout: str = "halves"   # gate and up along w13's last dim (the fused path reorders them)
+    layout: str = "halves"   # gate and up along w13's last dim
     biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
 
 
@@ -393,7 +393,7 @@ class _Fp8ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
         x, gate_up, y, xamax, hamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
                                                        x_amax=ctx.needs_input_grad[1],
-                                                       h_amax=ctx.needs_input_grad[2] and _fp8_mlp.DW2_FROM_GATE_UP)
+                                                       h_amax=ctx.needs_input_grad[2])
         # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
         # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
         hooked = _saved_tensor_hooks_active()
@@ -422,15 +422,13 @@ class _Fp8ExpertMLP(torch.autograd.Function):
             held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
             return out
 
-        def glu_fp8(dh, col_amax, keep_bf16, h_cols=False):
+        def glu_fp8(dh, col_amax, keep_bf16):
             # The fused FP8 activation backward (in place over gate_up), where b13 needs no
-            # gradient (the biased bf16 backward computes it); h_cols: dw2's operand of h from
-            # the same pass (from the column amax the forward took).
+            # gradient (the biased bf16 backward computes it).
             if b13 is not None and n[7]:
                 return None
             out = _fp8_mlp.glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs,
-                                        plan.ends, ctx.fplan, col_amax, keep_bf16,
-                                        h_amax=ctx.hamax if h_cols else None)
+                                        plan.ends, ctx.fplan, col_amax, keep_bf16)
             held.clear()
             return out
 
@@ -444,41 +442,6 @@ class _Fp8ExpertMLP(torch.autograd.Function):
         return dx, dw13, dw2, dweights, None, None, None, db13, db2
 
 
-# ---------------------------------------------------------------------------
-# The fused path: the activation in the grouped GEMMs' epilogues (docs/fused-gemm.md)
-# ---------------------------------------------------------------------------
-
-
-def _w13_interleaved(w13, layout):
-    """w13 [E, D, 2F] in layout -> [E, 2F, D], D contiguous, gate and up interleaved along 2F: the
-    B operand of the fused forward (and of dx). No copy for an interleaved w13 stored as [E, 2F, D]
-    (GroupedExperts with fused_w13 and layout interleaved); one copy of the weights otherwise, as
-    DeepSpeed's fused gate_up packing makes."""
-    wt = w13.transpose(-2, -1)
-    if layout == "interleaved":
-        return _expert_kmajor(wt)
-    return _pack(*_unpack(wt, layout, dim=1), "interleaved", dim=1).contiguous()
-
-
-def _expert_kmajor(t):
-    """t [E, N, K] as the fused GEMMs read their B operand: K contiguous, a 16-byte aligned start,
-    a row stride that is a multiple of 16 bytes, and experts one after another at N row strides
-    (the C ABI collapses [E, N] into rows); otherwise a contiguous copy."""
-    E, N, K = t.shape
-    st = t.stride()
-    if (t.data_ptr() % 16 == 0 and st[2] == 1 and st[1] >= K and st[1] % 8 == 0
-            and (E <= 1 or st[0] == N * st[1])):
-        return t
-    return t.contiguous()
-
-
-def _from_interleaved(dw13i, layout):
-    """The gradient of _w13_interleaved's input: [E, D, 2F] interleaved -> layout."""
-    if layout == "interleaved":
-        return dw13i
-    return _pack(*_unpack(dw13i, "interleaved", dim=2), layout, dim=2)
-
-
 def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None, b13=None):
     """w2's gradient h^T dy per expert, h recomputed by the fused forward kernel from gate_up
     (glu: layout, act, alpha, limit, beta; b13 added inside) when the forward did not keep it
@@ -486,64 +449,6 @@ def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None, b13=None):
     if h is None:
         h = _glu(gate_up, weights, glu, b13, offs)
     return _gmm_wgrad(h, dy, offs, plan, like=w2)
-
-
-class _FusedExpertMLP(torch.autograd.Function):
-    """The MLP with the fused grouped GEMMs: forward writes gate_up (interleaved) and h in one
-    kernel; backward's dh GEMM writes dgate_up (and the weights' gradient) instead of dh. y, dx and
-    the weight gradients stay torch._grouped_mm. Keeps what _ExpertMLP keeps, with gate_up in the
-    interleaved order and w13 as the kernel reads it (the same tensor when no copy was needed)."""
-
-    @staticmethod
-    def forward(ctx, x, w13, w2, weights, offs, plan):
-        x = _mm_operand(x, row_major=True)
-        w13i = _w13_interleaved(w13, plan.layout)
-        act, alpha, limit, beta = plan.glu[1:]
-        gate_up, h = _fused.forward(x, w13i, offs, weights, act, alpha, limit, beta)
-        end = plan.ends[-1] if plan.ends else 0
-        if end < x.shape[0]:  # padding rows: the kernels neither read nor write them
-            gate_up[end:].zero_()
-            h[end:].zero_()
-        y = _gmm(h, w2, offs, plan)
-        _keep(ctx, plan, (x, w13i, w2, weights, offs, gate_up, None, None), h)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w13i, w2, weights, offs, gate_up, _, _, h = _kept(ctx)
-        plan = ctx.plan
-        need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        act, alpha, limit, beta = plan.glu[1:]
-        dy = _mm_operand(dy, row_major=True)
-        dx = dw13 = dw2 = dweights = None
-        if need_w2:
-            dw2 = _w2_grad(h, gate_up, weights, (_capi.LAYOUT_INTERLEAVED, act, alpha, limit, beta), dy, offs, plan)
-        h = None
-        if need_x or need_w13 or need_w:
-            w2k = _expert_kmajor(w2)  # [E, F, D], D contiguous: the dh GEMM's B
-            weights_grad = weights is not None and need_w
-            inplace = plan.inplace and (need_x or need_w13)
-            if inplace:
-                ctx.spent = True
-            dgate_up, dweights = _fused.backward(dy, w2k, offs, gate_up, weights, weights_grad, inplace,
-                                                 act, alpha, limit, beta)
-            end = plan.ends[-1] if plan.ends else 0
-            if end < dgate_up.shape[0]:
-                dgate_up[end:].zero_()
-            if need_x:
-                dx = _gmm(dgate_up, w13i, offs, plan)
-            if need_w13:
-                dw13 = _from_interleaved(_gmm_wgrad(x, dgate_up, offs, plan), plan.layout)
-        return dx, dw13, dw2, dweights, None, None
-
-
-_WARNED = set()
-
-
-def _fused_fallback(reason):
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"expertact.moe: fused=True falls back to the unfused path: {reason}", stacklevel=3)
 
 
 def offsets_from_counts(num_tokens_per_expert: Tensor, where: str = "expertact.moe") -> Tensor:
@@ -591,15 +496,9 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
         inplace_backward: write gate_up's gradient over gate_up (the activation's in-place
             backward): two [T, F] tensors less at the backward's peak. The graph can then be
             run backward once only.
-        fused: compute the activation in the gate/up GEMM's epilogue and its gradient in the
-            epilogue of the GEMM that gives dh (CUTLASS kernels, docs/fused-gemm.md): h is
-            written beside gate_up and dh is never stored. Taken when the problem qualifies
-            (a build with CUTLASS, bf16 CUDA tensors on a Hopper GPU, D % 8 == 0, F % 4 == 0;
-            any layout: w13's columns are reordered to interleaved, one copy unless w13 is
-            already interleaved with D contiguous, [E, 2F, D] storage); otherwise the unfused
-            path runs, with a warning once per reason. Same numerics: h from gate_up rounded
-            to bf16, rounded once; dgate_up from dh rounded to bf16, as the unfused path
-            stores them.
+        fused: deprecated, ignored: the experimental fused grouped GEMMs were removed (they
+            were slower than this path; docs/notes/fused-gemm.md). ``fused=True`` warns and
+            runs this path; the argument goes in the next release.
         fp8: ``"rowwise"`` runs the six grouped GEMMs as ``torch._scaled_grouped_mm`` in float8
             e4m3fn with float32 power-of-two scales (torchao's rowwise recipe: rowwise for the
             token-major operands, per expert and column for the weights and for the
@@ -616,6 +515,8 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     The offsets are read on the host once per call (one device-to-host copy of E values
     when they are on the GPU), to check them and to zero the padding rows.
     """
+    if fused:
+        _fused_removed()
     glu = _glu_args(activation, alpha, limit, layout)
     T, D, F, ends = _check(x, w13, w2, offsets, weights)
     _check_biases(x, w13, b13, b2)
@@ -631,8 +532,6 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     if fp8 is not None:
         if fp8 != "rowwise":
             raise ValueError(_err(f"fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for bf16)"))
-        if fused:
-            raise ValueError(_err("fp8='rowwise' and fused=True are exclusive: the fused GEMMs are bf16"))
         reason = _fp8_mlp.why_not(x, D, F)
         if reason is not None:
             raise NotImplementedError(_err(f"fp8='rowwise' cannot run here: {reason}"))
@@ -643,29 +542,15 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
             return _Fp8ExpertMLP.apply(x, w13, w2, weights, offs, plan, fplan, b13, b2)
         return _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)[2]
     plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
-    use_fused = False
-    if fused:
-        reason = "expert biases (b13, b2) are not computed by the fused GEMMs" if biased else _fused.why_not(x, D, F)
-        if reason is None and offs.device != x.device:
-            offs = offs.to(x.device)  # the fused kernels read the offsets on the GPU
-        use_fused = reason is None
-        if not use_fused:
-            _fused_fallback(reason)
-    if use_fused:
-        if needs_grad:
-            return _FusedExpertMLP.apply(x, w13, w2, weights, offs, plan)
-        with torch.no_grad():
-            return _FusedExpertMLP.forward(_NoCtx(), x, w13, w2, weights, offs, plan)
     if needs_grad:
         return _ExpertMLP.apply(x, w13, w2, weights, offs, plan, b13, b2)
     return _forward(x, w13, w2, weights, offs, plan, b13, b2)[3]
 
 
-class _NoCtx:
-    """A stand-in autograd context for a forward that no backward follows (nothing is kept)."""
-
-    def save_for_backward(self, *tensors):
-        pass
+def _fused_removed():
+    warnings.warn("expertact.moe: fused=True is deprecated and ignored: the experimental fused grouped GEMMs "
+                  "were removed (slower than the unfused path); the argument goes in the next release",
+                  FutureWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------
@@ -734,7 +619,8 @@ class GroupedExperts(nn.Module):
         self.activation, self.alpha, self.limit, self.layout = activation, alpha, limit, layout
         self.fused_w13 = bool(fused_w13)
         self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
-        self.fused = bool(fused)
+        if fused:
+            _fused_removed()
         self.init_std = init_std
         # has_bias, not bias: initialisation code often reads a module's .bias as a tensor or None
         self.has_bias = bool(bias)
@@ -771,7 +657,7 @@ class GroupedExperts(nn.Module):
         b13, b2 = (self.b13.to(dt), self.b2.to(dt)) if self.has_bias else (None, None)
         return expert_mlp(x, w13, w2, offsets, self.activation, alpha=self.alpha, limit=self.limit,
                           layout=self.layout, weights=weights, recompute=self.recompute,
-                          inplace_backward=self.inplace_backward, fused=self.fused, b13=b13, b2=b2)
+                          inplace_backward=self.inplace_backward, b13=b13, b2=b2)
 
     def extra_repr(self) -> str:
         s = (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
@@ -783,8 +669,6 @@ class GroupedExperts(nn.Module):
             s += ", recompute=True"
         if self.inplace_backward:
             s += ", inplace_backward=True"
-        if self.fused:
-            s += ", fused=True"
         if self.has_bias:
             s += ", bias=True"
         return s

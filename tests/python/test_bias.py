@@ -179,9 +179,10 @@ def test_bias_errors():
             expert_mlp(x, w13, w2, offsets, b2=b2.cuda())
 
 
-def test_fused_with_biases_falls_back():
+def test_fused_is_deprecated_and_ignored():
+    """fused=True (the removed experimental GEMMs) warns and computes the same as without it."""
     x, w13, w2, offsets, weights, b13, b2 = _problem(torch.float32, "cpu", seed=2)
-    with pytest.warns(UserWarning, match="expert biases"):
+    with pytest.warns(FutureWarning, match="fused=True is deprecated"):
         y = expert_mlp(x, w13, w2, offsets, "swiglu_oai", layout="interleaved", weights=weights, b13=b13, b2=b2,
                        fused=True)
     ref = expert_mlp(x, w13, w2, offsets, "swiglu_oai", layout="interleaved", weights=weights, b13=b13, b2=b2)

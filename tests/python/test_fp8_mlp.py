@@ -146,9 +146,7 @@ def test_emulated_fp8_fused_activation_backward(emulated, monkeypatch, case):
             return real(*a, **kw)
         return f
 
-    # (with dw2's operand of h from the same pass, the fused backward is glu_backward_rowwise_colwise)
     monkeypatch.setattr(fp8, "glu_backward_rowwise", counting(fp8.glu_backward_rowwise))
-    monkeypatch.setattr(fp8, "glu_backward_rowwise_colwise", counting(fp8.glu_backward_rowwise_colwise))
     t64, low, dy, offsets = _problem(biases=case.startswith("b13"))
     frozen = {"b13"} if case == "b13_frozen" else set()
     if case == "no_dx":
@@ -226,8 +224,6 @@ def test_fp8_errors():
         expert_mlp(*args, fp8="rowwise")
     with pytest.raises(ValueError, match="'rowwise'"):
         expert_mlp(*args, fp8="tensorwise")
-    with pytest.raises(ValueError, match="exclusive"):
-        expert_mlp(*args, fp8="rowwise", fused=True)
 
 
 def test_fp8_refuses_what_the_gemms_cannot_take(monkeypatch):
@@ -271,37 +267,3 @@ def test_cuda_fp8_matches_emulation(monkeypatch):
     assert _rel(y, ye) < 0.02
     for k in g:
         assert _rel(g[k], ge[k]) < 0.03, k
-
-
-@pytest.mark.parametrize("mode", ["plain", "inplace", "recompute"])
-def test_emulated_fp8_dw2_operand_inside_the_fused_backward(emulated, monkeypatch, mode):
-    """dw2's operand of h made inside the fused backward's pass (EXPERTACT_FP8_DW2=inside)
-    gives the gradients of the separate pass over gate_up (the default) bit for bit: the same
-    bytes of h's column-wise operand, the same GEMMs."""
-    from expertact import _fp8_mlp, fp8
-    t64, low, dy, offsets = _problem()
-    kw = {"inplace_backward": True} if mode == "inplace" else {"recompute": True} if mode == "recompute" else {}
-    calls = []
-    real = fp8.glu_backward_rowwise_colwise
-
-    def counting(*a, **k):
-        calls.append(k)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fp8, "glu_backward_rowwise_colwise", counting)
-
-    def run(inside):
-        monkeypatch.setattr(_fp8_mlp, "H_INSIDE", inside)
-        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in low.items()}
-        y = expert_mlp(leaves["x"], leaves["w13"], leaves["w2"], offsets, "swiglu_oai", layout="interleaved",
-                       weights=leaves["weights"], fp8="rowwise", **_ACT_KW["swiglu_oai"], **kw)
-        y.backward(dy.to(y.dtype))
-        return y.detach(), {k: v.grad for k, v in leaves.items()}
-
-    y1, g1 = run(True)
-    assert len(calls) == 1 and calls[0]["pad_to"] == _fp8_mlp.ROW_PAD == 32  # the one kernel's padding
-    y0, g0 = run(False)
-    assert len(calls) == 1
-    assert torch.equal(y1, y0)
-    for k in g0:
-        assert torch.equal(g1[k], g0[k]), k

@@ -3,7 +3,6 @@
     python -m expertact.bench               # the activation table (activation.py)
     python -m expertact.bench --peers       # beside DeepSpeed's Triton kernels and torch.compile (peers.py)
     python -m expertact.bench --mlp         # the expert MLP and its memory modes (mlp.py)
-    python -m expertact.bench.fused         # the fused grouped GEMMs alone (fused.py)
     python bench/host_cost.py               # host cost per call (hostcost.py)
 
 The command expertact-bench is python -m expertact.bench (cli.py). common.py, at the bottom,

@@ -13,11 +13,6 @@ Rows (--impls):
   expertact-inplace            ... inplace_backward=True
   expertact-recompute          ... recompute=True
   expertact-recompute-inplace  ... both
-  fused                        expertact.moe.expert_mlp(..., fused=True): the activation in the grouped GEMMs'
-                               epilogues (CUTLASS, Hopper; docs/fused-gemm.md); y, dx and the weight
-                               gradients stay torch._grouped_mm
-  fused-inplace                ... inplace_backward=True
-  fused-recompute-inplace      ... recompute=True, inplace_backward=True
 
 With expert biases (GPT-OSS's gate_up_proj_bias and down_proj_bias: gate_up = x @ w13[e] + b13[e],
 y = (h @ w2[e] + b2[e]) * weights), each row above has a "-bias" twin, e.g.:
@@ -46,9 +41,7 @@ and y's largest difference from the eager composition's y relative to its larges
 
 The targets it checks (PASS / FAIL below the table): recompute keeps one [T, F] tensor less
 after forward; recompute + in place peaks at or below the in-place composition's measured
-extra peak (TARGET_PEAK_GIB); expertact at or below the compiled activation; the experimental
-fused path (docs/fused-gemm.md) within 1% of the GEMMs alone and at least 5% faster than the
-unfused path. With bias rows: expert_mlp with biases within 3% of the same mode without
+extra peak (TARGET_PEAK_GIB); expertact at or below the compiled activation. With bias rows: expert_mlp with biases within 3% of the same mode without
 (BIAS_COST); faster than the eager torch composition with biases and with less extra peak;
 the small-shape check's errors within twice the eager composition's (or CHECK_FLOOR).
 """
@@ -63,7 +56,7 @@ import types
 import torch
 
 import expertact
-from expertact import _fused, moe
+from expertact import moe
 
 from .common import (
     DTYPES, PRESETS, GiB, OOM, clock_and_memory, eager_form, element_size, fmt_mem, log, measure, mem_unit, method,
@@ -71,15 +64,13 @@ from .common import (
 )
 
 IMPLS = ("gemms", "eager", "compile", "deepspeed", "expertact-op", "expertact", "expertact-inplace",
-         "expertact-recompute", "expertact-recompute-inplace", "fused", "fused-inplace", "fused-recompute-inplace")
+         "expertact-recompute", "expertact-recompute-inplace")
 # The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows (1,045,120 in all).
 CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072, dtype="bfloat16")
 CPU_DEFAULT = dict(experts=4, rows=256, dim=128, ffn=128, dtype="float32")
 _MODES = {
     "expertact": {}, "expertact-inplace": dict(inplace_backward=True), "expertact-recompute": dict(recompute=True),
     "expertact-recompute-inplace": dict(recompute=True, inplace_backward=True),
-    "fused": dict(fused=True), "fused-inplace": dict(fused=True, inplace_backward=True),
-    "fused-recompute-inplace": dict(fused=True, recompute=True, inplace_backward=True),
 }
 # The extra peak of the unfused in-place composition at the seed size, measured on the H200
 # (2026-11-30; bench/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
@@ -240,16 +231,6 @@ def targets(results, tensor_gib, unit="GiB"):
                         by[name]["ms"] <= comp["ms"]))
     if p and rc:
         out.append((f"recompute costs {rc['ms'] - p['ms']:+.2f} ms over plain (about one forward kernel)", None))
-    # The fused path: within 1% of the GEMMs alone, at least 5% faster than the unfused one.
-    g = by.get("gemms")
-    for name in ("fused", "fused-inplace", "fused-recompute-inplace"):
-        f = by.get(name)
-        if f and g:
-            out.append((f"{name} {f['ms']:.1f} ms vs GEMMs alone {g['ms']:.1f} ms ({f['ms'] / g['ms'] - 1:+.1%}; "
-                        "target <= +1%)", f["ms"] <= 1.01 * g["ms"]))
-        if f and p:
-            out.append((f"{name} {f['ms']:.1f} ms vs expertact {p['ms']:.1f} ms ({f['ms'] / p['ms'] - 1:+.1%}; "
-                        "target <= -5%)", f["ms"] <= 0.95 * p["ms"]))
     return out + bias_targets(results, unit)
 
 
@@ -321,13 +302,10 @@ def bias_check(impls, a, s, device):
     inp = MlpInputs(len(CHECK_COUNTS), 0, CHECK_DIM, CHECK_DIM, s.dtype, device, True, seed=1, biased=True,
                     counts=CHECK_COUNTS)
     y_ref, g_ref = _reference64(inp, a.preset, a.layout, a.alpha, a.limit)
-    fused_why = _fused.why_not(inp.x, CHECK_DIM, CHECK_DIM)
     out = []
     for impl in rows:
         r = dict(impl=impl)
         try:
-            if _MODES.get(impl[:-len(BIAS)], {}).get("fused") and fused_why is not None:
-                raise ImportError(fused_why)
             fn = make_fn(impl, a.preset, a.layout, a.alpha, a.limit, inp.offsets, CHECK_DIM, inp.expert_of_row)
             inp.clear()
             y = fn(**dict(zip(inp.names, inp.args)))
@@ -433,7 +411,7 @@ def markdown(meta, results, checks, check=()):
     if check:
         lines += [""] + check_markdown(check, meta)
     if checks:
-        lines += ["", "Targets (memory modes: docs/python.md; the fused rows: docs/fused-gemm.md"
+        lines += ["", "Targets (memory modes: docs/python.md"
                   + ("; the bias rows: docs/BENCHMARKS.md" if biased else "") + "):", ""]
         for text, ok in checks:
             lines.append(f"- {'PASS' if ok else 'FAIL' if ok is not None else 'measured'}: {text}")
@@ -524,13 +502,11 @@ def _keywords(fn, names):
     return call
 
 
-def measure_row(impl, a, s, inp, y_ref, fused_why, device, clock, memory):
+def measure_row(impl, a, s, inp, y_ref, device, clock, memory):
     """One row of the table: its measurements, or why it was skipped or failed."""
     r = dict(impl=impl)
     base = impl[:-len(BIAS)] if impl.endswith(BIAS) else impl
     try:
-        if _MODES.get(base, {}).get("fused") and fused_why is not None:
-            raise ImportError(fused_why)  # it would time the unfused fallback: skipped instead
         fn = _keywords(make_fn(impl, a.preset, "halves" if base == "deepspeed" else a.layout, a.alpha, a.limit,
                                inp.offsets, s.F, inp.expert_of_row), inp.names)
         r.update(measure(fn, inp, clock, memory, s.iters, s.warmup, refresh=False))
@@ -577,13 +553,12 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 fn = make_fn(ref, a.preset, a.layout, a.alpha, a.limit, inp.offsets, s.F, inp.expert_of_row)
                 y_refs[bias] = _keywords(fn, inp.names)(*inp.args)
-    fused_why = _fused.why_not(inp.x, s.D, s.F)
     clock, memory = clock_and_memory(device)
     results = []
     for k, impl in enumerate(s.impls, 1):
         log(f"[{k}/{len(s.impls)}] {impl} ... ({time.time() - t_start:.0f} s so far)")
         y_ref = y_refs.get(BIAS if impl.endswith(BIAS) else "")
-        r = measure_row(impl, a, s, inp, y_ref, fused_why, device, clock, memory)
+        r = measure_row(impl, a, s, inp, y_ref, device, clock, memory)
         results.append(r)
         print(row_line(r, meta["mem_unit"]), flush=True)
     meta["wall_s"] = time.time() - t_start
