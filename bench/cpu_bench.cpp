@@ -26,12 +26,12 @@
 #include <vector>
 
 #include "expertact/expertact.hpp"
+#include "expertact/expertact_c.h"
 
 namespace ea = expertact;
 
 // The CPU kernels the library picked ("avx2+fma+f16c" or "baseline"): exported by
 // src/cpu/glu_cpu.cpp for benchmark reports, not part of the public API.
-extern "C" const char* expertact_cpu_kernel_isa(void);
 
 namespace {
 

@@ -42,7 +42,19 @@ extra=$(echo "$exports" | grep -v -E '^expertact_[a-z0-9_]+$|^expertact::(preset
 echo "exported: $(echo "$exports" | grep -c .) symbols ($(echo "$exports" | grep -c '^expertact_') C, $(echo "$exports" | grep -c '^expertact::') C++)"
 [ -z "$extra" ] || die "symbols exported beyond the C ABI and C++ API:
 $(echo "$extra" | head -20)"
-echo "$exports" | grep -q '^expertact_glu_forward$' || die "expertact_glu_forward is not exported"
+# The C entry points: exactly the functions expertact_c.h declares (EXPERTACT_API), no more, no less.
+header=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/include/expertact/expertact_c.h
+if [ -f "$header" ]; then
+  declared=$(tr '\n' ' ' < "$header" | grep -o 'EXPERTACT_API [^(]*(' | grep -o 'expertact_[a-z0-9_]*(' | tr -d '(' | sort -u)
+  c_exports=$(echo "$exports" | grep -E '^expertact_[a-z0-9_]+$' | sort -u)
+  missing=$(comm -23 <(echo "$declared") <(echo "$c_exports"))
+  undeclared=$(comm -13 <(echo "$declared") <(echo "$c_exports"))
+  [ -z "$missing" ] || die "declared in expertact_c.h but not exported: $(echo $missing)"
+  [ -z "$undeclared" ] || die "exported C symbols that expertact_c.h does not declare: $(echo $undeclared)"
+  echo "C ABI: $(echo "$declared" | grep -c .) entry points of expertact_c.h, all exported"
+else
+  echo "$exports" | grep -q '^expertact_glu_forward$' || die "expertact_glu_forward is not exported"
+fi
 
 # 3. The newest glibc / libstdc++ symbol versions it asks for (the oldest system it loads on).
 vers=$("$READELF" --dyn-syms -W "$lib" | grep -o '@GLIBC[A-Z]*_[0-9.]*' | sort -u -V)

@@ -1,7 +1,7 @@
-// The C ABI: DLTensor* or the 2-D descriptions -> MatrixRef / VectorRef, then the
-// bodies behind the C++ API (src/api.h). Each entry point runs inside the exception
-// guard (core/error.h): the status is returned and the message kept for
-// expertact_last_error().
+// The C ABI: expertact_tensor descriptions -> MatrixRef / VectorRef / OffsetsRef, then the
+// bodies behind the C++ API (src/api.h); the DLTensor -> expertact_tensor helpers. Each entry
+// point runs inside the exception guard (core/error.h): the status is returned and the
+// message kept for expertact_last_error().
 #include "expertact/expertact_c.h"
 
 #include <cmath>
@@ -91,38 +91,45 @@ std::string strides_str(const DLTensor& t) {
   return s + ")";
 }
 
-// [..., C] with the last dimension contiguous and the leading ones collapsible
-// into one row stride -> a row-strided [rows, C] view.
-Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
-  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+// What both helpers check and copy: a DLTensor with a shape and no negative dimension; its
+// data pointer (byte_offset included), dtype and device.
+Status dlpack_common(const char* what, const DLTensor* t, expertact_tensor* out) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, what, ": the DLTensor is null");
+  if (out == nullptr) return fail(Status::kInvalidArgument, what, ": out is null");
+  if (t->ndim < 0 || (t->ndim > 0 && t->shape == nullptr))
+    return fail(Status::kInvalidArgument, what, ": the DLTensor has ndim ", t->ndim, " and shape null");
+  for (int i = 0; i < t->ndim; ++i)
+    if (t->shape[i] < 0)
+      return fail(Status::kInvalidArgument, what, ": the DLTensor has a negative dimension: shape ",
+                  shape_str(*t));
+  out->data = t->data == nullptr ? nullptr : static_cast<char*>(t->data) + t->byte_offset;
+  out->dtype = t->dtype;
+  out->device = t->device;
+  return Status::kOk;
+}
+
+// [..., C] with the last dimension contiguous and the leading ones collapsible into one row
+// stride -> [rows, C].
+Status dlpack_matrix(const DLTensor* t, expertact_tensor* out) {
+  constexpr const char* what = "expertact_tensor_from_dlpack";
+  EA_TRY(dlpack_common(what, t, out));
   if (t->ndim < 1)
-    return fail(Status::kInvalidArgument, name,
-                " is 0-dimensional; expected [..., features] with at least one dimension");
-  if (t->shape == nullptr) return fail(Status::kInvalidArgument, name, ".shape is null");
-  if (Status s = to_dtype(name, t->dtype, m.dtype); s != Status::kOk) return s;
-  if (Status s = to_device(name, t->device, m.device, m.device_id); s != Status::kOk) return s;
+    return fail(Status::kInvalidArgument, what,
+                ": the DLTensor is 0-dimensional; expected [..., features] with at least one dimension");
   const int nd = t->ndim;
   int64_t rows = 1;
-  for (int i = 0; i < nd; ++i) {
-    if (t->shape[i] < 0)
-      return fail(Status::kInvalidArgument, name, " has a negative dimension: shape ",
-                  shape_str(*t));
-    if (i < nd - 1) rows *= t->shape[i];
-  }
+  for (int i = 0; i < nd - 1; ++i) rows *= t->shape[i];
   const int64_t cols = t->shape[nd - 1];
-  m.rows = rows;
-  m.cols = cols;
-  m.data = t->data == nullptr ? nullptr : static_cast<char*>(t->data) + t->byte_offset;
-  m.row_stride = cols;
-  if (rows == 0 || cols == 0) return Status::kOk;
-  if (t->strides == nullptr) return Status::kOk;
+  out->rows = rows;
+  out->cols = cols;
+  out->row_stride = cols;
+  if (rows == 0 || cols == 0 || t->strides == nullptr) return Status::kOk;
   if (cols > 1 && t->strides[nd - 1] != 1)
-    return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
-                strides_str(*t),
-                ": the last dimension must be contiguous (stride 1); copy it first");
-  // Collapse leading dims (size-1 dims carry no stride information).
-  // A found flag, not a sentinel value: a negative stride (reversed rows) must
-  // reach check_matrix's refusal, not be taken for "none found yet".
+    return fail(Status::kInvalidArgument, what, ": the DLTensor has shape ", shape_str(*t), " and strides ",
+                strides_str(*t), ": the last dimension must be contiguous (stride 1); copy it first");
+  // Collapse leading dims (size-1 dims carry no stride information). A found flag, not a
+  // sentinel value: a negative stride (reversed rows) must reach the entry's refusal, not be
+  // taken for "none found yet".
   bool found = false;
   int64_t row_stride = 0;  // stride of the innermost leading dim of size > 1
   int64_t expect = 0;      // stride the next outer dim must have to collapse
@@ -134,41 +141,24 @@ Status to_matrix(const char* name, const DLTensor* t, MatrixRef& m) {
       expect = row_stride * t->shape[i];
     } else {
       if (t->strides[i] != expect)
-        return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
-                    strides_str(*t),
-                    ": its leading dimensions do not collapse into one row stride; copy it first");
+        return fail(Status::kInvalidArgument, what, ": the DLTensor has shape ", shape_str(*t), " and strides ",
+                    strides_str(*t), ": its leading dimensions do not collapse into one row stride; copy it first");
       expect *= t->shape[i];
     }
   }
-  m.row_stride = found ? row_stride : cols;
+  out->row_stride = found ? row_stride : cols;
   return Status::kOk;
 }
 
-Status check_float32(const char* name, const DLDataType& t) {
-  if (!(t.code == kDLFloat && t.bits == 32 && t.lanes == 1))
-    return fail(Status::kInvalidDtype, name, " must be float32 (got DLPack dtype code ",
-                static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
-                static_cast<int>(t.lanes), ")");
-  return Status::kOk;
-}
-
-Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
-  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
-  if (t->ndim > 0 && t->shape == nullptr)
-    return fail(Status::kInvalidArgument, name, ".shape is null");
-  EA_TRY(check_float32(name, t->dtype));
-  if (Status s = to_device(name, t->device, v.device, v.device_id); s != Status::kOk) return s;
+// Any shape whose elements collapse into one stride -> a column [n, 1].
+Status dlpack_vector(const DLTensor* t, expertact_tensor* out) {
+  constexpr const char* what = "expertact_vector_from_dlpack";
+  EA_TRY(dlpack_common(what, t, out));
   int64_t n = 1;
-  for (int i = 0; i < t->ndim; ++i) {
-    if (t->shape[i] < 0)
-      return fail(Status::kInvalidArgument, name, " has a negative dimension: shape ",
-                  shape_str(*t));
-    n *= t->shape[i];
-  }
-  v.size = n;
-  v.data = t->data == nullptr ? nullptr
-                              : reinterpret_cast<float*>(static_cast<char*>(t->data) + t->byte_offset);
-  v.stride = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  out->rows = n;
+  out->cols = 1;
+  out->row_stride = 1;
   if (n <= 1 || t->strides == nullptr) return Status::kOk;
   int64_t stride = 0, expect = 0;
   bool first = true;
@@ -180,20 +170,19 @@ Status to_vector(const char* name, const DLTensor* t, VectorRef& v) {
       first = false;
     } else {
       if (t->strides[i] != expect)
-        return fail(Status::kInvalidArgument, name, " has shape ", shape_str(*t), " and strides ",
-                    strides_str(*t), ": its elements do not collapse into one stride");
+        return fail(Status::kInvalidArgument, what, ": the DLTensor has shape ", shape_str(*t), " and strides ",
+                    strides_str(*t), ": its elements do not collapse into one stride; copy it first");
       expect *= t->shape[i];
     }
   }
-  v.stride = stride;
+  out->row_stride = stride;
   return Status::kOk;
 }
 
-// The 2-D descriptions: only the dtype and device codes need translating; the
-// sizes and strides go to the checks of core/checks.cpp as they are. A single row's (or
-// weight's) stride is normalised as the DLTensor path leaves it, since nothing
-// reads it.
-Status to_matrix(const char* name, const expertact_matrix* t, MatrixRef& m) {
+// The descriptions: only the dtype and device codes need translating; the sizes and
+// strides go to the checks of core/checks.cpp as they are. A single row's stride is
+// normalised, since nothing reads it.
+Status to_matrix(const char* name, const expertact_tensor* t, MatrixRef& m) {
   if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
   EA_TRY(to_dtype(name, t->dtype, m.dtype));
   EA_TRY(to_device(name, t->device, m.device, m.device_id));
@@ -204,13 +193,54 @@ Status to_matrix(const char* name, const expertact_matrix* t, MatrixRef& m) {
   return Status::kOk;
 }
 
-Status to_vector(const char* name, const expertact_vector* t, VectorRef& v) {
+Status check_float32(const char* name, const DLDataType& t) {
+  if (!(t.code == kDLFloat && t.bits == 32 && t.lanes == 1))
+    return fail(Status::kInvalidDtype, name, " must be float32 (got DLPack dtype code ",
+                static_cast<int>(t.code), ", bits ", static_cast<int>(t.bits), ", lanes ",
+                static_cast<int>(t.lanes), ")");
+  return Status::kOk;
+}
+
+// A vector's size and element stride: a column [n, 1] (stride row_stride) or a row [1, n]
+// (contiguous); [0, c] and [r, 0] are empty.
+Status vector_shape(const char* name, const expertact_tensor* t, int64_t& size, int64_t& stride) {
+  if (t->rows < 0 || t->cols < 0)
+    return fail(Status::kInvalidArgument, name, " has a negative size: [", t->rows, ", ", t->cols, "]");
+  if (t->cols == 1) {
+    size = t->rows;
+    stride = t->rows > 1 ? t->row_stride : 1;
+  } else if (t->rows == 1 || t->rows == 0 || t->cols == 0) {
+    size = t->rows * t->cols;
+    stride = 1;
+  } else {
+    return fail(Status::kInvalidArgument, name, " has shape [", t->rows, ", ", t->cols,
+                "]; a vector is a column [n, 1] or a row [1, n]");
+  }
+  return Status::kOk;
+}
+
+Status to_vector(const char* name, const expertact_tensor* t, VectorRef& v) {
   if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
   EA_TRY(check_float32(name, t->dtype));
   EA_TRY(to_device(name, t->device, v.device, v.device_id));
+  EA_TRY(vector_shape(name, t, v.size, v.stride));
   v.data = static_cast<float*>(t->data);
-  v.size = t->size;
-  v.stride = t->size > 1 ? t->stride : 1;
+  return Status::kOk;
+}
+
+// The experts' cumulative end rows: an int32 vector, contiguous.
+Status to_offsets(const expertact_tensor* t, OffsetsRef& o, const char* name = "offsets") {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
+    return fail(Status::kInvalidDtype, name, " must be int32 (got DLPack dtype code ",
+                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
+  int64_t size = 0, stride = 1;
+  EA_TRY(vector_shape(name, t, size, stride));
+  if (size > 1 && stride != 1)
+    return fail(Status::kInvalidArgument, name, " must be contiguous (stride ", stride, ")");
+  EA_TRY(to_device(name, t->device, o.device, o.device_id));
+  o.data = static_cast<const int32_t*>(t->data);
+  o.size = size;
   return Status::kOk;
 }
 
@@ -230,11 +260,9 @@ Status to_params(const expertact_params* p, GluParams& out) {
   return Status::kOk;
 }
 
-// One body per operation for both descriptions (DLTensor or 2-D): Mat and Vec
-// are the operand types, converted by the to_matrix / to_vector overloads above.
-template <typename Mat, typename Vec>
-Status forward_entry(const expertact_params* params, int32_t layout, const Mat* x, const Mat* up,
-                     const Vec* weights, const Mat* out, void* stream) {
+Status forward_entry(const expertact_params* params, int32_t layout, const expertact_tensor* x,
+                     const expertact_tensor* up, const expertact_tensor* weights, const expertact_tensor* out,
+                     void* stream) {
   GluParams p;
   EA_TRY(to_params(params, p));
   EA_TRY(check_layout(layout));
@@ -255,10 +283,10 @@ Status forward_entry(const expertact_params* params, int32_t layout, const Mat* 
                           weights ? &vw : nullptr, mout, stream);
 }
 
-template <typename Mat, typename Vec>
-Status backward_entry(const expertact_params* params, int32_t layout, const Mat* grad_out,
-                      const Mat* x, const Mat* up, const Vec* weights, const Mat* grad_x,
-                      const Mat* grad_up, const Vec* grad_weights, void* stream) {
+Status backward_entry(const expertact_params* params, int32_t layout, const expertact_tensor* grad_out,
+                      const expertact_tensor* x, const expertact_tensor* up, const expertact_tensor* weights,
+                      const expertact_tensor* grad_x, const expertact_tensor* grad_up,
+                      const expertact_tensor* grad_weights, void* stream) {
   GluParams p;
   EA_TRY(to_params(params, p));
   EA_TRY(check_layout(layout));
@@ -286,29 +314,15 @@ Status backward_entry(const expertact_params* params, int32_t layout, const Mat*
                            grad_weights ? &vgw : nullptr, stream);
 }
 
-// The offsets of the per-expert biases: an int32 vector description, contiguous.
-Status to_offsets(const expertact_vector* t, OffsetsRef& o, const char* name = "offsets") {
-  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
-  if (!(t->dtype.code == kDLInt && t->dtype.bits == 32 && t->dtype.lanes == 1))
-    return fail(Status::kInvalidDtype, name, " must be int32 (got DLPack dtype code ",
-                static_cast<int>(t->dtype.code), ", bits ", static_cast<int>(t->dtype.bits), ")");
-  if (t->size > 1 && t->stride != 1)
-    return fail(Status::kInvalidArgument, name, " must be contiguous (stride ", t->stride, ")");
-  EA_TRY(to_device(name, t->device, o.device, o.device_id));
-  o.data = static_cast<const int32_t*>(t->data);
-  o.size = t->size;
-  return Status::kOk;
-}
-
-// The activation's operands of the 2-D forms (shared by the biased entry points).
+// The activation's operands (shared by the biased and FP8 entry points).
 struct GluOperands {
   MatrixRef x, up, out, grad_out, grad_x, grad_up;
   VectorRef w, gw;
   bool separate = false;
 };
 
-Status to_glu_operands(int32_t layout, const expertact_matrix* x, const expertact_matrix* up,
-                       const expertact_vector* weights, GluOperands& o) {
+Status to_glu_operands(int32_t layout, const expertact_tensor* x, const expertact_tensor* up,
+                       const expertact_tensor* weights, GluOperands& o) {
   EA_TRY(check_layout(layout));
   o.separate = layout == EXPERTACT_LAYOUT_SEPARATE;
   EA_TRY(to_matrix(o.separate ? "gate" : "gate_up", x, o.x));
@@ -364,39 +378,29 @@ expertact_status expertact_preset(const char* name, float alpha, float limit,
   });
 }
 
+expertact_status expertact_tensor_from_dlpack(const DLTensor* t, expertact_tensor* out) {
+  return guarded_c("expertact_tensor_from_dlpack", [&] { return dlpack_matrix(t, out); });
+}
+
+expertact_status expertact_vector_from_dlpack(const DLTensor* t, expertact_tensor* out) {
+  return guarded_c("expertact_vector_from_dlpack", [&] { return dlpack_vector(t, out); });
+}
+
 expertact_status expertact_glu_forward(const expertact_params* params, int32_t layout,
-                                       const DLTensor* x, const DLTensor* up,
-                                       const DLTensor* weights, DLTensor* out, void* stream) {
+                                       const expertact_tensor* x, const expertact_tensor* up,
+                                       const expertact_tensor* weights, expertact_tensor* out,
+                                       void* stream) {
   return guarded_c("expertact_glu_forward",
                    [&] { return forward_entry(params, layout, x, up, weights, out, stream); });
 }
 
 expertact_status expertact_glu_backward(const expertact_params* params, int32_t layout,
-                                        const DLTensor* grad_out, const DLTensor* x,
-                                        const DLTensor* up, const DLTensor* weights,
-                                        DLTensor* grad_x, DLTensor* grad_up,
-                                        DLTensor* grad_weights, void* stream) {
+                                        const expertact_tensor* grad_out,
+                                        const expertact_tensor* x, const expertact_tensor* up,
+                                        const expertact_tensor* weights,
+                                        expertact_tensor* grad_x, expertact_tensor* grad_up,
+                                        expertact_tensor* grad_weights, void* stream) {
   return guarded_c("expertact_glu_backward", [&] {
-    return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
-                          stream);
-  });
-}
-
-expertact_status expertact_glu_forward_2d(const expertact_params* params, int32_t layout,
-                                          const expertact_matrix* x, const expertact_matrix* up,
-                                          const expertact_vector* weights, expertact_matrix* out,
-                                          void* stream) {
-  return guarded_c("expertact_glu_forward_2d",
-                   [&] { return forward_entry(params, layout, x, up, weights, out, stream); });
-}
-
-expertact_status expertact_glu_backward_2d(const expertact_params* params, int32_t layout,
-                                           const expertact_matrix* grad_out,
-                                           const expertact_matrix* x, const expertact_matrix* up,
-                                           const expertact_vector* weights,
-                                           expertact_matrix* grad_x, expertact_matrix* grad_up,
-                                           expertact_vector* grad_weights, void* stream) {
-  return guarded_c("expertact_glu_backward_2d", [&] {
     return backward_entry(params, layout, grad_out, x, up, weights, grad_x, grad_up, grad_weights,
                           stream);
   });
@@ -409,14 +413,14 @@ size_t expertact_expert_bias_workspace_bytes(int64_t rows, int64_t cols, int64_t
   return expertact::expert_bias_workspace_bytes(rows, cols, num_experts);
 }
 
-expertact_status expertact_glu_forward_bias_2d(const expertact_params* params, int32_t layout,
-                                               const expertact_matrix* x,
-                                               const expertact_matrix* up,
-                                               const expertact_vector* weights,
-                                               const expertact_matrix* bias,
-                                               const expertact_vector* offsets,
-                                               expertact_matrix* out, void* stream) {
-  return guarded_c("expertact_glu_forward_bias_2d", [&]() -> Status {
+expertact_status expertact_glu_forward_bias(const expertact_params* params, int32_t layout,
+                                            const expertact_tensor* x,
+                                            const expertact_tensor* up,
+                                            const expertact_tensor* weights,
+                                            const expertact_tensor* bias,
+                                            const expertact_tensor* offsets,
+                                            expertact_tensor* out, void* stream) {
+  return guarded_c("expertact_glu_forward_bias", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
@@ -431,13 +435,13 @@ expertact_status expertact_glu_forward_bias_2d(const expertact_params* params, i
   });
 }
 
-expertact_status expertact_glu_backward_bias_2d(
-    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
-    const expertact_matrix* x, const expertact_matrix* up, const expertact_vector* weights,
-    const expertact_matrix* bias, const expertact_vector* offsets, expertact_matrix* grad_x,
-    expertact_matrix* grad_up, expertact_vector* grad_weights, expertact_matrix* grad_bias,
+expertact_status expertact_glu_backward_bias(
+    const expertact_params* params, int32_t layout, const expertact_tensor* grad_out,
+    const expertact_tensor* x, const expertact_tensor* up, const expertact_tensor* weights,
+    const expertact_tensor* bias, const expertact_tensor* offsets, expertact_tensor* grad_x,
+    expertact_tensor* grad_up, expertact_tensor* grad_weights, expertact_tensor* grad_bias,
     void* workspace, size_t workspace_bytes, void* stream) {
-  return guarded_c("expertact_glu_backward_bias_2d", [&]() -> Status {
+  return guarded_c("expertact_glu_backward_bias", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
@@ -463,12 +467,12 @@ expertact_status expertact_glu_backward_bias_2d(
   });
 }
 
-expertact_status expertact_expert_bias_forward_2d(const expertact_matrix* x,
-                                                  const expertact_matrix* bias,
-                                                  const expertact_vector* offsets,
-                                                  const expertact_vector* weights,
-                                                  expertact_matrix* out, void* stream) {
-  return guarded_c("expertact_expert_bias_forward_2d", [&]() -> Status {
+expertact_status expertact_expert_bias_forward(const expertact_tensor* x,
+                                               const expertact_tensor* bias,
+                                               const expertact_tensor* offsets,
+                                               const expertact_tensor* weights,
+                                               expertact_tensor* out, void* stream) {
+  return guarded_c("expertact_expert_bias_forward", [&]() -> Status {
     MatrixRef mx, mb, mo;
     VectorRef vw;
     OffsetsRef offs;
@@ -481,12 +485,12 @@ expertact_status expertact_expert_bias_forward_2d(const expertact_matrix* x,
   });
 }
 
-expertact_status expertact_expert_bias_backward_2d(
-    const expertact_matrix* grad_out, const expertact_matrix* bias,
-    const expertact_vector* offsets, const expertact_vector* weights,
-    expertact_matrix* grad_bias, expertact_vector* grad_weights, void* workspace,
+expertact_status expertact_expert_bias_backward(
+    const expertact_tensor* grad_out, const expertact_tensor* bias,
+    const expertact_tensor* offsets, const expertact_tensor* weights,
+    expertact_tensor* grad_bias, expertact_tensor* grad_weights, void* workspace,
     size_t workspace_bytes, void* stream) {
-  return guarded_c("expertact_expert_bias_backward_2d", [&]() -> Status {
+  return guarded_c("expertact_expert_bias_backward", [&]() -> Status {
     MatrixRef mdy, mb, mgb;
     VectorRef vw, vgw;
     OffsetsRef offs;
@@ -502,11 +506,11 @@ expertact_status expertact_expert_bias_backward_2d(
   });
 }
 
-expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, expertact_matrix* q,
-                                                   expertact_vector* scale,
-                                                   const expertact_vector* col_amax_offsets,
-                                                   expertact_matrix* col_amax, void* stream) {
-  return guarded_c("expertact_fp8_quantize_rowwise_2d", [&]() -> Status {
+expertact_status expertact_fp8_quantize_rowwise(const expertact_tensor* x, expertact_tensor* q,
+                                                expertact_tensor* scale,
+                                                const expertact_tensor* col_amax_offsets,
+                                                expertact_tensor* col_amax, void* stream) {
+  return guarded_c("expertact_fp8_quantize_rowwise", [&]() -> Status {
     MatrixRef mx, mq, ma;
     VectorRef vs;
     OffsetsRef offs;
@@ -520,12 +524,12 @@ expertact_status expertact_fp8_quantize_rowwise_2d(const expertact_matrix* x, ex
   });
 }
 
-expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matrix* x,
-                                                           const expertact_vector* offsets,
-                                                           const expertact_vector* padded_offsets,
-                                                           expertact_matrix* q_t, expertact_matrix* scale,
-                                                           const expertact_matrix* amax, void* stream) {
-  return guarded_c("expertact_fp8_quantize_colwise_grouped_2d", [&]() -> Status {
+expertact_status expertact_fp8_quantize_colwise_grouped(const expertact_tensor* x,
+                                                        const expertact_tensor* offsets,
+                                                        const expertact_tensor* padded_offsets,
+                                                        expertact_tensor* q_t, expertact_tensor* scale,
+                                                        const expertact_tensor* amax, void* stream) {
+  return guarded_c("expertact_fp8_quantize_colwise_grouped", [&]() -> Status {
     MatrixRef mx, mq, ms;
     OffsetsRef offs, pads;
     EA_TRY(to_matrix("x", x, mx));
@@ -540,12 +544,12 @@ expertact_status expertact_fp8_quantize_colwise_grouped_2d(const expertact_matri
   });
 }
 
-expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, int32_t layout,
-                                              const expertact_matrix* x, const expertact_matrix* up,
-                                              const expertact_vector* weights, expertact_matrix* q,
-                                              expertact_vector* scale, const expertact_vector* col_amax_offsets,
-                                              expertact_matrix* col_amax, void* stream) {
-  return guarded_c("expertact_fp8_glu_rowwise_2d", [&]() -> Status {
+expertact_status expertact_fp8_glu_rowwise(const expertact_params* params, int32_t layout,
+                                           const expertact_tensor* x, const expertact_tensor* up,
+                                           const expertact_tensor* weights, expertact_tensor* q,
+                                           expertact_tensor* scale, const expertact_tensor* col_amax_offsets,
+                                           expertact_tensor* col_amax, void* stream) {
+  return guarded_c("expertact_fp8_glu_rowwise", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
@@ -563,13 +567,13 @@ expertact_status expertact_fp8_glu_rowwise_2d(const expertact_params* params, in
   });
 }
 
-expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* params, int32_t layout,
-                                                   const expertact_matrix* x, const expertact_matrix* up,
-                                                   const expertact_vector* weights, const expertact_matrix* bias,
-                                                   const expertact_vector* offsets, expertact_matrix* q,
-                                                   expertact_vector* scale, expertact_matrix* col_amax,
-                                                   void* stream) {
-  return guarded_c("expertact_fp8_glu_rowwise_bias_2d", [&]() -> Status {
+expertact_status expertact_fp8_glu_rowwise_bias(const expertact_params* params, int32_t layout,
+                                                const expertact_tensor* x, const expertact_tensor* up,
+                                                const expertact_tensor* weights, const expertact_tensor* bias,
+                                                const expertact_tensor* offsets, expertact_tensor* q,
+                                                expertact_tensor* scale, expertact_tensor* col_amax,
+                                                void* stream) {
+  return guarded_c("expertact_fp8_glu_rowwise_bias", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
@@ -588,14 +592,14 @@ expertact_status expertact_fp8_glu_rowwise_bias_2d(const expertact_params* param
   });
 }
 
-expertact_status expertact_fp8_glu_colwise_grouped_2d(const expertact_params* params, int32_t layout,
-                                                     const expertact_matrix* x, const expertact_matrix* up,
-                                                     const expertact_vector* weights, const expertact_matrix* bias,
-                                                     const expertact_vector* offsets,
-                                                     const expertact_vector* padded_offsets, expertact_matrix* q_t,
-                                                     expertact_matrix* scale, const expertact_matrix* amax,
+expertact_status expertact_fp8_glu_colwise_grouped(const expertact_params* params, int32_t layout,
+                                                     const expertact_tensor* x, const expertact_tensor* up,
+                                                     const expertact_tensor* weights, const expertact_tensor* bias,
+                                                     const expertact_tensor* offsets,
+                                                     const expertact_tensor* padded_offsets, expertact_tensor* q_t,
+                                                     expertact_tensor* scale, const expertact_tensor* amax,
                                                      void* stream) {
-  return guarded_c("expertact_fp8_glu_colwise_grouped_2d", [&]() -> Status {
+  return guarded_c("expertact_fp8_glu_colwise_grouped", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;
@@ -610,7 +614,7 @@ expertact_status expertact_fp8_glu_colwise_grouped_2d(const expertact_params* pa
     if (amax == nullptr)
       return fail(Status::kInvalidArgument,
                   "amax is null: it is required (float32 [E, F], the per expert and column max |h|, e.g. "
-                  "expertact_fp8_quantize_rowwise_2d's col_amax of the activation)");
+                  "expertact_fp8_quantize_rowwise's col_amax of the activation)");
     EA_TRY(to_matrix("amax", amax, ma));
     return fp8_glu_colwise_grouped_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
                                         weights ? &o.w : nullptr, bias ? &mb : nullptr, offs,
@@ -618,13 +622,13 @@ expertact_status expertact_fp8_glu_colwise_grouped_2d(const expertact_params* pa
   });
 }
 
-expertact_status expertact_fp8_glu_backward_rowwise_2d(
-    const expertact_params* params, int32_t layout, const expertact_matrix* grad_out,
-    const expertact_matrix* gate_up, const expertact_vector* weights, const expertact_matrix* bias,
-    const expertact_vector* offsets, expertact_matrix* q, expertact_vector* scale,
-    expertact_vector* grad_weights, expertact_matrix* col_amax, expertact_matrix* grad_gate_up,
+expertact_status expertact_fp8_glu_backward_rowwise(
+    const expertact_params* params, int32_t layout, const expertact_tensor* grad_out,
+    const expertact_tensor* gate_up, const expertact_tensor* weights, const expertact_tensor* bias,
+    const expertact_tensor* offsets, expertact_tensor* q, expertact_tensor* scale,
+    expertact_tensor* grad_weights, expertact_tensor* col_amax, expertact_tensor* grad_gate_up,
     void* stream) {
-  return guarded_c("expertact_fp8_glu_backward_rowwise_2d", [&]() -> Status {
+  return guarded_c("expertact_fp8_glu_backward_rowwise", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
     GluOperands o;

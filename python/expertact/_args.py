@@ -11,7 +11,8 @@ import torch
 
 from . import _capi
 
-__all__ = ["LAYOUTS", "ACTIVATIONS", "PRESETS", "INF", "tensor_arg", "float_arg", "layout_code"]
+__all__ = ["LAYOUTS", "ACTIVATIONS", "PRESETS", "INF", "DEFAULT_ALPHA", "DEFAULT_LIMIT", "preset_coeffs", "tensor_arg",
+           "float_arg", "layout_code", "check_ends", "check_offsets"]
 
 Tensor = torch.Tensor
 
@@ -113,3 +114,23 @@ def check_ends(ends, rows, where, name="offsets"):
         prev = end
     if prev > rows:
         raise ValueError(f"{where}: {name}[-1] = {prev} is past the last row ({rows} rows)")
+
+
+def check_offsets(offsets, like, where: str = "expertact"):
+    """offsets as the kernels read them: int32, 1-D, contiguous, on the device of like, the
+    [..., C] tensor whose rows they index (its leading dims collapsed into rows). Their
+    values are read once on the host (a device-to-host copy of E values on a GPU) and
+    checked, so that offsets out of order raise here, naming them, rather than giving
+    wrong sums on the GPU."""
+    if not isinstance(offsets, Tensor):
+        raise TypeError(f"{where}: offsets must be a torch.Tensor (got {type(offsets).__name__})")
+    if offsets.dtype != torch.int32:
+        raise _capi.DTypeError(f"{where}: offsets has dtype {offsets.dtype}; it must be int32 "
+                               "(offsets.to(torch.int32))")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{where}: offsets must be 1-D [E] with E >= 1 (got shape {tuple(offsets.shape)})")
+    rows = like.numel() // max(like.shape[-1], 1) if like.dim() else 0
+    check_ends(offsets.tolist(), rows, where)
+    if offsets.device != like.device:
+        offsets = offsets.to(like.device)
+    return offsets.contiguous()

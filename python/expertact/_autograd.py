@@ -1,6 +1,11 @@
-"""Autograd of the activation: the Autograd kernel of expertact::glu (a torch.autograd.Function
-around the operator, registered here), the eager path's own Function around the kernel
-body, and the one backward decision both share (in place or not, operators or bodies).
+"""The differentiable activation: which route a call takes (glu_call: the eager path, the
+kernel bodies of _ops called directly for plain tensors when _eager.eager_ok() holds, or the
+torch operators of _library for everything else and for every call with EXPERTACT_EAGER=0);
+the Autograd kernel of expertact::glu (a torch.autograd.Function around the operator,
+registered here), the eager path's own Function around the kernel body, and the one
+backward decision both share (in place or not, operators or bodies); and the autograd
+Functions of the biased forms (functional.glu(..., bias=, offsets=), functional.expert_bias),
+which run eagerly (a graph break under torch.compile).
 
 Memory (docs/spec.md section 3): the forward saves only its inputs (and weights) for
 backward. With inplace_backward=True the backward writes the gradients over those inputs
@@ -12,11 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from ._describe import glu_backward_body, glu_backward_inplace_body, glu_forward_body
+from . import _ops
+from ._args import check_offsets, layout_code, tensor_arg
+from ._capi import rows_view_ok, vector_ok
 from ._eager import eager_ok, plain
 from ._library import LIB, bump_versions, glu_backward_inplace_op, glu_backward_op, glu_op
 
-__all__ = ["glu_eager", "CREATE_GRAPH_MSG", "SECOND_BACKWARD_MSG"]
+__all__ = ["glu_call", "glu_backward_any", "glu_eager", "glu_bias_call", "expert_bias_call", "CREATE_GRAPH_MSG",
+           "SECOND_BACKWARD_MSG"]
+
+Tensor = torch.Tensor
+glu_forward_body = _ops.glu_forward
+glu_backward_body = _ops.glu_backward
+glu_backward_inplace_body = _ops.glu_backward_inplace
 
 _grad_enabled = torch.is_grad_enabled
 _profiling = torch.autograd._profiler_enabled
@@ -142,3 +155,110 @@ def glu_eager(x, up, weights, layout, act, alpha, limit, beta, inplace_backward,
         return _eager_apply(x, up, weights, (layout, act, alpha, limit, beta), inplace_backward)
     return glu_forward_body(x, up, weights, layout, act, alpha, limit, beta)
 
+
+
+# ---------------------------------------------------------------------------
+# The route of a call: the eager path or the operator
+# ---------------------------------------------------------------------------
+
+
+def glu_call(gate, up, layout, act, alpha, limit, beta, weights, inplace_backward):
+    """The activation of gate (and up, or None for one packed tensor) with numeric parameters:
+    the type checks, the layout's code, one copy of an operand the library cannot read in place,
+    then the eager path or the operator."""
+    packed = up is None
+    if not isinstance(gate, Tensor):
+        tensor_arg("gate_up" if packed else "gate", gate)
+    if not (packed or isinstance(up, Tensor)):
+        tensor_arg("up", up, optional=True)
+    if not (weights is None or isinstance(weights, Tensor)):
+        tensor_arg("weights", weights, optional=True)
+    code = layout_code(layout, packed)
+    # The library reads row-strided views in place; other strides are copied once,
+    # here, so that autograd routes the gradient back through the copy (and an in-place
+    # backward overwrites the copy, not the caller's tensor).
+    if not (gate.is_contiguous() or rows_view_ok(gate)):
+        gate = gate.contiguous()
+    if not (packed or up.is_contiguous() or rows_view_ok(up)):
+        up = up.contiguous()
+    if not (weights is None or weights.is_contiguous() or vector_ok(weights)):
+        weights = weights.contiguous()
+    inplace_backward = bool(inplace_backward)
+    # Plain tensors in eager mode: the kernel bodies without the dispatcher; otherwise the
+    # operator, which torch.compile and modes see.
+    if eager_ok() and plain(gate) and (packed or plain(up)) and (weights is None or plain(weights)):
+        return glu_eager(gate, up, weights, code, act, alpha, limit, beta, inplace_backward)
+    return glu_op(gate, up, weights, code, act, alpha, limit, beta, inplace_backward)
+
+
+def glu_backward_any(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta):
+    """expertact::glu_backward, through the body directly when the eager path applies."""
+    if eager_ok() and plain(grad_out) and plain(x) and (up is None or plain(up)) and (
+            weights is None or plain(weights)):
+        return glu_backward_body(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta)
+    return glu_backward_op(grad_out, x, up, weights, weights_grad, layout, act, alpha, limit, beta)
+
+
+# ---------------------------------------------------------------------------
+# The biased forms (rows sorted by expert; offsets int32 [E])
+# ---------------------------------------------------------------------------
+
+
+def _pair(bias, offsets):
+    if (bias is None) != (offsets is None):
+        missing = "offsets" if offsets is None else "bias"
+        raise ValueError(f"expertact: a per-expert bias needs both bias and offsets; {missing} is missing")
+
+
+class _GluBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, up, weights, bias, offsets, args, inplace):
+        ctx.save_for_backward(x, up, weights, bias, offsets)
+        ctx.args, ctx.inplace, ctx.spent = args, inplace, False
+        return _ops.glu_forward_bias(x, up, bias, offsets, weights, *args)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():
+            raise RuntimeError(CREATE_GRAPH_MSG)
+        if ctx.spent:
+            raise RuntimeError(SECOND_BACKWARD_MSG)
+        x, up, weights, bias, offsets = ctx.saved_tensors
+        ctx.spent = ctx.inplace
+        need = ctx.needs_input_grad
+        gx, gu, gw, gb = _ops.glu_backward_bias(dy, x, up, bias, offsets, weights, weights is not None and need[2],
+                                                need[3], ctx.inplace, *ctx.args)
+        return gx, gu, gw, gb, None, None, None
+
+
+def glu_bias_call(gate, up, layout_code, act, alpha, limit, beta, weights, inplace_backward, bias, offsets):
+    """functional.glu's biased form: the activation of gate (and up) + bias[e], differentiable
+    in every tensor argument (offsets excepted)."""
+    _pair(bias, offsets)
+    tensor_arg("bias", bias)
+    offsets = check_offsets(offsets, gate)
+    return _GluBias.apply(gate, up, weights, bias, offsets, (layout_code, act, alpha, limit, beta),
+                          bool(inplace_backward))
+
+
+class _ExpertBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, offsets, weights):
+        ctx.save_for_backward(bias, offsets, weights)
+        return _ops.expert_bias_forward(x, bias, offsets, weights)
+
+    @staticmethod
+    def backward(ctx, dy):
+        bias, offsets, weights = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gb, gw = _ops.expert_bias_backward(dy, bias, offsets, weights, weights is not None and need[3], need[1])
+        return (dy if need[0] else None), gb, None, gw
+
+
+def expert_bias_call(x, bias, offsets, weights=None):
+    """x + weights[r] * bias[e] per row: see functional.expert_bias."""
+    tensor_arg("x", x)
+    tensor_arg("bias", bias)
+    tensor_arg("weights", weights, optional=True)
+    offsets = check_offsets(offsets, x)
+    return _ExpertBias.apply(x, bias, offsets, weights)

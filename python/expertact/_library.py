@@ -1,7 +1,7 @@
 """The torch operators, registered through torch.library: expertact::glu (differentiable),
 expertact::glu_backward and the in-place expertact::glu_backward_.
 
-What is registered here: the schemas, the CPU and CUDA kernels (the bodies of _describe),
+What is registered here: the schemas, the CPU and CUDA kernels (the bodies of _ops),
 the fake (meta) kernels that give torch.compile and meta tensors their shapes and dtypes,
 and an ADInplaceOrView kernel for glu_backward_ that bumps the version counters of what it
 overwrites. glu's Autograd kernel is registered by _autograd, which holds the autograd
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _capi
-from ._describe import glu_backward_body, glu_backward_inplace_body, glu_forward_body
+from ._ops import glu_backward, glu_backward_inplace, glu_forward
 
 __all__ = ["LIB", "glu_op", "glu_backward_op", "glu_backward_inplace_op", "bump_versions"]
 
@@ -39,9 +39,9 @@ LIB.define(
 )
 
 for _key in ("CPU", "CUDA"):
-    LIB.impl("glu", glu_forward_body, _key)
-    LIB.impl("glu_backward", glu_backward_body, _key)
-    LIB.impl("glu_backward_", glu_backward_inplace_body, _key)
+    LIB.impl("glu", glu_forward, _key)
+    LIB.impl("glu_backward", glu_backward, _key)
+    LIB.impl("glu_backward_", glu_backward_inplace, _key)
 
 
 def bump_versions(x, up, grad_weights):

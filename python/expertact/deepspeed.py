@@ -32,8 +32,8 @@ import torch
 
 from . import _capi
 from ._args import ACTIVATIONS, PRESETS, float_arg, tensor_arg
-from ._describe import rows_view_ok
-from ._route import glu_backward_any, glu_call
+from ._autograd import glu_backward_any, glu_call
+from ._capi import rows_view_ok
 
 __all__ = [
     "EXPERT_ACTIVATIONS", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed",
@@ -401,3 +401,11 @@ def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str
             disable()
         else:
             enable(*before)
+
+
+def enabled(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None):
+    """Deprecated: the earlier name of :func:`enabled_scope` (``with enabled(): ...``), kept for
+    one release. It warns and returns ``enabled_scope(inplace_backward, register)``."""
+    warnings.warn("expertact.deepspeed.enabled() is renamed enabled_scope() (is_enabled() is the predicate); "
+                  "the old name goes in the next release", FutureWarning, stacklevel=2)
+    return enabled_scope(inplace_backward, register)

@@ -37,15 +37,13 @@ a custom FP8 backward.
 from __future__ import annotations
 
 import operator
-from ctypes import byref, c_int32, c_int64
 from typing import Optional, Tuple
 
 import torch
 
-from . import _capi
+from . import _capi, _ops
 from ._args import ACTIVATIONS, check_ends, layout_code, preset_coeffs, tensor_arg
-from ._bias import _check, _matrix, _params_ref, _vector
-from ._describe import stream_of
+from ._capi import rows_view_ok
 
 __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_colwise_grouped",
            "glu_backward_rowwise", "DL_FLOAT8_E4M3FN"]
@@ -53,13 +51,6 @@ __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "gl
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
 
-_LIB = _capi.LIB
-_LIB.expertact_fp8_quantize_rowwise_2d.restype = c_int32
-_LIB.expertact_fp8_glu_rowwise_2d.restype = c_int32
-_LIB.expertact_fp8_quantize_colwise_grouped_2d.restype = c_int32
-_LIB.expertact_fp8_glu_rowwise_bias_2d.restype = c_int32
-_LIB.expertact_fp8_glu_backward_rowwise_2d.restype = c_int32
-_LIB.expertact_fp8_glu_colwise_grouped_2d.restype = c_int32
 
 
 def _outputs(like, cols):
@@ -87,16 +78,12 @@ def quantize_rowwise(t: torch.Tensor, *, col_amax_offsets: Optional[torch.Tensor
     if ends is not None and col_amax_offsets is None:
         raise ValueError(f"{where}: ends goes with col_amax_offsets (got ends alone)")
     q, scale = _outputs(t, t.shape[-1])
-    xs, qs, ss = _matrix(t), _matrix(q), _vector(scale.view(-1))
     if col_amax_offsets is None:
-        _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), None, None,
-                                                      stream_of(t)))
+        _ops.fp8_quantize_rowwise(t, q, scale.view(-1))
         return q, scale
     offsets, _ = _grouped_offsets(col_amax_offsets, scale.numel(), t.device, ends, where, "col_amax_offsets")
     amax = torch.empty((offsets.numel(), t.shape[-1]), dtype=torch.float32, device=t.device)
-    offs, am = _vector(offsets), _matrix(amax)
-    _check(_LIB.expertact_fp8_quantize_rowwise_2d(byref(xs[1]), byref(qs[1]), byref(ss[1]), byref(offs[1]),
-                                                  byref(am[1]), stream_of(t)))
+    _ops.fp8_quantize_rowwise(t, q, scale.view(-1), offsets, amax)
     return q, scale, amax
 
 
@@ -230,13 +217,7 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     if amax is not None:
         _amax_arg(amax, E, C, "C", "t", t.device, where)
     q_t, scale, pads = _colwise_outputs(offsets, host, T, C, P, t.device, where)
-    xs, qs, ss, offs = _matrix(t), _matrix(q_t), _matrix(scale), _vector(offsets)
-    ps = None if pads is None else _vector(pads)
-    am = None if amax is None else _matrix(amax)
-    _check(_LIB.expertact_fp8_quantize_colwise_grouped_2d(byref(xs[1]), byref(offs[1]),
-                                                          None if ps is None else byref(ps[1]), byref(qs[1]),
-                                                          byref(ss[1]), None if am is None else byref(am[1]),
-                                                          stream_of(t)))
+    _ops.fp8_quantize_colwise_grouped(t, offsets, pads, q_t, scale, amax)
     return q_t.t(), scale
 
 
@@ -284,28 +265,14 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
         raise ValueError(f"{where}: gate_up must have at least one dimension")
     cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
     q, scale = _outputs(gate_up, cols)
-    xs, qs, ss = _matrix(gate_up), _matrix(q), _vector(scale.view(-1))
-    us = None if up is None else _matrix(up)
-    ws = None if weights is None else _vector(weights)
-    pref, _keep = _params_ref(act, a, lim, beta)
-    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
-    offs = am = amax = None
+    offs = amax = None
     if offsets is not None or col_amax_offsets is not None:
         name = "offsets" if offsets is not None else "col_amax_offsets"
-        o, _ = _grouped_offsets(offsets if offsets is not None else col_amax_offsets, scale.numel(),
-                                gate_up.device, ends, where, name)
-        offs = _vector(o)
+        offs, _ = _grouped_offsets(offsets if offsets is not None else col_amax_offsets, scale.numel(),
+                                   gate_up.device, ends, where, name)
         if col_amax_offsets is not None:
-            amax = torch.empty((o.numel(), cols), dtype=torch.float32, device=gate_up.device)
-            am = _matrix(amax)
-    if bias is None:
-        _check(_LIB.expertact_fp8_glu_rowwise_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws), byref(qs[1]),
-                                                 byref(ss[1]), ref(offs), ref(am), stream_of(gate_up)))
-    else:
-        bs = _matrix(bias)
-        _check(_LIB.expertact_fp8_glu_rowwise_bias_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws),
-                                                      byref(bs[1]), byref(offs[1]), byref(qs[1]), byref(ss[1]),
-                                                      ref(am), stream_of(gate_up)))
+            amax = torch.empty((offs.numel(), cols), dtype=torch.float32, device=gate_up.device)
+    _ops.fp8_glu_rowwise(gate_up, up, weights, bias, offs, q, scale.view(-1), amax, code, act, a, lim, beta)
     return (q, scale) if amax is None else (q, scale, amax)
 
 
@@ -370,30 +337,19 @@ def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.T
         return quantize_colwise_grouped(h, offsets, pad_to=P, ends=host)
     _amax_arg(amax, E, F, "F", xname, gate_up.device, where)
     q_t, scale, pads = _colwise_outputs(offsets, host, T, F, P, gate_up.device, where)
-    xs, qs, ss, offs, am = _matrix(gate_up), _matrix(q_t), _matrix(scale), _vector(offsets), _matrix(amax)
-    us = None if up is None else _matrix(up)
-    ws = None if weights is None else _vector(weights)
-    bs = None if bias is None else _matrix(bias)
-    ps = None if pads is None else _vector(pads)
-    pref, _keep = _params_ref(act, a, lim, beta)
-    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
-    _check(_LIB.expertact_fp8_glu_colwise_grouped_2d(pref, c_int32(code), byref(xs[1]), ref(us), ref(ws), ref(bs),
-                                                     byref(offs[1]), ref(ps), byref(qs[1]), byref(ss[1]),
-                                                     byref(am[1]), stream_of(gate_up)))
+    _ops.fp8_glu_colwise_grouped(gate_up, up, weights, bias, offsets, pads, q_t, scale, amax, code, act, a, lim, beta)
     return q_t.t(), scale
 
 
 def _dgate_up_out_arg(dgate_up_out, gate_up, where):
-    """dgate_up_out's matrix description (None when not given): gate_up's shape, with rows it
-    can be written through (no copy)."""
+    """Checks dgate_up_out (when given): gate_up's shape, with rows it can be written through
+    (no copy)."""
     if dgate_up_out is None:
-        return None
-    gs = _matrix(dgate_up_out)
-    if gs[0].data_ptr() != dgate_up_out.data_ptr() or dgate_up_out.shape != gate_up.shape:
+        return
+    if dgate_up_out.dim() < 1 or not rows_view_ok(dgate_up_out) or dgate_up_out.shape != gate_up.shape:
         raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
                          f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
                          f"{dgate_up_out.stride()})")
-    return gs
 
 
 def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,
@@ -443,25 +399,15 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     if gate_up.dim() < 1:
         raise ValueError(f"{where}: gate_up must have at least one dimension")
     q, scale = _outputs(gate_up, gate_up.shape[-1])
-    xs, ds, qs, ss = _matrix(gate_up), _matrix(dh), _matrix(q), _vector(scale.view(-1))
-    ws = None if weights is None else _vector(weights)
     dw = None
     if weights_grad:
         dw = torch.empty(scale.shape, dtype=torch.float32, device=gate_up.device)
-    dws = None if dw is None else _vector(dw.view(-1))
-    offs = bs = am = amax = None
+    amax = None
     if offsets is not None:
         offsets, _ = _grouped_offsets(offsets, scale.numel(), gate_up.device, ends, where)
-        offs = _vector(offsets)
         if col_amax:
             amax = torch.empty((offsets.numel(), gate_up.shape[-1]), dtype=torch.float32, device=gate_up.device)
-            am = _matrix(amax)
-    if bias is not None:
-        bs = _matrix(bias)
-    gs = _dgate_up_out_arg(dgate_up_out, gate_up, where)
-    pref, _keep = _params_ref(act, a, lim, beta)
-    ref = lambda h: None if h is None else byref(h[1])  # noqa: E731
-    _check(_LIB.expertact_fp8_glu_backward_rowwise_2d(pref, c_int32(code), byref(ds[1]), byref(xs[1]), ref(ws),
-                                                      ref(bs), ref(offs), byref(qs[1]), byref(ss[1]), ref(dws),
-                                                      ref(am), ref(gs), stream_of(gate_up)))
+    _dgate_up_out_arg(dgate_up_out, gate_up, where)
+    _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, bias, offsets, q, scale.view(-1),
+                                  None if dw is None else dw.view(-1), amax, dgate_up_out, code, act, a, lim, beta)
     return q, scale, dw, amax

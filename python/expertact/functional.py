@@ -9,11 +9,8 @@ from typing import Optional
 
 import torch
 
-from ._args import ACTIVATIONS, INF, LAYOUTS, PRESETS, float_arg
-from ._args import layout_code
-from ._bias import expert_bias as _expert_bias
-from ._bias import glu_bias_call
-from ._route import glu_call
+from ._args import ACTIVATIONS, INF, LAYOUTS, PRESETS, float_arg, layout_code
+from ._autograd import expert_bias_call, glu_bias_call, glu_call
 
 __all__ = ["glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "expert_bias", "LAYOUTS", "ACTIVATIONS",
            "PRESETS"]
@@ -91,7 +88,7 @@ def expert_bias(x: Tensor, bias: Tensor, offsets: Tensor, *, weights: Optional[T
     The bias's gradient sums weights[r] * grad_out[r] over each expert's rows in a fixed
     order: bit-identical from run to run. Runs eagerly (a graph break under torch.compile).
     """
-    return _expert_bias(x, bias, offsets, weights)
+    return expert_bias_call(x, bias, offsets, weights)
 
 
 def swiglu(gate: Tensor, up: Optional[Tensor] = None, *, layout: Optional[str] = None,

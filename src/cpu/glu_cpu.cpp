@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/problem.h"
+#include "expertact/expertact_c.h"
 #include "cpu/fp8_cpu.h"
 #include "cpu/glu_cpu_kernels.h"
 #include "cpu/kernel_table.h"
@@ -151,9 +152,8 @@ void run_chunks(const Split& s, Seg&& seg) {
 }  // namespace
 }  // namespace expertact::cpu
 
-// The name of the kernels in use ("avx2+fma+f16c" or "baseline"), for benchmark
-// reports. Not part of the public API.
-extern "C" __attribute__((visibility("default"))) const char* expertact_cpu_kernel_isa(void) {
+// The name of the kernels in use (expertact_c.h).
+extern "C" const char* expertact_cpu_kernel_isa(void) {
   return expertact::cpu::kernels().isa;
 }
 

@@ -1,4 +1,4 @@
-// The per-expert biases through the C ABI (expertact_*_bias_2d): results against a float64
+// The per-expert biases through the C ABI (expertact_*_bias): results against a float64
 // oracle written here, outputs poisoned with NaN beforehand (an element left unwritten
 // shows), bias gradients bit-identical across two runs, rows past the last offset, and the
 // refusals naming their argument. Every data test runs on each backend (CPU; CUDA when
@@ -44,14 +44,14 @@ struct IntBuf {
   }
 };
 
-expertact_matrix mat(Backend& be, Buf& b, int64_t rows, int64_t cols) {
-  return expertact_matrix{b.d->data(), rows, cols, cols, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
+expertact_tensor mat(Backend& be, Buf& b, int64_t rows, int64_t cols) {
+  return expertact_tensor{b.d->data(), rows, cols, cols, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
 }
-expertact_vector vec(Backend& be, Buf& b, int64_t n) {
-  return expertact_vector{b.d->data(), n, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
+expertact_tensor vec(Backend& be, Buf& b, int64_t n) {
+  return expertact_tensor{b.d->data(), n, 1, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
 }
-expertact_vector offs(Backend& be, IntBuf& b) {
-  return expertact_vector{b.d->data(), b.n, 1, DLDataType{kDLInt, 32, 1}, be.dl_device()};
+expertact_tensor offs(Backend& be, IntBuf& b) {
+  return expertact_tensor{b.d->data(), b.n, 1, 1, DLDataType{kDLInt, 32, 1}, be.dl_device()};
 }
 
 std::vector<float> randn(size_t n, unsigned seed, float scale = 1.0f) {
@@ -116,13 +116,13 @@ TEST_P(BiasTest, GluBiasAgainstFloat64) {
          dy = mat(be, DY, T, F), gx = mat(be, GX, T, 2 * F), gb = mat(be, GB, E, 2 * F);
     auto wv = vec(be, W, T), gwv = vec(be, GW, T);
     auto ov = offs(be, OF);
-    ASSERT_EQ(expertact_glu_forward_bias_2d(&p, layout, &x, nullptr, &wv, &bias, &ov, &out, be.stream()),
+    ASSERT_EQ(expertact_glu_forward_bias(&p, layout, &x, nullptr, &wv, &bias, &ov, &out, be.stream()),
               EXPERTACT_OK) << expertact_last_error();
     be.finish("forward");
     const size_t wsb = expertact_glu_bias_workspace_bytes(T, F, E);
     DeviceBuffer ws(be, wsb);
     auto run_bwd = [&] {
-      ASSERT_EQ(expertact_glu_backward_bias_2d(&p, layout, &dy, &x, nullptr, &wv, &bias, &ov, &gx, nullptr,
+      ASSERT_EQ(expertact_glu_backward_bias(&p, layout, &dy, &x, nullptr, &wv, &bias, &ov, &gx, nullptr,
                                                &gwv, &gb, ws.data(), wsb, be.stream()),
                 EXPERTACT_OK) << expertact_last_error();
       be.finish("backward");
@@ -178,12 +178,12 @@ TEST_P(BiasTest, ExpertBiasAgainstFloat64) {
   auto wv = vec(be, W, T), gwv = vec(be, GW, T);
   auto ov = offs(be, OF);
   // in place: out describes x
-  ASSERT_EQ(expertact_expert_bias_forward_2d(&x, &bias, &ov, &wv, &x, be.stream()), EXPERTACT_OK)
+  ASSERT_EQ(expertact_expert_bias_forward(&x, &bias, &ov, &wv, &x, be.stream()), EXPERTACT_OK)
       << expertact_last_error();
   be.finish("forward");
   const size_t wsb = expertact_expert_bias_workspace_bytes(T, C, E);
   DeviceBuffer ws(be, wsb);
-  ASSERT_EQ(expertact_expert_bias_backward_2d(&dy, &bias, &ov, &wv, &gb, &gwv, ws.data(), wsb, be.stream()),
+  ASSERT_EQ(expertact_expert_bias_backward(&dy, &bias, &ov, &wv, &gb, &gwv, ws.data(), wsb, be.stream()),
             EXPERTACT_OK) << expertact_last_error();
   be.finish("backward");
   std::vector<double> ry(T * C), rgw(T, 0.0), rgb(E * C, 0.0);
@@ -215,26 +215,26 @@ TEST_P(BiasTest, Refusals) {
   auto x = mat(be, X, T, 2 * F), out = mat(be, OUT, T, F), dy = mat(be, DY, T, F), gx = mat(be, GX, T, 2 * F);
   auto ov = offs(be, OF);
   auto bad_bias = mat(be, B, E, 2 * F - 2);
-  EXPECT_EQ(expertact_glu_forward_bias_2d(&p, 1, &x, nullptr, nullptr, &bad_bias, &ov, &out, be.stream()),
+  EXPECT_EQ(expertact_glu_forward_bias(&p, 1, &x, nullptr, nullptr, &bad_bias, &ov, &out, be.stream()),
             EXPERTACT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(expertact_last_error()).find("bias"), std::string::npos) << expertact_last_error();
   auto bias = mat(be, B, E, 2 * F);
   auto of64 = ov;
   of64.dtype = DLDataType{kDLInt, 64, 1};
-  EXPECT_EQ(expertact_glu_forward_bias_2d(&p, 1, &x, nullptr, nullptr, &bias, &of64, &out, be.stream()),
+  EXPECT_EQ(expertact_glu_forward_bias(&p, 1, &x, nullptr, nullptr, &bias, &of64, &out, be.stream()),
             EXPERTACT_INVALID_DTYPE);
   EXPECT_NE(std::string(expertact_last_error()).find("offsets"), std::string::npos);
   if (be.device() == expertact::DeviceType::kCPU) {
     IntBuf BAD(be, {6, 4});
     auto bo = offs(be, BAD);
-    EXPECT_EQ(expertact_glu_forward_bias_2d(&p, 1, &x, nullptr, nullptr, &bias, &bo, &out, nullptr),
+    EXPECT_EQ(expertact_glu_forward_bias(&p, 1, &x, nullptr, nullptr, &bias, &bo, &out, nullptr),
               EXPERTACT_INVALID_ARGUMENT);
     EXPECT_NE(std::string(expertact_last_error()).find("non-decreasing"), std::string::npos);
   } else {
     // the CUDA backward needs its workspace, and says how much
     Buf GB(be, std::vector<float>(E * 2 * F));
     auto gb = mat(be, GB, E, 2 * F);
-    EXPECT_EQ(expertact_glu_backward_bias_2d(&p, 1, &dy, &x, nullptr, nullptr, &bias, &ov, &gx, nullptr,
+    EXPECT_EQ(expertact_glu_backward_bias(&p, 1, &dy, &x, nullptr, nullptr, &bias, &ov, &gx, nullptr,
                                              nullptr, &gb, nullptr, 0, be.stream()),
               EXPERTACT_INVALID_ARGUMENT);
     EXPECT_NE(std::string(expertact_last_error()).find("workspace"), std::string::npos);
@@ -244,7 +244,7 @@ TEST_P(BiasTest, Refusals) {
   auto gwv = vec(be, GW, T);
   auto bias_d = mat(be, B, E, 2 * F);
   auto yb = mat(be, GX, T, 2 * F);
-  EXPECT_EQ(expertact_expert_bias_backward_2d(&yb, &bias_d, &ov, nullptr, nullptr, &gwv, nullptr, 0, be.stream()),
+  EXPECT_EQ(expertact_expert_bias_backward(&yb, &bias_d, &ov, nullptr, nullptr, &gwv, nullptr, 0, be.stream()),
             EXPERTACT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(expertact_last_error()).find("weights"), std::string::npos);
 }

@@ -1,7 +1,8 @@
-// The C ABI (expertact_c.h): DLTensor descriptions (compact, explicit
-// strides, N-D collapsing to rows, byte_offset, pinned host memory), results
-// through it against the oracle, every refusal of src/c_api.cpp with its
-// message, presets by name, and the small query functions.
+// The C ABI (expertact_c.h): the DLTensor -> expertact_tensor helpers (compact,
+// explicit strides, N-D collapsing to rows, byte_offset, vectors, pinned host
+// memory), results through the entries against the oracle, descriptions built by
+// hand giving the same bits, every refusal of src/c_api.cpp with its message,
+// presets by name, and the small query functions.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -91,12 +92,27 @@ struct Operand {
   }
 };
 
-// The same view as a 2-D description (expertact_glu_*_2d).
-expertact_matrix as_matrix(const Operand& o) {
-  return expertact_matrix{o.buf->data() + o.byte_offset, o.rows, o.cols, o.row_stride, o.t.dtype, o.t.device};
+// The same view described by hand: a matrix, or a vector as the column [rows, 1].
+expertact_tensor by_hand(const Operand& o) {
+  return expertact_tensor{o.buf->data() + o.byte_offset, o.rows, o.cols, o.row_stride, o.t.dtype, o.t.device};
 }
-expertact_vector as_vector(const Operand& o) {
-  return expertact_vector{o.buf->data() + o.byte_offset, o.rows, o.row_stride, o.t.dtype, o.t.device};
+
+// The helpers' description of an operand's DLTensor, checked field by field against the view.
+expertact_tensor described(const Operand& o, bool vector) {
+  expertact_tensor d{};
+  const expertact_status s =
+      vector ? expertact_vector_from_dlpack(&o.t, &d) : expertact_tensor_from_dlpack(&o.t, &d);
+  EXPECT_EQ(s, EXPERTACT_OK) << expertact_last_error();
+  const expertact_tensor want = by_hand(o);
+  EXPECT_EQ(d.data, want.data);
+  EXPECT_EQ(d.rows, want.rows);
+  EXPECT_EQ(d.cols, want.cols);
+  if (want.rows > 1) {
+    EXPECT_EQ(d.row_stride, want.row_stride);
+  }
+  EXPECT_EQ(d.dtype.code, want.dtype.code);
+  EXPECT_EQ(d.device.device_type, want.device.device_type);
+  return d;
 }
 
 // Bit-identical results (NaN payloads included).
@@ -137,7 +153,7 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     ASSERT_EQ(expertact_preset("swiglu_oai", NAN, NAN, &params), EXPERTACT_OK);
 
     Operand x, up, out, dy, gx, gu, w, gw;
-    Operand x2, up2, out2, gx2, gu2, gw2;  // the same views, for the 2-D entry points
+    Operand x2, up2, out2, gx2, gu2, gw2;  // the same views, described by hand
     if (!strided) {
       // Compact N-D tensors, strides NULL.
       x.init(be, dtype, {B, S, C}, {}, R, C, C, 0, 0xFF);
@@ -183,9 +199,14 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     for (Operand* o : {&x, &up, &out, &dy, &gx, &gu, &w, &gw, &x2, &up2, &out2, &gx2, &gu2, &gw2})
       o->upload();
 
+    // Described by the helpers.
+    const expertact_tensor dx = described(x, false), dup = described(up, false), ddy = described(dy, false);
+    expertact_tensor dout = described(out, false), dgx = described(gx, false), dgu = described(gu, false);
+    const expertact_tensor dw = described(w, true);
+    expertact_tensor dgw = described(gw, true);
     // Forward.
-    ASSERT_EQ(expertact_glu_forward(&params, static_cast<int32_t>(layout), &x.t, sep ? &up.t : nullptr,
-                                    &w.t, &out.t, be.stream()),
+    ASSERT_EQ(expertact_glu_forward(&params, static_cast<int32_t>(layout), &dx, sep ? &dup : nullptr, &dw, &dout,
+                                    be.stream()),
               EXPERTACT_OK)
         << expertact_last_error();
     be.finish("expertact_glu_forward");
@@ -193,9 +214,8 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     RunResult f;
     f.out = out.get("out");
     // Backward with the weight gradient.
-    ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &dy.t, &x.t,
-                                     sep ? &up.t : nullptr, &w.t, &gx.t, sep ? &gu.t : nullptr,
-                                     &gw.t, be.stream()),
+    ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &ddy, &dx, sep ? &dup : nullptr, &dw,
+                                     &dgx, sep ? &dgu : nullptr, &dgw, be.stream()),
               EXPERTACT_OK)
         << expertact_last_error();
     be.finish("expertact_glu_backward");
@@ -210,39 +230,37 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     for (Operand* o : {&x, &up, &dy, &w}) o->get("input");  // inputs unchanged
     expect_verdict(verify(c, in, WMode::kWeights, &f, &b, oracle_params(c.params)),
                    "C ABI vs oracle");
-    // The 2-D entry points on the same views: bit-identical results.
+    // The same views described by hand: bit-identical results.
     {
-      const expertact_matrix mx = as_matrix(x2), mup = as_matrix(up2), mdy = as_matrix(dy);
-      expertact_matrix mout = as_matrix(out2), mgx = as_matrix(gx2), mgu = as_matrix(gu2);
-      const expertact_vector vw = as_vector(w);
-      expertact_vector vgw = as_vector(gw2);
-      ASSERT_EQ(expertact_glu_forward_2d(&params, static_cast<int32_t>(layout), &mx, sep ? &mup : nullptr,
-                                         &vw, &mout, be.stream()),
+      const expertact_tensor mx = by_hand(x2), mup = by_hand(up2), mdy = by_hand(dy);
+      expertact_tensor mout = by_hand(out2), mgx = by_hand(gx2), mgu = by_hand(gu2);
+      const expertact_tensor vw = by_hand(w);
+      expertact_tensor vgw = by_hand(gw2);
+      ASSERT_EQ(expertact_glu_forward(&params, static_cast<int32_t>(layout), &mx, sep ? &mup : nullptr, &vw, &mout,
+                                      be.stream()),
                 EXPERTACT_OK)
           << expertact_last_error();
-      ASSERT_EQ(expertact_glu_backward_2d(&params, static_cast<int32_t>(layout), &mdy, &mx,
-                                          sep ? &mup : nullptr, &vw, &mgx, sep ? &mgu : nullptr, &vgw,
-                                          be.stream()),
+      ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &mdy, &mx, sep ? &mup : nullptr,
+                                       &vw, &mgx, sep ? &mgu : nullptr, &vgw, be.stream()),
                 EXPERTACT_OK)
           << expertact_last_error();
-      be.finish("expertact_glu_*_2d");
-      expect_same_bits(out2.get("out (2-D)"), f.out, "forward_2d vs forward");
-      expect_same_bits(gx2.get("grad_x (2-D)"), gx.get("grad_x"), "backward_2d grad_x");
-      if (sep) expect_same_bits(gu2.get("grad_up (2-D)"), gu.get("grad_up"), "backward_2d grad_up");
-      expect_same_bits(gw2.get("grad_weights (2-D)"), b.dw, "backward_2d grad_weights");
+      be.finish("described by hand");
+      expect_same_bits(out2.get("out (by hand)"), f.out, "forward by hand vs helpers");
+      expect_same_bits(gx2.get("grad_x (by hand)"), gx.get("grad_x"), "backward by hand grad_x");
+      if (sep) expect_same_bits(gu2.get("grad_up (by hand)"), gu.get("grad_up"), "backward by hand grad_up");
+      expect_same_bits(gw2.get("grad_weights (by hand)"), b.dw, "backward by hand grad_weights");
       // In place: the input's own description as its gradient.
-      ASSERT_EQ(expertact_glu_backward_2d(&params, static_cast<int32_t>(layout), &mdy, &mx,
-                                          sep ? &mup : nullptr, &vw, const_cast<expertact_matrix*>(&mx),
-                                          sep ? const_cast<expertact_matrix*>(&mup) : nullptr, nullptr,
-                                          be.stream()),
+      ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &mdy, &mx, sep ? &mup : nullptr,
+                                       &vw, const_cast<expertact_tensor*>(&mx),
+                                       sep ? const_cast<expertact_tensor*>(&mup) : nullptr, nullptr, be.stream()),
                 EXPERTACT_OK)
           << expertact_last_error();
-      be.finish("expertact_glu_backward_2d in place");
+      be.finish("by hand, in place");
     }
-    // In place: the input tensors themselves as gradients.
-    ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &dy.t, &x.t,
-                                     sep ? &up.t : nullptr, &w.t, &x.t, sep ? &up.t : nullptr,
-                                     nullptr, be.stream()),
+    // In place, the helpers' descriptions of the inputs as gradients.
+    ASSERT_EQ(expertact_glu_backward(&params, static_cast<int32_t>(layout), &ddy, &dx, sep ? &dup : nullptr, &dw,
+                                     const_cast<expertact_tensor*>(&dx),
+                                     sep ? const_cast<expertact_tensor*>(&dup) : nullptr, nullptr, be.stream()),
               EXPERTACT_OK)
         << expertact_last_error();
     be.finish("expertact_glu_backward in place");
@@ -255,8 +273,8 @@ class CAbiRun : public testing::TestWithParam<AbiParam> {
     }
     expect_verdict(verify(c, in, WMode::kWeightsNoGrad, nullptr, &ip, oracle_params(c.params)),
                    "C ABI in place vs oracle");
-    expect_same_bits(x2.get("x (2-D, in place)"), x.get("x (in place)"), "backward_2d in place");
-    if (sep) expect_same_bits(up2.get("up (2-D, in place)"), up.get("up (in place)"), "backward_2d in place up");
+    expect_same_bits(x2.get("x (by hand, in place)"), x.get("x (in place)"), "by hand in place");
+    if (sep) expect_same_bits(up2.get("up (by hand, in place)"), up.get("up (in place)"), "by hand in place up");
   }
 };
 
@@ -295,9 +313,17 @@ TEST(CAbi, CudaHostMemoryIsTreatedAsCpu) {
   };
   expertact_params p;
   ASSERT_EQ(expertact_preset("swiglu_clamped", NAN, 2.0f, &p), EXPERTACT_OK);
-  DLTensor gc = tensor(g.data(), kDLCPU), uc = tensor(u.data(), kDLCPU), oc = tensor(o1.data(), kDLCPU);
-  DLTensor gh = tensor(g.data(), kDLCUDAHost), uh = tensor(u.data(), kDLCUDAHost),
-           oh = tensor(o2.data(), kDLCUDAHost);
+  // A DLTensor's description by the helper (its dtype and device copied as they are).
+  auto desc = [&](float* data, DLDeviceType dev) {
+    const DLTensor t = tensor(data, dev);
+    expertact_tensor d{};
+    EXPECT_EQ(expertact_tensor_from_dlpack(&t, &d), EXPERTACT_OK) << expertact_last_error();
+    EXPECT_EQ(d.device.device_type, dev);
+    return d;
+  };
+  expertact_tensor gc = desc(g.data(), kDLCPU), uc = desc(u.data(), kDLCPU), oc = desc(o1.data(), kDLCPU);
+  expertact_tensor gh = desc(g.data(), kDLCUDAHost), uh = desc(u.data(), kDLCUDAHost),
+                   oh = desc(o2.data(), kDLCUDAHost);
   ASSERT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_SEPARATE, &gc, &uc, nullptr, &oc, nullptr),
             EXPERTACT_OK);
   ASSERT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_SEPARATE, &gh, &uh, nullptr, &oh, nullptr),
@@ -346,9 +372,23 @@ class CAbiErrors : public testing::TestWithParam<BackendKind> {
     be_->finish(what.c_str());
     EXPECT_EQ(got, EXPERTACT_OK) << what << ": " << expertact_last_error();
   }
+  // DLTensors described by the helpers (a null one stays null), then the entry; a helper's
+  // refusal is returned as the call's.
+  static expertact_status describe(const DLTensor* t, expertact_tensor* d) {
+    return t ? expertact_tensor_from_dlpack(t, d) : EXPERTACT_OK;
+  }
+  static expertact_status describe_vec(const DLTensor* t, expertact_tensor* d) {
+    return t ? expertact_vector_from_dlpack(t, d) : EXPERTACT_OK;
+  }
   expertact_status fwd(int32_t layout, const DLTensor* x, const DLTensor* up, const DLTensor* w,
                        DLTensor* out, const expertact_params* p = nullptr) {
-    return expertact_glu_forward(p ? p : &params_, layout, x, up, w, out, be_->stream());
+    expertact_tensor dx{}, du{}, dw{}, dout{};
+    expertact_status s = EXPERTACT_OK;
+    if ((s = describe(x, &dx)) || (s = describe(up, &du)) || (s = describe_vec(w, &dw)) ||
+        (s = describe(out, &dout)))
+      return s;
+    return expertact_glu_forward(p ? p : &params_, layout, x ? &dx : nullptr, up ? &du : nullptr,
+                                 w ? &dw : nullptr, out ? &dout : nullptr, be_->stream());
   }
 
   Backend* be_ = nullptr;
@@ -368,8 +408,12 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
   ASSERT_EQ(fwd(EXPERTACT_LAYOUT_INTERLEAVED, &x, nullptr, &w, &o), EXPERTACT_OK) << expertact_last_error();
   be_->finish("baseline");
 
-  expect_fail(expertact_glu_forward(nullptr, 0, &g, &u, nullptr, &o, nullptr), kBad, {"params is null"},
-              "null params");
+  {
+    expertact_tensor dg{}, du{}, dout{};
+    ASSERT_EQ(describe(&g, &dg) | describe(&u, &du) | describe(&o, &dout), EXPERTACT_OK);
+    expect_fail(expertact_glu_forward(nullptr, 0, &dg, &du, nullptr, &dout, nullptr), kBad, {"params is null"},
+                "null params");
+  }
   for (int32_t l : {-1, 4, 77})
     expect_fail(fwd(l, &g, &u, nullptr, &o), kBad, {"layout " + std::to_string(l)}, "layout");
   expect_fail(fwd(0, nullptr, &u, nullptr, &o), kBad, {"gate is null"}, "null gate");
@@ -377,15 +421,19 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
   expect_fail(fwd(0, &g, &u, nullptr, nullptr), kBad, {"out is null"}, "null out");
   expect_fail(fwd(0, &g, nullptr, nullptr, &o), kBad, {"up is missing"}, "missing up");
   expect_fail(fwd(2, &x, &u, nullptr, &o), kBad, {"up must be null"}, "extra up");
-  {  // 0-d
+  {  // 0-d: not a matrix (the vector helper takes it as one element)
     DLTensor t = g;
     t.ndim = 0;
-    expect_fail(fwd(1, &t, nullptr, nullptr, &o), kBad, {"gate_up is 0-dimensional"}, "0-d");
+    expect_fail(fwd(1, &t, nullptr, nullptr, &o), kBad, {"expertact_tensor_from_dlpack", "0-dimensional"}, "0-d");
   }
-  {  // shape null
+  {  // shape null, a null DLTensor, a null out
     DLTensor t = g;
     t.shape = nullptr;
-    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"gate.shape is null"}, "null shape");
+    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"expertact_tensor_from_dlpack", "shape null"}, "null shape");
+    expertact_tensor d{};
+    expect_fail(expertact_tensor_from_dlpack(nullptr, &d), kBad, {"the DLTensor is null"}, "null DLTensor");
+    expect_fail(expertact_vector_from_dlpack(&w, nullptr), kBad, {"expertact_vector_from_dlpack", "out is null"},
+                "null out");
   }
   // dtypes: code / bits / lanes in the message.
   const struct {
@@ -414,7 +462,8 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     DLTensor t = g;
     t.strides = st;
     expect_fail(fwd(0, &t, &u, nullptr, &o), kBad,
-                {"gate has shape [4, 8] and strides (16, 2)", "last dimension must be contiguous"},
+                {"expertact_tensor_from_dlpack: the DLTensor has shape [4, 8] and strides (16, 2)",
+                 "last dimension must be contiguous"},
                 "inner stride");
   }
   {  // leading dimensions that do not collapse: a slice of the middle dimension
@@ -424,13 +473,13 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     t.shape = sh;
     t.strides = st;
     expect_fail(fwd(0, &t, &u, nullptr, &o), kBad,
-                {"gate has shape [2, 2, 8] and strides (40, 8, 1)", "do not collapse"}, "collapse");
+                {"the DLTensor has shape [2, 2, 8] and strides (40, 8, 1)", "do not collapse"}, "collapse");
   }
   {  // negative dimension
     int64_t sh[2] = {-1, 8};
     DLTensor t = g;
     t.shape = sh;
-    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"gate has a negative dimension", "[-1, 8]"}, "neg dim");
+    expect_fail(fwd(0, &t, &u, nullptr, &o), kBad, {"the DLTensor has a negative dimension", "[-1, 8]"}, "neg dim");
   }
   {  // negative and zero row strides: no reversed or broadcast rows
     int64_t st[2] = {-8, 1};
@@ -444,7 +493,7 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     t3.shape = sh3;
     t3.strides = st3;
     t3.data = buf_->data() + 8 * 4;
-    expect_fail(fwd(0, &t3, &u, nullptr, &o), kBad, {"gate"}, "reversed middle dimension");
+    expect_fail(fwd(0, &t3, &u, nullptr, &o), kBad, {"do not collapse"}, "reversed middle dimension");
     int64_t st0[2] = {0, 1};
     DLTensor b = o;
     b.strides = st0;
@@ -466,12 +515,14 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     v.ndim = 2;
     v.shape = sh;
     v.strides = st;
-    expect_fail(fwd(0, &g, &u, &v, &o), kBad, {"weights has shape [2, 2] and strides (5, 1)", "do not collapse"},
+    expect_fail(fwd(0, &g, &u, &v, &o), kBad,
+                {"expertact_vector_from_dlpack: the DLTensor has shape [2, 2] and strides (5, 1)", "do not collapse"},
                 "weights collapse");
     int64_t shn[1] = {-4};
     DLTensor n = w;
     n.shape = shn;
-    expect_fail(fwd(0, &g, &u, &n, &o), kBad, {"weights has a negative dimension"}, "weights neg dim");
+    expect_fail(fwd(0, &g, &u, &n, &o), kBad, {"expertact_vector_from_dlpack", "negative dimension"},
+                "weights neg dim");
     int64_t sh3[1] = {3};
     DLTensor m = w;
     m.shape = sh3;
@@ -479,12 +530,15 @@ TEST_P(CAbiErrors, ArgumentsAndTensors) {
     DLTensor d = w;
     d.device = DLDevice{kDLMetal, 0};
     expect_fail(fwd(0, &g, &u, &d, &o), kBad, {"weights is on DLPack device type 8"}, "weights device");
-    // A [4, 1] weight tensor and a 0-d one for a single row are fine.
-    int64_t sh41[2] = {4, 1};
+    // A [4, 1] and a [1, 4] weight tensor are fine.
+    int64_t sh41[2] = {4, 1}, sh14[2] = {1, 4};
     DLTensor c41 = w;
     c41.ndim = 2;
     c41.shape = sh41;
     EXPECT_EQ(fwd(0, &g, &u, &c41, &o), EXPERTACT_OK) << expertact_last_error();
+    DLTensor c14 = c41;
+    c14.shape = sh14;
+    EXPECT_EQ(fwd(0, &g, &u, &c14, &o), EXPERTACT_OK) << expertact_last_error();
   }
   // Shape errors travel up from the C++ layer.
   {
@@ -504,15 +558,30 @@ TEST_P(CAbiErrors, BackwardArguments) {
   DLTensor x = mat(5, s16), gx = mat(6, s16);
   DLTensor w = mat(7, s4), gw = mat(8, s4);
   w.ndim = gw.ndim = 1;
+  // The same DLTensor as an input and its gradient gets the same description (in place).
   auto bwd = [&](int32_t l, DLTensor* dyp, DLTensor* xp, DLTensor* up, DLTensor* wp, DLTensor* gxp,
                  DLTensor* gup, DLTensor* gwp) {
-    return expertact_glu_backward(&params_, l, dyp, xp, up, wp, gxp, gup, gwp, be_->stream());
+    expertact_tensor ddy{}, dx{}, du{}, dw{}, dgx{}, dgu{}, dgw{};
+    expertact_status st = EXPERTACT_OK;
+    if ((st = describe(dyp, &ddy)) || (st = describe(xp, &dx)) || (st = describe(up, &du)) || (st = describe_vec(wp, &dw)) ||
+        (st = describe(gxp, &dgx)) || (st = describe(gup, &dgu)) || (st = describe_vec(gwp, &dgw)))
+      return st;
+    expertact_tensor* gx_d = gxp == nullptr ? nullptr : gxp == xp ? &dx : &dgx;
+    expertact_tensor* gu_d = gup == nullptr ? nullptr : gup == up ? &du : &dgu;
+    return expertact_glu_backward(&params_, l, dyp ? &ddy : nullptr, xp ? &dx : nullptr, up ? &du : nullptr,
+                                  wp ? &dw : nullptr, gx_d, gu_d, gwp ? &dgw : nullptr, be_->stream());
   };
   ASSERT_EQ(bwd(0, &dy, &g, &u, &w, &gg, &gu, &gw), EXPERTACT_OK) << expertact_last_error();
   ASSERT_EQ(bwd(3, &dy, &x, nullptr, &w, &gx, nullptr, &gw), EXPERTACT_OK) << expertact_last_error();
   be_->finish("baseline");
-  expect_fail(expertact_glu_backward(nullptr, 0, &dy, &g, &u, nullptr, &gg, &gu, nullptr, nullptr), kBad,
-              {"params is null"}, "params");
+  {
+    expertact_tensor d[5]{};
+    ASSERT_EQ(describe(&dy, &d[0]) | describe(&g, &d[1]) | describe(&u, &d[2]) | describe(&gg, &d[3]) |
+                  describe(&gu, &d[4]),
+              EXPERTACT_OK);
+    expect_fail(expertact_glu_backward(nullptr, 0, &d[0], &d[1], &d[2], nullptr, &d[3], &d[4], nullptr, nullptr),
+                kBad, {"params is null"}, "params");
+  }
   expect_fail(bwd(5, &dy, &g, &u, nullptr, &gg, &gu, nullptr), kBad, {"layout 5"}, "layout");
   expect_fail(bwd(0, nullptr, &g, &u, nullptr, &gg, &gu, nullptr), kBad, {"grad_out is null"}, "grad_out");
   expect_fail(bwd(0, &dy, &g, nullptr, nullptr, &gg, &gu, nullptr), kBad, {"up is missing"}, "up");
@@ -532,7 +601,7 @@ TEST_P(CAbiErrors, BackwardArguments) {
   DLTensor bad2 = gu;
   bad2.dtype = DLDataType{kDLFloat, 16, 1};
   expect_fail(bwd(0, &dy, &g, &u, &w, &gg, &bad2, nullptr), EXPERTACT_INVALID_DTYPE, {"grad_up.dtype is float16"}, "gu dtype");
-  // In place through the C ABI: the same DLTensor as input and gradient.
+  // In place through the C ABI: the input's own description as its gradient.
   EXPECT_EQ(bwd(0, &dy, &g, &u, &w, &g, &u, &gw), EXPERTACT_OK) << expertact_last_error();
   EXPECT_EQ(bwd(1, &dy, &x, nullptr, &w, &x, nullptr, nullptr), EXPERTACT_OK) << expertact_last_error();
   // A gradient that overlaps its input without being it.
@@ -543,24 +612,24 @@ TEST_P(CAbiErrors, BackwardArguments) {
   be_->finish("errors");
 }
 
-// The 2-D descriptions go through the same checks as DLTensors, with the same messages.
-TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
+// Descriptions built by hand: the checks of the entries themselves.
+TEST_P(CAbiErrors, Descriptions) {
   const expertact_status kBad = EXPERTACT_INVALID_ARGUMENT;
   const DLDataType f32{kDLFloat, 32, 1};
   const DLDevice dev = be_->dl_device();
   auto m = [&](int i, int64_t rows, int64_t cols) {
-    return expertact_matrix{buf_->data() + 1024 * i, rows, cols, cols, f32, dev};
+    return expertact_tensor{buf_->data() + 1024 * i, rows, cols, cols, f32, dev};
   };
-  expertact_matrix g = m(0, 4, 8), u = m(1, 4, 8), o = m(2, 4, 8), x = m(3, 4, 16);
-  expertact_matrix dy = m(4, 4, 8), gg = m(5, 4, 8), gu = m(6, 4, 8), gx = m(7, 4, 16);
-  expertact_vector w{buf_->data() + 1024 * 8, 4, 1, f32, dev}, gw{buf_->data() + 1024 * 9, 4, 1, f32, dev};
-  auto fwd = [&](int32_t l, const expertact_matrix* xp, const expertact_matrix* up, const expertact_vector* wp,
-                 expertact_matrix* op) {
-    return expertact_glu_forward_2d(&params_, l, xp, up, wp, op, be_->stream());
+  expertact_tensor g = m(0, 4, 8), u = m(1, 4, 8), o = m(2, 4, 8), x = m(3, 4, 16);
+  expertact_tensor dy = m(4, 4, 8), gg = m(5, 4, 8), gu = m(6, 4, 8), gx = m(7, 4, 16);
+  expertact_tensor w{buf_->data() + 1024 * 8, 4, 1, 1, f32, dev}, gw{buf_->data() + 1024 * 9, 4, 1, 1, f32, dev};
+  auto fwd = [&](int32_t l, const expertact_tensor* xp, const expertact_tensor* up, const expertact_tensor* wp,
+                 expertact_tensor* op) {
+    return expertact_glu_forward(&params_, l, xp, up, wp, op, be_->stream());
   };
-  auto bwd = [&](int32_t l, const expertact_matrix* xp, const expertact_matrix* up, expertact_matrix* gxp,
-                 expertact_matrix* gup, expertact_vector* gwp) {
-    return expertact_glu_backward_2d(&params_, l, &dy, xp, up, &w, gxp, gup, gwp, be_->stream());
+  auto bwd = [&](int32_t l, const expertact_tensor* xp, const expertact_tensor* up, expertact_tensor* gxp,
+                 expertact_tensor* gup, expertact_tensor* gwp) {
+    return expertact_glu_backward(&params_, l, &dy, xp, up, &w, gxp, gup, gwp, be_->stream());
   };
   ASSERT_EQ(fwd(0, &g, &u, &w, &o), EXPERTACT_OK) << expertact_last_error();
   ASSERT_EQ(fwd(3, &x, nullptr, &w, &o), EXPERTACT_OK) << expertact_last_error();
@@ -568,7 +637,7 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   ASSERT_EQ(bwd(1, &x, nullptr, &gx, nullptr, &gw), EXPERTACT_OK) << expertact_last_error();
   be_->finish("baseline");
 
-  expect_fail(expertact_glu_forward_2d(nullptr, 0, &g, &u, nullptr, &o, nullptr), kBad, {"params is null"},
+  expect_fail(expertact_glu_forward(nullptr, 0, &g, &u, nullptr, &o, nullptr), kBad, {"params is null"},
               "null params");
   expect_fail(fwd(9, &g, &u, nullptr, &o), kBad, {"layout 9"}, "layout");
   expect_fail(fwd(0, nullptr, &u, nullptr, &o), kBad, {"gate is null"}, "null gate");
@@ -576,7 +645,7 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   expect_fail(fwd(1, &x, &u, nullptr, &o), kBad, {"up must be null"}, "extra up");
   expect_fail(fwd(0, &g, &u, nullptr, nullptr), kBad, {"out is null"}, "null out");
   {
-    expertact_matrix t = u;
+    expertact_tensor t = u;
     t.dtype = DLDataType{kDLInt, 16, 1};
     expect_fail(fwd(0, &g, &t, nullptr, &o), EXPERTACT_INVALID_DTYPE, {"up has unsupported DLPack dtype", "code 0, bits 16, lanes 1"},
                 "dtype");
@@ -603,23 +672,40 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
     expect_fail(fwd(3, &t, nullptr, nullptr, &o), kBad, {"gate_up's last dimension is 15", "odd"}, "odd");
   }
   {  // one row: its stride is never read, so any value is accepted
-    expertact_matrix g1 = g, u1 = u, o1 = o;
+    expertact_tensor g1 = g, u1 = u, o1 = o;
     g1.rows = u1.rows = o1.rows = 1;
     g1.row_stride = 0;
     u1.row_stride = -3;
     expect_ok(fwd(0, &g1, &u1, nullptr, &o1), "one row");
   }
   {  // weights
-    expertact_vector t = w;
+    expertact_tensor t = w;
     t.dtype = DLDataType{kDLFloat, 16, 1};
     expect_fail(fwd(0, &g, &u, &t, &o), EXPERTACT_INVALID_DTYPE, {"weights must be float32", "code 2, bits 16, lanes 1"},
                 "weights dtype");
     t = w;
-    t.size = 3;
+    t.rows = 3;
     expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights has 3 elements", "4 rows"}, "weights size");
     t = w;
-    t.stride = 0;
+    t.row_stride = 0;
     expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights.stride is 0"}, "weights stride");
+    t = w;
+    t.rows = 2;
+    t.cols = 2;
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights has shape [2, 2]", "column [n, 1] or a row [1, n]"},
+                "weights not a vector");
+    t = w;
+    t.cols = -1;
+    expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights has a negative size"}, "weights negative");
+    t = w;  // a row [1, 4]: contiguous, its row_stride not read
+    t.rows = 1;
+    t.cols = 4;
+    t.row_stride = -7;
+    expect_ok(fwd(0, &g, &u, &t, &o), "weights as a row");
+    t = w;  // a strided column: every second float of block 8
+    t.rows = 4;
+    t.row_stride = 2;
+    expect_ok(fwd(0, &g, &u, &t, &o), "strided weights");
     t = w;
     t.device = DLDevice{kDLMetal, 0};
     expect_fail(fwd(0, &g, &u, &t, &o), kBad, {"weights is on DLPack device type 8"}, "weights device");
@@ -628,14 +714,14 @@ TEST_P(CAbiErrors, TwoDimensionalDescriptions) {
   expect_fail(bwd(0, &g, &u, &gg, nullptr, nullptr), kBad, {"grad_up is missing"}, "grad_up");
   expect_fail(bwd(2, &x, nullptr, nullptr, nullptr, nullptr), kBad, {"grad_gate_up is null"}, "grad_gate_up");
   {
-    expertact_vector t = gw;
+    expertact_tensor t = gw;
     t.dtype = DLDataType{kDLBfloat, 16, 1};
     expect_fail(bwd(0, &g, &u, &gg, &gu, &t), EXPERTACT_INVALID_DTYPE, {"grad_weights must be float32"}, "gw dtype");
   }
   // In place (the input's own description), and a partial overlap that is refused.
   expect_ok(bwd(0, &g, &u, &g, &u, &gw), "in place separate");
   expect_ok(bwd(3, &x, nullptr, &x, nullptr, nullptr), "in place packed");
-  expertact_matrix shifted = x;
+  expertact_tensor shifted = x;
   shifted.data = static_cast<char*>(x.data) + 4;
   expect_fail(bwd(1, &x, nullptr, &shifted, nullptr, nullptr), kBad, {"grad_gate_up overlaps gate_up"},
               "partial in place");
@@ -662,12 +748,82 @@ TEST(CAbi, CudaTensorInCpuOnlyBuild) {
   int64_t oshape[2] = {4, 8};
   o.shape = oshape;
   o.data = mem.data() + 128;
+  expertact_tensor dx{}, dout{};
+  ASSERT_EQ(expertact_tensor_from_dlpack(&x, &dx), EXPERTACT_OK);  // the helper reads no memory
+  ASSERT_EQ(expertact_tensor_from_dlpack(&o, &dout), EXPERTACT_OK);
   expertact_params p;
   ASSERT_EQ(expertact_preset("swiglu", NAN, NAN, &p), EXPERTACT_OK);
-  EXPECT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_HALVES, &x, nullptr, nullptr, &o, nullptr),
+  EXPECT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_HALVES, &dx, nullptr, nullptr, &dout, nullptr),
             EXPERTACT_UNSUPPORTED);
   EXPECT_NE(std::string(expertact_last_error()).find("no CUDA path"), std::string::npos)
       << expertact_last_error();
+}
+
+// ---- the DLTensor helpers' descriptions
+
+DLTensor dl(void* data, std::vector<int64_t>& shape, std::vector<int64_t>* strides, uint64_t offset = 0) {
+  DLTensor t{};
+  t.data = data;
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = DLDataType{kDLBfloat, 16, 1};
+  t.shape = shape.data();
+  t.strides = strides ? strides->data() : nullptr;
+  t.byte_offset = offset;
+  return t;
+}
+
+TEST(CAbiHelpers, MatrixDescriptions) {
+  alignas(16) static char mem[64];
+  struct Want {
+    std::vector<int64_t> shape, strides;  // strides empty: NULL
+    uint64_t offset;
+    int64_t rows, cols, row_stride;
+  };
+  const Want cases[] = {
+      {{2, 3, 8}, {}, 0, 6, 8, 8},                 // compact N-D
+      {{8}, {}, 0, 1, 8, 8},                       // one row
+      {{4, 8}, {20, 1}, 6, 4, 8, 20},              // a column slice of a wider matrix, byte_offset
+      {{2, 1, 3, 8}, {72, 5, 24, 1}, 0, 6, 8, 24}, // size-1 dims carry any stride
+      {{3, 1}, {7, 3}, 0, 3, 1, 7},                // one column: its stride is not read
+      {{0, 8}, {3, 1}, 0, 0, 8, 8},                // empty
+      {{5, 0}, {}, 0, 5, 0, 0},
+  };
+  for (const Want& w : cases) {
+    std::vector<int64_t> shape = w.shape, strides = w.strides;
+    const DLTensor t = dl(mem, shape, strides.empty() ? nullptr : &strides, w.offset);
+    expertact_tensor d{};
+    ASSERT_EQ(expertact_tensor_from_dlpack(&t, &d), EXPERTACT_OK) << expertact_last_error();
+    EXPECT_EQ(d.data, mem + w.offset);
+    EXPECT_EQ(d.rows, w.rows);
+    EXPECT_EQ(d.cols, w.cols);
+    EXPECT_EQ(d.row_stride, w.row_stride) << d.rows << "x" << d.cols;
+    EXPECT_EQ(d.dtype.code, kDLBfloat);
+    EXPECT_EQ(d.dtype.bits, 16);
+  }
+}
+
+TEST(CAbiHelpers, VectorDescriptions) {
+  alignas(16) static float mem[64];
+  struct Want {
+    std::vector<int64_t> shape, strides;
+    int64_t rows, row_stride;
+  };
+  const Want cases[] = {
+      {{6}, {}, 6, 1},          {{2, 3}, {}, 6, 1},     {{6}, {4}, 6, 4},  {{2, 3}, {9, 3}, 6, 3},
+      {{4, 1}, {1, 99}, 4, 1},  {{}, {}, 1, 1},         {{1}, {5}, 1, 1},  {{0}, {}, 0, 1},
+      {{3}, {-2}, 3, -2},
+  };
+  for (const Want& w : cases) {
+    std::vector<int64_t> shape = w.shape, strides = w.strides;
+    const DLTensor t = dl(mem, shape, strides.empty() ? nullptr : &strides);
+    expertact_tensor d{};
+    ASSERT_EQ(expertact_vector_from_dlpack(&t, &d), EXPERTACT_OK) << expertact_last_error();
+    EXPECT_EQ(d.rows, w.rows);
+    EXPECT_EQ(d.cols, 1);
+    EXPECT_EQ(d.row_stride, w.row_stride);
+  }
+  // Reversed elements reach the entry, whose checks take a negative stride for weights.
 }
 
 // ---- presets by name, errors, queries
@@ -717,17 +873,9 @@ TEST(CAbi, PresetsByName) {
   // A preset with an invalid limit is refused where it is used, naming it.
   ASSERT_EQ(expertact_preset("swiglu_clamped", NAN, -1.0f, &p), EXPERTACT_OK);
   std::vector<float> mem(64);
-  int64_t s[2] = {2, 8};
-  DLTensor t{};
-  t.data = mem.data();
-  t.device = DLDevice{kDLCPU, 0};
-  t.ndim = 2;
-  t.dtype = DLDataType{kDLFloat, 32, 1};
-  t.shape = s;
-  DLTensor o = t;
-  int64_t so[2] = {2, 4};
-  o.shape = so;
-  o.data = mem.data() + 32;
+  const DLDataType f32{kDLFloat, 32, 1};
+  const expertact_tensor t{mem.data(), 2, 8, 8, f32, DLDevice{kDLCPU, 0}};
+  expertact_tensor o{mem.data() + 32, 2, 4, 4, f32, DLDevice{kDLCPU, 0}};
   EXPECT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_HALVES, &t, nullptr, nullptr, &o, nullptr),
             EXPERTACT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(expertact_last_error()).find("params.limit must be > 0 or +inf (got -1)"),
@@ -745,16 +893,9 @@ TEST(CAbi, LastErrorIsClearedBySuccess) {
   EXPECT_STREQ(expertact_last_error(), "");
   // A failing then a succeeding compute call.
   std::vector<float> mem(64, 1.0f);
-  int64_t s[2] = {2, 8}, so[2] = {2, 4};
-  DLTensor x{};
-  x.data = mem.data();
-  x.device = DLDevice{kDLCPU, 0};
-  x.ndim = 2;
-  x.dtype = DLDataType{kDLFloat, 32, 1};
-  x.shape = s;
-  DLTensor o = x;
-  o.shape = so;
-  o.data = mem.data() + 32;
+  const DLDataType f32{kDLFloat, 32, 1};
+  const expertact_tensor x{mem.data(), 2, 8, 8, f32, DLDevice{kDLCPU, 0}};
+  expertact_tensor o{mem.data() + 32, 2, 4, 4, f32, DLDevice{kDLCPU, 0}};
   EXPECT_EQ(expertact_glu_forward(&p, 9, &x, nullptr, nullptr, &o, nullptr), EXPERTACT_INVALID_ARGUMENT);
   EXPECT_STRNE(expertact_last_error(), "");
   EXPECT_EQ(expertact_glu_forward(&p, EXPERTACT_LAYOUT_HALVES, &x, nullptr, nullptr, &o, nullptr),
@@ -765,7 +906,7 @@ TEST(CAbi, LastErrorIsClearedBySuccess) {
 
 TEST(CAbi, Queries) {
   EXPECT_EQ(expertact_abi_version(), EXPERTACT_ABI_VERSION);
-  EXPECT_EQ(expertact_abi_version(), 3);  // 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: biases, FP8
+  EXPECT_EQ(expertact_abi_version(), 4);  // 2: dtype error status; 3: biases, FP8; 4: expertact_tensor
   EXPECT_EQ(expertact_has_cuda(), EXPERTACT_WITH_CUDA ? 1 : 0);
   EXPECT_EQ(expertact::has_cuda(), EXPERTACT_WITH_CUDA != 0);
   expertact_set_cpu_threads(3);
@@ -773,6 +914,8 @@ TEST(CAbi, Queries) {
   EXPECT_EQ(expertact::cpu_threads(), 3);
   expertact_set_cpu_threads(0);
   EXPECT_GE(expertact_cpu_threads(), 1);
+  const std::string isa = expertact_cpu_kernel_isa();
+  EXPECT_TRUE(isa == "baseline" || isa == "avx2+fma+f16c") << isa;
   // Status and layout values are the C++ enums'.
   EXPECT_EQ(EXPERTACT_INVALID_ARGUMENT, static_cast<int>(Status::kInvalidArgument));
   EXPECT_EQ(EXPERTACT_UNSUPPORTED, static_cast<int>(Status::kUnsupported));

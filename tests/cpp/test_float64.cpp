@@ -203,8 +203,11 @@ TEST(Float64CAbi, ForwardThroughDLTensor) {
   double gu[2][6] = {{-1, 0.5, 2, 3, -4, 0.25}, {7, 8, -9, 1, 1, 1}};
   double out[2][3];
   int64_t xs[2] = {2, 6}, os[2] = {2, 3};
-  DLTensor x{gu, {kDLCPU, 0}, 2, {kDLFloat, 64, 1}, xs, nullptr, 0};
-  DLTensor o{out, {kDLCPU, 0}, 2, {kDLFloat, 64, 1}, os, nullptr, 0};
+  DLTensor xd{gu, {kDLCPU, 0}, 2, {kDLFloat, 64, 1}, xs, nullptr, 0};
+  DLTensor od{out, {kDLCPU, 0}, 2, {kDLFloat, 64, 1}, os, nullptr, 0};
+  expertact_tensor x, o;
+  ASSERT_EQ(expertact_tensor_from_dlpack(&xd, &x), EXPERTACT_OK) << expertact_last_error();
+  ASSERT_EQ(expertact_tensor_from_dlpack(&od, &o), EXPERTACT_OK) << expertact_last_error();
   expertact_params prm;
   ASSERT_EQ(expertact_preset("swiglu", NAN, NAN, &prm), EXPERTACT_OK);
   ASSERT_EQ(expertact_glu_forward(&prm, EXPERTACT_LAYOUT_HALVES, &x, nullptr, nullptr, &o, nullptr),

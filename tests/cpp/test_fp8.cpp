@@ -1,7 +1,7 @@
-// The FP8 activation quantised per expert and column (expertact_fp8_glu_colwise_grouped_2d and
+// The FP8 activation quantised per expert and column (expertact_fp8_glu_colwise_grouped and
 // expertact::fp8_glu_colwise_grouped): bit for bit the q_t bytes and scales of the activation's
-// forward (expertact_glu_forward_2d / _bias_2d) followed by expertact_fp8_quantize_rowwise_2d's
-// column amax and expertact_fp8_quantize_colwise_grouped_2d, for each dtype, layout, with and
+// forward (expertact_glu_forward / _bias) followed by expertact_fp8_quantize_rowwise's
+// column amax and expertact_fp8_quantize_colwise_grouped, for each dtype, layout, with and
 // without bias and padding (empty experts, rows past the last offset, a NaN row); outputs
 // poisoned differently beforehand, so an unwritten byte shows. Then the refusals, each naming
 // its argument. Every data test runs on each backend (CPU; CUDA when built and a GPU is present).
@@ -47,7 +47,7 @@ struct Mat {
     for (int64_t i = 0; i < r * c; ++i) store_elem(t, &d->image[i * size_of(t)], v[i]);
     d->upload();
   }
-  expertact_matrix c_ref(Backend& be) const { return expertact_matrix{d->data(), rows, cols, cols, dl_of(dtype), be.dl_device()}; }
+  expertact_tensor c_ref(Backend& be) const { return expertact_tensor{d->data(), rows, cols, cols, dl_of(dtype), be.dl_device()}; }
   expertact::MatrixRef ref(Backend& be) const {
     return expertact::MatrixRef{d->data(), rows, cols, cols, dtype, be.device(), be.device_id()};
   }
@@ -65,8 +65,8 @@ struct Ints {
     std::memcpy(d->image.data(), v.data(), v.size() * 4);
     d->upload();
   }
-  expertact_vector c_ref(Backend& be) const {
-    return expertact_vector{d->data(), n, 1, DLDataType{kDLInt, 32, 1}, be.dl_device()};
+  expertact_tensor c_ref(Backend& be) const {
+    return expertact_tensor{d->data(), n, 1, 1, DLDataType{kDLInt, 32, 1}, be.dl_device()};
   }
   expertact::OffsetsRef ref(Backend& be) const {
     return expertact::OffsetsRef{static_cast<const int32_t*>(static_cast<void*>(d->data())), n, be.device(),
@@ -99,7 +99,7 @@ TEST_P(Fp8GluColwise, MatchesForwardThenColwise) {
   std::vector<float> w(T);
   for (int64_t r = 0; r < T; ++r) w[r] = 0.25f + 0.01f * static_cast<float>(r % 50);
   Mat W(be, DType::kFloat32, T, 1, w);
-  const expertact_vector wv{W.d->data(), T, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
+  const expertact_tensor wv{W.d->data(), T, 1, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (Layout layout : all_layouts()) {
       for (bool biased : {false, true}) {
@@ -117,22 +117,22 @@ TEST_P(Fp8GluColwise, MatchesForwardThenColwise) {
             }
           Mat X(be, dt, T, sep ? F : 2 * F, sep ? zg : z), U(be, dt, T, F, zu), B(be, dt, E, 2 * F, randn(E * 2 * F, 9, 2.0f));
           const auto xm = X.c_ref(be), um = U.c_ref(be), bm = B.c_ref(be);
-          const expertact_matrix* up = sep ? &um : nullptr;
+          const expertact_tensor* up = sep ? &um : nullptr;
           const int32_t code = static_cast<int32_t>(layout);
           // the reference: forward, rowwise (for the column amax), colwise with that amax
           Mat H(be, dt, T, F, uint8_t{0}), Q(be, DType::kFloat8E4M3, T, F, uint8_t{0}),
               S(be, DType::kFloat32, T, 1, uint8_t{0}), A(be, DType::kFloat32, E, F, uint8_t{0xFF});
           auto hm = H.c_ref(be), qm = Q.c_ref(be), am = A.c_ref(be);
-          expertact_vector sv{S.d->data(), T, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
-          ASSERT_EQ(biased ? expertact_glu_forward_bias_2d(&p, code, &xm, up, &wv, &bm, &ov, &hm, be.stream())
-                           : expertact_glu_forward_2d(&p, code, &xm, up, &wv, &hm, be.stream()),
+          expertact_tensor sv{S.d->data(), T, 1, 1, DLDataType{kDLFloat, 32, 1}, be.dl_device()};
+          ASSERT_EQ(biased ? expertact_glu_forward_bias(&p, code, &xm, up, &wv, &bm, &ov, &hm, be.stream())
+                           : expertact_glu_forward(&p, code, &xm, up, &wv, &hm, be.stream()),
                     EXPERTACT_OK) << expertact_last_error();
-          ASSERT_EQ(expertact_fp8_quantize_rowwise_2d(&hm, &qm, &sv, &ov, &am, be.stream()), EXPERTACT_OK)
+          ASSERT_EQ(expertact_fp8_quantize_rowwise(&hm, &qm, &sv, &ov, &am, be.stream()), EXPERTACT_OK)
               << expertact_last_error();
           const int64_t cols = padded ? pads16.back() : T;
           Mat RQ(be, DType::kFloat8E4M3, F, cols, uint8_t{0x55}), RS(be, DType::kFloat32, E, F, uint8_t{0xFF});
           auto rqm = RQ.c_ref(be), rsm = RS.c_ref(be);
-          ASSERT_EQ(expertact_fp8_quantize_colwise_grouped_2d(&hm, &ov, padded ? &pv : nullptr, &rqm, &rsm, &am,
+          ASSERT_EQ(expertact_fp8_quantize_colwise_grouped(&hm, &ov, padded ? &pv : nullptr, &rqm, &rsm, &am,
                                                               be.stream()),
                     EXPERTACT_OK) << expertact_last_error();
           be.finish("reference");
@@ -140,10 +140,10 @@ TEST_P(Fp8GluColwise, MatchesForwardThenColwise) {
           // the C entry
           Mat CQ(be, DType::kFloat8E4M3, F, cols, uint8_t{0xAA}), CS(be, DType::kFloat32, E, F, uint8_t{0x7B});
           auto cqm = CQ.c_ref(be), csm = CS.c_ref(be);
-          ASSERT_EQ(expertact_fp8_glu_colwise_grouped_2d(&p, code, &xm, up, &wv, biased ? &bm : nullptr, &ov,
+          ASSERT_EQ(expertact_fp8_glu_colwise_grouped(&p, code, &xm, up, &wv, biased ? &bm : nullptr, &ov,
                                                          padded ? &pv : nullptr, &cqm, &csm, &am, be.stream()),
                     EXPERTACT_OK) << expertact_last_error();
-          be.finish("expertact_fp8_glu_colwise_grouped_2d");
+          be.finish("expertact_fp8_glu_colwise_grouped");
           EXPECT_EQ(CQ.bytes(), rq) << "q_t";
           EXPECT_EQ(CS.bytes(), rs) << "scale";
           // the C++ entry
@@ -187,38 +187,38 @@ TEST_P(Fp8GluColwise, Refusals) {
   Ints offs(be, {4, 10});
   auto x = X.c_ref(be), b = B.c_ref(be), q = Q.c_ref(be), s = S.c_ref(be), a = A.c_ref(be);
   const auto ov = offs.c_ref(be);
-  auto expect_refused = [&](expertact_status want, const expertact_matrix* xx, const expertact_matrix* bb,
-                            const expertact_vector* oo, const expertact_matrix* qq, const expertact_matrix* ss,
-                            const expertact_matrix* aa, const char* needle) {
-    expertact_matrix q2 = *qq, s2 = *ss;
-    EXPECT_EQ(expertact_fp8_glu_colwise_grouped_2d(&p, EXPERTACT_LAYOUT_HALVES, xx, nullptr, nullptr, bb, oo, nullptr,
+  auto expect_refused = [&](expertact_status want, const expertact_tensor* xx, const expertact_tensor* bb,
+                            const expertact_tensor* oo, const expertact_tensor* qq, const expertact_tensor* ss,
+                            const expertact_tensor* aa, const char* needle) {
+    expertact_tensor q2 = *qq, s2 = *ss;
+    EXPECT_EQ(expertact_fp8_glu_colwise_grouped(&p, EXPERTACT_LAYOUT_HALVES, xx, nullptr, nullptr, bb, oo, nullptr,
                                                    &q2, &s2, aa, be.stream()),
               want) << needle;
     EXPECT_NE(std::string(expertact_last_error()).find(needle), std::string::npos) << expertact_last_error();
   };
-  ASSERT_EQ(expertact_fp8_glu_colwise_grouped_2d(&p, EXPERTACT_LAYOUT_HALVES, &x, nullptr, nullptr, &b, &ov, nullptr,
+  ASSERT_EQ(expertact_fp8_glu_colwise_grouped(&p, EXPERTACT_LAYOUT_HALVES, &x, nullptr, nullptr, &b, &ov, nullptr,
                                                  &q, &s, &a, be.stream()),
             EXPERTACT_OK) << expertact_last_error();
   be.finish("valid call");
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, nullptr, &ov, &q, &s, nullptr, "amax is null: it is required");
-  expertact_matrix a_wide = a;
+  expertact_tensor a_wide = a;
   a_wide.cols = 2 * F;
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, nullptr, &ov, &q, &s, &a_wide, "amax");
-  expertact_matrix a_half = a;
+  expertact_tensor a_half = a;
   a_half.dtype = DLDataType{kDLFloat, 16, 1};
   expect_refused(EXPERTACT_INVALID_DTYPE, &x, nullptr, &ov, &q, &s, &a_half, "amax");
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, nullptr, nullptr, &q, &s, &a, "offsets is null");
-  expertact_matrix q_bad = q;
+  expertact_tensor q_bad = q;
   q_bad.cols = T - 1;
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, nullptr, &ov, &q_bad, &s, &a, "q_t");
-  expertact_matrix q_f32 = q;
+  expertact_tensor q_f32 = q;
   q_f32.dtype = DLDataType{kDLFloat, 32, 1};
   // float32 [F, T]: refused by its dtype before anything is written
   expect_refused(EXPERTACT_INVALID_DTYPE, &x, nullptr, &ov, &q_f32, &s, &a, "q_t.dtype");
-  expertact_matrix s_bad = s;
+  expertact_tensor s_bad = s;
   s_bad.rows = E + 1;
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, nullptr, &ov, &q, &s_bad, &a, "scale");
-  expertact_matrix b_bad = b;
+  expertact_tensor b_bad = b;
   b_bad.cols = F;
   expect_refused(EXPERTACT_INVALID_ARGUMENT, &x, &b_bad, &ov, &q, &s, &a, "bias");
   // an output over an input: scale written over amax

@@ -309,7 +309,7 @@ def test_glu_bias_errors():
 def test_c_abi_bias_workspace_and_checks():
     """The C entry points name what is wrong (the Python layer's checks stand aside here)."""
     import ctypes
-    from expertact import _bias, _capi
+    from expertact import _capi, _ops
     lib = _capi.LIB
     assert lib.expertact_glu_bias_workspace_bytes(0, 8, 2) == 0
     assert lib.expertact_glu_bias_workspace_bytes(1000, 8, 2) >= (125 + 2) * 16 * 4
@@ -317,9 +317,9 @@ def test_c_abi_bias_workspace_and_checks():
     b = torch.randn(2, 8)
     # offsets out of order on the CPU: the library itself refuses them
     with pytest.raises(ValueError, match="non-decreasing"):
-        _bias.glu_forward(z, None, b, torch.tensor([6, 4], dtype=torch.int32), None, 1, 0, 1.0, float("inf"), 0.0)
+        _ops.glu_forward_bias(z, None, b, torch.tensor([6, 4], dtype=torch.int32), None, 1, 0, 1.0, float("inf"), 0.0)
     with pytest.raises(ValueError, match="past the last row"):
-        _bias.row_forward(z, b, torch.tensor([4, 12], dtype=torch.int32), None)
+        _ops.expert_bias_forward(z, b, torch.tensor([4, 12], dtype=torch.int32), None)
 
 
 def test_bias_kernels_bench_runs_on_cpu(tmp_path, capsys):

@@ -401,15 +401,14 @@ _SWITCH_SCRIPT = r"""
 import sys
 import torch
 import expertact
-from expertact import _autograd, _eager, _route
+from expertact import _autograd, _eager
 from expertact import deepspeed as ds
 
 def eager_path_taken(*args, **kwargs):
     raise AssertionError("the eager path ran with EXPERTACT_EAGER=0")
 
 if sys.argv[2] == "trap":
-    _route.glu_eager = _route.glu_backward_body = eager_path_taken
-    _autograd.glu_backward_body = _autograd.glu_backward_inplace_body = eager_path_taken
+    _autograd.glu_eager = _autograd.glu_backward_body = _autograd.glu_backward_inplace_body = eager_path_taken
 
 gen = torch.Generator().manual_seed(5)
 base = [torch.randn(6, 16, generator=gen) * 3 for _ in range(2)]

@@ -351,11 +351,8 @@ def test_colwise_grouped_padding_refusals():
 
 
 def _call_colwise(x, offsets, padded, q_t, scale):
-    xs, qs, ss, offs = fp8._matrix(x), fp8._matrix(q_t), fp8._matrix(scale), fp8._vector(offsets)
-    ps = None if padded is None else fp8._vector(padded)
-    fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
-        fp8.byref(xs[1]), fp8.byref(offs[1]), None if ps is None else fp8.byref(ps[1]), fp8.byref(qs[1]),
-        fp8.byref(ss[1]), None, None))
+    from expertact import _ops
+    _ops.fp8_quantize_colwise_grouped(x, offsets, padded, q_t, scale)
 
 
 def test_colwise_grouped_c_abi_padded_offsets():
@@ -720,12 +717,8 @@ def test_col_amax_refusals():
 
 
 def _call_rowwise(x, q, scale, offsets, col_amax):
-    xs, qs, ss = fp8._matrix(x), fp8._matrix(q), fp8._vector(scale)
-    os_ = None if offsets is None else fp8._vector(offsets)
-    am = None if col_amax is None else fp8._matrix(col_amax)
-    fp8._check(fp8._LIB.expertact_fp8_quantize_rowwise_2d(
-        fp8.byref(xs[1]), fp8.byref(qs[1]), fp8.byref(ss[1]), None if os_ is None else fp8.byref(os_[1]),
-        None if am is None else fp8.byref(am[1]), None))
+    from expertact import _ops
+    _ops.fp8_quantize_rowwise(x, q, scale, offsets, col_amax)
 
 
 def test_col_amax_c_abi_refusals():
@@ -749,20 +742,16 @@ def test_col_amax_c_abi_refusals():
         _call_rowwise(x, q, scale, offs.long(), amax)
     q_t = torch.empty(6, 10, dtype=torch.float8_e4m3fn)
     s2 = torch.empty(2, 6)
-    xs, qs, ss, os_ = fp8._matrix(x), fp8._matrix(q_t), fp8._matrix(s2), fp8._vector(offs)
+    from expertact import _ops
 
     def colwise(a):
-        am = fp8._matrix(a)
-        fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
-            fp8.byref(xs[1]), fp8.byref(os_[1]), None, fp8.byref(qs[1]), fp8.byref(ss[1]), fp8.byref(am[1]), None))
+        _ops.fp8_quantize_colwise_grouped(x, offs, None, q_t, s2, a)
     with pytest.raises(ValueError, match="amax"):
         colwise(torch.zeros(3, 6))
     with pytest.raises(TypeError, match="amax"):
         colwise(torch.zeros(2, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="amax"):  # aliasing the output scales
-        am = fp8._matrix(s2)
-        fp8._check(fp8._LIB.expertact_fp8_quantize_colwise_grouped_2d(
-            fp8.byref(xs[1]), fp8.byref(os_[1]), None, fp8.byref(qs[1]), fp8.byref(ss[1]), fp8.byref(am[1]), None))
+        colwise(s2)
 
 
 @pytest.mark.skipif(not CUDA, reason="no GPU")

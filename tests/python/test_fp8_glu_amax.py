@@ -194,21 +194,14 @@ def test_col_amax_refusals():
 def _c_glu(x, q, scale, offsets, col_amax, bias=None, bias_offsets=None):
     """The C ABI's glu_rowwise entries directly (swiglu, halves): the checks the Python layer
     does not make first."""
-    act, a, lim, beta = fp8.preset_coeffs("swiglu", None, None, "test")
-    pref, _keep = fp8._params_ref(act, a, lim, beta)
-    xs, qs, ss = fp8._matrix(x), fp8._matrix(q), fp8._vector(scale)
-    ref = lambda h: None if h is None else fp8.byref(h[1])  # noqa: E731
-    os_ = None if offsets is None else fp8._vector(offsets)
-    am = None if col_amax is None else fp8._matrix(col_amax)
-    code = fp8.c_int32(fp8.layout_code("halves", True))
+    from expertact import _ops
+    from expertact._args import layout_code, preset_coeffs
+    coeffs = preset_coeffs("swiglu", None, None, "test")
+    code = layout_code("halves", True)
     if bias is None:
-        fp8._check(fp8._LIB.expertact_fp8_glu_rowwise_2d(pref, code, fp8.byref(xs[1]), None, None, fp8.byref(qs[1]),
-                                                         fp8.byref(ss[1]), ref(os_), ref(am), None))
+        _ops.fp8_glu_rowwise(x, None, None, None, offsets, q, scale, col_amax, code, *coeffs)
     else:
-        bs, bo = fp8._matrix(bias), fp8._vector(bias_offsets)
-        fp8._check(fp8._LIB.expertact_fp8_glu_rowwise_bias_2d(pref, code, fp8.byref(xs[1]), None, None,
-                                                              fp8.byref(bs[1]), fp8.byref(bo[1]), fp8.byref(qs[1]),
-                                                              fp8.byref(ss[1]), ref(am), None))
+        _ops.fp8_glu_rowwise(x, None, None, bias, bias_offsets, q, scale, col_amax, code, *coeffs)
 
 
 def test_col_amax_c_abi():

@@ -262,15 +262,11 @@ def test_refusals():
 
 
 def _call_c(x, offsets, padded, q_t, scale, amax):
-    """expertact_fp8_glu_colwise_grouped_2d: swiglu of x [T, 2F] (halves), no weights or bias."""
-    act, a, lim, beta = fp8.preset_coeffs("swiglu", None, None, "test")
-    pref, _keep = fp8._params_ref(act, a, lim, beta)
-    hold = [fp8._matrix(x), fp8._vector(offsets), None if padded is None else fp8._vector(padded), fp8._matrix(q_t),
-            fp8._matrix(scale), None if amax is None else fp8._matrix(amax)]
-    fp8._check(fp8._LIB.expertact_fp8_glu_colwise_grouped_2d(
-        pref, fp8.c_int32(1), fp8.byref(hold[0][1]), None, None, None, fp8.byref(hold[1][1]),
-        None if hold[2] is None else fp8.byref(hold[2][1]), fp8.byref(hold[3][1]), fp8.byref(hold[4][1]),
-        None if hold[5] is None else fp8.byref(hold[5][1]), None))
+    """expertact_fp8_glu_colwise_grouped: swiglu of x [T, 2F] (halves), no weights or bias."""
+    from expertact import _ops
+    from expertact._args import preset_coeffs
+    _ops.fp8_glu_colwise_grouped(x, None, None, None, offsets, padded, q_t, scale, amax, 1,
+                                 *preset_coeffs("swiglu", None, None, "test"))
 
 
 def test_c_abi_checks():

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from expertact import _fp8_mlp
+from expertact.moe import _fp8 as _fp8_mlp
 from expertact.moe import expert_mlp
 
 F8 = torch.float8_e4m3fn
@@ -60,7 +60,7 @@ def _emulated_sgmm(a, b, scale_a, scale_b, offs):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(_fp8_mlp, "_sgmm", _emulated_sgmm)
+    monkeypatch.setattr(_fp8_mlp, "sgmm", _emulated_sgmm)
     monkeypatch.setattr(_fp8_mlp, "why_not", lambda x, D, F: None)
 
 
@@ -261,7 +261,7 @@ def test_cuda_fp8_matches_emulation(monkeypatch):
     _, low, dy, offsets = _problem(T=600, D=128, F=256, ends=(100, 100, 333, 590), device="cuda")
     y, g = _run(low, dy, offsets, "swiglu", "halves", fp8="rowwise")
     cpu = {k: v.cpu() for k, v in low.items()}
-    monkeypatch.setattr(_fp8_mlp, "_sgmm", _emulated_sgmm)
+    monkeypatch.setattr(_fp8_mlp, "sgmm", _emulated_sgmm)
     monkeypatch.setattr(_fp8_mlp, "why_not", lambda x, D, F: None)
     ye, ge = _run(cpu, dy, offsets, "swiglu", "halves", fp8="rowwise")
     assert _rel(y, ye) < 0.02

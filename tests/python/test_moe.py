@@ -284,7 +284,7 @@ def test_grouped_mm_path_on_cpu(dtype, mode, monkeypatch):
         calls.append(1)
         return real(a, b, offs=offs)
 
-    monkeypatch.setattr(moe, "_use_grouped_mm", lambda x, D, F: True)
+    monkeypatch.setattr(moe, "use_grouped_mm", lambda x, D, F: True)
     monkeypatch.setattr(torch, "_grouped_mm", spy)
     y, grads = check_case(c, "swiglu_oai", dtype, mode)
     assert len(calls) >= 2 + 4  # this run's forward and backward went through it
@@ -298,7 +298,7 @@ def test_grouped_mm_path_with_transposed_weights_and_odd_strides(monkeypatch):
     """Weights as DeepSpeed holds them ([E, N, K] seen through .transpose(-2, -1)) and x a
     column slice of a wider buffer are read as they are; a non-contiguous upstream gradient
     (expanded, stride 0), a column-major x and a misaligned x are copied once."""
-    monkeypatch.setattr(moe, "_use_grouped_mm", lambda x, D, F: True)
+    monkeypatch.setattr(moe, "use_grouped_mm", lambda x, D, F: True)
     c = make_case(**SHAPES["aligned"], dtype=torch.float32, device="cpu", layout="halves")
     layouts = []
     real = torch._grouped_mm

@@ -1,4 +1,5 @@
-"""The package's shape: no import circle among its modules, and the top-level names."""
+"""The package's shape: no import circle among its modules, no module reaching into another's
+private names, and the top-level names."""
 import ast
 import pathlib
 
@@ -81,15 +82,57 @@ def test_no_import_circle():
         if n not in state:
             visit(n)
     # The split of the Python layer, one concern a module, each importing only those below it.
-    for low, high in (("_capi", "_describe"), ("_describe", "_library"), ("_library", "_autograd"),
-                      ("_eager", "_autograd"), ("_autograd", "_route"), ("_args", "_route"),
-                      ("_route", "functional"), ("_route", "deepspeed")):
+    for low, high in (("_capi", "_ops"), ("_ops", "_library"), ("_library", "_autograd"), ("_eager", "_autograd"),
+                      ("_args", "_autograd"), ("_autograd", "functional"), ("_autograd", "deepspeed"),
+                      ("_ops", "fp8"), ("moe._gemm", "moe._bf16"), ("moe._bf16", "moe._fp8")):
         assert low in graph[high], (low, high)
     # Tooling stands on the library, never the other way round.
     for name, deps in graph.items():
         if name != "bench" and not name.startswith("bench."):
             assert not any(d == "bench" or d.startswith("bench.") for d in deps), (name, deps)
     assert any(d == "moe" for d in graph["bench.mlp"])  # the check sees the bench modules' edges
+
+
+def _private_uses(name, path, modules):
+    """Places where module `name` takes another package module's private name (one with a
+    leading underscore that is not itself a module): `from .x import _y`, or `x._y` with x an
+    imported package module. Private modules (_capi, _ops, ...) are the package's layers and
+    may be imported; their private names may not."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if name else []
+    pkg = here if is_pkg else here[:-1]
+    tree = ast.parse(path.read_text(), str(path))
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else list(pkg)
+                mod = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "expertact" or (node.module or "").startswith("expertact."):
+                mod = node.module[len("expertact."):] if "." in node.module else ""
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}" if mod else alias.name
+                if sub in modules:
+                    bound.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__") and mod != name:
+                    found.append(f"{path.name}:{node.lineno}: from {mod or 'expertact'} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("expertact.") and alias.asname:
+                    bound.add(alias.asname)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_names_across_modules():
+    modules = _modules()
+    bad = [use for name, path in modules.items() for use in _private_uses(name, path, modules)]
+    assert not bad, "private names taken from another module:\n" + "\n".join(bad)
 
 
 def test_top_level_names():

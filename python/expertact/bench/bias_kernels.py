@@ -17,9 +17,8 @@ import json
 
 import torch
 
-from .. import _bias
+from .. import _ops
 from .._args import PRESETS
-from .._describe import glu_backward_body, glu_forward_body
 from .common import median_ms
 
 
@@ -35,22 +34,22 @@ def run(rows_per_expert, ffn, experts, device, dtype, iters, warmup):
     args = (3, act, 1.702, 7.0, beta)  # interleaved
     es = gu.element_size()
     cases = {
-        "forward": (lambda: glu_forward_body(gu, None, w, *args), 3 * F),
-        "forward + b13": (lambda: _bias.glu_forward(gu, None, b13, offs, w, *args), 3 * F),
-        "backward": (lambda: glu_backward_body(dy, gu, None, w, True, *args), 5 * F),
+        "forward": (lambda: _ops.glu_forward(gu, None, w, *args), 3 * F),
+        "forward + b13": (lambda: _ops.glu_forward_bias(gu, None, b13, offs, w, *args), 3 * F),
+        "backward": (lambda: _ops.glu_backward(dy, gu, None, w, True, *args), 5 * F),
         "backward + b13 (its gradient too)": (
-            lambda: _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args), 5 * F),
-        "expert_bias forward (in place)": (lambda: _bias.row_forward(y, b2, offs, w, inplace=True), 2 * F),
-        "expert_bias backward (b2, weights)": (lambda: _bias.row_backward(dy, b2, offs, w, True, True), F),
+            lambda: _ops.glu_backward_bias(dy, gu, None, b13, offs, w, True, True, False, *args), 5 * F),
+        "expert_bias forward (in place)": (lambda: _ops.expert_bias_forward(y, b2, offs, w, inplace=True), 2 * F),
+        "expert_bias backward (b2, weights)": (lambda: _ops.expert_bias_backward(dy, b2, offs, w, True, True), F),
     }
     rows = []
     for name, (fn, elems) in cases.items():
         ms = median_ms(fn, iters, warmup, device)
         rows.append({"kernel": name, "ms": ms, "GB": T * elems * es / 1e9, "TB/s": T * elems * es / ms / 1e9})
-    r1 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)
-    r2 = _bias.glu_backward(dy, gu, None, b13, offs, w, True, True, False, *args)
-    s1 = _bias.row_backward(dy, b2, offs, w, True, True)
-    s2 = _bias.row_backward(dy, b2, offs, w, True, True)
+    r1 = _ops.glu_backward_bias(dy, gu, None, b13, offs, w, True, True, False, *args)
+    r2 = _ops.glu_backward_bias(dy, gu, None, b13, offs, w, True, True, False, *args)
+    s1 = _ops.expert_bias_backward(dy, b2, offs, w, True, True)
+    s2 = _ops.expert_bias_backward(dy, b2, offs, w, True, True)
     same = all(torch.equal(a, b) for a, b in ((r1[3], r2[3]), (r1[2], r2[2]), (s1[0], s2[0]), (s1[1], s2[1])))
     return rows, same
 

@@ -34,7 +34,8 @@ import time
 import torch
 
 import expertact
-from expertact import _fp8_mlp, moe
+from expertact import moe
+from expertact.moe import _fp8
 
 from . import mlp
 from .common import (
@@ -94,7 +95,7 @@ def gemm_floor(inp, s, iters, warmup):
     w13t, w2t = r8(E, 2 * F, D).transpose(-2, -1), r8(E, D, F).transpose(-2, -1)
     w2b, w13b = r8(E, F, D).transpose(-2, -1), r8(E, D, 2 * F).transpose(-2, -1)
     xt, ht, dgc, dyc = r8(D, T), r8(F, T), r8(2 * F, T).t(), r8(D, T).t()
-    sg = _fp8_mlp._sgmm
+    sg = _fp8.sgmm
 
     def fwd():
         sg(x8, w13t, ones(T), ones((E, 2 * F)), offs)
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
         log(f"float32 reference in {time.time() - t0:.1f} s")
     clock, memory = clock_and_memory(device)
     results = []
-    why = _fp8_mlp.why_not(inp.x, D, F)
+    why = _fp8.why_not(inp.x, D, F)
     for impl in impls:
         r = dict(impl=impl)
         try:

@@ -13,7 +13,6 @@ Problem kinds live in KINDS (name -> Kind(draw, check)); docs/reliability.md say
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import os
 import random
@@ -27,14 +26,18 @@ from typing import Callable, Optional
 
 import torch
 
-# tests/python, for conftest (the oracle) and test_moe (the expert MLP's cases)
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
+# tests/python, for conftest (the oracle) and test_moe (the expert MLP's cases), and this
+# folder, for the fuzzer's other modules (fuzz.py also runs as a script)
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+for _p in (TESTS, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import expertact  # noqa: E402
-from expertact import _capi  # noqa: E402
-from expertact._describe import rows_view_ok  # noqa: E402
+from expertact._capi import rows_view_ok  # noqa: E402
+from fuzz_buffers import Geom, Raw, bits, guard_intact, same_bits, same_values, strided, ulp_diff, view_mask  # noqa: E402
+from fuzz_paths import gate_up_ptrs, operand, predict_path  # noqa: E402
 
 from conftest import (assert_matches, assert_weight_grad_matches, error_scales, reference_grads,  # noqa: E402
                       split, weight_grad_terms)
@@ -42,7 +45,6 @@ from conftest import (assert_matches, assert_weight_grad_matches, error_scales, 
 PRESET_NAMES = ("swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh")
 LAYOUT_NAMES = ("separate", "halves", "up_first", "interleaved")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 POISONS = (0xFF, 0x7B)  # every byte: NaN in every dtype; large finite (f32 1.3e36, f16 61280, bf16 1.3e36)
 INPUT_PAD_BYTE = 0xFF  # row gaps and margins of the inputs hold NaN: a read of them shows in a result
 EDGE_ROWS = (1, 7, 4097)
@@ -53,96 +55,6 @@ FIXED_F = (1, 2, 3, 7, 8, 9, 12, 15, 16, 17, 63, 64, 65, 100, 128, 384, 1408, 30
 def f32(x: float) -> float:
     """x rounded to float32 (the C ABI's params are float32: a limit must be exact there)."""
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-# ---------------------------------------------------------------------------
-# Geometry: where a [..., cols] operand lives in its buffer
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Geom:
-    """A row-strided view: `pad` elements after each row, the first element `offset` elements
-    into the buffer, `tail` elements after the last row; `split3d`: for [a, b, cols] a gap row
-    after every b rows, so the leading dims do not collapse (the binding copies such a view)."""
-    pad: int = 0
-    offset: int = 0
-    tail: int = 0
-    split3d: bool = False
-
-    def short(self):
-        s = f"p{self.pad}o{self.offset}t{self.tail}"
-        return s + ("x" if self.split3d else "")
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def strided(lead, cols, g: Geom, dtype, device, fill_byte):
-    """(buffer, view): a 1-D buffer filled with fill_byte and a lead + (cols,) view of it."""
-    stride = cols + g.pad
-    shape = tuple(lead) + (cols,)
-    strides = [1]
-    acc = stride
-    for i, d in enumerate(reversed(lead)):
-        strides.insert(0, acc)
-        # the gap row of split3d: after the innermost leading dim
-        acc *= d + (1 if g.split3d and i == 0 and len(lead) > 1 else 0)
-    rows = _numel(lead)
-    if rows == 0 or cols == 0:
-        n = g.offset + g.tail + 1
-    else:
-        n = g.offset + sum((d - 1) * s for d, s in zip(shape, strides)) + 1 + g.tail
-    buf = torch.empty(n, dtype=dtype, device=device)
-    buf.view(torch.uint8).fill_(fill_byte)
-    return buf, buf.as_strided(shape, tuple(strides), g.offset)
-
-
-def view_mask(buf, view):
-    """Bool mask over buf's elements: True where view has an element."""
-    m = torch.zeros(buf.shape, dtype=torch.bool, device=buf.device)
-    if view.numel():
-        m.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
-    return m
-
-
-def bits(t):
-    return t.view(_INT_OF.get(t.dtype, torch.int32))
-
-
-def same_bits(a, b):
-    return torch.equal(bits(a), bits(b))
-
-
-def same_values(a, b):
-    """Equal NaN positions and bitwise-equal other values (NaN payloads carry no meaning)."""
-    na, nb = a.isnan(), b.isnan()
-    return torch.equal(na, nb) and torch.equal(bits(a)[~na], bits(b)[~nb])
-
-
-def guard_intact(buf, view, byte):
-    """Whether every element of buf outside view still holds the poison byte pattern."""
-    pattern = torch.empty(1, dtype=buf.dtype, device=buf.device)
-    pattern.view(torch.uint8).fill_(byte)
-    outside = ~view_mask(buf, view)
-    return bool((bits(buf)[outside] == bits(pattern)).all())
-
-
-def ulp_diff(a, b):
-    """Largest distance in units in the last place between two same-dtype tensors (NaN skipped)."""
-    ok = ~(a.isnan() | b.isnan())
-    if not ok.any():
-        return 0
-    ia, ib = bits(a)[ok].long(), bits(b)[ok].long()
-    # sign-magnitude -> a monotone integer line
-    top = 1 << (8 * a.element_size() - 1)
-    ia = torch.where(ia < 0, -(ia + top), ia)
-    ib = torch.where(ib < 0, -(ib + top), ib)
-    return int((ia - ib).abs().max())
 
 
 # ---------------------------------------------------------------------------
@@ -182,7 +94,7 @@ class GluProblem:
 
     @property
     def rows(self):
-        return _numel(self.lead)
+        return math.prod(self.lead)
 
     @property
     def params(self):
@@ -453,76 +365,6 @@ def api_call(p: GluProblem, x, up, w):
     return getattr(expertact, p.form)(*args, **extra.get(p.form, {}), **kw)
 
 
-_DL_DTYPE = {torch.float32: (_capi.DL_FLOAT, 32), torch.float16: (_capi.DL_FLOAT, 16),
-             torch.bfloat16: (_capi.DL_BFLOAT, 16)}
-
-
-def dl_tensor(slot, t):
-    """Fills slot (a _capi.Slot) to describe tensor t; returns the pointer to pass."""
-    d = slot.t
-    d.data = t.data_ptr()
-    d.byte_offset = 0
-    d.device.device_type = _capi.DL_CUDA if t.is_cuda else _capi.DL_CPU
-    d.device.device_id = t.get_device() if t.is_cuda else 0
-    d.dtype.code, d.dtype.bits = _DL_DTYPE[t.dtype]
-    d.dtype.lanes = 1
-    n = t.dim()
-    if len(slot.shape) < n:
-        slot.resize(n)
-    d.ndim = n
-    slot.shape[:n] = list(t.shape)
-    slot.strides[:n] = list(t.stride())
-    return slot.ref
-
-
-class Raw:
-    """Calls of the C ABI with caller-owned outputs (the Python ops allocate theirs)."""
-
-    def __init__(self, p: GluProblem):
-        self.p = p
-        self.params = _capi.Params()
-        self.params.act = expertact.ACTIVATIONS[p.act]
-        self.params.alpha, self.params.limit, self.params.beta = p.alpha, p.limit, p.beta
-        self.params_ref = ctypes.byref(self.params)
-        self.layout = expertact.LAYOUTS[p.layout]
-        self.slots = [_capi.Slot() for _ in range(7)]
-        self.keep = []
-
-    def mat(self, i, t):
-        if t is None:
-            return None
-        if not rows_view_ok(t):
-            t = t.contiguous()  # what the binding does; the library refuses such strides
-        self.keep.append(t)
-        return dl_tensor(self.slots[i], t)
-
-    def vec(self, i, pos, backwards):
-        """A DLTensor of a float32 vector given by its positive-stride view; backwards: the
-        logical vector walks it from the end (a negative stride, which torch cannot express)."""
-        if pos is None:
-            return None
-        ref = dl_tensor(self.slots[i], pos)
-        if backwards and pos.numel():
-            self.slots[i].t.data = pos[-1].data_ptr()
-            self.slots[i].strides[0] = -pos.stride(0)
-        return ref
-
-    @staticmethod
-    def stream(t):
-        return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-
-    def forward(self, x, up, w, out):
-        self.keep = []
-        _capi.glu_forward(self.params_ref, self.layout, self.mat(0, x), self.mat(1, up),
-                          self.vec(2, w, self.p.w_stride < 0), self.mat(3, out), self.stream(x))
-
-    def backward(self, dy, x, up, w, gx, gu, gw):
-        self.keep = []
-        _capi.glu_backward(self.params_ref, self.layout, self.mat(0, dy), self.mat(1, x), self.mat(2, up),
-                           self.vec(3, w, self.p.w_stride < 0), self.mat(4, gx), self.mat(5, gu),
-                           self.vec(6, gw, self.p.gw_stride < 0), self.stream(x))
-
-
 def gw_view(p: GluProblem, dev, byte):
     """A poisoned float32 weight-gradient buffer and its view of stride |gw_stride|."""
     s = abs(p.gw_stride)
@@ -774,102 +616,6 @@ def tally_glu(p: GluProblem, ctx: "Context", d: Optional[GluData] = None) -> lis
 
 
 
-# ---------------------------------------------------------------------------
-# Which CUDA path a call takes: a mirror of the host-side choice in src/cuda/glu_launch.cuh as
-# of main a4e5da5 (pick_pack, rows_mergeable / merge_if_better, the flat kernels under
-# EXPERTACT_CUDA_KERNEL=flat, use_realign, shape_for), used only to count how often
-# the fuzzer reaches each path. It decides no check; if the launcher changes, the counts go
-# stale, not the verdicts (a GPU run also lists the kernels it launched).
-# ---------------------------------------------------------------------------
-
-
-def _aligned(op, V, es, rows):
-    ptr, stride, mult = op
-    b = min(16, mult * V * es)
-    return ptr % b == 0 and (rows <= 1 or (stride * es) % b == 0)
-
-
-def _pick_pack(ops, F, rows, es, step):
-    for V in (16 // es // step, 4 // es, 1):
-        if V >= 1 and F % V == 0 and all(_aligned(o, V, es, rows) for o in ops):
-            return V
-    return 1
-
-
-def _unroll(pack_bytes, fwd):
-    if fwd:
-        return 2 if pack_bytes >= 16 else 4 if pack_bytes >= 8 else 8 if pack_bytes >= 4 else 16
-    return 2 if pack_bytes >= 32 else 4 if pack_bytes >= 16 else 8 if pack_bytes >= 8 else 16
-
-
-def _grid(rows, packs, U, row_sum, sms, max_lanes):
-    """'rows' (a block holds whole rows: rows fill the GPU, or a row sum), 'tile' (a block per
-    row, one tile of it) or 'split' (a row's tiles over several blocks)."""
-    def lanes(cap):
-        G = 1
-        while G < cap and G * 2 * U <= packs:
-            G *= 2
-        return G
-    G = lanes(32)
-    row_blocks = -(-rows // (128 // G))
-    if row_sum or row_blocks >= sms * 32:
-        return "rows"
-    G = lanes(min(128, max_lanes))
-    row_blocks = -(-rows // (128 // G))
-    tiles = -(-packs // (G * U))
-    return "split" if min(tiles, 0x7FFFFFFF // row_blocks) > 1 else "tile"
-
-
-def _flat_fits(rows, packs, kernel):
-    """glu_launch.cuh's flat_shape: a grid under 2^31 blocks, and for several rows pack numbers
-    within the 32-bit division (kFlatDiv32Max)."""
-    total = rows * packs
-    blocks = -(-total // 256)
-    return blocks <= 0x7FFFFFFF and (rows == 1 or total <= (1 << 31) - 4096)
-
-
-def predict_path(fwd, es, step, F, rows, ops, planar, inputs, weighted, row_sum, sms, kernel="rows"):
-    """A label for the kernel and launch shape that glu_launch.cuh picks, or None (no launch).
-    kernel: the kernel choice of the call (rows, flat; auto resolved by Context.choice)."""
-    if rows == 0 or F == 0:
-        return None
-    wide = 16 // es // step
-    V = _pick_pack(ops, F, rows, es, step)
-    merged = False
-    if not weighted and rows > 1 and all(s == F for s in planar) and all(s == step * F for s in inputs):
-        Vm = _pick_pack(ops, rows * F, 1, es, step)
-        if Vm > V or F // V < 64 or (kernel != "rows" and Vm == wide):
-            F, rows, V, merged = rows * F, 1, Vm, True
-    m = " merged" if merged else ""
-    if kernel != "rows" and not row_sum and V == wide and _flat_fits(rows, F // V, kernel):
-        return f"{'fwd' if fwd else 'bwd'} {kernel}{m}"
-    if step == 1 and V != 16 // es:
-        kern, grid = "realign", _grid(rows, -(-F // (16 // es)), 1, row_sum, sms, 32)
-    else:
-        kern = f"pack{V * es * step}B"
-        grid = _grid(rows, F // V, _unroll(es * V * step, fwd), row_sum, sms, 128)
-    return f"{'fwd' if fwd else 'bwd'} {kern}{m} {grid}"
-
-
-def _operand(t):
-    """(data pointer, row stride in elements) of a matrix as the library sees it."""
-    if not rows_view_ok(t):
-        return 0, t.shape[-1]  # the binding's contiguous copy: a fresh, aligned allocation
-    # the innermost leading dim with more than one row sets the row stride
-    inner = [s for d, s in zip(t.shape[:-1], t.stride()[:-1]) if d > 1]
-    return t.data_ptr(), (inner[-1] if inner else t.shape[-1])
-
-
-def _gate_up_ptrs(p, x, up):
-    es = torch.tensor([], dtype=p.dtype).element_size()
-    bx, sx = _operand(x)
-    if p.layout == "separate":
-        bu, su = _operand(up)
-        return (bx, sx), (bu, su), 1
-    off = {"halves": (0, p.F), "up_first": (p.F, 0), "interleaved": (0, 1)}[p.layout]
-    return (bx + off[0] * es, sx), (bx + off[1] * es, sx), 2 if p.layout == "interleaved" else 1
-
-
 @dataclass
 class Context:
     device: str
@@ -882,17 +628,17 @@ class Context:
 
     def tally_forward(self, p, x, up, out):
         es = out.element_size()
-        (g, gs), (u, us), step = _gate_up_ptrs(p, x, up)
-        o, os_ = _operand(out)
+        (g, gs), (u, us), step = gate_up_ptrs(p, x, up)
+        o, os_ = operand(out)
         ops = [(o, os_, 1), (g, gs, step), (u, us, 1)][:3 if step == 1 else 2]
         self.paths[predict_path(True, es, step, p.F, p.rows, ops, [os_], [gs, us], p.weights is not None,
                                 False, self.sms, self.choice(p, step, True))] += 1
 
     def tally_backward(self, p, dy, x, up, gx, gu, row_sum):
         es = dy.element_size()
-        (g, gs), (u, us), step = _gate_up_ptrs(p, x, up)
-        (dg, dgs), (du, dus), _ = _gate_up_ptrs(p, gx, gu)
-        d, ds = _operand(dy)
+        (g, gs), (u, us), step = gate_up_ptrs(p, x, up)
+        (dg, dgs), (du, dus), _ = gate_up_ptrs(p, gx, gu)
+        d, ds = operand(dy)
         ops = [(d, ds, 1), (g, gs, step), (dg, dgs, step), (u, us, 1), (du, dus, 1)][:5 if step == 1 else 3]
         self.paths[predict_path(False, es, step, p.F, p.rows, ops, [ds], [gs, us, dgs, dus],
                                 p.weights is not None, row_sum, self.sms, self.choice(p, step, False))] += 1

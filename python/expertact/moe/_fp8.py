@@ -1,4 +1,4 @@
-"""expert_mlp(fp8="rowwise"): the grouped expert MLP with its six GEMMs as
+"""The FP8 node of expert_mlp (fp8="rowwise"): the grouped expert MLP with its six GEMMs as
 torch._scaled_grouped_mm in float8 e4m3fn on Hopper (docs/spec.md section 10).
 
 Operands, in the formats that operator takes on sm90 (A row-major, B column-major, float32
@@ -28,8 +28,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _bias, fp8
-from ._grouped import held_transposed, zero_empty_groups
+from .. import _ops, fp8
+from . import _bf16
+from ._bf16 import activation, hooks_active, keep, kept
+from ._gemm import gmm_wgrad, held_transposed, zero_empty_groups
+
+__all__ = ["Fp8ExpertMLP", "Fp8Plan", "why_not", "sgmm", "ALIGN", "ROW_PAD"]
 
 Tensor = torch.Tensor
 
@@ -64,7 +68,7 @@ def why_not(x: Tensor, D: int, F: int) -> Optional[str]:
     return None
 
 
-def _sgmm(a, b, scale_a, scale_b, offs):
+def sgmm(a, b, scale_a, scale_b, offs):
     """torch._scaled_grouped_mm with bf16 output and fast accumulation, as torchao calls it."""
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
                                     use_fast_accum=True)
@@ -99,7 +103,7 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
     if held_transposed(like):
         return _wgrad(b, a, poffs, ends, None).transpose(-2, -1)
     (aq, sa), (bq, sb) = a, b
-    return zero_empty_groups(_sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
+    return zero_empty_groups(sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
 def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):
@@ -136,14 +140,14 @@ def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=Fa
     else:
         xq, sx = fp8.quantize_rowwise(x)
     w13q, s13 = _quant_b(w13)
-    gate_up = _zero_tail(_sgmm(xq, w13q, sx, s13, offs), end)
+    gate_up = _zero_tail(sgmm(xq, w13q, sx, s13, offs), end)
     del xq, sx, w13q, s13
     hq, sh, hamax = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends,
                            h_amax and fplan.wgrad and b13 is None)
     w2q, s2 = _quant_b(w2)
-    y = _zero_tail(_sgmm(hq, w2q, sh, s2, offs), end)
+    y = _zero_tail(sgmm(hq, w2q, sh, s2, offs), end)
     if b2 is not None:
-        _bias.row_forward(y, b2, offs, weights, inplace=True)
+        _ops.expert_bias_forward(y, b2, offs, weights, inplace=True)
     return x, gate_up, y, xamax, hamax
 
 
@@ -180,7 +184,8 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     dy = dy.contiguous()
     dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
     if b2 is not None:
-        db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
+        db2, dweights_b2 = _ops.expert_bias_backward(dy, b2, offs, weights, weights is not None and need_w,
+                                                     need_b2)
     poffs = fp8.padded_offsets(offs, ROW_PAD) if fplan.wgrad and (need_w2 or need_w13) else None
     need_dh = need_x or need_w13 or need_w or need_b13
     dyq = sdy = dyamax = None
@@ -205,7 +210,7 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
             del h
     if need_dh:
         w2tq, s2t = _quant_b(w2.transpose(-2, -1))
-        dh = _zero_tail(_sgmm(dyq, w2tq, sdy, s2t, offs), end)
+        dh = _zero_tail(sgmm(dyq, w2tq, sdy, s2t, offs), end)
         del dyq, sdy, w2tq, s2t
         fused = glu_fp8(dh, fplan.wgrad and need_w13, need_w13) if glu_fp8 is not None and need_x else None
         dgamax = None
@@ -222,7 +227,7 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
                     dgq, sdg = fp8.quantize_rowwise(dgate_up)
         if need_x:
             w13tq, s13t = _quant_b(w13.transpose(-2, -1))
-            dx = _zero_tail(_sgmm(dgq, w13tq, sdg, s13t, offs), end)
+            dx = _zero_tail(sgmm(dgq, w13tq, sdg, s13t, offs), end)
             del dgq, sdg, w13tq, s13t
         if need_w13:
             if fplan.wgrad:
@@ -234,3 +239,61 @@ def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad
     if dweights_b2 is not None:
         dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
     return dx, dw13, dw2, dweights, db13, db2
+
+
+class Fp8ExpertMLP(torch.autograd.Function):
+    """expert_mlp(fp8="rowwise"): keeps what recompute=True keeps (x, the weights,
+    gate_up in bf16, and two small amax tables); w2's gradient operand is made from gate_up in
+    backward."""
+
+    @staticmethod
+    def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
+        x, gate_up, y, xamax, hamax = forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
+                                                       x_amax=ctx.needs_input_grad[1],
+                                                       h_amax=ctx.needs_input_grad[2])
+        # gate_up as an attribute, as keep() holds h: backward drops it after the activation's
+        # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
+        hooked = hooks_active()
+        keep(ctx, plan, (x, w13, w2, weights, offs, gate_up if hooked else None, b13, b2), None)
+        ctx.gate_up = None if hooked else gate_up
+        ctx.xamax = xamax  # x's per expert and column amax [E, D] (float32, small), or None
+        ctx.hamax = hamax  # h's [E, F], or None
+        ctx.fplan = fplan
+        ctx.b13_index = 7
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13, w2, weights, offs, gate_up, b13, b2, _ = kept(ctx)
+        held = {"gate_up": gate_up if gate_up is not None else ctx.gate_up}
+        ctx.gate_up = gate_up = None
+        if held["gate_up"] is None:  # taken by an earlier backward (retain_graph=True)
+            raise RuntimeError("expertact.moe: expert_mlp(fp8='rowwise') frees gate_up during its backward, so its "
+                               "graph runs backward once (a second backward, retain_graph=True, is not supported)")
+        plan = ctx.plan
+        n = ctx.needs_input_grad
+        needs = (n[0], n[1], n[2], n[3], n[7], n[8])
+
+        def glu_grad(dh):
+            out = _bf16.glu_grad(ctx, dh, held["gate_up"], weights, b13, offs)
+            held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
+            return out
+
+        def glu_fp8(dh, col_amax, keep_bf16):
+            # The fused FP8 activation backward (in place over gate_up), where b13 needs no
+            # gradient (the biased bf16 backward computes it).
+            if b13 is not None and n[7]:
+                return None
+            out = glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs, plan.ends,
+                               ctx.fplan, col_amax, keep_bf16)
+            held.clear()
+            return out
+
+        grads = backward(
+            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
+            h_of=lambda: activation(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=gmm_wgrad,
+            xamax=ctx.xamax, glu_fp8=glu_fp8,
+            h_cols_of=None if ctx.hamax is None else lambda: h_cols(
+                held["gate_up"], weights, offs, plan.ends, ctx.fplan, ctx.hamax))
+        dx, dw13, dw2, dweights, db13, db2 = grads
+        return dx, dw13, dw2, dweights, None, None, None, db13, db2

@@ -1,7 +1,8 @@
 """expertact.moe: the grouped expert MLP around the fused activation (docs/spec.md section 7),
 y = act(x @ w13[e]) @ w2[e] per expert over rows sorted by expert, as one autograd node
-whose memory modes decide what stays alive between forward and backward; and
-GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights around it.
+whose memory modes decide what stays alive between forward and backward (bf16, float32 and
+float16: _bf16; FP8 on Hopper: _fp8; their grouped GEMMs: _gemm); and GroupedExperts, an
+nn.Module holding DeepSpeed's / TorchTitan's expert weights around it.
 
     from expertact.moe import expert_mlp, GroupedExperts
     y = expert_mlp(x, w13, w2, offsets, "swiglu_oai", layout="interleaved", weights=probs,
@@ -10,17 +11,18 @@ GroupedExperts, an nn.Module holding DeepSpeed's / TorchTitan's expert weights a
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import _bias, _capi, _fp8_mlp
-from ._grouped import held_transposed, zero_empty_groups
-from ._args import LAYOUTS, preset_coeffs
-from ._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
-from ._capi import DTypeError
-from ._library import glu_backward_inplace_op, glu_backward_op, glu_op
+from .. import _capi
+from .._args import LAYOUTS, preset_coeffs
+from .._capi import DTypeError
+from . import _fp8
+from ._bf16 import ExpertMLP, mlp_forward
+from ._fp8 import Fp8ExpertMLP, Fp8Plan
+from ._gemm import Plan, use_grouped_mm
 
 __all__ = ["expert_mlp", "offsets_from_counts", "GroupedExperts", "PACKED_LAYOUTS"]
 
@@ -149,308 +151,6 @@ def _short(values, n=8):
     return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
 
 
-# ---------------------------------------------------------------------------
-# The grouped GEMMs: torch._grouped_mm on CUDA, a per-expert loop otherwise
-# ---------------------------------------------------------------------------
-
-
-class _Plan(NamedTuple):
-    ends: list          # cumulative end row of each expert, host ints
-    grouped: bool       # torch._grouped_mm (else the per-expert loop)
-    glu: tuple          # (layout, act, alpha, limit, beta) for the glu operators
-    recompute: bool
-    inplace: bool
-    layout: str = "halves"   # gate and up along w13's last dim
-    biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
-
-
-def _use_grouped_mm(x, D, F) -> bool:
-    """torch._grouped_mm where it has a grouped kernel: bf16 on sm90 / sm100 (CUTLASS), with
-    every leading stride a multiple of 16 bytes (D and F multiples of 8). Elsewhere torch runs
-    it as a loop over the groups that reads the offsets to the host on each call (6 times
-    per MLP step); this module's own per-expert loop does the same work with the offsets it already
-    read: other dtypes, other GPUs, odd D or F."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
-        return False
-    return D % 8 == 0 and F % 8 == 0
-
-
-def _mm_operand(t, row_major=False):
-    """t as torch._grouped_mm reads it: a 16-byte aligned start and one of the last two dims
-    contiguous with the other's stride a multiple of 16 bytes (with row_major, the last dim);
-    otherwise a contiguous copy."""
-    align = 16 // t.element_size()
-    st, n = t.stride(), t.shape
-    if t.data_ptr() % 16 == 0:
-        if st[-1] == 1 and st[-2] >= max(1, n[-1]) and st[-2] % align == 0:
-            return t
-        if not row_major and st[-2] == 1 and st[-1] >= max(1, n[-2]) and st[-1] % align == 0:
-            return t
-    return torch.empty(n, dtype=t.dtype, device=t.device).copy_(t)
-
-
-# The 2-D operands of torch._grouped_mm are kept row-major ([rows, cols], cols contiguous):
-# its CUDA kernel asserts on the device (a sticky error) that a group's size is a multiple of
-# 16 bytes along a 2-D operand's dynamic dim when that dim is the contiguous one, and that no
-# group is empty in the weight-gradient form unless A is column-major and B row-major
-# (prepare_grouped_gemm_data in ATen's GroupMMCommon.cuh). Row-major activations make any
-# expert sizes legal, empty experts included; torch's own _grouped_mm backward lays them out so.
-
-
-def _gmm(a, b, offs, plan):
-    """out[rows of e] = a[rows of e] @ b[e]: [T, N]. Rows past the last offset are zero
-    (torch._grouped_mm leaves them unwritten: whatever the allocator held, NaN included)."""
-    T = a.shape[0]
-    end = plan.ends[-1] if plan.ends else 0
-    if plan.grouped and end > 0:
-        out = torch._grouped_mm(_mm_operand(a, row_major=True), _mm_operand(b), offs=offs)
-    else:
-        out = a.new_empty((T, b.shape[-1]))
-        start = 0
-        for e, stop in enumerate(plan.ends):
-            if stop > start:
-                torch.matmul(a[start:stop], b[e], out=out[start:stop])
-            start = stop
-    if end < T:
-        out[end:].zero_()
-    return out
-
-
-def _gmm_wgrad(a, b, offs, plan, like=None):
-    """out[e] = a[rows of e]^T @ b[rows of e]: [E, a cols, b cols], zero for an expert with no rows.
-
-    like: the weight this is the gradient of. Expert weights are usually held [E, N, K] and
-    read through .transpose(-2, -1) (DeepSpeed, TorchTitan, transformers): then the gradient is
-    computed as (b^T a)^T, the same sums laid out as the weight's storage, so that autograd
-    hands it to the leaf without a transposing copy (two such copies took 0.85 ms a step at
-    the busiest rank on an H200, docs/perf-notes.md)."""
-    if held_transposed(like):
-        return _gmm_wgrad(b, a, offs, plan).transpose(-2, -1)
-    ends = plan.ends
-    end = ends[-1] if ends else 0
-    if plan.grouped and end > 0:
-        # a^T column-major, b row-major: the form with no constraint on the groups' sizes
-        out = torch._grouped_mm(_mm_operand(a, row_major=True).t(), _mm_operand(b, row_major=True), offs=offs)
-        return zero_empty_groups(out, ends)
-    out = a.new_zeros((len(ends), a.shape[1], b.shape[1]))
-    start = 0
-    for e, stop in enumerate(ends):
-        if stop > start:
-            torch.matmul(a[start:stop].t(), b[start:stop], out=out[e])
-        start = stop
-    return out
-
-
-def _glu(gate_up, weights, glu, b13, offs):
-    """h = act(gate_up + b13[e]) * weights: the bias added inside the activation kernel."""
-    if b13 is None:
-        return glu_op(gate_up, None, weights, *glu, False)
-    return _bias.glu_forward(gate_up, None, b13, offs, weights, *glu)
-
-
-def _forward(x, w13, w2, weights, offs, plan, b13=None, b2=None):
-    """(x as the GEMMs read it, gate_up, h, y) of the MLP."""
-    if plan.grouped:
-        x = _mm_operand(x, row_major=True)  # the copy, if any, is what backward reads
-    gate_up = _gmm(x, w13, offs, plan)
-    h = _glu(gate_up, weights, plan.glu, b13, offs)
-    y = _gmm(h, w2, offs, plan)
-    if b2 is not None:  # y += weights * b2[e], in place over the GEMM's output
-        _bias.row_forward(y, b2, offs, weights, inplace=True)
-    return x, gate_up, h, y
-
-
-# ---------------------------------------------------------------------------
-# Autograd: one node for the whole MLP, so that the modes decide what it keeps
-# ---------------------------------------------------------------------------
-
-
-def _saved_tensor_hooks_active() -> bool:
-    """Whether saved tensors go through hooks (torch.autograd.graph.saved_tensors_hooks:
-    activation offloading, non-reentrant checkpointing) or a compiler traces the node: then
-    everything kept goes through save_for_backward, as those mechanisms expect."""
-    if torch.compiler.is_compiling():
-        return True
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return True  # cannot tell: the safe choice
-    try:
-        return top(False) is not None
-    except Exception:  # a signature this torch does not have: the safe choice
-        return True
-
-
-_KEPT = 8  # x, w13, w2, weights, offs, gate_up, b13, b2
-
-
-def _keep(ctx, plan, tensors, h):
-    """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, b13, b2 (None
-    without biases), and h unless recompute (then h is freed when the caller drops it).
-
-    h is kept as a plain attribute, not through save_for_backward, so that backward can drop
-    it as soon as w2's gradient is computed: a saved tensor lives until its node's backward
-    returns, and then h ([T, F], 6 GiB at the seed size) would still be alive when dh and
-    dgate_up are, raising the step's peak by one [T, F] tensor (measured on the H200: 42.07
-    against 35.95 GiB, and 4.6 ms slower backward). h is an intermediate the caller never
-    sees, so the attribute makes no reference cycle. With saved-tensor hooks active (or under
-    a compiler), h goes through save_for_backward as before."""
-    hooked = not plan.recompute and _saved_tensor_hooks_active()
-    ctx.save_for_backward(*tensors, *((h,) if hooked else ()))
-    ctx.h = None if plan.recompute or hooked else h
-    ctx.plan = plan
-    ctx.spent = False
-
-
-def _kept(ctx):
-    """Both nodes' backward guards, then (x, w13, w2, weights, offs, gate_up, b13, b2, h or None).
-    An h kept as an attribute is handed over once: the caller drops it after w2's gradient,
-    and a second backward (retain_graph=True) finds None and recomputes it (_w2_grad)."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(CREATE_GRAPH_MSG)
-    if ctx.spent:
-        raise RuntimeError(SECOND_BACKWARD_MSG)
-    saved = ctx.saved_tensors
-    h = saved[_KEPT] if len(saved) > _KEPT else ctx.h
-    ctx.h = None
-    return (*saved[:_KEPT], h)
-
-
-def _glu_grad(ctx, dh, gate_up, weights, b13, offs):
-    """(dgate_up, the weights' gradient or None, db13 or None) from dh: the activation's
-    backward in the node's memory mode (in place over gate_up with inplace_backward, which
-    spends the node), b13's gradient fused when b13 is given."""
-    plan = ctx.plan
-    need_x, need_w13, _, need_w = ctx.needs_input_grad[:4]
-    need_b13 = ctx.needs_input_grad[ctx.b13_index]
-    weights_grad = weights is not None and need_w
-    inplace = plan.inplace and (need_x or need_w13 or need_b13)
-    if inplace:
-        ctx.spent = True
-    if b13 is not None:
-        dgate_up, _, dweights, db13 = _bias.glu_backward(dh, gate_up, None, b13, offs, weights, weights_grad,
-                                                         need_b13, inplace, *plan.glu)
-        return dgate_up, dweights, db13
-    if inplace:
-        gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
-        glu_backward_inplace_op(dh, gate_up, None, weights, gw, *plan.glu)
-        return gate_up, gw, None
-    res = glu_backward_op(dh, gate_up, None, weights, weights_grad, *plan.glu)
-    return res[0], (res[-1] if weights_grad else None), None
-
-
-class _ExpertMLP(torch.autograd.Function):
-    """Keeps x, w13, w2, weights, gate_up and (unless recompute) h: what torch's autograd
-    keeps for the unfused composition (torch._grouped_mm saves its inputs, the activation
-    its input). recompute drops h and recomputes it in backward for w2's gradient."""
-
-    @staticmethod
-    def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
-        x, gate_up, h, y = _forward(x, w13, w2, weights, offs, plan, b13, b2)
-        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), h)
-        ctx.b13_index = 6
-        del h  # with recompute, freed here: one [T, F] tensor less kept for backward
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w13, w2, weights, offs, gate_up, b13, b2, h = _kept(ctx)
-        plan = ctx.plan
-        need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        need_b13, need_b2 = ctx.needs_input_grad[6:8]
-        if plan.grouped:
-            dy = _mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
-        dx = dw13 = dw2 = dweights = db13 = db2 = None
-        dweights_b2 = None
-        if b2 is not None:  # one pass over dy: b2's gradient and its term of the weights' gradient
-            db2, dweights_b2 = _bias.row_backward(dy, b2, offs, weights, weights is not None and need_w, need_b2)
-        # Order for the smallest peak: w2's gradient first, so that h (kept or recomputed) is freed
-        # before dh exists; then dh, the activation's backward (over gate_up if in place),
-        # dh freed, then x's gradient.
-        if need_w2:
-            dw2 = _w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan, w2, b13)
-        h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
-        if need_x or need_w13 or need_w or need_b13:
-            dh = _gmm(dy, w2.transpose(-2, -1), offs, plan)
-            dgate_up, dweights, db13 = _glu_grad(ctx, dh, gate_up, weights, b13, offs)
-            del dh
-            if need_x:
-                dx = _gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
-            if need_w13:
-                dw13 = _gmm_wgrad(x, dgate_up, offs, plan, like=w13)
-        if dweights_b2 is not None:
-            dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
-        return dx, dw13, dw2, dweights, None, None, db13, db2
-
-
-class _Fp8ExpertMLP(torch.autograd.Function):
-    """expert_mlp(fp8="rowwise") (_fp8_mlp): keeps what recompute=True keeps (x, the weights,
-    gate_up in bf16, and two small amax tables); w2's gradient operand is made from gate_up in
-    backward."""
-
-    @staticmethod
-    def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
-        x, gate_up, y, xamax, hamax = _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
-                                                       x_amax=ctx.needs_input_grad[1],
-                                                       h_amax=ctx.needs_input_grad[2])
-        # gate_up as an attribute, as _keep holds h: backward drops it after the activation's
-        # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
-        hooked = _saved_tensor_hooks_active()
-        _keep(ctx, plan, (x, w13, w2, weights, offs, gate_up if hooked else None, b13, b2), None)
-        ctx.gate_up = None if hooked else gate_up
-        ctx.xamax = xamax  # x's per expert and column amax [E, D] (float32, small), or None
-        ctx.hamax = hamax  # h's [E, F], or None
-        ctx.fplan = fplan
-        ctx.b13_index = 7
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w13, w2, weights, offs, gate_up, b13, b2, _ = _kept(ctx)
-        held = {"gate_up": gate_up if gate_up is not None else ctx.gate_up}
-        ctx.gate_up = gate_up = None
-        if held["gate_up"] is None:  # taken by an earlier backward (retain_graph=True)
-            raise RuntimeError(_err("expert_mlp(fp8='rowwise') frees gate_up during its backward, so its graph "
-                                    "runs backward once (a second backward, retain_graph=True, is not supported)"))
-        plan = ctx.plan
-        n = ctx.needs_input_grad
-        needs = (n[0], n[1], n[2], n[3], n[7], n[8])
-
-        def glu_grad(dh):
-            out = _glu_grad(ctx, dh, held["gate_up"], weights, b13, offs)
-            held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
-            return out
-
-        def glu_fp8(dh, col_amax, keep_bf16):
-            # The fused FP8 activation backward (in place over gate_up), where b13 needs no
-            # gradient (the biased bf16 backward computes it).
-            if b13 is not None and n[7]:
-                return None
-            out = _fp8_mlp.glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs,
-                                        plan.ends, ctx.fplan, col_amax, keep_bf16)
-            held.clear()
-            return out
-
-        grads = _fp8_mlp.backward(
-            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
-            h_of=lambda: _glu(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=_gmm_wgrad,
-            xamax=ctx.xamax, glu_fp8=glu_fp8,
-            h_cols_of=None if ctx.hamax is None else lambda: _fp8_mlp.h_cols(
-                held["gate_up"], weights, offs, plan.ends, ctx.fplan, ctx.hamax))
-        dx, dw13, dw2, dweights, db13, db2 = grads
-        return dx, dw13, dw2, dweights, None, None, None, db13, db2
-
-
-def _w2_grad(h, gate_up, weights, glu, dy, offs, plan, w2=None, b13=None):
-    """w2's gradient h^T dy per expert, h recomputed by the fused forward kernel from gate_up
-    (glu: layout, act, alpha, limit, beta; b13 added inside) when the forward did not keep it
-    (recompute=True); laid out as w2 is, when given."""
-    if h is None:
-        h = _glu(gate_up, weights, glu, b13, offs)
-    return _gmm_wgrad(h, dy, offs, plan, like=w2)
-
-
 def offsets_from_counts(num_tokens_per_expert: Tensor, where: str = "expertact.moe") -> Tensor:
     """expert_mlp's ``offsets`` (int32 cumulative end rows) from the rows per expert, a 1-D
     integer tensor (TorchTitan's ``num_tokens_per_expert``); ``where`` names the caller in the
@@ -520,7 +220,7 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     glu = _glu_args(activation, alpha, limit, layout)
     T, D, F, ends = _check(x, w13, w2, offsets, weights)
     _check_biases(x, w13, b13, b2)
-    grouped = _use_grouped_mm(x, D, F)
+    grouped = use_grouped_mm(x, D, F)
     offs = offsets
     if grouped and offs.device != x.device:
         offs = offs.to(x.device)
@@ -532,19 +232,19 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     if fp8 is not None:
         if fp8 != "rowwise":
             raise ValueError(_err(f"fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for bf16)"))
-        reason = _fp8_mlp.why_not(x, D, F)
+        reason = _fp8.why_not(x, D, F)
         if reason is not None:
             raise NotImplementedError(_err(f"fp8='rowwise' cannot run here: {reason}"))
         offs = offs.to(x.device)
-        plan = _Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased)
-        fplan = _fp8_mlp.Fp8Plan(activation, alpha, limit, layout, bool(fp8_wgrad))
+        plan = Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased)
+        fplan = Fp8Plan(activation, alpha, limit, layout, bool(fp8_wgrad))
         if needs_grad:
-            return _Fp8ExpertMLP.apply(x, w13, w2, weights, offs, plan, fplan, b13, b2)
-        return _fp8_mlp.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)[2]
-    plan = _Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
+            return Fp8ExpertMLP.apply(x, w13, w2, weights, offs, plan, fplan, b13, b2)
+        return _fp8.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)[2]
+    plan = Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
     if needs_grad:
-        return _ExpertMLP.apply(x, w13, w2, weights, offs, plan, b13, b2)
-    return _forward(x, w13, w2, weights, offs, plan, b13, b2)[3]
+        return ExpertMLP.apply(x, w13, w2, weights, offs, plan, b13, b2)
+    return mlp_forward(x, w13, w2, weights, offs, plan, b13, b2)[3]
 
 
 def _fused_removed():
