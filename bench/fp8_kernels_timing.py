@@ -4,19 +4,22 @@ FP8 activation beside the bf16 one, and the fused FP8 activation backward beside
 backward + rowwise pass it replaces. Medians of 10 CUDA-event-timed calls after 2.
 
     python bench/fp8_kernels_timing.py                 # every section
-    python bench/fp8_kernels_timing.py colwise glu     # sections: colwise rowwise glu glucol bwd bwdh
+    python bench/fp8_kernels_timing.py colwise glu     # sections: colwise rowwise glu glucol bwd
 """
 import sys
 
 import torch
 
+import expertact
 import expertact.fp8 as xf
 import expertact.functional as XF
-from expertact._library import glu_backward_op
 from expertact.bench.common import median_ms
-from expertact.moe import _glu_args
 
-SECTIONS = ("colwise", "rowwise", "glu", "glucol", "bwd", "bwdh")
+# The bf16 activation backward alone: the registered operator torch.ops.expertact.glu_backward
+# (public as expertact.ops), with the layout and activation codes of expertact.LAYOUTS / PRESETS.
+glu_backward_op = expertact.ops.glu_backward.default
+
+SECTIONS = ("colwise", "rowwise", "glu", "glucol", "bwd")
 want = [a for a in sys.argv[1:] if a in SECTIONS] or list(SECTIONS)
 T, F = 1045120, 3072
 gu = torch.randn(T, 2 * F, device="cuda", dtype=torch.bfloat16)
@@ -66,7 +69,8 @@ if "glucol" in want:
     cases["glu_colwise_grouped halves, no weights, amax given (the MLP's)"] = lambda: xf.glu_colwise_grouped(
         gu, "swiglu_oai", offs, layout="halves", pad_to=16, ends=ends, amax=hh)
 if "bwd" in want:
-    glu = _glu_args("swiglu_oai", 1.702, 7.0, "interleaved")
+    act, _, _, beta = expertact.PRESETS["swiglu_oai"]
+    glu = (expertact.LAYOUTS["interleaved"], act, 1.702, 7.0, beta)
     keep = torch.empty_like(gu)
 
     def bf16_then_rowwise():
@@ -88,22 +92,5 @@ if "bwd" in want:
         "fp8 glu_backward_rowwise halves + col amax + bf16 copy (the MLP's: no weights)":
             lambda: xf.glu_backward_rowwise(dy, gu, "swiglu_oai", layout="halves", offsets=offs, ends=ends,
                                             col_amax=True, dgate_up_out=keep)})
-if "bwdh" in want:
-    # The MLP's backward with dw2's operand of h: one call (glu_backward_rowwise_colwise) against
-    # the column-wise pass over gate_up and the fused backward one after the other (pad 32, as
-    # the MLP pads: the one kernel needs it).
-    keep2 = torch.empty_like(gu)
-    hh2 = xf.glu_rowwise(gu, "swiglu_oai", layout="halves", col_amax_offsets=offs, ends=ends)[2]
-
-    def apart():
-        hc = xf.glu_colwise_grouped(gu, "swiglu_oai", offs, layout="halves", pad_to=32, ends=ends, amax=hh2)
-        return hc, xf.glu_backward_rowwise(dy, gu, "swiglu_oai", layout="halves", offsets=offs, ends=ends,
-                                           col_amax=True, dgate_up_out=keep2)
-
-    cases.update({
-        "the MLP's backward + h's operand, apart (glu_colwise_grouped, then glu_backward_rowwise)": apart,
-        "the MLP's backward + h's operand, one call (glu_backward_rowwise_colwise)":
-            lambda: xf.glu_backward_rowwise_colwise(dy, gu, "swiglu_oai", offs, h_amax=hh2, pad_to=32,
-                                                    layout="halves", ends=ends, col_amax=True, dgate_up_out=keep2)})
 for n, f in cases.items():
     print(f"{n}: {median_ms(f, 10, 2, 'cuda'):.3f} ms", flush=True)

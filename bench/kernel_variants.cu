@@ -1,7 +1,7 @@
 // The CUDA kernel choice's A/B (EXPERTACT_CUDA_KERNEL, src/cuda/entry.h): the library's
 // row and flat kernels against DeepSpeed's kernel shape, at the seed size (1,045,081 x
 // 3,072 bf16, two rounds) and at smaller and odd sizes (the library's calls, host path
-// included). resolve_auto's thresholds rest on its output (docs/perf-notes.md). A tuning
+// included). resolve_auto's thresholds rest on its output (docs/notes/perf-notes.md). A tuning
 // tool, not part of the library or CI; on a GPU machine:
 //   cmake --build <build> --target expertact_kernel_variants
 //   <build>/bench/expertact_kernel_variants
