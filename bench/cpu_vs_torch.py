@@ -4,8 +4,9 @@
 The eager expression is GPT-OSS's clamped SwiGLU (swiglu_oai):
     g = gate.clamp(max=7); u = up.clamp(-7, 7); out = (u + 1) * (g * torch.sigmoid(1.702 * g))
 forward timed alone, backward as out.backward(grad_out) (autograd over the saved
-temporaries). expertact is called through its C ABI (ctypes over DLTensor, no
-dependency on the python/ package), forward and backward, same layout (separate,
+temporaries). expertact is called through its C ABI (ctypes; each tensor's DLTensor made
+into the ABI's description by expertact_tensor_from_dlpack; no dependency on the python/
+package), forward and backward, same layout (separate,
 halves: views of one [rows, 2F] tensor, interleaved: its strided views for torch).
 Both use the same number of threads. Medians of --iters runs after --warmup.
 
@@ -45,6 +46,12 @@ class DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
+class Tensor(ctypes.Structure):
+    """expertact_tensor, the ABI's one tensor description."""
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("row_stride", ctypes.c_int64), ("dtype", DLDataType), ("device", DLDevice)]
+
+
 class Params(ctypes.Structure):
     _fields_ = [("act", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
                 ("beta", ctypes.c_float)]
@@ -71,10 +78,11 @@ class ExpertAct:
         L = self.lib
         L.expertact_preset.argtypes = [ctypes.c_char_p, ctypes.c_float, ctypes.c_float,
                                        ctypes.POINTER(Params)]
+        L.expertact_tensor_from_dlpack.argtypes = [ctypes.POINTER(DLTensor), ctypes.POINTER(Tensor)]
         L.expertact_glu_forward.argtypes = [ctypes.POINTER(Params), ctypes.c_int32] + \
-            [ctypes.POINTER(DLTensor)] * 4 + [ctypes.c_void_p]
+            [ctypes.POINTER(Tensor)] * 4 + [ctypes.c_void_p]
         L.expertact_glu_backward.argtypes = [ctypes.POINTER(Params), ctypes.c_int32] + \
-            [ctypes.POINTER(DLTensor)] * 7 + [ctypes.c_void_p]
+            [ctypes.POINTER(Tensor)] * 7 + [ctypes.c_void_p]
         L.expertact_last_error.restype = ctypes.c_char_p
         L.expertact_set_cpu_threads.argtypes = [ctypes.c_int32]
         try:
@@ -92,16 +100,22 @@ class ExpertAct:
         if status != 0:
             raise RuntimeError("expertact: " + self.lib.expertact_last_error().decode())
 
+    def describe(self, d):
+        """The ABI's description of a DLTensor (None stays None)."""
+        if d is None:
+            return None
+        t = Tensor()
+        self._ok(self.lib.expertact_tensor_from_dlpack(ctypes.byref(d), ctypes.byref(t)))
+        return ctypes.byref(t)
+
     def forward(self, p, layout, x, up, out):
-        self._ok(self.lib.expertact_glu_forward(ctypes.byref(p), LAYOUTS[layout], ctypes.byref(x),
-                                                ctypes.byref(up) if up is not None else None, None,
-                                                ctypes.byref(out), None))
+        self._ok(self.lib.expertact_glu_forward(ctypes.byref(p), LAYOUTS[layout], self.describe(x),
+                                                self.describe(up), None, self.describe(out), None))
 
     def backward(self, p, layout, dy, x, up, gx, gu):
         self._ok(self.lib.expertact_glu_backward(
-            ctypes.byref(p), LAYOUTS[layout], ctypes.byref(dy), ctypes.byref(x),
-            ctypes.byref(up) if up is not None else None, None, ctypes.byref(gx),
-            ctypes.byref(gu) if gu is not None else None, None, None))
+            ctypes.byref(p), LAYOUTS[layout], self.describe(dy), self.describe(x), self.describe(up), None,
+            self.describe(gx), self.describe(gu), None, None))
 
 
 # ---------------------------------------------------------------- timing
