@@ -22,20 +22,22 @@ from ._capi import (
     DTypeError,
     ExpertactError,
     abi_version,
+    cpu_kernel_isa,
     cpu_threads,
     has_cuda,
     set_cpu_threads,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _TORCH_NAMES = (
     "glu", "swiglu", "swiglu_clamped", "swiglu_oai", "geglu_tanh", "expert_bias", "LAYOUTS", "ACTIVATIONS", "PRESETS",
     "deepspeed", "ops", "moe",
 )
 
-# DeepSpeed's names, which live in expertact.deepspeed only (expertact.swiglu_clamped is the
-# silu form; DeepSpeed's swiglu_clamped defaults to the GPT-OSS one).
+# DeepSpeed's names, which live in expertact.deepspeed (expertact.swiglu_clamped is the silu
+# form; DeepSpeed's swiglu_clamped defaults to the GPT-OSS one); these three were top-level
+# names in 0.1.0 and still resolve there, with a FutureWarning, for one release.
 _DEEPSPEED_ONLY = ("swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation")
 
 try:
@@ -53,15 +55,20 @@ if _torch is not None:
 
 
 def __getattr__(name):
-    if name in _DEEPSPEED_ONLY:
-        raise AttributeError(f"module 'expertact' has no attribute {name!r}: DeepSpeed's names are in "
-                             f"expertact.deepspeed (expertact.deepspeed.{name})")
+    if name in _DEEPSPEED_ONLY and _torch is not None:
+        # Top-level names of 0.1.0, kept one more release: they warn and give DeepSpeed's.
+        import warnings
+        warnings.warn(f"expertact.{name} is deprecated: DeepSpeed's names are in expertact.deepspeed "
+                      f"(expertact.deepspeed.{name}); the top-level name goes in the next release",
+                      FutureWarning, stacklevel=2)
+        return getattr(deepspeed, name)
     if _torch is None and name in _TORCH_NAMES:
         raise ImportError(f"expertact.{name} needs torch (pip install torch); it is not installed")
     raise AttributeError(f"module 'expertact' has no attribute {name!r}")
 
 
 __all__ = [
-    "LIBRARY_PATH", "DTypeError", "ExpertactError", "abi_version", "cpu_threads", "has_cuda", "set_cpu_threads",
+    "LIBRARY_PATH", "DTypeError", "ExpertactError", "abi_version", "cpu_kernel_isa", "cpu_threads", "has_cuda",
+    "set_cpu_threads",
     "__version__", *_TORCH_NAMES,
 ]

@@ -53,10 +53,17 @@ def test_signatures_and_defaults():
     assert ds.EXPERT_ACTIVATIONS == ("swiglu", "geglu_tanh", "swiglu_clamped", "swiglu_oai")
     # DeepSpeed's names live in expertact.deepspeed only: at the top level, swiglu_clamped is the
     # silu form (expertact.swiglu_clamped), not DeepSpeed's (GPT-OSS by default).
+    # The three top-level names of 0.1.0 resolve there for one more release, with a warning.
     for name in ("swiglu_packed", "apply_expert_activation", "apply_packed_expert_activation"):
-        assert not hasattr(expertact, name) and name not in expertact.__all__
-        with pytest.raises(AttributeError, match=f"expertact.deepspeed.{name}"):
-            getattr(expertact, name)
+        assert name not in expertact.__all__
+        with pytest.warns(FutureWarning, match=f"expertact.deepspeed.{name}"):
+            assert getattr(expertact, name) is getattr(ds, name)
+    with pytest.raises(AttributeError, match="swiglu_unknown"):
+        expertact.swiglu_unknown
+    # enabled(), the context manager of 0.1.0, is enabled_scope(): the old name warns, one release.
+    with pytest.warns(FutureWarning, match="enabled_scope"):
+        scope = ds.enabled(inplace_backward=True)
+    assert hasattr(scope, "__enter__") and hasattr(scope, "__exit__")
     assert expertact.swiglu_clamped is not ds.swiglu_clamped
 
 
