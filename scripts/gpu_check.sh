@@ -242,7 +242,8 @@ if has mlp && need_build mlp; then
     { fail "python -m expertact.bench --mlp (mlp.progress)"; tail -20 "$R/mlp.progress"; }
   cat "$R/mlp.log"
   note "python -m expertact.bench --mlp: $((SECONDS - t)) s"
-  # The expert biases: the MLP with and without them, then their kernels alone (docs/BENCHMARKS.md)
+  # The expert biases: the MLP with and without them, then their kernels alone (docs/BENCHMARKS.md,
+  # "Expert biases (GPT-OSS) in the expert MLP")
   t=$SECONDS
   (cd /tmp && PYTHONPATH=$PKG_PATH timeout "${MLP_TIMEOUT:-300}" python3 -m expertact.bench --mlp --bias \
       --json "$R/mlp-bias.json" --markdown "$R/mlp-bias.md" &&

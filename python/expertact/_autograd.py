@@ -123,8 +123,8 @@ LIB.impl("glu", _glu_autograd, "Autograd", with_keyset=True)
 class _GluEager(torch.autograd.Function):
     """The eager path's autograd node: the forward body called directly, no dispatcher. The
     five scalars travel as one tuple: each input of an autograd.Function costs a little in
-    apply and again in backward (a toy Function: 9 inputs 1 us slower than 2 per
-    forward+backward)."""
+    apply and again in backward (a toy Function with 9 inputs was slower per forward+backward
+    than one with 2)."""
 
     @staticmethod
     def forward(ctx, x, up, weights, args, inplace_backward):
@@ -141,7 +141,8 @@ class _GluEager(torch.autograd.Function):
 
 # autograd.Function.apply's Python wrapper only binds defaults for setup_context forms,
 # routes functorch transforms (excluded by eager_ok) and unwraps dead functorch wrappers
-# (excluded by plain); the C apply underneath is 1.7 us a call cheaper (measured).
+# (excluded by plain); the C apply underneath saves about a seventh of the host time of an
+# eager forward with autograd on the CPU (docs/notes/perf-notes.md, "Python host path").
 _eager_apply = super(torch.autograd.Function, _GluEager).apply
 
 

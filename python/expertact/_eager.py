@@ -3,9 +3,10 @@ stands in between) and plain(t) (a plain dense CPU or CUDA tensor).
 
 The eager path calls the kernel bodies without the dispatcher, which is what the
 dispatcher would do for plain tensors in eager mode: it skips its two hops into Python
-kernels (Autograd, then CPU/CUDA) and the redispatch between them, 8.5 us of a 17.9 us
-no-grad forward on the CPU and 11.5 us more with autograd (docs/perf-notes.md, "Python
-host path"). Deciding that it applies reads private torch internals (listed below), so:
+kernels (Autograd, then CPU/CUDA) and the redispatch between them, about half the host
+time of a no-grad forward on the CPU and two thirds of a forward with autograd
+(docs/notes/perf-notes.md, "Python host path"). Deciding that it applies reads private
+torch internals (listed below), so:
 
 - when the running torch lacks one of them, the eager path is off (the operators only);
 - EXPERTACT_EAGER=0 (read once, at import) turns it off too: every call then goes through
@@ -56,9 +57,10 @@ def eager_ok() -> bool:
     """Whether calling the kernel bodies directly is what the dispatcher would do: not
     compiling or exporting, no TorchDispatchMode (FakeTensorMode, make_fx, FlopCounterMode,
     ...), no functorch transform, no jit trace, and no TorchFunctionMode but DeviceContext.
-    Each is one C call: 0.3 us together (on a 2-vCPU EPYC Zen 3 VM, docs/perf-notes.md);
-    with plain() of each tensor (0.5 us) that is the whole price of the eager path's
-    soundness. Always False with EXPERTACT_EAGER=0."""
+    Each is one C call, the five together cheaper than one plain(); with plain() of each
+    tensor that is the whole price of the eager path's soundness, at most about a fifth of the
+    dispatcher hops it saves in a no-grad forward (docs/notes/perf-notes.md, "Python host
+    path"). Always False with EXPERTACT_EAGER=0."""
     if not ENABLED or _is_compiling() or _dispatch_modes() or _functorch_active() or _jit_tracing() is not None:
         return False
     return not _tf_modes_enabled() or _only_device_modes()
@@ -85,7 +87,7 @@ if ENABLED:
 
 def plain(t) -> bool:
     """Whether t is a plain dense CPU or CUDA tensor: torch.Tensor (or nn.Parameter) itself,
-    with exactly the dispatch keys such a tensor has. That one comparison (0.5 us) excludes
+    with exactly the dispatch keys such a tensor has. That one comparison excludes
     subclasses with a dispatch key (FakeTensor, DTensor, FunctionalTensor), functorch
     wrappers, negative or conjugate views, ZeroTensors, sparse, nested, mkldnn and meta
     tensors and every other device; the type test excludes __torch_function__ subclasses."""

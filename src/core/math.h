@@ -161,8 +161,9 @@ struct Act<Activation::kSilu> {
   // The derivative as s + (alpha a) (1 - s) with a = x s: one multiply fewer than the
   // factored form. On the device the sigmoid's argument is x (-alpha log2 e), the constant
   // taken out of the loops: one multiply an element where (-alpha) x, then exp_f's x log2 e,
-  // take two (the GPU kernels of the FP8 paths are bound by their instructions,
-  // docs/perf-notes.md section 18).
+  // take two (the GPU kernels of the FP8 paths are bound by their instructions:
+  // docs/notes/perf-notes.md, "Fewer instructions an element: the device math and the fused
+  // backward's amax").
   template <typename S>
   EA_HD static S sig(S x, S alpha) {
 #if defined(__CUDA_ARCH__)

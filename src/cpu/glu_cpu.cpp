@@ -87,8 +87,9 @@ constexpr int64_t kFwdCost = 1, kBwdCost = 2;
 // one of a row may be shorter), cut into chunks of consecutive units that the
 // threads take from a shared counter as they go: a thread slowed down by
 // anything else on its core takes fewer chunks instead of holding up the call
-// (an equal static split lost up to half the time so on a shared 2-core VM). A
-// chunk covers a partial row at each end and whole rows between.
+// (an equal static split lost up to half the time when other work kept one of
+// two cores busy). A chunk covers a partial row at each end and whole rows
+// between.
 struct Split {
   int64_t F, blocks_per_row, units;
   int64_t chunk;    // units per chunk

@@ -7,7 +7,7 @@
 // grad_out) are widened to float32 into stack buffers, de-interleaving on the way;
 // one `omp simd` loop applies the shared math of core/math.h; a last loop rounds
 // and stores, interleaving packed gradients back. Why blocks and not one fused
-// loop: docs/perf-notes.md ("CPU path").
+// loop: docs/notes/perf-notes.md, "CPU path".
 #include <cstdint>
 #include <cstring>
 #include <type_traits>

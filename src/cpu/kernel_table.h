@@ -12,7 +12,7 @@ namespace expertact::cpu {
 // Columns per block: a row is processed (and split between threads) in blocks of
 // this many elements. Five float32 block buffers (backward) take 5 KiB of L1.
 // 256 and 512 cost the same in cache; from DRAM with 2 threads 256 was ahead in
-// 11 of 18 size x layout x direction pairs (docs/perf-notes.md).
+// 11 of 18 size x layout x direction pairs (docs/notes/perf-notes.md, "CPU path").
 constexpr int64_t kBlock = 256;
 
 // Rows [r0, r1), columns [c0, c1) (c0 and c1 multiples of kBlock, or c1 = F).

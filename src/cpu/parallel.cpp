@@ -154,9 +154,9 @@ int threads() {
 void set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
 int threads_for(int64_t work) {
-  // One thread per ~128K element-operations (~100 us of one core): below that,
-  // waking a parked worker (~10-30 us on a VM) and the shared cache lines cost
-  // more than the split saves.
+  // One thread per ~128K element-operations: below that, waking a parked worker
+  // (a tenth to a third of the time one core takes for that much work) and the
+  // shared cache lines cost more than the split saves.
   const int64_t kMinWorkPerThread = int64_t{1} << 17;
   const int64_t by_work = std::max<int64_t>(work / kMinWorkPerThread, 1);
   return static_cast<int>(std::min<int64_t>(threads(), by_work));

@@ -14,7 +14,7 @@ void set_threads(int n);
 
 // Calls fn(t) for t in [0, nt): t = 0 on the calling thread, the others on pool
 // threads (started on first use, kept parked between calls: starting a thread
-// costs 100-200 us on a small VM, waking a parked one ~10 us). A call made while
+// costs 10-20 times as much as waking a parked one). A call made while
 // another parallel region runs (a second caller thread, or from inside fn) runs
 // all nt parts inline, in order. Exceptions from fn are rethrown on the caller.
 void parallel_run(int nt, const std::function<void(int)>& fn);

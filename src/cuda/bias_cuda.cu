@@ -6,8 +6,8 @@
 // (float32) and written to the run's partial row (slot chunk + expert), which a second kernel
 // adds up per expert in chunk order. Per-row sums (the routing weights' gradient) are reduced
 // across the block in a fixed order. No atomics: every sum has a fixed order. The forwards
-// (no sums: the activation's and expert_bias's) take the row kernels' shape instead. Measurements and the forms tried:
-// docs/perf-notes.md section 12.
+// (no sums: the activation's and expert_bias's) take the row kernels' shape instead. Measurements and
+// the forms tried: docs/notes/perf-notes.md, "Expert biases (GPT-OSS) in the kernels".
 #include <algorithm>
 #include <cstdlib>
 #include <cstdint>
@@ -27,9 +27,9 @@ namespace {
 constexpr int kRowsPerStep = 4;  // rows whose loads a thread issues before their first use
 // Threads of a chunked block: one per pack of the block's column tile (at most kBiasTilePacks).
 // The launch bounds ask for 2 (backward with b13) or 3 (the others) blocks per multiprocessor,
-// capping the registers at 85 or 56: on the H200 the backward with b13 went from 14.3 to 10.7 ms
-// (123 registers, one block per multiprocessor, before) and expert_bias's backward from 3.0 to
-// 2.6 ms (docs/perf-notes.md section 12).
+// capping the registers at 85 or 56: that took about a quarter off the backward with b13 (against
+// 123 registers and one block per multiprocessor) and 13% off expert_bias's backward
+// (docs/notes/perf-notes.md, "Expert biases (GPT-OSS) in the kernels").
 constexpr int kBiasThreads = static_cast<int>(detail::kBiasTilePacks);
 // Blocks per multiprocessor the activation's kernels ask for: 3 forward and 2 backward, except
 // with separate 16-byte gate and up packs (halves layouts: twice the registers per row), where
@@ -91,10 +91,10 @@ __device__ __forceinline__ void warp_row_sums(const float (&rs)[kRowsPerStep], f
 }
 // The same sums with a barrier every step (two buffers: a buffer is written again only
 // after every thread has passed the next step's barrier, which its readers reach after
-// reading), for expert_bias's backward, whose steps are loads and sums only. On the H200
-// (4 x 261,280 rows of 3,072, bf16) it took 2.15 ms in a form that loaded each row's weight
-// after its data and 3.06-3.16 ms in this one (weights loaded with the data); the per-chunk
-// form above took 2.94-2.99 ms here. Not understood yet: docs/perf-notes.md section 12.
+// reading), for expert_bias's backward, whose steps are loads and sums only. At 4 x 261,280 rows
+// of 3,072 (bf16) a form that loaded each row's weight after its data took about 0.7x the time of
+// this one (weights loaded with the data), and the per-chunk form above took 2-7% less time than
+// this one. Not understood yet: docs/notes/perf-notes.md, "Expert biases (GPT-OSS) in the kernels".
 __device__ __forceinline__ void step_row_sums(const float (&rs)[kRowsPerStep],
                                               float (&red)[2][32][kRowsPerStep], int& buf,
                                               int64_t q, int64_t end, float* dst, int64_t stride) {
@@ -130,9 +130,9 @@ __device__ __forceinline__ void block_row_sums(const float* red, int64_t R, int6
 // The activation's forward with b13, in the row kernels' shape (glu_kernels.cuh): a group of G
 // lanes owns a row, blocks follow each other along the rows; a row finds its expert once (a
 // binary search of the offsets, cached reads) and its bias packs come from L1/L2 (E rows of
-// 2F). Measured on the H200 at 4 x 261,280 rows of 3,072 (interleaved bf16, weights): 4.93 ms
-// against 5.55 for the backward's shape (a block per chunk of rows and tile of packs, a
-// thread's bias pack held for a run of one expert's rows), which it replaced.
+// 2F). At 4 x 261,280 rows of 3,072 (interleaved bf16, weights) it took 11% less time than the
+// backward's shape (a block per chunk of rows and tile of packs, a thread's bias pack held for a
+// run of one expert's rows), which it replaced.
 template <typename T, Activation A, int kStep, int V>
 __global__ void __launch_bounds__(256) glu_bias_fwd_rows_kernel(const BiasArgs<T> a, int G, int64_t splits) {
   constexpr int U = fwd_unroll_for(sizeof(T) * V * kStep);
@@ -469,8 +469,7 @@ template <typename T, typename Go>
 Status dispatch_glu(const detail::GluProblem& p, const detail::GluBias& b, const Operand* more, int n_more,
                     Go&& go) {
   // gu_operands: an interleaved pair's alignment is gate's (checking up's pointer too gave
-  // one-element packs, at 2.8 TB/s forward and 2.35 backward on the H200: docs/perf-notes.md
-  // section 12).
+  // one-element packs: docs/notes/perf-notes.md, "Expert biases (GPT-OSS) in the kernels").
   Operand ops[8];
   int n = gu_operands(ops, p.g, p.g_stride, p.u, p.u_stride, p.step);
   n += gu_operands(ops + n, b.bg, b.b_stride, b.bu, b.b_stride, p.step, b.er.experts);

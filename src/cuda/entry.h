@@ -17,8 +17,8 @@ enum class KernelChoice { kAuto, kRows, kFlat };
 // The choice when EXPERTACT_CUDA_KERNEL is unset.
 constexpr KernelChoice kDefaultKernel = KernelChoice::kAuto;
 
-// What auto takes for one call, from the A/B of rows against flat on the H200
-// (docs/perf-notes.md; bench/kernel_variants.cu): the flat kernels won everywhere
+// What auto takes for one call, from the A/B of rows against flat (docs/notes/perf-notes.md,
+// "Flat kernels and the `auto` choice"; bench/kernel_variants.cu): the flat kernels won everywhere
 // at 16,384 x 1,536 (4-9% in forward) and 65,536 x 1,536, and at the seed size
 // (1,045,081 x 3,072) for the presets without a limit (-1.1 to -1.9% forward, -0.4
 // to -0.8% backward, both rounds), but (a) the interleaved forward there was 2-8%

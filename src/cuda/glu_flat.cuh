@@ -20,8 +20,8 @@ namespace expertact::cuda {
 constexpr int64_t kFlatDiv32Max = (int64_t{1} << 31) - 4096;
 
 // Packs per flat thread: 1, one 16-byte access per operand, as DeepSpeed's (2 won up
-// to 2% for swiglu and lost up to 11% for swiglu_oai at the seed size on the H200:
-// docs/perf-notes.md).
+// to 2% for swiglu and lost up to 11% for swiglu_oai at the seed size:
+// docs/notes/perf-notes.md, "Flat kernels and the `auto` choice").
 constexpr int kFlatUnroll = 1;
 
 // Where flat pack q lives: its row and its column (in packs). kOneRow: one row

@@ -133,9 +133,10 @@ __device__ __forceinline__ RowSpan row_span(int G, int64_t packs, int64_t splits
   return s;
 }
 
-// Packs in flight per lane, by pack bytes, as measured on the H200 at the seed
-// size (docs/perf-notes.md): forward 2 packs of 16 bytes (4 was 5-8% slower),
-// backward 4 (2 was 3-4% slower); narrower packs keep the bytes in flight.
+// Packs in flight per lane, by pack bytes, as tuned at the seed size
+// (docs/notes/perf-notes.md, "Row kernels"): forward 2 packs of 16 bytes (4 was
+// 5-8% slower), backward 4 (2 was 3-4% slower); narrower packs keep the bytes in
+// flight.
 // pack_bytes: the widest access of one pack (an interleaved gate_up pack is
 // twice the output pack).
 constexpr int fwd_unroll_for(int pack_bytes) {
@@ -190,7 +191,7 @@ __device__ __forceinline__ float up_of(const GuPack<T, V, kStep>& r, int i) {
 // run-time test. Kernels take `kNoLimit ? unlimited(a.c) : a.c` by reference (a
 // copy of a.c costs instructions in some kernels: its fields leave the constant
 // bank). The row kernels take a.c as it is: the same specialisation measured no
-// faster there (docs/perf-notes.md).
+// faster there (docs/notes/perf-notes.md, "Flat kernels and the `auto` choice").
 __device__ __forceinline__ math::Coeffs unlimited(const math::Coeffs& c) {
   return math::Coeffs{c.alpha, __int_as_float(0x7f800000), c.beta, false};
 }

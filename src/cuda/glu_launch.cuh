@@ -80,7 +80,7 @@ struct LaunchShape {
   int64_t blocks = 1;
 };
 
-// Measured on the H200 (docs/perf-notes.md): blocks
+// Tuned at the seed size (docs/notes/perf-notes.md, "Row kernels"): blocks
 // of 128 threads; 32 lanes per row (a 3072-wide bf16 row is then 12 packs per
 // lane; 64 lanes were 5-15% slower); when rows alone leave the GPU underfilled,
 // the row goes to whole blocks, one tile of G * U packs per block.
@@ -125,8 +125,8 @@ inline bool rows_mergeable(const detail::GluProblem& p, std::initializer_list<in
 
 // Merging contiguous rows into one helps the row kernels when the rows alone
 // only allow a narrower pack (odd F) or are too short to give a warp work
-// (under 64 packs); otherwise rows of their own were faster on the H200 (4.45 ms
-// against 4.53-4.89 ms for the seed-size forward). The flat kernels merge
+// (under 64 packs); otherwise rows of their own were faster (merged rows took
+// 2-10% longer in the seed-size forward). The flat kernels merge
 // whenever the merged pack is 16 bytes (flat_wide): one row needs no division.
 inline void merge_if_better(const Operand* ops, int n, int es, int step, int64_t& rows,
                             int64_t& F, int& V, bool flat_wide = false) {
@@ -213,9 +213,9 @@ bool use_flat(KernelChoice k, int step, int V, bool row_sum) {
   return k != KernelChoice::kRows && !row_sum && V == static_cast<int>(16 / sizeof(T)) / step;
 }
 
-// Blocks of 256 threads: 128 gained nothing beyond the round-to-round spread on
-// the H200 at the seed size where flat is the choice (within 0.3% for swiglu; as
-// unsteady as 256 with a limit; docs/perf-notes.md).
+// Blocks of 256 threads: 128 gained nothing beyond the round-to-round spread at
+// the seed size where flat is the choice (within 0.3% for swiglu; as unsteady as
+// 256 with a limit; docs/notes/perf-notes.md, "Flat kernels and the `auto` choice").
 constexpr int kFlatThreads = 256;
 
 // Fills the flat numbering of rows x packs; false (take the row kernels) when

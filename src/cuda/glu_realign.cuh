@@ -2,7 +2,7 @@
 // modulo 16 bytes: packed halves / up-first rows with F * sizeof(T) % 16 != 0
 // (F = 2881: gate and up start 5762 bytes apart), views that start between
 // 16-byte boundaries, odd row strides. The pack kernel would fall to 4-byte or
-// one-element accesses there (61% of the floor on the H200 for F = 2881).
+// one-element accesses there (61% of the floor for F = 2881).
 //
 // Here every access to the body of a row is 16 bytes and aligned:
 // - One operand is the anchor (the output in forward, grad_gate in backward):
@@ -277,11 +277,12 @@ __device__ __forceinline__ void put_walk(T* y, int d, const Words& m, bool on, b
   }
 }
 
-// Measured on the H200 at 65,536 x 2,881 bf16 halves (docs/perf-notes.md):
-// blocks of 128 threads, one pack per lane in flight, and an L2 prefetch kAhead
-// tiles ahead: 1 in forward, 2 in backward (2 was 0.7% slower in forward, 1 was
-// 2% slower in backward; 3 slower in both). A tighter register cap (3 blocks of
-// 256 threads per SM) spilled and was 20% slower in backward.
+// Tuned at 65,536 x 2,881 bf16 halves (docs/notes/perf-notes.md,
+// "Realigning kernels (odd F, packed halves)"): blocks of 128 threads, one pack
+// per lane in flight, and an L2 prefetch kAhead tiles ahead: 1 in forward, 2 in
+// backward (2 was 0.7% slower in forward, 1 was 2% slower in backward; 3 slower
+// in both). A tighter register cap (3 blocks of 256 threads per SM) spilled and
+// was 20% slower in backward.
 template <typename T, Activation A, bool kW>
 __global__ void __launch_bounds__(256) glu_fwd_realign(const KernelArgs<T> a, int G) {
   constexpr int V = 16 / sizeof(T);

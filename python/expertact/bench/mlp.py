@@ -73,7 +73,7 @@ _MODES = {
     "expertact-recompute-inplace": dict(recompute=True, inplace_backward=True),
 }
 # The extra peak of the unfused in-place composition at the seed size, measured on the H200
-# (2026-11-30; bench/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
+# (2026-11-30; docs/notes/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
 # it. Recompute runs the forward kernel once more (~4.5 ms at the seed size).
 TARGET_PEAK_GIB = 30.11
 # The expert biases: every row has a "-bias" twin (the same computation with b13 and b2).
@@ -412,7 +412,8 @@ def markdown(meta, results, checks, check=()):
         lines += [""] + check_markdown(check, meta)
     if checks:
         lines += ["", "Targets (memory modes: docs/python.md"
-                  + ("; the bias rows: docs/BENCHMARKS.md" if biased else "") + "):", ""]
+                  + ('; the bias rows: docs/BENCHMARKS.md, "Expert biases (GPT-OSS) in the expert MLP"'
+                     if biased else "") + "):", ""]
         for text, ok in checks:
             lines.append(f"- {'PASS' if ok else 'FAIL' if ok is not None else 'measured'}: {text}")
     return "\n".join(lines) + "\n"

@@ -38,7 +38,8 @@ PEER_SIZES = ((1_045_081, 3072), (262_144, 3072), (65_536, 1536), (16_384, 1536)
 QUICK = dict(presets=("swiglu", "swiglu_oai"), layouts=("separate", "halves"),
              sizes=((1_045_081, 3072), (65_536, 1536)))
 IMPLS = ("eager", "compile", "deepspeed", "expertact", "expertact-inplace")
-#: eager is 1.7-11x slower than the rest at the seed size (docs/BENCHMARKS.md): only on request.
+#: eager is 1.7-11x slower than the rest at the seed size (docs/BENCHMARKS.md, "The activation beside eager
+#: PyTorch at the seed size"): only on request.
 DEFAULT_IMPLS = ("compile", "deepspeed", "expertact", "expertact-inplace")
 PEERS = ("eager", "compile", "deepspeed")
 OURS = ("expertact", "expertact-inplace")

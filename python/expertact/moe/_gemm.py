@@ -81,8 +81,9 @@ def gmm_wgrad(a, b, offs, plan, like=None):
     like: the weight this is the gradient of. Expert weights are usually held [E, N, K] and
     read through .transpose(-2, -1) (DeepSpeed, TorchTitan, transformers): then the gradient is
     computed as (b^T a)^T, the same sums laid out as the weight's storage, so that autograd
-    hands it to the leaf without a transposing copy (two such copies took 0.85 ms a step at
-    the busiest rank on an H200, docs/perf-notes.md)."""
+    hands it to the leaf without a transposing copy (two such copies were about 0.3% of a bf16
+    step at the busiest rank: docs/notes/perf-notes.md, "The expert MLP around the
+    activation")."""
     if held_transposed(like):
         return gmm_wgrad(b, a, offs, plan).transpose(-2, -1)
     ends = plan.ends
