@@ -294,7 +294,10 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
     opt, sched = make_optimizer(model, args.lr, args.steps)
     model.train()
     losses, times, seen = [], [], []
+    routing, probe = {}, _RoutingProbe(model)
+    probe_steps = {0, args.steps // 2, args.steps - 1}
     for step in range(args.steps):
+        probe.armed = step in probe_steps
         ids = batches(step).to(device, non_blocking=True)
         sync()
         with warnings.catch_warnings(record=True) as caught:
@@ -313,6 +316,8 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
             msg = str(w.message)
             if "determinis" in msg and msg not in seen:
                 seen.append(msg)
+        if probe.armed:  # counted after the step's clock stopped
+            routing[str(step)] = probe.take()
         losses.append(float(loss.detach().float().item()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"{tag}: loss {losses[-1]} at step {step}")
@@ -324,8 +329,43 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
         log(f"[{tag}] determinism warnings in the first steps: " + " | ".join(m.splitlines()[0] for m in seen),
             flush=True)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    probe.remove()
     del opt, sched
-    return dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak)
+    return dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak,
+                routing=routing)
+
+
+class _RoutingProbe:
+    """The rows each expert receives, per MoE layer, at the steps the loop arms it for: a
+    forward pre-hook on every experts module (transformers calls them as experts(hidden,
+    top_k_index, top_k_weights)) keeps a copy of the routed expert ids, counted on the CPU after
+    the step (no sync inside the timed step, and no nondeterministic CUDA op). take() gives,
+    per layer, the busiest expert's rows and their ratio to an even share: the skew that a
+    computation walking each expert's rows in turn pays for."""
+
+    def __init__(self, model):
+        self.armed, self.ids, self.handles = False, [], []
+        for module in model.modules():
+            if type(module).__name__.endswith("Experts") and hasattr(module, "num_experts"):
+                self.handles.append(module.register_forward_pre_hook(self._hook))
+
+    def _hook(self, module, args):
+        if self.armed and len(args) > 1 and hasattr(args[1], "dtype") and not args[1].dtype.is_floating_point:
+            self.ids.append((module.num_experts, args[1].detach().clone()))
+
+    def take(self):
+        import torch
+        layers = []
+        for n_experts, ids in self.ids:
+            counts = torch.bincount(ids.flatten().cpu().long(), minlength=n_experts)
+            even = ids.numel() / n_experts
+            layers.append(dict(busiest_rows=int(counts.max()), busiest_over_even=round(float(counts.max()) / even, 3)))
+        self.ids = []
+        return layers
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
 def summarise(record, warmup, tokens_per_step):
@@ -338,6 +378,8 @@ def summarise(record, warmup, tokens_per_step):
     record["tokens_per_s"] = tokens_per_step * len(steady) / sum(steady)
     tail = losses[-FINAL_WINDOW:]
     record["final_loss"] = sum(tail) / len(tail)
+    probes = [layer["busiest_over_even"] for layers in record.get("routing", {}).values() for layer in layers]
+    record["busiest_expert_over_even"] = max(probes) if probes else None
     return record
 
 
@@ -374,12 +416,12 @@ def _fmt(v, spec):
 def markdown_table(result):
     rows = ["| variant | implementation | tokens/s | step (ms) | peak memory (GiB) | final loss | "
             f"max abs loss diff vs {result['baseline']} | max abs loss diff vs {result['yardstick']} | "
-            "repeat bit-identical |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "repeat bit-identical | busiest expert / even share |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for name, r in result["variants"].items():
         if "error" in r:
             rows.append(f"| {name} | {r['implementation']} | failed: {r['error'].splitlines()[0][:160]} "
-                        "| | | | | | |")
+                        "| | | | | | | |")
             continue
         peak = None if r.get("peak_allocated_bytes") is None else r["peak_allocated_bytes"] / 2**30
         if "bit_identical_losses" in r:
@@ -392,7 +434,8 @@ def markdown_table(result):
         rows.append(f"| {name} | {r['implementation']} | {_fmt(r['tokens_per_s'], ',.0f')} | "
                     f"{_fmt(r['mean_step_time_s'] * 1e3, '.1f')} | {_fmt(peak, '.2f')} | {_fmt(r['final_loss'], '.4f')} | "
                     f"{_fmt(r.get('max_abs_loss_diff_vs_baseline'), '.3g')} | "
-                    f"{_fmt(r.get('max_abs_loss_diff_vs_yardstick'), '.3g')} | {same} |")
+                    f"{_fmt(r.get('max_abs_loss_diff_vs_yardstick'), '.3g')} | {same} | "
+                    f"{_fmt(r.get('busiest_expert_over_even'), '.2f')} |")
     s = result["setup"]
     head = (f"{result['title']}: {s['steps']} steps, {s['tokens_per_step']:,} tokens per step, "
             f"{s['expert_rows_per_layer']:,} expert rows per layer and step, {s['dtype']}, "
