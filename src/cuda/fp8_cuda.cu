@@ -1039,16 +1039,6 @@ struct BwdRowArgs {
   int64_t amax_stride;
   T* dgu;  // null: not wanted
   int64_t dgu_stride;
-  // kH (h's column-wise operand from the same pass, glu_colwise_grouped's bytes): the padded
-  // offsets (E, multiples of kHRows), h's dequantisation scales [E, F], q_t [F, h_tiles kHRows];
-  // blocks below h_tile_blocks take h_tiles_per_block tiles of the padded order each,
-  // the others share the rows past the last offset (no column-wise output there).
-  const int32_t* pends;
-  const float* h_scale;
-  int64_t h_scale_stride;
-  uint8_t* h_q;
-  int64_t h_q_stride;
-  int64_t h_tiles, h_tiles_per_block, h_tile_blocks;
 };
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -1085,25 +1075,10 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // (without it the weight is the constant 1, so the multiplies by it fold away, and the
 // weights' gradient, which needs a.w, is neither computed nor summed across the row: on an
 // H200 the kernel is bound by its instructions, section 17 of docs/perf-notes.md).
-//
-// kH: also h's column-wise operand (dw2's), as glu_colwise_grouped writes it from the same
-// gate_up: the blocks below a.h_tile_blocks walk the padded output rows in kHRows-row tiles (the
-// experts start at multiples of kHRows there, so a tile is one expert's: up to kHRows source rows, the
-// rest padding, bytes 0x00). Each row's h (the forward's value, rounded to T) times its
-// column's multiplier goes into a row-major shared tile [kHRows][F] (dynamic shared memory,
-// then the expert's F multipliers); at the tile's end each thread reads 4 columns of the tile's
-// rows, transposes them 16 rows at a time by byte permutes and stores 32 bytes a column into q_t:
-// whole 32-byte sectors (16-row tiles left half sectors in L2 between one tile and the next, and
-// the kernel took 23.4 ms on an H200 against 16.4 for the two passes; 32-row tiles 18.1 ms:
-// docs/perf-notes.md section 19). 16-bit T, no bias.
-constexpr int kHRows = 32;  // kH: rows a tile (the padded offsets' multiple)
-
-template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW, bool kH = false>
+template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
   static_assert(2 * V * N <= kBwdHeld, "a lane holds at most kBwdHeld values");
-  static_assert(!kH || (sizeof(T) == 2 && !kBias && V % 4 == 0), "h's column-wise operand: 16-bit T, no bias");
-  extern __shared__ __align__(16) unsigned char h_smem[];  // kH: tile [kHRows][F] bytes, then F multipliers
   __shared__ float red_a[2][kBwdThreads / 32], red_s[2][kBwdThreads / 32];  // by row parity
   // The column amax of a lane's values, of the gradient as rounded to T (the values
   // dgate_up_out gets, which the column-wise pass quantises). 16-bit T: in registers, two
@@ -1116,31 +1091,12 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   __shared__ float cm[kAmax && !kHalf ? N * 2 * V * kBwdThreads : 1];
   uint32_t cw[N][kHalf ? V : 1] = {};
   const int R = kBwdThreads / G, lane = threadIdx.x & (G - 1);
-  // Row mode: steps [s0, s1) of R rows from row0. Tile mode (kH, blocks below h_tile_blocks):
-  // steps [s0, s1) of the tiles' steps, kHRows / R a tile.
-  const bool tiles = kH && static_cast<int64_t>(blockIdx.x) < a.h_tile_blocks;
-  const int spt = kHRows / R;
-  int64_t s0, s1, row0 = 0;
-  if (tiles) {
-    s0 = static_cast<int64_t>(blockIdx.x) * a.h_tiles_per_block * spt;
-    s1 = s0 + a.h_tiles_per_block * spt < a.h_tiles * spt ? s0 + a.h_tiles_per_block * spt : a.h_tiles * spt;
-  } else {
-    // kH: the blocks from h_tile_blocks on share the rows past the last offset (read here).
-    row0 = kH && a.E > 0 ? a.offs[a.E - 1] : 0;
-    const int64_t b = kH ? static_cast<int64_t>(blockIdx.x) - a.h_tile_blocks : static_cast<int64_t>(blockIdx.x);
-    const int64_t steps = a.rows > row0 ? (a.rows - row0 + R - 1) / R : 0;
-    const int64_t nb = static_cast<int64_t>(gridDim.x) - a.h_tile_blocks;
-    const int64_t pb = kH ? (steps + nb - 1) / nb : per_block;
-    s0 = b * pb;
-    s1 = s0 + pb < steps ? s0 + pb : steps;
-  }
+  const int64_t steps = (a.rows + R - 1) / R;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * per_block;
+  const int64_t s1 = s0 + per_block < steps ? s0 + per_block : steps;
   const bool need_e = kBias || kAmax;
-  int64_t e = need_e && !tiles ? detail::expert_of(a.offs, a.E, row0 + s0 * R + threadIdx.x / G) : 0;
+  int64_t e = need_e ? detail::expert_of(a.offs, a.E, s0 * R + threadIdx.x / G) : 0;
   int64_t held = -1;
-  // kH: the tile's expert (te; -1 before the first), its first source row and source rows.
-  int64_t te = -1, tsrc = 0, tn = 0, tq = -1;
-  uint8_t* const htile = h_smem;
-  float* const hmul = reinterpret_cast<float*>(h_smem + (kH ? kHRows * a.F : 0));
   auto at = [&](int j, int i) -> float& { return cm[(j * 2 * V + i) * kBwdThreads + threadIdx.x]; };
   // Value i of pack j, as held (0 where nothing was seen).
   auto value_at = [&](int j, int i) -> float {
@@ -1185,39 +1141,8 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
   reset();
   const uint32_t pack_bytes = V * sizeof(T);
   for (int64_t st = s0; st < s1; ++st) {  // the same count in every thread: the barriers
-    int64_t row;
-    bool live;
-    int slot = 0;
-    if constexpr (kH) {
-      if (tiles) {
-        const int k = static_cast<int>(st % spt);
-        if (k == 0) {  // the tile's expert and rows (the same in every thread)
-          const int64_t P = st / spt * kHRows;
-          if (te < 0) te = detail::expert_of(a.pends, a.E, P);
-          while (te < a.E && a.pends[te] <= P) ++te;
-          const int64_t pstart = te == 0 ? 0 : a.pends[te - 1], start = te == 0 ? 0 : a.offs[te - 1];
-          tsrc = start + (P - pstart);
-          const int64_t nv = te < a.E ? a.offs[te] - tsrc : 0;
-          const int64_t nr = a.rows - tsrc < nv ? a.rows - tsrc : nv;
-          tn = nr < 0 ? 0 : nr > kHRows ? kHRows : nr;
-          if (te != tq) {  // the expert's multipliers, 1 / scale as the column-wise pass takes them
-            tq = te;
-            for (int64_t c = threadIdx.x; c < a.F; c += kBwdThreads)
-              hmul[c] = te < a.E ? __fdiv_rn(1.0f, a.h_scale[te * a.h_scale_stride + c]) : 0.0f;
-            __syncthreads();
-          }
-        }
-        slot = k * R + static_cast<int>(threadIdx.x) / G;
-        row = tsrc + slot;
-        live = slot < tn && row < a.rows;
-      } else {
-        row = row0 + st * R + threadIdx.x / G;
-        live = row < a.rows;
-      }
-    } else {
-      row = st * R + threadIdx.x / G;
-      live = row < a.rows;
-    }
+    const int64_t row = st * R + threadIdx.x / G;
+    const bool live = row < a.rows;
     const int64_t r = live ? row : 0;
     if (ahead > 0 && lane == 0 && st + ahead < s1) {
       const int64_t nr = row + ahead * R;
@@ -1268,33 +1193,17 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
       if (live && p < packs) {
         GuPack<T, V, kStep> b;
         if (bg) load_raw<T, V, kStep>(bg, bu, p, b);
-        float hv[kH ? V : 1];
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           float gv = gate_of(in[j], i), uv = up_of(in[j], i);
           if (bg) gv += gate_of(b, i), uv += up_of(b, i);
           float dg, du, term;
-          if constexpr (kH) math::glu_bwd_h<A>(gv, uv, pack_f(d[j], i), w, a.c, dg, du, term, hv[i]);
-          else math::glu_bwd<A>(gv, uv, pack_f(d[j], i), w, a.c, dg, du, term);
+          math::glu_bwd<A>(gv, uv, pack_f(d[j], i), w, a.c, dg, du, term);
           // held in output order: kStep 2 pairs (dg, du), kStep 1 gate's V then up's V
           h[j][kStep == 2 ? 2 * i : i] = dg;
           h[j][kStep == 2 ? 2 * i + 1 : V + i] = du;
           if constexpr (kW) sum += term;
           m = fmaxf(m, fmaxf(fabsf(dg), fabsf(du)));
-        }
-        if constexpr (kH) {
-          if (tiles) {  // h's bytes of this pack (V columns from V p) into the tile's row
-            float x[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) x[i] = to_f(from_f<T>(hv[i])) * hmul[V * p + i];
-            uint32_t wq[V / 4];
-#pragma unroll
-            for (int i = 0; i < V / 4; ++i)
-              wq[i] = fp8::from_scaled4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
-            uint8_t* dst = htile + static_cast<int64_t>(slot) * a.F + V * static_cast<int64_t>(p);
-            if constexpr (V == 8) *reinterpret_cast<uint2*>(dst) = make_uint2(wq[0], wq[1]);
-            else *reinterpret_cast<uint32_t*>(dst) = wq[0];
-          }
         }
         const bool take_amax = kAmax && held >= 0;
         if constexpr (kHalf) {
@@ -1326,78 +1235,43 @@ __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const 
     }
     if constexpr (kW) row_amax_sum(m, sum, G, red_a[st & 1], red_s[st & 1]);
     else m = row_amax(m, G, red_a[st & 1]);
-    if (live) {
-      const float s = fp8::scale_of(m);
-      uint8_t* qr = a.q + r * a.q_stride;
-  #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int p = lane + G * j;
-        if (p < packs) {
-          if constexpr (kStep == 2) {
-            float x[2 * V];
-  #pragma unroll
-            for (int i = 0; i < 2 * V; ++i) x[i] = h[j][i] * s;
-            store_q<2 * V>(qr, p, x, q_vec);
-            if (!kHalf && dgr) {  // (16-bit T: stored with the amax above)
-              Pack<T, 2 * V> o;
-  #pragma unroll
-              for (int i = 0; i < 2 * V; ++i) o.v[i] = from_f<T>(h[j][i]);
-              reinterpret_cast<Pack<T, 2 * V>*>(dgr)[p] = o;
-            }
-          } else {
-            float xg[V], xu[V];
-  #pragma unroll
-            for (int i = 0; i < V; ++i) xg[i] = h[j][i] * s, xu[i] = h[j][V + i] * s;
-            store_q<V>(qr + a.q_g, p, xg, q_vec);
-            store_q<V>(qr + a.q_u, p, xu, q_vec);
-            if (!kHalf && dgr) {
-              Pack<T, V> og, ou;
-  #pragma unroll
-              for (int i = 0; i < V; ++i) og.v[i] = from_f<T>(h[j][i]), ou.v[i] = from_f<T>(h[j][V + i]);
-              reinterpret_cast<Pack<T, V>*>(dgr + a.q_g)[p] = og;
-              reinterpret_cast<Pack<T, V>*>(dgr + a.q_u)[p] = ou;
-            }
+    if (!live) continue;
+    const float s = fp8::scale_of(m);
+    uint8_t* qr = a.q + r * a.q_stride;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int p = lane + G * j;
+      if (p < packs) {
+        if constexpr (kStep == 2) {
+          float x[2 * V];
+#pragma unroll
+          for (int i = 0; i < 2 * V; ++i) x[i] = h[j][i] * s;
+          store_q<2 * V>(qr, p, x, q_vec);
+          if (!kHalf && dgr) {  // (16-bit T: stored with the amax above)
+            Pack<T, 2 * V> o;
+#pragma unroll
+            for (int i = 0; i < 2 * V; ++i) o.v[i] = from_f<T>(h[j][i]);
+            reinterpret_cast<Pack<T, 2 * V>*>(dgr)[p] = o;
+          }
+        } else {
+          float xg[V], xu[V];
+#pragma unroll
+          for (int i = 0; i < V; ++i) xg[i] = h[j][i] * s, xu[i] = h[j][V + i] * s;
+          store_q<V>(qr + a.q_g, p, xg, q_vec);
+          store_q<V>(qr + a.q_u, p, xu, q_vec);
+          if (!kHalf && dgr) {
+            Pack<T, V> og, ou;
+#pragma unroll
+            for (int i = 0; i < V; ++i) og.v[i] = from_f<T>(h[j][i]), ou.v[i] = from_f<T>(h[j][V + i]);
+            reinterpret_cast<Pack<T, V>*>(dgr + a.q_g)[p] = og;
+            reinterpret_cast<Pack<T, V>*>(dgr + a.q_u)[p] = ou;
           }
         }
-      }
-      if (lane == 0) {
-        a.scale[r * a.scale_stride] = 1.0f / s;
-        if (kW && a.dw) a.dw[r * a.dw_stride] = sum;
       }
     }
-    if constexpr (kH) {
-      if (tiles && st % spt == spt - 1) {  // the tile's end: its bytes, transposed, into q_t
-        __syncthreads();
-        const int64_t P = st / spt * kHRows;
-        const int64_t words = a.F / 4;
-        const uint32_t* tw = reinterpret_cast<const uint32_t*>(htile);
-        for (int64_t g4 = threadIdx.x; g4 < words; g4 += kBwdThreads) {
-#pragma unroll 1
-          for (int half = 0; half < kHRows / 16; ++half) {  // rows 16 half .. 16 half + 15
-            uint32_t col[4][4];  // col[j][b]: rows 16 half + 4b .. + 3 of column 4 g4 + j
-#pragma unroll
-            for (int b4 = 0; b4 < 4; ++b4) {
-              uint32_t w4[4];
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int rr = 16 * half + 4 * b4 + k;
-                w4[k] = rr < tn ? tw[rr * words + g4] : 0u;
-              }
-              const uint32_t x01 = __byte_perm(w4[0], w4[1], 0x5140), x23 = __byte_perm(w4[2], w4[3], 0x5140);
-              const uint32_t y01 = __byte_perm(w4[0], w4[1], 0x7362), y23 = __byte_perm(w4[2], w4[3], 0x7362);
-              col[0][b4] = __byte_perm(x01, x23, 0x5410);
-              col[1][b4] = __byte_perm(x01, x23, 0x7632);
-              col[2][b4] = __byte_perm(y01, y23, 0x5410);
-              col[3][b4] = __byte_perm(y01, y23, 0x7632);
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              *reinterpret_cast<uint4*>(a.h_q + (4 * g4 + j) * a.h_q_stride + P + 16 * half) =
-                  make_uint4(col[j][0], col[j][1], col[j][2], col[j][3]);
-          }
-        }
-        __syncthreads();
-      }
+    if (lane == 0) {
+      a.scale[r * a.scale_stride] = 1.0f / s;
+      if (kW && a.dw) a.dw[r * a.dw_stride] = sum;
     }
   }
   flush();
@@ -1853,8 +1727,6 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
   });
 }
 
-Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, const Fp8Cols& c, void* stream);
-
 Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias, void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard,
@@ -1864,25 +1736,17 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
                          {"grad_gate_up", o.dgu}}));
   if (p.rows > 0x7fffffffLL) return fail(Status::kInvalidArgument, "too many rows (", p.rows, ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  // h's column-wise operand (o.h_cols): inside the vector kernel (kH) where it applies, else
-  // by glu_colwise_grouped's own pass, run first (dgu may overwrite gate_up).
-  const Fp8Cols* hc = o.h_cols;
-  auto h_apart = [&]() -> Status { return hc ? cuda_fp8_glu_colwise_grouped(p, bias, *hc, stream) : Status::kOk; };
-  const bool h_inside = hc && !bias && hc->amax && hc->padded && hc->offsets == o.offsets && o.col_amax &&
-                        o.h_pad > 0 && o.h_pad % cuda::kHRows == 0 && hc->out_rows % cuda::kHRows == 0 &&
-                        hc->cols == p.F && p.F % 16 == 0 && reinterpret_cast<uintptr_t>(hc->q_t) % 16 == 0 &&
-                        hc->q_stride % 16 == 0;
   if (o.col_amax && o.experts > 0) {
     EA_TRY(cuda::cuda_check(cudaMemset2DAsync(o.col_amax, static_cast<size_t>(o.col_amax_stride) * sizeof(float), 0,
                                               static_cast<size_t>(2 * p.F) * sizeof(float),
                                               static_cast<size_t>(o.experts), st),
                             "fp8 col_amax zero"));
   }
-  if (p.rows == 0) return h_apart();
+  if (p.rows == 0) return Status::kOk;
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     constexpr int es = sizeof(T);
-    cuda::BwdRowArgs<T> a{};
+    cuda::BwdRowArgs<T> a;
     a.g = static_cast<const T*>(p.g);
     a.u = static_cast<const T*>(p.u);
     a.x_stride = p.g_stride;
@@ -1928,7 +1792,6 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
       constexpr Activation A = decltype(act)::value;
       const int64_t packs64 = V > 0 ? p.F / V : 0;
       auto scalar = [&]() -> Status {
-        EA_TRY(h_apart());
         cuda::glu_bwd_rows_kernel<T, A><<<cuda::blocks_for(p.rows, cuda::kScalarThreads), cuda::kScalarThreads, 0, st>>>(a);
         return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
       };
@@ -1954,55 +1817,6 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
           return detail::dispatch_bool(a.bg != nullptr, [&](auto bias_tag) -> Status {
             constexpr bool kBias = decltype(bias_tag)::value;
             return detail::dispatch_bool(a.w != nullptr, [&](auto w_tag) -> Status {
-              if constexpr (es == 2 && kAmax && !kBias && kV % 4 == 0) {
-                // Inside where two blocks of it fit on an SM (the tile [kHRows][F] bytes, then F
-                // multipliers: F = 3,072 takes 110,592 bytes a block, all the shared memory an
-                // SM has), else h's own pass first (one block an SM would halve the rows in
-                // flight).
-                auto kernel_h =
-                    cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, decltype(w_tag)::value, true>;
-                const int smem = static_cast<int>((cuda::kHRows + 4) * p.F);
-                int per_sm = 0;
-                if (h_inside) {
-                  int optin = 0;
-                  EA_TRY(cuda::cuda_check(
-                      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device_id),
-                      "fp8 backward shared memory limit"));
-                  if (smem <= optin) {
-                    if (smem > 48 * 1024) {
-                      EA_TRY(cuda::cuda_check(
-                          cudaFuncSetAttribute(kernel_h, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                          "fp8 backward shared memory"));
-                      EA_TRY(cuda::cuda_check(cudaFuncSetAttribute(kernel_h,
-                                                                   cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                                   cudaSharedmemCarveoutMaxShared),
-                                              "fp8 backward shared memory carveout"));
-                    }
-                    EA_TRY(cuda::cuda_check(
-                        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel_h, cuda::kBwdThreads, smem),
-                        "fp8 backward occupancy"));
-                  }
-                }
-                if (per_sm >= 2) {
-                  EA_TRY(col_scales_from_amax(*hc, st));
-                  const int64_t want = std::max<int64_t>(1, per_sm) * cuda::sm_count(p.device_id);
-                  a.pends = hc->padded;
-                  a.h_scale = hc->scale;
-                  a.h_scale_stride = hc->scale_stride;
-                  a.h_q = static_cast<uint8_t*>(hc->q_t);
-                  a.h_q_stride = hc->q_stride;
-                  a.h_tiles = hc->out_rows / cuda::kHRows;
-                  a.h_tiles_per_block = std::max<int64_t>(1, (a.h_tiles + want - 1) / want);
-                  a.h_tile_blocks = (a.h_tiles + a.h_tiles_per_block - 1) / a.h_tiles_per_block;
-                  // The blocks after the tiles' share the rows past the last offset (none in
-                  // the expert MLP's usual call: they return at once).
-                  const int64_t blocks = a.h_tile_blocks + cuda::sm_count(p.device_id);
-                  kernel_h<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, smem, st>>>(a, packs, G, q_vec, 1,
-                                                                                           bwd_prefetch_steps());
-                  return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
-                }
-              }
-              EA_TRY(h_apart());
               auto kernel = cuda::glu_bwd_rows_vec_kernel<T, A, kStep, kV, N, kAmax, kBias, decltype(w_tag)::value>;
               const int64_t R = cuda::kBwdThreads / G;
               const int64_t steps = (p.rows + R - 1) / R;
