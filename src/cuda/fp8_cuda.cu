@@ -685,17 +685,9 @@ Status pick_held(int64_t ppl, Go&& go) {
 
 // Lanes per row: the fewest of 32, 64, 128 that leave a lane at most kLaneValues values
 // (registers for more warps, so more loads in flight), else 128 (a lane then holds up to the
-// largest instance, or the row is read twice). EXPERTACT_FP8_ROW_LANES=32|64|128 forces a
-// width (a tuning knob, read once per process; other values are ignored).
+// largest instance, or the row is read twice).
 constexpr int64_t kLaneValues = 32;
 int lanes_per_row(int64_t packs, int V) {
-  static const int forced = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_ROW_LANES");
-    if (env == nullptr) return 0;
-    const int v = std::atoi(env);
-    return v == 32 || v == 64 || v == 128 ? v : 0;
-  }();
-  if (forced) return forced;
   for (int G : {32, 64}) {
     if ((packs + G - 1) / G * V <= kLaneValues) return G;
   }
@@ -936,22 +928,6 @@ struct GluRows {
   const float* w;
   int64_t w_stride;
   math::Coeffs cf;
-  __device__ __forceinline__ void load(int32_t r, int32_t c, Raw& p) const {
-    const T* gr = g + static_cast<int64_t>(r) * g_stride;
-    if constexpr (kStep == 1) {
-      p.a = *reinterpret_cast<const Pack<T, 8>*>(gr + c);
-      p.b = *reinterpret_cast<const Pack<T, 8>*>(u + static_cast<int64_t>(r) * u_stride + c);
-    } else {
-      p.a = *reinterpret_cast<const Pack<T, 8>*>(gr + 2 * c);
-      p.b = *reinterpret_cast<const Pack<T, 8>*>(gr + 2 * c + 8);
-    }
-    p.w = w ? w[static_cast<int64_t>(r) * w_stride] : 1.0f;
-  }
-  __device__ __forceinline__ void zero(Raw& p) const {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) p.a.v[i] = p.b.v[i] = from_f<T>(0.0f);
-    p.w = 1.0f;
-  }
   __device__ __forceinline__ float value(const Raw& p, int i) const {
     float gv, uv;
     if constexpr (kStep == 1) {
@@ -962,12 +938,8 @@ struct GluRows {
     }
     return to_f(from_f<T>(math::glu_fwd<A>(gv, uv, p.w, cf)));
   }
-  __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
-    const uint32_t bytes = static_cast<uint32_t>(n * sizeof(T));
-    prefetch_l2(g + static_cast<int64_t>(r) * g_stride + kStep * c0, kStep * bytes);
-    if constexpr (kStep == 1) prefetch_l2(u + static_cast<int64_t>(r) * u_stride + c0, bytes);
-  }
-  // load()'s bytes copied into shared memory (cp_async; w's too, or 1 stored there).
+  // The row's gate and up bytes of columns c .. c + 7 copied into shared memory (cp_async; w's
+  // too, or 1 stored there).
   __device__ __forceinline__ void load_async(int32_t r, int32_t c, Raw* dst) const {
     const T* gr = g + static_cast<int64_t>(r) * g_stride;
     if constexpr (kStep == 1) {
@@ -1354,75 +1326,29 @@ int q_t_align(const Fp8Cols& c) {
                                                               : 1;
 }
 
-// Pass 2's form where run_kernel applies: one of run_kernel's (colwise::kRunAsync, the default:
-// the next tile copied into shared memory; kRunL2: the next tile's rows asked of L2; kRunPlain;
-// kRunRegs: the next tile's loads issued early), or kTiles: quant_kernel, one tile a block. On an
-// H200 at [1,045,120, 3,072] / [.., 6,144] (amax given): async 2.63 / 5.33 ms, L2 3.34 / 6.44;
-// earlier, plain 3.55 / 6.87, registers 4.36 / 8.43, one tile a block 5.24 / 10.09.
-// EXPERTACT_FP8_COLWISE_FORM=async|l2|plain|prefetch|tiles forces one (a tuning knob, read once
-// per process; other values are ignored).
-constexpr int kTiles = -1;
-int colwise_form() {
-  namespace cw = cuda::colwise;
-  static const int form = [] {
-    const char* env = std::getenv("EXPERTACT_FP8_COLWISE_FORM");
-    const std::string v = env ? env : "";
-    return v == "prefetch" ? cw::kRunRegs
-           : v == "tiles"  ? kTiles
-           : v == "plain"  ? cw::kRunPlain
-           : v == "l2"     ? cw::kRunL2
-                           : cw::kRunAsync;
-  }();
-  return form;
-}
+// The steps of rows ahead that quantize_rows_amax_kernel asks L2 for (its `ahead`): one step
+// took 0.88x the time of none and 0.90x that of two on an H200 (docs/notes/perf-notes.md,
+// rowwise column amax prefetch).
+constexpr int kRowsPrefetchSteps = 1;
+// The same for glu_bwd_rows_vec_kernel: one step took 0.91x the time of two on an H200, the
+// expert MLP's instance (docs/notes/perf-notes.md, fused backward prefetch).
+constexpr int kBwdPrefetchSteps = 1;
 
-// A tuning knob's value: the environment variable `name` if it is one digit 0..max, else
-// `fallback`. Each caller reads it once per process (a static).
-int digit_knob(const char* name, int max, int fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env < '0' || *env > '0' + max || env[1] != 0) return fallback;
-  return *env - '0';
-}
-
-// The rows ahead quantize_rows_amax_kernel asks L2 for: 1, or
-// EXPERTACT_FP8_ROWS_PREFETCH=0..8 (a tuning knob, read once per process; 0: none). On an H200,
-// quantize_rowwise + column amax at [1,045,120, 3,072]: 2.90 ms without, 2.55 at 1 row, 2.82 at
-// 2, 3.64 at 4 (docs/perf-notes.md section 16).
-int rows_prefetch_steps() {
-  static const int steps = digit_knob("EXPERTACT_FP8_ROWS_PREFETCH", 8, 1);
-  return steps;
-}
-
-// The rows ahead glu_bwd_rows_vec_kernel asks L2 for: 1 step, or EXPERTACT_FP8_BWD_PREFETCH=0..8
-// (a tuning knob, read once per process; 0: none). On an H200, the MLP's instance (layout
-// halves, column amax, bf16 copy, in its fewer-instruction form) alone: 10.48 ms at 1 step,
-// 11.52 at 2, 12.91 at 3; in the expert MLP's profiled step 12.44 and 11.44 at 1 against 12.79
-// and 12.67 at 2 (docs/perf-notes.md section 18). Before that form, 2 steps were the faster in
-// the MLP (section 15).
-int bwd_prefetch_steps() {
-  static const int steps = digit_knob("EXPERTACT_FP8_BWD_PREFETCH", 8, 1);
-  return steps;
-}
-
-// run_kernel over `src` in pass 2's form `form` (colwise_form()).
+// Pass 2 by run_kernel over `src`: the next tile copied into shared memory while the current
+// one is packed (colwise::run_kernel).
 template <typename Src>
-Status launch_runs(const Src& src, int form, const Fp8Cols& c, const int32_t* pends, int64_t col_tiles, int32_t subs,
+Status launch_runs(const Src& src, const Fp8Cols& c, const int32_t* pends, int64_t col_tiles, int32_t subs,
                    int64_t blocks, cudaStream_t st) {
   namespace cw = cuda::colwise;
-  auto launch = [&](auto kernel, int dyn = 0) -> Status {
-    if (dyn > 0)
-      EA_TRY(cuda::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
-                              "fp8 colwise shared memory"));
-    kernel<<<static_cast<unsigned>(blocks), cw::kThreads, dyn, st>>>(
-        src, static_cast<int32_t>(c.rows), static_cast<int32_t>(c.cols), c.offsets, pends,
-        static_cast<int32_t>(c.experts), c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
-        static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
-    return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
-  };
-  if (form == cw::kRunAsync) return launch(cw::run_kernel<Src, cw::kRunAsync>, cw::async_stage_bytes<Src>());
-  return form == cw::kRunRegs ? launch(cw::run_kernel<Src, cw::kRunRegs>)
-         : form == cw::kRunL2 ? launch(cw::run_kernel<Src, cw::kRunL2>)
-                              : launch(cw::run_kernel<Src, cw::kRunPlain>);
+  auto kernel = cw::run_kernel<Src>;
+  const int dyn = cw::async_stage_bytes<Src>();
+  EA_TRY(cuda::cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn),
+                          "fp8 colwise shared memory"));
+  kernel<<<static_cast<unsigned>(blocks), cw::kThreads, dyn, st>>>(
+      src, static_cast<int32_t>(c.rows), static_cast<int32_t>(c.cols), c.offsets, pends,
+      static_cast<int32_t>(c.experts), c.scale, c.scale_stride, static_cast<uint8_t*>(c.q_t), c.q_stride,
+      static_cast<int32_t>(c.out_rows), static_cast<int32_t>(col_tiles), subs);
+  return cuda::cuda_check(cudaGetLastError(), "fp8 colwise quantize kernel launch");
 }
 
 // The scales straight from the given amax (no pass 1).
@@ -1517,7 +1443,7 @@ Status cuda_fp8_quantize_rowwise(const Fp8Rows& p, void* stream) {
           kernel<<<static_cast<unsigned>(blocks), cuda::kRowThreads, 0, st>>>(
               static_cast<const T*>(p.x), p.x_stride, p.rows, packs, G, static_cast<uint8_t*>(p.q), p.q_stride, q_vec,
               p.scale, p.scale_stride, p.col_amax_offsets, p.col_amax_experts,
-              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block, rows_prefetch_steps());
+              reinterpret_cast<unsigned*>(p.col_amax), p.col_amax_stride, per_block, kRowsPrefetchSteps);
           return cuda::cuda_check(cudaGetLastError(), "fp8 quantize kernel launch");
         }
       }
@@ -1708,12 +1634,10 @@ Status cuda_fp8_quantize_colwise_grouped(const Fp8Cols& p, void* stream) {
       if constexpr (sizeof(T) == 2) {
         int32_t subs = 0;
         int64_t blocks = 0;
-        const int form = colwise_form();
-        if (form != kTiles &&
-            cuda::colwise::runs_apply(es, kVec, q_align, p.rows, p.cols, p.out_rows, p.experts, sm, subs, blocks)) {
+        if (cuda::colwise::runs_apply(es, kVec, q_align, p.rows, p.cols, p.out_rows, p.experts, sm, subs, blocks)) {
           namespace cw = cuda::colwise;
-          return launch_runs(cw::PlainRows<T>{static_cast<const T*>(p.x), p.x_stride}, form, p, pends, col_tiles,
-                             subs, blocks, st);
+          return launch_runs(cw::PlainRows<T>{static_cast<const T*>(p.x), p.x_stride}, p, pends, col_tiles, subs,
+                             blocks, st);
         }
       }
       return detail::dispatch_bool(q_align == 16, [&](auto at) -> Status {
@@ -1832,7 +1756,7 @@ Status cuda_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, co
               }
               const int64_t blocks = (steps + per_block - 1) / per_block;
               kernel<<<static_cast<unsigned>(blocks), cuda::kBwdThreads, 0, st>>>(a, packs, G, q_vec, per_block,
-                                                                                  bwd_prefetch_steps());
+                                                                                  kBwdPrefetchSteps);
               return cuda::cuda_check(cudaGetLastError(), "fp8 glu backward kernel launch");
             });
           });
@@ -1873,9 +1797,8 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
                                           p.u_stride == p.g_stride);
   int32_t subs = 0;
   int64_t blocks = 0;
-  const int form = colwise_form();
-  const bool runs = form != kTiles && cuda::colwise::runs_apply(es, glu_vec, q_align, c.rows, c.cols, c.out_rows,
-                                                           c.experts, cuda::sm_count(p.device_id), subs, blocks);
+  const bool runs = cuda::colwise::runs_apply(es, glu_vec, q_align, c.rows, c.cols, c.out_rows, c.experts,
+                                              cuda::sm_count(p.device_id), subs, blocks);
   return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     const T* g = static_cast<const T*>(p.g);
@@ -1889,8 +1812,8 @@ Status cuda_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, co
         if (runs) {
           return dispatch_step(p.step, [&](auto step) -> Status {
             constexpr int kStep = decltype(step)::value;
-            return launch_runs(cuda::GluRows<T, A, kStep>{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, cf}, form,
-                               c, pends, col_tiles, subs, blocks, st);
+            return launch_runs(cuda::GluRows<T, A, kStep>{g, u, p.g_stride, p.u_stride, p.w, p.w_stride, cf}, c,
+                               pends, col_tiles, subs, blocks, st);
           });
         }
       }
