@@ -21,11 +21,9 @@
 // shared memory and written out transposed as 16-byte runs of q_t's rows; padding rows are
 // written as 0 from the same tile. Where the operands allow 16-byte packs a block takes a run
 // of tiles, carrying the expert map and the scales across them and copying the next tile into
-// shared memory while it packs the current one (docs/perf-notes.md sections 14-16); the
-// one-tile forms that measured slower (persistent blocks over a column's tiles, 256-row tiles,
-// grouped block orders, a cp.async pipeline over grid-stride tiles or column strips) are in
-// section 13. glu_colwise_grouped takes the same tiles with the activation recomputed from
-// gate_up as the values. With the amax given (quantize_rowwise's col_amax), pass 1 is skipped:
+// shared memory while it packs the current one (docs/notes/perf-notes.md, column-wise pass 2).
+// glu_colwise_grouped takes the same tiles with the activation recomputed from gate_up as the
+// values. With the amax given (quantize_rowwise's col_amax), pass 1 is skipped:
 // x is read once.
 //
 // quantize_rowwise with col_amax: the vector form's lanes also keep their columns' running
@@ -605,8 +603,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) glu_rows_bias_kernel(
 // same offsets); each row's expert is followed along the run, not searched. The biased rows
 // take BiasGluSrc<..., true> (no branch in the finish). q and scale: those of the kernels without the
 // amax (the same float32 h, the same bytes). (Asking L2 for the rows ahead, as
-// quantize_rows_amax_kernel does, made it slower on an H200: 5.75 ms at [1,045,120, 2 x 3,072],
-// 5.87 at 1 row ahead, 6.01 at 2.)
+// quantize_rows_amax_kernel does, made it slower on an H200: 1.02x the time at 1 row ahead,
+// 1.05x at 2.)
 // (16-bit, unbiased, up to 32 values a lane: bounded to 6 blocks an SM, 71-72 registers
 // without spills, where unbounded it took 80-91 (5 blocks); up to 24 values a lane (3,072
 // columns at 128 lanes) to 8 blocks, 56-64 registers without spills (10 blocks spilled); the
@@ -1043,10 +1041,11 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // ahead: each row's lane 0 asks L2 for the row `ahead` steps on (prefetch_l2; 0: none). A block
 // works on one row at a time with a barrier in it (the row's amax), so its loads come in bursts
 // that leave DRAM idle between them; fetched ahead, they arrive from L2. kBias: a.bg is set
-// (without it the bias's loads and adds are compiled out, not predicated). kW: a.w is set
-// (without it the weight is the constant 1, so the multiplies by it fold away, and the
-// weights' gradient, which needs a.w, is neither computed nor summed across the row: on an
-// H200 the kernel is bound by its instructions, section 17 of docs/perf-notes.md).
+// (without it the bias's loads and adds are compiled out, not predicated). kW: a.w is set;
+// without it the weight is the constant 1, so the multiplies by it fold away, and the
+// weights' gradient, which needs a.w, is neither computed nor summed across the row. Both
+// because on an H200 the kernel is bound by its instructions (docs/notes/perf-notes.md, the
+// fused backward's instruction count).
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
                                                                       bool q_vec, int64_t per_block, int ahead) {
