@@ -1,5 +1,5 @@
 // Pass 2 of the per-expert, per-column FP8 quantisation (quantize_colwise_grouped and
-// glu_colwise_grouped, src/cuda/fp8_cuda.cu): tiles of 128 output rows x 64 columns, written
+// glu_colwise_grouped, src/cuda/fp8_colwise.cu): tiles of 128 output rows x 64 columns, written
 // transposed into q_t.
 //
 // Thread t of a block takes output rows 4 (t / 8) .. + 3 of its tile (their source rows, or
