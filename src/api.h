@@ -83,22 +83,10 @@ Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, cons
                                     void* stream);
 // The fused FP8 activation backward (expertact.hpp, fp8_glu_backward_rowwise); bias, offsets,
 // grad_weights, col_amax, grad_gate_up: null when not given.
-// h_cols (internal): h's column-wise operand too (fp8_glu_backward_rowwise_colwise_body).
-struct Fp8Cols;
 Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
                                      const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
                                      const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                                      const VectorRef* grad_weights, const MatrixRef* col_amax,
-                                     const MatrixRef* grad_gate_up, void* stream, const Fp8Cols* h_cols = nullptr,
-                                     int64_t h_pad = 0);
-// Both of the above in one call (expertact.hpp, fp8_glu_backward_rowwise_colwise); weights,
-// grad_weights, col_amax, grad_gate_up: null when not given.
-Status fp8_glu_backward_rowwise_colwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
-                                             const MatrixRef& gate_up, const VectorRef* weights,
-                                             const OffsetsRef& offsets, const OffsetsRef& padded_offsets,
-                                             int64_t h_pad, const MatrixRef& q, const VectorRef& scale,
-                                             const VectorRef* grad_weights, const MatrixRef* col_amax,
-                                             const MatrixRef* grad_gate_up, const MatrixRef& h_q_t,
-                                             const MatrixRef& h_scale, const MatrixRef& h_amax, void* stream);
+                                     const MatrixRef* grad_gate_up, void* stream);
 
 }  // namespace expertact::detail

@@ -314,14 +314,12 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
 // The activation quantised per expert and column (fp8_glu_colwise_grouped): the checks of
 // fp8_glu_rowwise's inputs with those of fp8_quantize_colwise_grouped's offsets, outputs and
 // amax (required here: h is computed once, so its scales must be known before).
-// Its checks, and the problem, bias and outputs they give (prepared: false when F is 0 and
-// nothing is to be written).
-Status prepare_glu_colwise(const GluParams& params, Layout layout, const MatrixRef& x, const MatrixRef* up,
-                           const VectorRef* weights, const MatrixRef* bias, const OffsetsRef& offsets,
-                           const OffsetsRef* padded, const MatrixRef& q_t, const MatrixRef& scale,
-                           const MatrixRef& amax, GluProblem& p, GluBias& b, Fp8Cols& c, bool& prepared) {
-  prepared = false;
+Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                                    const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                                    const OffsetsRef& offsets, const OffsetsRef* padded, const MatrixRef& q_t,
+                                    const MatrixRef& scale, const MatrixRef& amax, void* stream) {
   const char* xname = layout == Layout::kSeparate ? "gate" : "gate_up";
+  GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
   EA_TRY(check_fp8_input(xname, p.dtype));
   EA_TRY(check_offsets(offsets, p.rows, p.device, p.device_id, xname));
@@ -359,7 +357,9 @@ Status prepare_glu_colwise(const GluParams& params, Layout layout, const MatrixR
   EA_TRY(check_apart(outs, ins));
   EA_TRY(check_no_overlap("scale", outs[1].e, "q_t", outs[0].e));
   if (p.F == 0) return Status::kOk;
+  GluBias b;
   if (bias) split_bias(layout, p, *bias, offsets, b);
+  Fp8Cols c;
   c.dtype = p.dtype;
   c.device_id = p.device_id;
   c.rows = p.rows;
@@ -374,27 +374,12 @@ Status prepare_glu_colwise(const GluParams& params, Layout layout, const MatrixR
   c.scale_stride = scale.row_stride;
   c.amax = static_cast<const float*>(amax.data);
   c.amax_stride = amax.row_stride;
-  prepared = true;
-  return Status::kOk;
-}
-
-Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,
-                                    const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
-                                    const OffsetsRef& offsets, const OffsetsRef* padded, const MatrixRef& q_t,
-                                    const MatrixRef& scale, const MatrixRef& amax, void* stream) {
-  GluProblem p;
-  GluBias b;
-  Fp8Cols c;
-  bool prepared = false;
-  EA_TRY(prepare_glu_colwise(params, layout, x, up, weights, bias, offsets, padded, q_t, scale, amax, p, b, c,
-                             prepared));
-  if (!prepared) return Status::kOk;
   if (p.device == DeviceType::kCPU) return cpu_fp8_glu_colwise_grouped(p, bias ? &b : nullptr, c);
 #if EXPERTACT_WITH_CUDA
   return cuda_fp8_glu_colwise_grouped(p, bias ? &b : nullptr, c, stream);
 #else
   (void)stream;
-  return no_fp8_cuda(layout == Layout::kSeparate ? "gate" : "gate_up");
+  return no_fp8_cuda(xname);
 #endif
 }
 
@@ -404,8 +389,7 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
                                      const MatrixRef& x, const VectorRef* weights, const MatrixRef* bias,
                                      const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                                      const VectorRef* grad_weights, const MatrixRef* col_amax,
-                                     const MatrixRef* grad_gate_up, void* stream, const Fp8Cols* h_cols,
-                                     int64_t h_pad) {
+                                     const MatrixRef* grad_gate_up, void* stream) {
   if (layout == Layout::kSeparate)
     return fail(Status::kInvalidArgument,
                 "layout 0 (separate) is not taken by fp8_glu_backward_rowwise: gate_up is one packed "
@@ -493,9 +477,7 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
     o.dgu = grad_gate_up->data;
     o.dgu_stride = grad_gate_up->row_stride;
   }
-  o.h_cols = h_cols;
-  o.h_pad = h_pad;
-  if (p.rows == 0 && !col_amax && !h_cols) return Status::kOk;
+  if (p.rows == 0 && !col_amax) return Status::kOk;
   if (p.device == DeviceType::kCPU) return cpu_fp8_glu_backward_rowwise(p, o, bias ? &b : nullptr);
 #if EXPERTACT_WITH_CUDA
   return cuda_fp8_glu_backward_rowwise(p, o, bias ? &b : nullptr, stream);
@@ -503,39 +485,6 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
   (void)stream;
   return no_fp8_cuda("gate_up");
 #endif
-}
-
-// The backward with h's column-wise operand (the expert MLP's dw2 operand) in one call: the
-// checks of both, and that h's outputs share no byte with the backward's operands.
-Status fp8_glu_backward_rowwise_colwise_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
-                                             const MatrixRef& x, const VectorRef* weights, const OffsetsRef& offsets,
-                                             const OffsetsRef& padded, int64_t h_pad, const MatrixRef& q,
-                                             const VectorRef& scale, const VectorRef* grad_weights,
-                                             const MatrixRef* col_amax, const MatrixRef* grad_gate_up,
-                                             const MatrixRef& h_q_t, const MatrixRef& h_scale,
-                                             const MatrixRef& h_amax, void* stream) {
-  if (h_pad < 1)
-    return fail(Status::kInvalidArgument, "h_pad is ", h_pad, ": the padding padded_offsets were made with (>= 1)");
-  if (layout == Layout::kSeparate)
-    return fail(Status::kInvalidArgument,
-                "layout 0 (separate) is not taken by fp8_glu_backward_rowwise_colwise: gate_up is one packed "
-                "[rows, 2F] tensor (halves, halves_up_first or interleaved)");
-  GluProblem hp;
-  GluBias hb;
-  Fp8Cols c;
-  bool prepared = false;
-  EA_TRY(prepare_glu_colwise(params, layout, x, nullptr, weights, nullptr, offsets, &padded, h_q_t, h_scale, h_amax,
-                             hp, hb, c, prepared));
-  const Named hs[] = {{"h_q_t", extent_of(h_q_t)}, {"h_scale", extent_of(h_scale)}};
-  const Named others[] = {{"grad_out", extent_of(grad_out)},
-                          {"q", extent_of(q)},
-                          {"scale", extent_of(scale)},
-                          {"grad_weights", grad_weights ? extent_of(*grad_weights) : Extent{}},
-                          {"col_amax", col_amax ? extent_of(*col_amax) : Extent{}},
-                          {"grad_gate_up", grad_gate_up ? extent_of(*grad_gate_up) : Extent{}}};
-  EA_TRY(check_apart(hs, others));
-  return fp8_glu_backward_rowwise_body(params, layout, grad_out, x, weights, nullptr, &offsets, q, scale, grad_weights,
-                                       col_amax, grad_gate_up, stream, prepared ? &c : nullptr, h_pad);
 }
 
 }  // namespace detail
@@ -627,20 +576,6 @@ Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const Ma
   return detail::guarded("fp8_glu_backward_rowwise", [&] {
     return detail::fp8_glu_backward_rowwise_body(params, layout, grad_out, gate_up, weights, bias, offsets, q, scale,
                                                  grad_weights, col_amax, grad_gate_up, stream);
-  });
-}
-
-Status fp8_glu_backward_rowwise_colwise(const GluParams& params, Layout layout, const MatrixRef& grad_out,
-                                        const MatrixRef& gate_up, const VectorRef* weights,
-                                        const OffsetsRef& offsets, const OffsetsRef& padded_offsets, int64_t h_pad,
-                                        const MatrixRef& q, const VectorRef& scale, const VectorRef* grad_weights,
-                                        const MatrixRef* col_amax, const MatrixRef* grad_gate_up,
-                                        const MatrixRef& h_q_t, const MatrixRef& h_scale, const MatrixRef& h_amax,
-                                        void* stream) {
-  return detail::guarded("fp8_glu_backward_rowwise_colwise", [&] {
-    return detail::fp8_glu_backward_rowwise_colwise_body(params, layout, grad_out, gate_up, weights, offsets,
-                                                         padded_offsets, h_pad, q, scale, grad_weights, col_amax,
-                                                         grad_gate_up, h_q_t, h_scale, h_amax, stream);
   });
 }
 

@@ -277,22 +277,6 @@ Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const Ma
                                 const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                                 const VectorRef* grad_weights, const MatrixRef* col_amax,
                                 const MatrixRef* grad_gate_up, void* stream = nullptr);
-// fp8_glu_backward_rowwise and fp8_glu_colwise_grouped of the same gate_up in one call (no
-// bias): the backward's outputs as fp8_glu_backward_rowwise writes them (offsets required), and
-// h's column-wise operand h_q_t [F, Tp] / h_scale [E, F] as fp8_glu_colwise_grouped writes it
-// from h_amax with offsets and padded_offsets (made with padding h_pad >= 1). h's operand is
-// computed from gate_up before grad_gate_up may overwrite it (in place). On CUDA it is written
-// by the backward's own kernel where that applies (16-bit gate_up in 16-byte packs, F a multiple
-// of 16, h_pad a multiple of 32, col_amax wanted, h_q_t 16-byte aligned, and two blocks of 36 F
-// bytes of shared memory fitting on an SM: F up to 3,136 on an H100 or H200), else by the
-// column-wise pass first: the same bytes either way.
-Status fp8_glu_backward_rowwise_colwise(const GluParams& params, Layout layout, const MatrixRef& grad_out,
-                                        const MatrixRef& gate_up, const VectorRef* weights,
-                                        const OffsetsRef& offsets, const OffsetsRef& padded_offsets, int64_t h_pad,
-                                        const MatrixRef& q, const VectorRef& scale, const VectorRef* grad_weights,
-                                        const MatrixRef* col_amax, const MatrixRef* grad_gate_up,
-                                        const MatrixRef& h_q_t, const MatrixRef& h_scale, const MatrixRef& h_amax,
-                                        void* stream = nullptr);
 
 const char* last_error();
 

@@ -299,8 +299,6 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
 // (of the gradient rounded to T, as the copy holds it), then quantize_row. The column amax
 // is kept per thread and expert and merged under a lock, as cpu_fp8_quantize_rowwise does.
 Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, const GluBias* bias) {
-  // h's column-wise operand first: dgu may overwrite gate_up.
-  if (o.h_cols) EA_TRY(cpu_fp8_glu_colwise_grouped(p, bias, *o.h_cols));
   const int64_t C = 2 * p.F;
   ColAmax ca(o.offsets, o.col_amax ? o.experts : 0, o.col_amax, o.col_amax_stride, C);
   if (p.rows == 0) return Status::kOk;

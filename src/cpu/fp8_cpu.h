@@ -114,12 +114,6 @@ struct Fp8BwdOut : Fp8Out {
   int64_t col_amax_stride = 0;
   void* dgu = nullptr;
   int64_t dgu_stride = 0;
-  // Optional: h's column-wise operand from the same gate_up, as cpu_fp8_glu_colwise_grouped /
-  // cuda_fp8_glu_colwise_grouped write it (h_cols->amax required; no bias), before gate_up is
-  // overwritten by an in-place dgu. h_pad: the padding h_cols->padded was made with (a
-  // multiple of 32 lets the CUDA path compute it inside the backward's kernel).
-  const Fp8Cols* h_cols = nullptr;
-  int64_t h_pad = 0;
 };
 // bias (or nullptr): the per-expert bias added to gate and up before the activation, as in
 // cpu_fp8_glu_rowwise.

@@ -1,7 +1,6 @@
 // Pass 2 of the per-expert, per-column FP8 quantisation (quantize_colwise_grouped and
-// glu_colwise_grouped, src/cuda/fp8_cuda.cu): tiles of 128 output rows x 64 columns, written
-// transposed into q_t. Kept in a header so that bench/colwise_pass2.cu times this code, not a
-// copy of it.
+// glu_colwise_grouped, src/cuda/fp8_colwise.cu): tiles of 128 output rows x 64 columns, written
+// transposed into q_t.
 //
 // Thread t of a block takes output rows 4 (t / 8) .. + 3 of its tile (their source rows, or
 // none: padding) at columns 8 (t % 8) .. + 7, quantises them with their expert's s = 1 / scale
@@ -234,14 +233,12 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
 // gives a block kCols columns of `subs` consecutive 128-row tiles (a run) and carries what the
 // tiles share: the row map is a cursor over the experts (advanced when a row passes its expert's
 // padded end, which happens a few times a run at most), the scales stay in registers until the
-// expert changes, and the next tile's loads are started before the current tile is packed:
-// copied into shared memory (kRunAsync, the default) or asked of L2 (kRunL2). On an H200 at
-// [1,045,120, 3,072] that took pass 2 from 4.8 to 3.3-3.5 ms in the L2 form (Nsight Compute
-// then put it at 63% of DRAM's peak and 87% of L2's, no longer bound by instructions) and to
-// 2.6 ms in the async form (docs/perf-notes.md sections 15 and 16). Its bytes are quant_kernel's (the tests and
-// bench/colwise_pass2.cu compare them). It takes 16-bit x with 16-byte rows of whole packs
-// (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends
-// included) inside int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
+// expert changes, and the next tile's loads are copied into shared memory (cp.async) while the
+// current tile is packed. No longer bound by instructions, it took about half quant_kernel's
+// time on an H200 (docs/notes/perf-notes.md, column-wise pass 2). Its bytes are quant_kernel's
+// (the tests compare them). It takes 16-bit x with 16-byte rows of whole packs (cols % 8 == 0),
+// q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends included) inside
+// int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
 
 // An expert's output rows, as the cursor holds them: output rows [vlo, vhi) have source rows
 // (p - delta, in 32-bit wrapping arithmetic: the result lies in [0, rows) wherever it is used).
@@ -278,55 +275,39 @@ __device__ __forceinline__ Cursor cursor_at(int32_t e, int32_t ne, int32_t nrows
 
 constexpr int kRunMaxSubs = 16;  // tiles a run at most
 
-// What run_kernel reads of a row: Raw (one load's worth: 8 columns from c), value(raw, i) (the
-// float that column c + i quantises), prefetch (the row's n columns from c0 asked of L2). The
-// plain source: x's 16-bit values. (glu_colwise_grouped's source computes h from gate_up.)
+// What run_kernel reads of a row: Raw (one load's worth: 8 columns from c), load_async (those
+// bytes copied into shared memory: cp_async, the caller commits and waits), value(raw, i) (the
+// float that column c + i quantises). The plain source: x's 16-bit values. (glu_colwise_grouped's
+// source computes h from gate_up.)
 template <typename T>
 struct PlainRows {
   static_assert(sizeof(T) == 2, "16-bit rows: 8 values a 16-byte pack");
   using Raw = Pack<T, 8>;
   const T* x;
   int64_t stride;
-  __device__ __forceinline__ void load(int32_t r, int32_t c, Raw& p) const {
-    p = *reinterpret_cast<const Raw*>(x + static_cast<int64_t>(r) * stride + c);
-  }
-  __device__ __forceinline__ void zero(Raw& p) const {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) p.v[i] = from_f<T>(0.0f);
-  }
   __device__ __forceinline__ float value(const Raw& p, int i) const { return pack_f(p, i); }
-  __device__ __forceinline__ void prefetch(int32_t r, int32_t c0, int32_t n) const {
-    prefetch_l2(x + static_cast<int64_t>(r) * stride + c0, static_cast<uint32_t>(n * sizeof(T)));
-  }
-  // load()'s 16 bytes copied into shared memory (cp_async; the caller commits and waits).
   __device__ __forceinline__ void load_async(int32_t r, int32_t c, Raw* dst) const {
     cp_async<16>(dst, x + static_cast<int64_t>(r) * stride + c);
   }
 };
 
-// Forms (kForm): kRunPlain, each tile's loads at its start (three blocks an SM); kRunRegs, the
-// next tile's loads issued before the current tile is packed (more registers: two blocks an
-// SM); kRunL2, the plain form that also asks L2 for the next tile's rows (prefetch_l2) first;
-// kRunAsync, the next tile's loads copied into shared memory (cp_async, Src::load_async: the
-// thread's own 4 Raws, read back by it alone, so no barrier) while the current tile is packed;
-// two stages of them in the dynamic shared memory (async_stage_bytes<Src>()).
-constexpr int kRunPlain = 0, kRunRegs = 1, kRunL2 = 2, kRunAsync = 3;
-
+// The next tile's loads go into shared memory (Src::load_async: the thread's own 4 Raws, read
+// back by it alone, so no barrier) while the current tile is packed: two stages of them in the
+// dynamic shared memory (async_stage_bytes<Src>()).
 template <typename Src>
 constexpr int async_stage_bytes() {
   return 2 * 4 * kThreads * static_cast<int>(sizeof(typename Src::Raw));
 }
 
-// Sources whose rows load more than 16 bytes (the GLU's) also take two blocks an SM.
-template <typename Src, int kForm>
-__global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename Src::Raw) > 16 ? 2 : 3)
+// Sources whose rows load more than 16 bytes (the GLU's) take two blocks an SM, others three.
+template <typename Src>
+__global__ void __launch_bounds__(kThreads, sizeof(typename Src::Raw) > 16 ? 2 : 3)
     run_kernel(const Src src, int32_t rows, int32_t cols, const int32_t* __restrict__ offsets,
                const int32_t* __restrict__ pends, int32_t E, const float* __restrict__ scale, int64_t scale_stride,
                uint8_t* __restrict__ q, int64_t q_stride, int32_t out_rows, int32_t col_tiles, int32_t subs) {
   using Raw = typename Src::Raw;
-  constexpr bool kAsync = kForm == kRunAsync;
   __shared__ __align__(16) uint32_t tile[2][kCols * kWords];
-  // kAsync: two stages of the thread's 4 loads, load k of stage b at stage[(4 b + k) kThreads + t].
+  // Two stages of the thread's 4 loads, load k of stage b at stage[(4 b + k) kThreads + t].
   extern __shared__ __align__(16) unsigned char run_stage[];
   Raw* const stage = reinterpret_cast<Raw*>(run_stage);
   const int cg = threadIdx.x & 7, rq = threadIdx.x >> 3;
@@ -341,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
 
   // The map cursor: the expert of the thread's next row.
   Cursor mc = cursor_at(expert_at(pends, E, P + 4 * rq), E, rows, offsets, pends);
-  // Rows P + 4 rq + k: their source rows (-1: none) and experts; their loads.
+  // Rows P + 4 rq + k: their source rows (-1: none) and experts.
   auto map = [&](int32_t P0, int32_t (&rs)[4], int32_t (&es)[4]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -352,70 +333,31 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
       es[k] = has ? mc.e : -1;
     }
   };
-  auto load = [&](const int32_t (&rs)[4], Raw (&in)[4]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (col_ok && rs[k] >= 0) src.load(rs[k], c, in[k]);
-      else src.zero(in[k]);
-    }
-  };
 
-  // The async form's copies of rows rs into stage b (rows without a source copy nothing: their
-  // bytes are masked off below, whatever the stage holds).
+  // The copies of rows rs into stage b (rows without a source copy nothing: their bytes are
+  // masked off below, whatever the stage holds).
   auto issue = [&](bool any, int b, const int32_t (&rs)[4]) {
-    if constexpr (kAsync) {
-      if (any) {
+    if (any) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (col_ok && rs[k] >= 0) src.load_async(rs[k], c, &stage[(4 * b + k) * kThreads + threadIdx.x]);
-      }
-      cp_async_commit();
+      for (int k = 0; k < 4; ++k)
+        if (col_ok && rs[k] >= 0) src.load_async(rs[k], c, &stage[(4 * b + k) * kThreads + threadIdx.x]);
     }
+    cp_async_commit();
   };
 
   int32_t rsrc[4], ex[4];
   Raw in[4];
-  constexpr bool kPrefetch = kForm == kRunRegs;
-  if constexpr (kPrefetch) {
-    map(P, rsrc, ex);
-    load(rsrc, in);
-  }
-  if constexpr (kAsync) {
-    map(P, rsrc, ex);
-    issue(true, 0, rsrc);
-  }
+  map(P, rsrc, ex);
+  issue(true, 0, rsrc);
   float s[8] = {};
   int32_t se = -1;  // the expert whose scales s holds
   for (int t = 0; t < nsub; ++t, P += kRows) {
     int32_t nsrc[4], nex[4];
-    Raw nin[4];
-    if constexpr (kPrefetch) {
-      if (t + 1 < nsub) {
-        map(P + kRows, nsrc, nex);
-        load(nsrc, nin);
-      }
-    } else if constexpr (kAsync) {
-      if (t + 1 < nsub) map(P + kRows, nsrc, nex);
-      issue(t + 1 < nsub, (t + 1) & 1, nsrc);  // (past the last tile an empty group: the wait counts it)
-      cp_async_wait<1>();                      // this tile's copies are in
+    if (t + 1 < nsub) map(P + kRows, nsrc, nex);
+    issue(t + 1 < nsub, (t + 1) & 1, nsrc);  // (past the last tile an empty group: the wait counts it)
+    cp_async_wait<1>();                      // this tile's copies are in
 #pragma unroll
-      for (int k = 0; k < 4; ++k) in[k] = stage[(4 * (t & 1) + k) * kThreads + threadIdx.x];
-    } else {
-      map(P, rsrc, ex);
-      if constexpr (kForm == kRunL2) {
-        // The next tile's rows, as the current expert maps them (a hint: a row of another
-        // expert is fetched by its own load), one 16-byte-multiple run of each row's columns.
-        if (cg == 0 && t + 1 < nsub) {
-          const int32_t n = cols - c0 < kCols ? cols - c0 : kCols;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int32_t r = static_cast<int32_t>(static_cast<uint32_t>(P + kRows + 4 * rq + k) - mc.delta);
-            if (r >= 0 && r < rows) src.prefetch(r, c0, n);
-          }
-        }
-      }
-      load(rsrc, in);
-    }
+    for (int k = 0; k < 4; ++k) in[k] = stage[(4 * (t & 1) + k) * kThreads + threadIdx.x];
     uint32_t* tl = tile[t & 1];
     {
       uint32_t w[8];
@@ -459,14 +401,8 @@ __global__ void __launch_bounds__(kThreads, kForm == kRunRegs || sizeof(typename
       *reinterpret_cast<uint4*>(q + static_cast<int64_t>(c0 + cl) * q_stride + pw) =
           *reinterpret_cast<const uint4*>(&tl[cl * kWords + 4 * (wg ^ (cl >> 3))]);
     }
-    if constexpr (kPrefetch) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) rsrc[k] = nsrc[k], ex[k] = nex[k], in[k] = nin[k];
-    }
-    if constexpr (kAsync) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) rsrc[k] = nsrc[k], ex[k] = nex[k];
-    }
+    for (int k = 0; k < 4; ++k) ex[k] = nex[k];
   }
 }
 
