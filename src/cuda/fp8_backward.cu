@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(kScalarThreads) glu_bwd_rows_kernel(const BwdR
 namespace expertact::detail {
 namespace {
 
-// The same for glu_bwd_rows_vec_kernel: one step took 0.91x the time of two on an H200, the
-// expert MLP's instance (docs/notes/perf-notes.md, fused backward prefetch).
+// The steps of rows ahead that glu_bwd_rows_vec_kernel asks L2 for (its `ahead`): one step took
+// 0.91x the time of two on an H200, the expert MLP's instance (docs/notes/perf-notes.md, fused
+// backward prefetch).
 constexpr int kBwdPrefetchSteps = 1;
 
 }  // namespace

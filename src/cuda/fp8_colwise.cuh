@@ -236,9 +236,10 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
 // expert changes, and the next tile's loads are copied into shared memory (cp.async) while the
 // current tile is packed. No longer bound by instructions, it took about half quant_kernel's
 // time on an H200 (docs/notes/perf-notes.md, column-wise pass 2). Its bytes are quant_kernel's
-// (the tests compare them). It takes 16-bit x with 16-byte rows of whole packs (cols % 8 == 0),
-// q_t 16-byte aligned, out_rows % 16 == 0 and every output row index (run ends included) inside
-// int32; the launcher checks (runs_apply) and takes quant_kernel otherwise.
+// and the CPU path's (the tests compare the CUDA path's with the CPU's). It takes 16-bit x with
+// 16-byte rows of whole packs (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every
+// output row index (run ends included) inside int32; the launcher checks (runs_apply) and takes
+// quant_kernel otherwise.
 
 // An expert's output rows, as the cursor holds them: output rows [vlo, vhi) have source rows
 // (p - delta, in 32-bit wrapping arithmetic: the result lies in [0, rows) wherever it is used).
