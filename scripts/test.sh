@@ -6,7 +6,7 @@
 #   bash scripts/test.sh            (from the repository root)
 # On a machine without a GPU no CUDA code runs, so the CUDA sources are compiled with device
 # optimisation off (-Xcicc -O0 -Xptxas -O0): every kernel still compiles and assembles for both
-# architectures, in about a third of the time (EXPERTACT_TEST_DEVICE_OPT=1 compiles them as a
+# architectures, in a quarter to a third of the time (EXPERTACT_TEST_DEVICE_OPT=1 compiles them as a
 # release does; on a machine with a GPU they always are). This package is then for the tests
 # only: `pip install .` builds the library as a release.
 set -euo pipefail
