@@ -197,7 +197,7 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
             backward): two [T, F] tensors less at the backward's peak. The graph can then be
             run backward once only.
         fused: deprecated, ignored: the experimental fused grouped GEMMs were removed (they
-            were slower than this path; docs/notes/fused-gemm.md). ``fused=True`` warns and
+            were slower than this path; docs/fused-gemm.md). ``fused=True`` warns and
             runs this path; the argument goes in the next release.
         fp8: ``"rowwise"`` runs the six grouped GEMMs as ``torch._scaled_grouped_mm`` in float8
             e4m3fn with float32 power-of-two scales (torchao's rowwise recipe: rowwise for the
