@@ -19,12 +19,22 @@ def _modules():
     return found
 
 
+def _from_module(node, name, path):
+    """The package module (dotted, relative to expertact) an ImportFrom node imports from, or
+    None when it imports from outside the package."""
+    here = name.split(".") if name else []
+    pkg = here if path.name == "__init__.py" else here[:-1]
+    if node.level:
+        base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else list(pkg)
+        return ".".join(base + ([node.module] if node.module else []))
+    if node.module == "expertact" or (node.module or "").startswith("expertact."):
+        return node.module[len("expertact."):] if "." in node.module else ""
+    return None
+
+
 def _imports(name, path, modules):
     """The package's modules that `name` imports, at any depth of its code (a function-level
     import closes a circle as surely, at call time, as one at the top)."""
-    is_pkg = path.name == "__init__.py"
-    here = name.split(".") if name else []
-    pkg = here if is_pkg else here[:-1]
     out = set()
 
     def add(dotted):
@@ -39,12 +49,8 @@ def _imports(name, path, modules):
                 if alias.name == "expertact" or alias.name.startswith("expertact."):
                     add(alias.name[len("expertact."):] if "." in alias.name else "")
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else list(pkg)
-                mod = ".".join(base + ([node.module] if node.module else []))
-            elif node.module == "expertact" or (node.module or "").startswith("expertact."):
-                mod = node.module[len("expertact."):] if "." in node.module else ""
-            else:
+            mod = _from_module(node, name, path)
+            if mod is None:
                 continue
             for alias in node.names:
                 sub = f"{mod}.{alias.name}" if mod else alias.name
@@ -98,19 +104,12 @@ def _private_uses(name, path, modules):
     leading underscore that is not itself a module): `from .x import _y`, or `x._y` with x an
     imported package module. Private modules (_capi, _ops, ...) are the package's layers and
     may be imported; their private names may not."""
-    is_pkg = path.name == "__init__.py"
-    here = name.split(".") if name else []
-    pkg = here if is_pkg else here[:-1]
     tree = ast.parse(path.read_text(), str(path))
     bound, found = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else list(pkg)
-                mod = ".".join(base + ([node.module] if node.module else []))
-            elif node.module == "expertact" or (node.module or "").startswith("expertact."):
-                mod = node.module[len("expertact."):] if "." in node.module else ""
-            else:
+            mod = _from_module(node, name, path)
+            if mod is None:
                 continue
             for alias in node.names:
                 sub = f"{mod}.{alias.name}" if mod else alias.name
