@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the tests need, builds the C++ core (and, when nvcc is present, the CUDA path
-# for sm_80 and sm_90, so that it keeps compiling), installs the Python package from that same
-# build, and runs the GoogleTest suite and pytest side by side. GPU tests skip cleanly on a
-# machine without one.
+# Installs what the tests need, builds the C++ library (and, when nvcc is present, its CUDA
+# path for sm_80 and sm_90, so that it keeps compiling), installs the Python package from that
+# same build, then runs pytest while one job builds the GoogleTest suite and the benchmarks and
+# runs ctest. GPU tests skip cleanly on a machine without one.
 #   bash scripts/test.sh            (from the repository root)
 # On a machine without a GPU no CUDA code runs, so the CUDA sources are compiled with device
 # optimisation off (-Xcicc -O0 -Xptxas -O0): every kernel still compiles and assembles for both
@@ -74,34 +74,35 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${E
   -DCMAKE_CUDA_FLAGS="$CUDA_FLAGS" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
   > "$BUILD/configure.log" 2>&1 || { cat "$BUILD/configure.log"; exit 1; }
 grep "expertact:" "$BUILD/configure.log" || true
-echo "== building"
+echo "== building the library"
 t=$SECONDS
-cmake --build "$BUILD" -j "$NPROC"
-# The CUDA tuning harness (bench/kernel_variants.cu, built on request only) reads the library's
-# internal launchers: compiled here so that a change to them cannot leave it broken.
-if cmake --build "$BUILD" --target help | grep -q expertact_kernel_variants; then
-  cmake --build "$BUILD" -j "$NPROC" --target expertact_kernel_variants
-fi
+cmake --build "$BUILD" -j "$NPROC" --target expertact
 echo "   built in $((SECONDS - t)) s"
 
-echo "== Python package (pip install . over the same build: nothing is compiled again)"
-# scikit-build-core configures the same build folder with the same options, so the library is
-# up to date and only installed into the package.
-$PY -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" \
+echo "== Python package (pip install . over the same build: the library is not compiled again)"
+# scikit-build-core configures the same build folder with the same options and builds only the
+# library's target, which is up to date; then it installs it into the package.
+$PY -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" -C build.targets=expertact \
   -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON .
 
-echo "== C++ tests (GoogleTest via ctest, in the background) and Python tests (pytest)"
+echo "== pytest; beside it, one job builds the C++ tests and benchmarks and runs ctest"
 t=$SECONDS
-ctest --test-dir "$BUILD" --output-on-failure -j 1 > "$BUILD/ctest.log" 2>&1 &
+# The CUDA tuning harness (bench/kernel_variants.cu, built on request only) reads the library's
+# internal launchers: compiled here so that a change to them cannot leave it broken.
+( cmake --build "$BUILD" -j 1 &&
+  { ! cmake --build "$BUILD" --target help | grep -q expertact_kernel_variants ||
+    cmake --build "$BUILD" -j 1 --target expertact_kernel_variants; } &&
+  ctest --test-dir "$BUILD" --output-on-failure -j 1 ) > "$BUILD/ctest.log" 2>&1 &
 ctest_pid=$!
 py_rc=0
 (cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python") || py_rc=$?
 ct_rc=0
 wait $ctest_pid || ct_rc=$?
-echo "== ctest ($((SECONDS - t)) s for both)"
-grep -E "tests passed|tests failed" "$BUILD/ctest.log" || true
+echo "== the C++ build and ctest ($((SECONDS - t)) s for both sides)"
+grep -E "tests passed|tests failed|FAILED|error:" "$BUILD/ctest.log" | head -20 || true
 if [ $ct_rc != 0 ]; then
   grep -E -A 40 "The following tests FAILED|\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout" "$BUILD/ctest.log" | head -200
+  tail -30 "$BUILD/ctest.log"
 fi
-[ $py_rc = 0 ] && [ $ct_rc = 0 ] || { echo "FAILED: pytest status $py_rc, ctest status $ct_rc"; exit 1; }
+[ $py_rc = 0 ] && [ $ct_rc = 0 ] || { echo "FAILED: pytest status $py_rc, C++ build and ctest status $ct_rc"; exit 1; }
 echo "== all tests passed"
