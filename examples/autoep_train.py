@@ -5,10 +5,17 @@ One process per rank, launched by torchrun:
 
     torchrun --nproc_per_node 2 examples/autoep_train.py --impl eager --config small --out OUT/autoep
 
---impl eager               DeepSpeed's registry as shipped: swiglu_oai has no fused kernel, so its
-                           fused path falls back to the eager fn (checked at step 0, see below)
---impl expertact           expertact.deepspeed.enable(): expertact's kernels in the registry
---impl expertact-inplace   expertact.deepspeed.enable(inplace_backward=True)
+--impl eager                     DeepSpeed's registry as shipped: swiglu_oai has no fused kernel, so
+                                 its fused path falls back to the eager fn (checked at step 0, below)
+--impl expertact                 expertact.deepspeed.enable(): expertact's kernels in the registry
+--impl expertact-inplace         expertact.deepspeed.enable(inplace_backward=True)
+--impl mlp                       enable(experts=True): AutoEP's GroupedExperts runs expertact's whole
+                                 expert MLP (expertact.moe.expert_mlp)
+--impl mlp-recompute, mlp-inplace, mlp-recompute-inplace, mlp-fp8
+                                 ... with recompute=True, inplace_backward=True, both, fp8="rowwise"
+
+--impl takes a comma-separated list too: the runs then follow one another in the same processes
+(the CPU test runs every memory mode so, with --record-grads).
 
 The model is a randomly initialised MiniMax-M3 text backbone (transformers' minimax_m3_vl_text, built
 from a config, no download), so AutoEP's minimax_m3 preset converts it and its experts compute
@@ -23,8 +30,10 @@ into a table and a plot.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -35,19 +44,34 @@ import time
 import typing
 from pathlib import Path
 
-IMPLS = ("eager", "expertact", "expertact-inplace")
+# --impl -> the arguments of expertact.deepspeed.enable() (None: DeepSpeed as shipped).
+IMPLS = {
+    "eager": None,
+    "expertact": dict(inplace_backward=False),
+    "expertact-inplace": dict(inplace_backward=True),
+    "mlp": dict(experts=True),
+    "mlp-recompute": dict(experts=True, recompute=True),
+    "mlp-inplace": dict(experts=True, inplace_backward=True),
+    "mlp-recompute-inplace": dict(experts=True, recompute=True, inplace_backward=True),
+    "mlp-fp8": dict(experts=True, fp8="rowwise"),
+}
 ACTIVATION = "swiglu_oai"  # what the minimax_m3 preset asks of DeepSpeed's registry
 PRESET = "minimax_m3"
 
 # Model and batch sizes. "small": the 200-step loss-curve run (about 8K tokens and 16K routed rows
 # per rank and step). "large": the memory run, sized so that each rank's experts receive a few
 # hundred thousand rows per step and layer (131K tokens x top-2 per rank; expert ffn 3072 is
-# MiniMax-M3's own intermediate_size), a few x 10 GiB per rank. "tiny": the CPU smoke test.
+# MiniMax-M3's own intermediate_size), a few x 10 GiB per rank. "h200": the one-GPU run of the whole
+# expert MLP (--ep-size 1: every expert on the one rank), sized so that the experts take most of the
+# step (hidden 1024, expert ffn 3072, top-4 of 8 experts, 64K tokens a step: 262K rows per MoE layer).
+# "tiny": the CPU smoke and gradient tests.
 CONFIGS = {
     "small": dict(hidden=512, ffn=1024, shared_ffn=512, layers=4, experts=8, top_k=2, heads=8, kv_heads=2,
                   seq=512, micro_batch=16, steps=200, warmup=10, lr=1e-3),
     "large": dict(hidden=1024, ffn=3072, shared_ffn=1024, layers=2, experts=8, top_k=2, heads=8, kv_heads=2,
                   seq=2048, micro_batch=64, steps=20, warmup=5, lr=1e-3),
+    "h200": dict(hidden=1024, ffn=3072, shared_ffn=1024, layers=2, experts=8, top_k=4, heads=8, kv_heads=2,
+                 seq=2048, micro_batch=32, steps=300, warmup=10, lr=1e-3),
     "tiny": dict(hidden=64, ffn=64, shared_ffn=32, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
                  seq=64, micro_batch=2, steps=3, warmup=1, lr=1e-3),
 }
@@ -57,7 +81,7 @@ SIZE_KEYS = tuple(CONFIGS["small"])
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", choices=IMPLS, required=True)
+    p.add_argument("--impl", required=True, help=f"one of {', '.join(IMPLS)}, or several, comma-separated")
     p.add_argument("--config", choices=tuple(CONFIGS), default="small", help="size preset (default small)")
     for key in SIZE_KEYS:
         typ = float if key == "lr" else int
@@ -68,7 +92,18 @@ def parse_args(argv=None):
     p.add_argument("--gate-up-impl", choices=("fused", "separate"), default="fused",
                    help="AutoEP's gate_up_impl: fused = one grouped GEMM into a packed gate_up tensor "
                    "(DeepSpeed's packed activation path, where in-place backward applies)")
+    p.add_argument("--expert-gemm", choices=("grouped_mm", "for-loop"), default="grouped_mm",
+                   help="AutoEP's use_grouped_mm: grouped_mm (true; DeepSpeed picks its Triton GEMM on sm < 90) or "
+                   "for-loop (false: DeepSpeed's per-expert loop)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--ep-size", type=int, default=2, help="AutoEP's autoep_size (default 2: experts over 2 ranks; "
+                   "1: every rank holds every expert, the one-GPU run)")
+    p.add_argument("--record-grads", action="store_true", help="save each rank's gradients of every parameter "
+                   "at every step (as autograd hands them to DeepSpeed) and the parameters after the last step "
+                   "to OUT/<tag>.rank<r>.pt, for the CPU gradient test")
+    p.add_argument("--expert-share", action="store_true", help="after the steps, time the first MoE layer's "
+                   "experts alone (forward + backward at the last step's rows, CUDA) and report their share "
+                   "of the step")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "autoep"))
     p.add_argument("--tag", default=None, help="file name of the result (default <config>-<impl>)")
     args = p.parse_args(argv)
@@ -77,7 +112,13 @@ def parse_args(argv=None):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
     args.sizes = sizes
-    args.tag = args.tag or f"{args.config}-{args.impl}"
+    args.impls = [i for i in args.impl.split(",") if i]
+    unknown = [i for i in args.impls if i not in IMPLS]
+    if unknown or not args.impls:
+        p.error(f"--impl {args.impl!r}: unknown {unknown}; expected one of {', '.join(IMPLS)}")
+    if args.tag is not None and len(args.impls) > 1:
+        p.error("--tag names one run; with several --impl each run is named <config>-<impl>")
+    args.tag = args.tag or f"{args.config}-{args.impls[0]}"
     if sizes["warmup"] >= sizes["steps"]:
         p.error(f"--warmup ({sizes['warmup']}) must be below --steps ({sizes['steps']})")
     return args
@@ -153,10 +194,10 @@ def ds_config(args):
         "zero_optimization": {"stage": args.zero_stage},
         "expert_parallel": {
             "enabled": True,
-            "autoep_size": 2,  # experts sharded over 2 ranks (num_experts / 2 each)
+            "autoep_size": args.ep_size,  # 2: experts sharded over 2 ranks (num_experts / 2 each)
             "preset_model": PRESET,
             "comm_backend": "comm",  # torch.distributed all_to_all_single (NCCL on GPUs); no DeepEP
-            "use_grouped_mm": True,
+            "use_grouped_mm": args.expert_gemm == "grouped_mm",
             "gate_up_impl": args.gate_up_impl,
         },
         "steps_per_print": 10**9,
@@ -201,9 +242,15 @@ def count_calls(registry, name):
     return counts, lambda: registry.__setitem__(name, entry)
 
 
-def expected_calls(impl, gate_up_impl, n_layers):
+def expected_calls(impl, gate_up_impl, n_layers, loop_experts=None):
     """What one forward must call: DeepSpeed's fused=True path of GroupedExperts takes
-    packed_fused_fn (gate_up_impl fused) or fused_fn (separate) when the entry has one, else fn."""
+    packed_fused_fn (gate_up_impl fused) or fused_fn (separate) when the entry has one, else fn;
+    its for-loop path (loop_experts: the experts of a rank) calls fn once per expert; expertact's
+    whole expert MLP calls none of them."""
+    if IMPLS[impl] is not None and IMPLS[impl].get("experts"):
+        return {"fn": 0, "fused_fn": 0, "packed_fused_fn": 0}
+    if loop_experts is not None:
+        return {"fn": n_layers * loop_experts, "fused_fn": 0, "packed_fused_fn": 0}
     if impl == "eager":
         return {"fn": n_layers, "fused_fn": 0, "packed_fused_fn": 0}
     key = "packed_fused_fn" if gate_up_impl == "fused" else "fused_fn"
@@ -252,8 +299,8 @@ def init_distributed(args):
         device = torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if want_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 2:
-        raise SystemExit(f"autoep_train.py: run it on 2 ranks (autoep_size 2), got world size {world}")
+    if world % args.ep_size:
+        raise SystemExit(f"autoep_train.py: the world size {world} is not a multiple of --ep-size {args.ep_size}")
     return device, rank, world
 
 
@@ -265,21 +312,20 @@ def rank0_logger(rank, tag):
 
 
 def select_activation(args, registry, device):
-    """Put expertact's kernels in DeepSpeed's registry for --impl expertact*; returns
-    (DeepSpeed's entry, the entry in use, the enable() arguments or None), entries described."""
+    """expertact.deepspeed.enable(...) as --impl asks (disable() for eager); returns (DeepSpeed's
+    entry, the entry in use, the enable() arguments or None), entries described."""
     import expertact
     import expertact.deepspeed as xds
 
-    if device.type == "cuda" and args.impl != "eager" and not expertact.has_cuda():
+    enabled = IMPLS[args.impl]
+    if device.type == "cuda" and enabled is not None and not expertact.has_cuda():
         raise SystemExit("autoep_train.py: the installed expertact has no CUDA path "
                          f"({expertact.LIBRARY_PATH}); build it with nvcc (bash scripts/gpu_check.sh)")
+    xds.disable()
     ds_entry = describe_entry(registry[ACTIVATION])
-    if args.impl == "eager":
-        enabled = None
-    else:
-        if not hasattr(xds, "enable"):
-            raise SystemExit("autoep_train.py: this expertact has no expertact.deepspeed.enable()")
-        enabled = dict(inplace_backward=args.impl == "expertact-inplace")
+    if enabled is not None:
+        if enabled.get("experts") and "experts" not in inspect.signature(xds.enable).parameters:
+            raise SystemExit("autoep_train.py: this expertact's enable() has no experts= (needs >= 0.3.0)")
         xds.enable(**enabled)
     return ds_entry, describe_entry(registry[ACTIVATION]), enabled
 
@@ -361,6 +407,12 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
         m.tokens_per_expert.zero_()
     losses, times, peaks, rows = [], [], [], []
     calls = None
+    grads, hooks = [], []
+    if args.record_grads:  # each parameter's gradient as autograd hands it over, before DeepSpeed's hooks
+        for name, param in engine.module.named_parameters():
+            if param.requires_grad:
+                hooks.append(param.register_hook(
+                    lambda g, name=name: grads[-1].__setitem__(name, g.detach().float().clone())))
     for step in range(s["steps"]):
         ids = make_batch(corpus, step, args.seed, rank, world, s["micro_batch"], s["seq"]).to(device)
         if step == 0:
@@ -369,6 +421,8 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
+        if args.record_grads:
+            grads.append({})
         out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)
         engine.step()
@@ -377,7 +431,8 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
         peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
         if step == 0:
             restore()
-            want = expected_calls(args.impl, layout.first.experts.gate_up_impl, len(moe_layers))
+            loop = len(owned[rank % ep_size]) if layout.grouped == "for-loop" else None
+            want = expected_calls(args.impl, layout.first.experts.gate_up_impl, len(moe_layers), loop)
             if calls != want:
                 raise SystemExit(f"autoep_train.py: step 0 called {calls} of registry[{ACTIVATION!r}], "
                                  f"expected {want} for --impl {args.impl}")
@@ -392,7 +447,56 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
             log(f"step {step:4d} loss {losses[-1]:.4f} time {times[-1] * 1e3:8.1f} ms "
                 f"peak {peaks[-1] / 2**30 if peaks[-1] is not None else float('nan'):.2f} GiB "
                 f"busiest rank rows {busiest}")
-    return dict(losses=losses, times=times, peaks=peaks, rows=rows, calls=calls)
+    for h in hooks:
+        h.remove()
+    return dict(losses=losses, times=times, peaks=peaks, rows=rows, calls=calls, grads=grads)
+
+
+def expert_share(layout, run, device, reps=5):
+    """(ms, rows): forward + backward of the first MoE layer's experts alone, at the rows this
+    rank's experts received in the first layer in the last step (split evenly among them), the
+    median of `reps` timed calls after one warm-up. Times the number of MoE layers, over the step
+    time, it is the experts' share of the step."""
+    import torch
+    ds_experts = layout.first.experts
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rows = run["rows"][-1][0][rank % layout.ep_size]
+    E, F, D = ds_experts.w1.shape
+    # A copy of the module with the same weights, so that DeepSpeed's gradient hooks on the
+    # engine's parameters see nothing of these calls.
+    experts = type(ds_experts)(D, F, E, use_grouped_mm=ds_experts.use_grouped_mm, activation=ds_experts.activation,
+                               activation_alpha=ds_experts.activation_alpha,
+                               activation_limit=ds_experts.activation_limit, gate_up_impl=ds_experts.gate_up_impl)
+    experts.use_triton_grouped_mm = ds_experts.use_triton_grouped_mm
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(experts, name).data = getattr(ds_experts, name).detach().clone()
+    counts = torch.full((E, ), rows // E, dtype=torch.int64, device=device)
+    counts[: rows - int(counts.sum())] += 1
+    x = torch.randn(rows, D, device=device, dtype=ds_experts.w1.dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    times = []
+    for i in range(reps + 1):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        experts(x, counts).backward(dy)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        x.grad = None
+        for param in experts.parameters():
+            param.grad = None
+    return sorted(times[1:])[reps // 2] * 1e3, rows
+
+
+def _share_record(gathered, s, step_time, w):
+    """The experts' share of the step on the busiest rank (None without --expert-share)."""
+    shares = [g["share"] for g in gathered if g.get("share") is not None]
+    if not shares:
+        return None
+    ms, rows = max(shares, key=lambda t: t[1])
+    step_ms = sum(step_time[w:]) / len(step_time[w:]) * 1e3
+    return dict(experts_fwd_bwd_ms=ms, rows=rows, moe_layers=s["layers"], mean_step_ms=step_ms,
+                share_of_step=ms * s["layers"] / step_ms)
 
 
 def result_record(args, engine, setup, layout, run, gathered, activation, device, world):
@@ -408,6 +512,7 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
         dtype=args.dtype, gate_up_impl=layout.first.experts.gate_up_impl, world_size=world, ep_size=layout.ep_size,
         experts_per_rank=layout.owned, activation=dict(name=ACTIVATION, alpha=act[1], limit=act[2]),
         expert_gemm=layout.grouped, registry_deepspeed=ds_entry, registry_in_use=run_entry, expertact_enable=enabled,
+        experts_forward=run["experts_forward"],
         step0_calls=run["calls"], optimizer=type(engine.optimizer).__name__, ds_config=setup["config"],
         model_config={k: getattr(model_cfg, k) for k in (
             "model_type", "vocab_size", "hidden_size", "intermediate_size", "shared_intermediate_size",
@@ -422,6 +527,7 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
         peak_allocated_bytes_per_rank=peak_per_rank,
         mean_step_time_s=sum(step_time[w:]) / len(step_time[w:]),
         rows_received_per_step=run["rows"], busiest_rank_rows_per_step=busiest,
+        experts_share=_share_record(gathered, s, step_time, w),
         timed_from_step=w, setup_s=setup["seconds"], versions=versions(device),
         command=" ".join((["torchrun", "--nproc_per_node", str(world)] if "TORCHELASTIC_RUN_ID" in os.environ
                           else [os.path.basename(sys.executable)]) + sys.argv),
@@ -431,40 +537,43 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
     )
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    s = args.sizes
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def run_one(args, registry, device, rank, world):
+    """One training run of args.impl: enable() as it asks, DeepSpeed's engine, the steps, rank
+    0's JSON (and with --record-grads every rank's gradients), disable()."""
+    import torch
     import torch.distributed as tdist
     import deepspeed.comm as dist
-    from deepspeed.moe import ep_experts
     import expertact.deepspeed as xds
 
-    device, rank, world = init_distributed(args)
     log = rank0_logger(rank, args.tag)
-    registry = ep_experts.EXPERT_ACTIVATIONS
     activation = select_activation(args, registry, device)
     ds_entry, run_entry, enabled = activation
-    log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry)
+    log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry, "enable():", enabled)
 
     engine, setup = build_engine(args)
-    layout = autoep_layout(engine, s)
+    layout = autoep_layout(engine, args.sizes)
     log(f"AutoEP: {len(layout.moe_layers)} layers, ep_size {layout.ep_size}, experts per rank {layout.owned}, "
         f"activation {layout.act}, expert GEMMs {layout.grouped}, gate_up_impl {layout.first.experts.gate_up_impl}; "
-        f"optimizer {type(engine.optimizer).__name__}; setup s: "
-        + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
+        f"experts' forward {type(layout.first.experts).forward.__qualname__}; optimizer {type(engine.optimizer).__name__}; "
+        "setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
     engine.train()
     run = train(args, engine, setup["corpus"], layout, registry, device, rank, world, log)
+    fwd = type(layout.first.experts).forward
+    run["experts_forward"] = f"{fwd.__module__}.{fwd.__qualname__}"
+    share = expert_share(layout, run, device) if args.expert_share and device.type == "cuda" else None
 
-    if enabled is not None:
-        xds.disable()
-        if describe_entry(registry[ACTIVATION]) != ds_entry:
-            raise SystemExit("autoep_train.py: expertact.deepspeed.disable() did not restore DeepSpeed's entry")
+    if args.record_grads:
+        os.makedirs(args.out, exist_ok=True)
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        torch.save(dict(loss=run["losses"], grads=run["grads"], params=params),
+                   os.path.join(args.out, f"{args.tag}.rank{rank}.pt"))
+    xds.disable()
+    if describe_entry(registry[ACTIVATION]) != ds_entry or xds.experts_enabled():
+        raise SystemExit("autoep_train.py: expertact.deepspeed.disable() did not restore DeepSpeed's entry")
 
     # Every rank's times and peaks go to rank 0.
     gathered = [None] * world
-    tdist.all_gather_object(gathered, dict(rank=rank, times=run["times"], peaks=run["peaks"]))
+    tdist.all_gather_object(gathered, dict(rank=rank, times=run["times"], peaks=run["peaks"], share=share))
     if rank == 0:
         result = result_record(args, engine, setup, layout, run, gathered, activation, device, world)
         os.makedirs(args.out, exist_ok=True)
@@ -472,10 +581,32 @@ def main(argv=None):
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in result["peak_allocated_bytes_per_rank"])
+        share_txt = ""
+        if result["experts_share"] is not None:
+            share_txt = f", experts {result['experts_share']['share_of_step']:.0%} of the step"
         log(f"done: final loss {run['losses'][-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
-            f"(steps {s['warmup']}..{s['steps'] - 1}), peak GiB per rank [{peaks_txt}], busiest rank rows/step/layer "
-            f"max {max(result['busiest_rank_rows_per_step'])} -> {path}")
+            f"(steps {args.sizes['warmup']}..{args.sizes['steps'] - 1}), peak GiB per rank [{peaks_txt}]{share_txt}, "
+            f"busiest rank rows/step/layer max {max(result['busiest_rank_rows_per_step'])} -> {path}")
+    del engine
     dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch.distributed as tdist
+    from deepspeed.moe import ep_experts
+
+    device, rank, world = init_distributed(args)
+    registry = ep_experts.EXPERT_ACTIVATIONS
+    for impl in args.impls:
+        one = copy.copy(args)
+        one.impl = impl
+        one.tag = args.tag if len(args.impls) == 1 else f"{args.config}-{impl}"
+        run_one(one, registry, device, rank, world)
     tdist.destroy_process_group()
 
 

@@ -3,12 +3,15 @@ SwiGLU module (deepspeed.ops.triton_ops.swiglu_triton: swiglu, swiglu_packed, sw
 swiglu_clamped_packed and the explicit backwards) and its expert-activation registry
 (apply_expert_activation, apply_packed_expert_activation). And enable()/disable(), which put
 expertact's kernels into DeepSpeed AutoEP's own registry (deepspeed.moe.ep_experts), with
-is_enabled() telling whether they are in and enabled_scope() enabling them for a `with` block.
+is_enabled() telling whether they are in and enabled_scope() enabling them for a `with` block;
+enable(experts=True) also runs AutoEP's whole expert MLP (GroupedExperts.forward) as
+expertact.moe.expert_mlp, with its memory modes and FP8 path.
 Packed means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[..., I:] is up.
 
     from expertact import deepspeed as ds
     h = ds.apply_packed_expert_activation(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)
-    ds.enable()          # DeepSpeed's GroupedExperts now runs expertact (docs/python.md)
+    ds.enable()          # DeepSpeed's GroupedExperts now runs expertact's activation (docs/python.md)
+    ds.enable(experts=True, fp8="rowwise")   # ... or its whole expert MLP
     with ds.enabled_scope(inplace_backward=True):
         ...              # enabled for this block, then back to what was in force
 
@@ -38,7 +41,7 @@ from ._capi import rows_view_ok
 __all__ = [
     "EXPERT_ACTIVATIONS", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed",
     "swiglu_backward", "swiglu_packed_backward", "apply_expert_activation", "apply_packed_expert_activation",
-    "enable", "disable", "enabled_scope", "is_enabled",
+    "enable", "disable", "enabled_scope", "is_enabled", "experts_enabled",
 ]
 
 Tensor = torch.Tensor
@@ -163,7 +166,7 @@ _ACT_NAMES = {code: name for name, code in ACTIVATIONS.items()}
 
 _ORIGINALS = {}  # name -> the entry enable() replaced (DeepSpeed's own, restored by disable())
 _INSTALLED = {}  # name -> the entry enable() put in its place
-_CONFIG = None  # (inplace_backward, register) of the enable() in force; None when disabled
+_CONFIG = None  # the arguments of the enable() in force; None when disabled
 
 
 def _ds_registry():
@@ -314,14 +317,132 @@ def _restore(reg):
     _ORIGINALS.clear()
 
 
-def enable(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None) -> None:
-    """Put expertact's kernels into DeepSpeed AutoEP's expert-activation registry
-    (``deepspeed.moe.ep_experts.EXPERT_ACTIVATIONS``) as the ``fused_fn`` and ``packed_fused_fn``
-    of ``swiglu``, ``geglu_tanh``, ``swiglu_clamped`` and ``swiglu_oai``. Each entry is replaced by
-    a copy (``dataclasses.replace``); ``fn``, ``uses_alpha``, ``uses_limit`` and ``gate_fn`` stay
+# ---------------------------------------------------------------------------
+# expertact's whole expert MLP inside DeepSpeed AutoEP: GroupedExperts.forward
+# ---------------------------------------------------------------------------
+# AutoEP's MoE layer calls self.experts(x, num_tokens_per_expert) on a
+# deepspeed.moe.ep_experts.GroupedExperts (auto_ep_layer.py imports the class itself), whose
+# forward picks one of four paths (Triton, grouped_mm, fused gate_up, for-loop) on every call.
+# enable(experts=True) replaces the class's forward; disable() puts the very function back.
+# The parameters stay DeepSpeed's (w1, w3 [E, F, D], w2 [E, D, F]), so ZeRO, the optimizer,
+# gradient clipping and is_expert_group see what they always see.
+
+_DS_FORWARD = None  # GroupedExperts.forward as DeepSpeed defined it, while expertact's is in place
+_EXPERTS = None  # dict(fp8=, recompute=, inplace_backward=) of the experts=True in force
+_MY_FORWARD = None  # the forward enable(experts=True) put on GroupedExperts
+
+# The registry names whose form expert_mlp computes by the same preset name: DeepSpeed's four.
+# A name added with register= (or one it maps to another form) keeps DeepSpeed's forward, which
+# then calls the registry's expertact kernel for the activation.
+_MLP_FORMS = {name: (PRESETS[name][1] is None, PRESETS[name][2] is None) for name in EXPERT_ACTIVATIONS}
+
+
+def _ds_grouped_experts():
+    mod = importlib.import_module(_DS_MODULE)
+    cls = getattr(mod, "GroupedExperts", None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "forward", None)):
+        raise RuntimeError(f"expertact: {_DS_MODULE} has no GroupedExperts module; enable(experts=True) needs "
+                           "DeepSpeed >= 0.19.8")
+    return cls
+
+
+def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
+    """GroupedExperts.forward(x, num_tokens_per_expert) computed by expertact.moe.expert_mlp on
+    the module's own parameters. w1 and w3 are concatenated into gate_up's [E, 2F, D] weight,
+    as DeepSpeed's gate_up_impl="fused" does (one copy of the gate/up weights a call; its
+    gradient is split back into w1.grad and w3.grad by autograd), and cast to x's dtype as
+    DeepSpeed casts them; w2 is read as stored (a transposed view)."""
+    from .moe import expert_mlp, offsets_from_counts
+
+    def forward(self, x, num_tokens_per_expert):
+        forms = _MLP_FORMS.get(self.activation) if self.activation in mapped else None
+        if forms is None:
+            return ds_forward(self, x, num_tokens_per_expert)
+        uses_alpha, uses_limit = forms
+        dt = x.dtype
+        w13 = torch.cat((self.w1.to(dt), self.w3.to(dt)), dim=1).transpose(-2, -1)
+        w2 = self.w2.to(dt).transpose(-2, -1)
+        offsets = offsets_from_counts(num_tokens_per_expert, "expertact.deepspeed")
+        return expert_mlp(x, w13, w2, offsets, self.activation,
+                          alpha=float(self.activation_alpha) if uses_alpha else None,
+                          limit=float(self.activation_limit) if uses_limit else None,
+                          layout="halves", recompute=recompute, inplace_backward=inplace, fp8=fp8)
+
+    forward.__qualname__ = forward.__name__ = "expertact_grouped_experts_forward"
+    forward.expertact_form = dict(experts=True, fp8=fp8, recompute=recompute, inplace_backward=inplace,
+                                  activations=tuple(sorted(mapped)))
+    return forward
+
+
+# GroupedExperts as DeepSpeed builds it: dim 16, hidden 8, 3 experts (one with no rows), the
+# for-loop path (no GPU, no torch._grouped_mm needed), float32 on the CPU.
+_PROBE_MLP = dict(dim=16, hidden_dim=8, num_experts=3)
+_PROBE_COUNTS = (5, 0, 6)
+
+
+def _probe_experts(cls, ds_forward, forward, names):
+    """Refuse to install a forward that computes something else than DeepSpeed's own forward of
+    the same module (a DeepSpeed whose GroupedExperts changed its weights' meaning)."""
+    gen = torch.Generator().manual_seed(1)
+    for name in sorted(names):
+        try:
+            m = cls(use_grouped_mm=False, activation=name, **_PROBE_MLP)
+        except Exception as e:  # a constructor that changed: say so, do not install blind
+            raise RuntimeError(f"expertact: DeepSpeed's GroupedExperts(use_grouped_mm=False, activation={name!r}) "
+                               f"did not build on the CPU ({e!r}); enable(experts=True) needs DeepSpeed 0.19.8's "
+                               "GroupedExperts") from e
+        with torch.no_grad():
+            for p in (m.w1, m.w2, m.w3):
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0)
+        counts = torch.tensor(_PROBE_COUNTS)
+        x = torch.randn(sum(_PROBE_COUNTS) + 2, _PROBE_MLP["dim"], generator=gen)  # 2 padding rows
+        with torch.no_grad():
+            want = ds_forward(m, x, counts)
+            got = forward(m, x, counts)
+        rows = sum(_PROBE_COUNTS)
+        if got.shape != want.shape or not torch.allclose(got[:rows], want[:rows], rtol=1e-4, atol=1e-4):
+            err = (got[:rows] - want[:rows]).abs().max().item() if got.shape == want.shape else got.shape
+            raise ValueError(f"expertact: expertact's expert MLP differs from DeepSpeed's GroupedExperts.forward "
+                             f"for activation {name!r} by {err} (CPU float32 probe); enable(experts=True) refuses "
+                             "to replace it")
+
+
+def _install_experts(forward, cfg):
+    """Put `forward` (expertact's, checked) on GroupedExperts, or with forward None DeepSpeed's back."""
+    global _DS_FORWARD, _EXPERTS, _MY_FORWARD
+    cls = _ds_grouped_experts()
+    if forward is None:
+        if _MY_FORWARD is not None and cls.__dict__.get("forward") is _MY_FORWARD:
+            cls.forward = _DS_FORWARD  # one that someone else put there since is theirs and stays
+        _DS_FORWARD, _EXPERTS, _MY_FORWARD = None, None, None
+        return
+    cls.forward = _MY_FORWARD = forward
+    _EXPERTS = dict(cfg)
+
+
+def _bool_arg(name, v):
+    if not isinstance(v, bool):
+        raise TypeError(f"expertact: {name} must be a bool (got {type(v).__name__})")
+    return v
+
+
+def enable(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
+           experts: bool = False, fp8: Optional[str] = None, recompute: bool = False) -> None:
+    """Put expertact's kernels into DeepSpeed AutoEP (``deepspeed.moe.ep_experts``).
+
+    Always: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn`` of
+    ``swiglu``, ``geglu_tanh``, ``swiglu_clamped`` and ``swiglu_oai`` in DeepSpeed's
+    expert-activation registry (``EXPERT_ACTIVATIONS``). Each entry is replaced by a copy
+    (``dataclasses.replace``); ``fn``, ``uses_alpha``, ``uses_limit`` and ``gate_fn`` stay
     DeepSpeed's. DeepSpeed's ``apply_expert_activation`` / ``apply_packed_expert_activation`` with
     ``fused=True`` (GroupedExperts' grouped-GEMM paths) then run expertact; ``fused=False`` (its
     for-loop path) still runs DeepSpeed's eager ``fn``.
+
+    With ``experts=True``, also the whole expert MLP: ``GroupedExperts.forward`` runs
+    :func:`expertact.moe.expert_mlp` on the module's own ``w1``, ``w3`` [E, F, D] and ``w2``
+    [E, D, F] on every path DeepSpeed would pick (grouped_mm, Triton, for-loop) and for both
+    ``gate_up_impl``; the gradients land in w1/w2/w3. Forms added with ``register=`` keep
+    DeepSpeed's forward (with the registry's expertact kernel).
 
     Args:
         inplace_backward: write the gradient of gate/up (or gate_up) over them in backward. Safe
@@ -333,16 +454,32 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             alpha=, limit=, beta=)}``. alpha/limit left out (or None) come from each call, which
             must match the entry's uses_alpha/uses_limit; otherwise they default to 1 and no clamp.
             A name of the four may be given too, to map it differently.
+        experts: run GroupedExperts' whole forward as expertact's expert MLP (above).
+        fp8: with ``experts=True``, ``"rowwise"`` runs the six grouped GEMMs in float8 (expert_mlp's
+            ``fp8="rowwise"``: Hopper, bf16, D and F multiples of 16; elsewhere the forward raises
+            NotImplementedError naming what is missing). None: the GEMMs in the model's dtype.
+        recompute: with ``experts=True``, keep one [T, F] tensor less between forward and
+            backward (h recomputed in backward; expert_mlp's ``recompute``).
 
     Each call configures the whole hookup afresh (names of an earlier enable() that are not
-    given again go back to DeepSpeed's); DeepSpeed's originals are kept across calls. Before
-    changing anything, each kernel is checked against DeepSpeed's own ``fn`` on a small CPU
-    probe: a form that does not match raises ValueError. Raises ImportError without DeepSpeed,
-    RuntimeError when its registry lacks what is replaced (DeepSpeed < 0.19.8).
+    given again go back to DeepSpeed's, and so does GroupedExperts.forward without
+    ``experts=True``); DeepSpeed's originals are kept across calls. Before changing anything,
+    each kernel is checked against DeepSpeed's own ``fn``, and with ``experts=True`` the expert
+    MLP against DeepSpeed's own forward, on small CPU probes: a form that does not match raises
+    ValueError. Raises ImportError without DeepSpeed, RuntimeError when DeepSpeed lacks what is
+    replaced (DeepSpeed < 0.19.8). Works before or after ``deepspeed.initialize``: DeepSpeed looks
+    the registry entry and the forward up on every call.
     """
-    global _CONFIG
-    if not isinstance(inplace_backward, bool):
-        raise TypeError(f"expertact: inplace_backward must be a bool (got {type(inplace_backward).__name__})")
+    global _CONFIG, _DS_FORWARD
+    _bool_arg("inplace_backward", inplace_backward)
+    _bool_arg("experts", experts)
+    _bool_arg("recompute", recompute)
+    if fp8 not in (None, "rowwise"):
+        raise ValueError(f"expertact: fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for the model's dtype)")
+    if not experts and (fp8 is not None or recompute):
+        given = ", ".join(f"{k}={v!r}" for k, v in (("fp8", fp8), ("recompute", recompute)) if v)
+        raise ValueError(f"expertact: {given} applies to the whole expert MLP: pass experts=True as well "
+                         "(enable() alone replaces the activation only)")
     if register is not None and not isinstance(register, Mapping):
         raise TypeError(f"expertact: register must be a dict of registry name -> preset name or "
                         f"dict(activation=, alpha=, limit=, beta=) (got {type(register).__name__})")
@@ -366,20 +503,35 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         fused_fn, packed_fused_fn = _fused_fns(name, *_form(name, spec, base), inplace_backward)
         _probe(name, base, fused_fn, packed_fused_fn)
         new[name] = (base, dataclasses.replace(base, fused_fn=fused_fn, packed_fused_fn=packed_fused_fn))
-    # Everything is checked: only now change the registry.
+    # The expert MLP serves the names whose form is expert_mlp's preset of that name.
+    mapped = frozenset(n for n in _MLP_FORMS if wanted.get(n) == n)
+    cfg = dict(fp8=fp8, recompute=recompute, inplace_backward=inplace_backward)
+    forward = None
+    if experts:
+        cls = _ds_grouped_experts()
+        ds_forward = _DS_FORWARD if _DS_FORWARD is not None else cls.forward
+        forward = _experts_forward(ds_forward, fp8, recompute, inplace_backward, mapped)
+        # The probe checks what the weights mean, in float32 on the CPU (where FP8 does not run).
+        _probe_experts(cls, ds_forward, _experts_forward(ds_forward, None, False, False, mapped), mapped)
+    # Everything is checked: only now change DeepSpeed.
     _restore(reg)
     for name, (base, entry) in new.items():
         _ORIGINALS[name] = base
         _INSTALLED[name] = entry
         reg[name] = entry
-    _CONFIG = (inplace_backward, dict(register) if register else None)
+    if forward is not None:
+        _DS_FORWARD = ds_forward
+    _install_experts(forward, cfg)
+    _CONFIG = dict(inplace_backward=inplace_backward, register=dict(register) if register else None,
+                   experts=experts, fp8=fp8, recompute=recompute)
 
 
 def disable() -> None:
-    """Restore DeepSpeed's own registry entries (the very objects enable() replaced).
-    Idempotent. Raises ImportError without DeepSpeed."""
+    """Restore DeepSpeed's own registry entries and GroupedExperts.forward (the very objects
+    enable() replaced). Idempotent. Raises ImportError without DeepSpeed."""
     global _CONFIG
     _restore(_ds_registry())
+    _install_experts(None, None)
     _CONFIG = None
 
 
@@ -388,19 +540,25 @@ def is_enabled() -> bool:
     return _CONFIG is not None
 
 
+def experts_enabled() -> bool:
+    """Whether AutoEP's GroupedExperts runs expertact's whole expert MLP (``enable(experts=True)``)."""
+    return _EXPERTS is not None
+
+
 @contextlib.contextmanager
-def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None):
+def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
+                  experts: bool = False, fp8: Optional[str] = None, recompute: bool = False):
     """``with expertact.deepspeed.enabled_scope(): ...``: :func:`enable` for the block, then back to
     what was in force before it (DeepSpeed's entries, or an outer enable()'s)."""
     before = _CONFIG
-    enable(inplace_backward, register)
+    enable(inplace_backward, register, experts=experts, fp8=fp8, recompute=recompute)
     try:
         yield
     finally:
         if before is None:
             disable()
         else:
-            enable(*before)
+            enable(**before)
 
 
 def enabled(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None):

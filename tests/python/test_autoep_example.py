@@ -158,10 +158,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_rank_autoep_smoke_on_cpu(tmp_path):
-    """Tiny MiniMax-M3 model, AutoEP over 2 gloo ranks, 2 steps of expertact with in-place backward
-    (torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's fused path calls expertact).
-    About 30 s on a shared 2-core machine, most of it imports and deepspeed.initialize."""
+def _needs_autoep():
     pytest.importorskip("deepspeed")
     transformers = pytest.importorskip("transformers")
     from packaging.version import Version
@@ -173,26 +170,84 @@ def test_two_rank_autoep_smoke_on_cpu(tmp_path):
         pytest.skip("this DeepSpeed has no AutoEP (needs >= 0.19.8)")
     if "minimax_m3" not in available_preset_names():
         pytest.skip("this DeepSpeed has no minimax_m3 AutoEP preset")
+
+
+def _torchrun(tmp_path, *args):
+    """examples/autoep_train.py on 2 gloo ranks, tiny model, float32 on the CPU, 3 steps."""
     # A CPU run on any machine: no GPU visible, and DeepSpeed told so (a DS_ACCELERATOR=cuda
     # inherited from a GPU machine's environment would make it look for cuda:0).
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(Path(__file__).parent / "support" / "autoep_launch.py"), str(EXAMPLES / "autoep_train.py"),
-           "--impl", "expertact-inplace", "--config", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=300)
+           "--config", "tiny", "--steps", "3", "--dtype", "fp32", "--device", "cpu", "--record-grads",
+           "--out", str(tmp_path), *args]
+    p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    res = json.loads((tmp_path / "tiny-expertact-inplace.json").read_text())
-    s = res["sizes"]
-    assert len(res["loss"]) == 2 and all(4.0 < x < 7.0 for x in res["loss"])  # ln 256 = 5.55 at random init
-    assert res["step0_calls"] == {"fn": 0, "fused_fn": 0, "packed_fused_fn": s["layers"]}
-    assert res["registry_deepspeed"]["packed_fused_fn"] is None  # DeepSpeed has no fused swiglu_oai
-    assert res["registry_in_use"]["packed_fused_fn"] is not None
-    assert res["activation"] == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
-    assert res["expert_gemm"] == "grouped_mm" and res["experts_per_rank"] == [[0, 1], [2, 3]]
-    # Every routed row lands on exactly one rank: per layer, the ranks receive all of them.
-    routed = res["world_size"] * res["tokens_per_rank_per_step"] * s["top_k"]
-    for step_rows in res["rows_received_per_step"]:
-        assert [sum(layer) for layer in step_rows] == [routed] * s["layers"]
-    assert res["params_per_rank_after_autoep"] < res["params_before_autoep"]  # experts are sharded
-    print(f"2-rank CPU smoke: {time.perf_counter() - t:.1f} s")
+
+
+def _same_training(tmp_path, ref, got, rank):
+    """Losses, every gradient at every step and the parameters after the last step of two runs
+    (their .pt files) equal within float32 rounding. Measured: losses bit-equal, gradients within
+    7e-7 of their largest value, parameters within 3e-8 after 3 AdamW steps."""
+    a = torch.load(tmp_path / f"{ref}.rank{rank}.pt")
+    b = torch.load(tmp_path / f"{got}.rank{rank}.pt")
+    torch.testing.assert_close(torch.tensor(b["loss"]), torch.tensor(a["loss"]), rtol=1e-6, atol=0)
+    assert len(a["grads"]) == len(b["grads"]) == 3
+    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        assert ga.keys() == gb.keys(), (step, sorted(set(ga) ^ set(gb)))
+        for name, want in ga.items():
+            scale = want.abs().max().item()
+            err = (gb[name] - want).abs().max().item()
+            assert torch.isfinite(gb[name]).all() and err <= 1e-5 * scale, (got, step, name, err, scale)
+    for name, want in a["params"].items():
+        torch.testing.assert_close(b["params"][name], want, rtol=0, atol=1e-6)
+    return a["grads"][0]
+
+
+def test_two_rank_autoep_whole_mlp_on_cpu(tmp_path):
+    """Tiny MiniMax-M3 model, AutoEP over 2 gloo ranks (ZeRO 1, AdamW, gradient clipping), float32:
+    DeepSpeed's own expert path, expertact's activation in its registry, and expertact's whole expert
+    MLP (enable(experts=True)) in every memory mode give the same losses, gradients and parameters.
+    torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's own run takes its grouped_mm
+    path with gate_up_impl fused. About 40 s on a shared 2-core machine."""
+    _needs_autoep()
+    impls = ("eager", "expertact-inplace", "mlp", "mlp-recompute", "mlp-inplace", "mlp-recompute-inplace")
+    t = time.perf_counter()
+    _torchrun(tmp_path, "--impl", ",".join(impls))
+    for impl in impls:
+        res = json.loads((tmp_path / f"tiny-{impl}.json").read_text())
+        s = res["sizes"]
+        assert len(res["loss"]) == 3 and all(4.0 < x < 7.0 for x in res["loss"])  # ln 256 = 5.55 at random init
+        assert res["step0_calls"] == train.expected_calls(impl, "fused", s["layers"])
+        assert res["activation"] == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+        assert res["expert_gemm"] == "grouped_mm" and res["experts_per_rank"] == [[0, 1], [2, 3]]
+        assert res["expertact_enable"] == train.IMPLS[impl]
+        whole = impl.startswith("mlp")
+        assert res["experts_forward"] == ("expertact.deepspeed.expertact_grouped_experts_forward" if whole
+                                          else "deepspeed.moe.ep_experts.GroupedExperts.forward")
+        # Every routed row lands on exactly one rank: per layer, the ranks receive all of them.
+        routed = res["world_size"] * res["tokens_per_rank_per_step"] * s["top_k"]
+        for step_rows in res["rows_received_per_step"]:
+            assert [sum(layer) for layer in step_rows] == [routed] * s["layers"]
+        assert res["params_per_rank_after_autoep"] < res["params_before_autoep"]  # experts are sharded
+    eager = json.loads((tmp_path / "tiny-eager.json").read_text())
+    assert eager["step0_calls"] == {"fn": 2, "fused_fn": 0, "packed_fused_fn": 0}
+    for rank in (0, 1):
+        for impl in impls[1:]:
+            grads = _same_training(tmp_path, "tiny-eager", f"tiny-{impl}", rank)
+        experts = sorted(n for n in grads if ".experts.w" in n)
+        assert len(experts) == 2 * 3 and all(grads[n].abs().max() > 0 for n in experts)
+    print(f"2-rank CPU AutoEP, {len(impls)} runs: {time.perf_counter() - t:.1f} s")
+
+
+def test_two_rank_autoep_whole_mlp_zero2_for_loop_on_cpu(tmp_path):
+    """The same check on DeepSpeed's other expert path and ZeRO stage: its for-loop (use_grouped_mm
+    false) with gate_up_impl separate, ZeRO stage 2; expertact's whole MLP in place."""
+    _needs_autoep()
+    _torchrun(tmp_path, "--impl", "eager,mlp-inplace", "--zero-stage", "2", "--expert-gemm", "for-loop",
+              "--gate-up-impl", "separate")
+    for impl in ("eager", "mlp-inplace"):
+        res = json.loads((tmp_path / f"tiny-{impl}.json").read_text())
+        assert res["expert_gemm"] == "for-loop" and res["gate_up_impl"] == "separate" and res["zero_stage"] == 2
+    for rank in (0, 1):
+        _same_training(tmp_path, "tiny-eager", "tiny-mlp-inplace", rank)
