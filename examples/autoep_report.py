@@ -15,11 +15,17 @@ import json
 import os
 import sys
 
-IMPL_ORDER = ("eager", "expertact", "expertact-inplace")
-CONFIG_ORDER = ("small", "large", "tiny")
-IMPL_TEXT = {"eager": "DeepSpeed eager", "expertact": "expertact", "expertact-inplace": "expertact, in-place backward"}
-COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange"}
-SHORT = {"eager": "eager", "expertact": "expertact", "expertact-inplace": "in-place"}
+IMPL_ORDER = ("eager", "expertact", "expertact-inplace", "mlp", "mlp-recompute", "mlp-inplace",
+              "mlp-recompute-inplace", "mlp-fp8")
+CONFIG_ORDER = ("small", "large", "h200", "tiny")
+IMPL_TEXT = {"eager": "DeepSpeed eager", "expertact": "expertact", "expertact-inplace": "expertact, in-place backward",
+             "mlp": "expertact MLP", "mlp-recompute": "expertact MLP, recompute",
+             "mlp-inplace": "expertact MLP, in place", "mlp-recompute-inplace": "expertact MLP, recompute + in place",
+             "mlp-fp8": "expertact MLP, FP8"}
+COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "mlp": "tab:purple",
+          "mlp-inplace": "tab:green", "mlp-fp8": "tab:red"}
+SHORT = {"eager": "eager", "expertact": "expertact", "expertact-inplace": "in-place", "mlp": "MLP",
+         "mlp-inplace": "MLP in place", "mlp-fp8": "MLP FP8"}
 GIB = 2**30
 
 
@@ -87,7 +93,7 @@ def pct(a, b):
 def table(groups):
     head = ("| config | run | steps | final loss | max abs loss diff vs eager (step) | mean step time (ms) "
             "| vs eager | peak allocated GiB per rank | vs eager (busiest rank) | busiest rank's rows per MoE "
-            "layer and step (mean / max) |")
+            "layer and step (mean / max) | experts' share of the step |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for config, runs in groups.items():
         ref = eager_of(runs)
@@ -104,8 +110,10 @@ def table(groups):
             m_vs = pct(max(p), max(pref)) if p and pref and run is not ref else "—"
             rows = run["busiest_rank_rows_per_step"]
             rows_txt = f"{sum(rows) / len(rows):,.0f} / {max(rows):,}"
+            sh = run.get("experts_share")
+            share = "n/a" if not sh else f"{sh['share_of_step']:.0%} ({sh['moe_layers']} x {sh['experts_fwd_bwd_ms']:.1f} ms)"
             lines.append(f"| {config} | {label(run)} | {steps} | {run['loss'][-1]:.4f} | {diff} | "
-                         f"{run['mean_step_time_s'] * 1e3:.1f} | {t_vs} | {mem} | {m_vs} | {rows_txt} |")
+                         f"{run['mean_step_time_s'] * 1e3:.1f} | {t_vs} | {mem} | {m_vs} | {rows_txt} | {share} |")
     return "\n".join(lines)
 
 
@@ -133,6 +141,10 @@ def setup_text(groups):
     return "\n".join(out)
 
 
+def _kwargs(d):
+    return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+
 def activation_text(runs):
     out = []
     seen = set()
@@ -141,6 +153,12 @@ def activation_text(runs):
         if key in seen:
             continue
         seen.add(key)
+        if run.get("expertact_enable") and run["expertact_enable"].get("experts"):
+            ran = ", ".join(f"{k} x{v}" for k, v in run["step0_calls"].items() if v) or "none"
+            out.append(f"- {label(run)}: `expertact.deepspeed.enable({_kwargs(run['expertact_enable'])})`: "
+                       f"GroupedExperts.forward = `{run.get('experts_forward')}`; registry calls counted in step 0: "
+                       f"{ran}")
+            continue
         used = run["registry_in_use"]
         fn = used["packed_fused_fn"] if run.get("gate_up_impl") == "fused" else used["fused_fn"]
         ran = ", ".join(f"{k} x{v}" for k, v in run["step0_calls"].items() if v)
@@ -160,14 +178,14 @@ def markdown(runs, png_name, report_cmd):
     corpus = runs[0]["corpus"]
     env = {k: val for k, val in runs[0].get("env", {}).items() if val is not None and k != "PYTHONPATH"}
     lines = [
-        "# DeepSpeed AutoEP end to end: DeepSpeed's eager swiglu_oai against expertact",
+        "# DeepSpeed AutoEP end to end: DeepSpeed's own experts against expertact",
         "",
-        "A small randomly initialised MiniMax-M3 text model trained with DeepSpeed AutoEP (experts sharded "
-        "over two ranks, tokens exchanged by torch.distributed all-to-all), three ways with the same seed and "
-        "batches: DeepSpeed's own expert activation (its registry has no fused kernel for swiglu_oai, so "
-        "GroupedExperts runs the eager PyTorch form), expertact (`expertact.deepspeed.enable()`), and "
-        "expertact with in-place backward (`enable(inplace_backward=True)`). Written by "
-        "examples/autoep_report.py from the JSON files of examples/autoep_train.py.",
+        "A randomly initialised MiniMax-M3 text model trained with DeepSpeed AutoEP, several ways with the same "
+        "seed and batches: DeepSpeed's own expert path (its registry has no fused kernel for swiglu_oai, so "
+        "GroupedExperts runs the eager PyTorch form), expertact's activation in DeepSpeed's registry "
+        "(`expertact.deepspeed.enable()`, optionally in place), and expertact's whole expert MLP "
+        "(`enable(experts=True, ...)`: GroupedExperts.forward runs expertact.moe.expert_mlp, in bf16 or FP8). "
+        "Written by examples/autoep_report.py from the JSON files of examples/autoep_train.py.",
         "",
         f"![loss curves and peak memory]({png_name})",
         "",

@@ -13,6 +13,8 @@ implementations), chosen by the command line.
                                                     # the torch compositions with biases
     python -m expertact.bench --experts             # Hugging Face transformers' experts: eager, grouped_mm,
                                                     # expertact (expertact/bench/experts.py)
+    python -m expertact.bench --autoep              # DeepSpeed AutoEP's GroupedExperts: DeepSpeed's own forward,
+                                                    # with expertact's activation, expertact's whole MLP (bf16, FP8)
 """
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--mlp", action="store_true",
                    help="the expert-MLP table instead (expertact.bench.mlp; its own options follow, e.g. --bias: "
                         "with and without the expert biases)")
+    p.add_argument("--autoep", action="store_true",
+                   help="DeepSpeed AutoEP's GroupedExperts instead (expertact.bench.autoep; its own options follow)")
     p.add_argument("--experts", action="store_true",
                    help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
                         "its own options follow)")
@@ -83,6 +87,10 @@ def main(argv=None) -> int:
         from . import mlp
 
         return mlp.main([x for x in argv if x != "--mlp"])
+    if "--autoep" in argv:  # DeepSpeed AutoEP's GroupedExperts, with its own options
+        from . import autoep
+
+        return autoep.main([x for x in argv if x != "--autoep"])
     if "--experts" in argv:  # transformers' experts implementations, with their own options
         from . import experts
 

@@ -1,0 +1,308 @@
+"""The DeepSpeed AutoEP expert table: DeepSpeed's own GroupedExperts module
+(deepspeed.moe.ep_experts, the experts of an AutoEP layer) at the busiest rank's shape, forward +
+backward through its own forward call, one row per way of running it, in one run.
+
+    python -m expertact.bench --autoep                # CUDA: 4 experts x 261,280 rows, D = F = 3,072, bf16
+    python -m expertact.bench --autoep --activations swiglu,swiglu_oai --quick
+    python -m expertact.bench --autoep --device cpu   # a small CPU table (DeepSpeed's CPU paths; no FP8)
+
+Rows (--impls), each on the same module, inputs and weights:
+  deepspeed                DeepSpeed as shipped, gate_up_impl "fused" (one grouped GEMM over w1 and w3
+                           concatenated) with its registry's packed kernel where it has one (swiglu: its
+                           Triton kernel; the other forms: the eager PyTorch expression)
+  deepspeed-separate       ... gate_up_impl "separate" (AutoEP's default: two grouped GEMMs)
+  ds+act                   expertact.deepspeed.enable(): DeepSpeed's GEMMs, expertact's activation (fused)
+  ds+act-inplace           enable(inplace_backward=True)
+  mlp                      enable(experts=True): GroupedExperts.forward runs expertact.moe.expert_mlp
+  mlp-recompute            enable(experts=True, recompute=True)
+  mlp-inplace              enable(experts=True, inplace_backward=True)
+  mlp-recompute-inplace    both
+  mlp-fp8                  enable(experts=True, fp8="rowwise")
+  w13-copy                 torch.cat of w1 and w3 and its backward alone (fwd+bwd only): the per-call weight
+                           copy that the mlp rows (and DeepSpeed's gate_up_impl "fused") make, for its share
+
+Columns: fwd / bwd / fwd+bwd medians (CUDA events), extra peak and kept memory (as --mlp measures
+them; the weight gradients are part of both), ||a - ref|| / ||ref|| of y, dx, dw1, dw2, dw3 against
+a float32 copy of the module run through DeepSpeed's own for-loop (TF32 off, the same bf16 values).
+
+Targets (PASS / FAIL below each table): mlp-inplace at or below TARGET_INPLACE_PEAK x the extra peak
+of ds+act-inplace and at most TARGET_INPLACE_TIME x its time; mlp-fp8 at most TARGET_FP8_TIME x the
+time of ds+act, extra peak at or below it; w13-copy under 1% of the mlp row's time.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+import expertact
+
+from .common import (
+    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, resolve_device, versions, write_outputs,
+)
+
+IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
+         "mlp-recompute-inplace", "mlp-fp8", "w13-copy")
+# impl -> (gate_up_impl, the arguments of expertact.deepspeed.enable(), None: DeepSpeed as shipped)
+ROWS = {
+    "deepspeed": ("fused", None), "deepspeed-separate": ("separate", None),
+    "ds+act": ("fused", {}), "ds+act-inplace": ("fused", dict(inplace_backward=True)),
+    "mlp": ("fused", dict(experts=True)), "mlp-recompute": ("fused", dict(experts=True, recompute=True)),
+    "mlp-inplace": ("fused", dict(experts=True, inplace_backward=True)),
+    "mlp-recompute-inplace": ("fused", dict(experts=True, recompute=True, inplace_backward=True)),
+    "mlp-fp8": ("fused", dict(experts=True, fp8="rowwise")),
+}
+# The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows, D = F = 3,072.
+CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072)
+CPU_DEFAULT = dict(experts=4, rows=64, dim=64, ffn=64)
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+TARGET_INPLACE_PEAK = 0.85
+TARGET_INPLACE_TIME = 1.01
+TARGET_FP8_TIME = 0.72
+COPY_SHARE = 0.01
+WHAT = ("y", "dx", "dw1", "dw2", "dw3")
+
+
+class ExpertsInputs:
+    """DeepSpeed's GroupedExperts (w1, w3 [E, F, D], w2 [E, D, F] in the table's dtype), x [T, D]
+    requiring grad, dy, the rows per expert. measure() calls fn(*args) and backward(grad)."""
+
+    def __init__(self, cls, E, rows, D, F, dtype, device, seed=0):
+        self.module = cls(D, F, E, use_grouped_mm=True, disable_triton_grouped_mm=True)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.module.to(device=device, dtype=dtype)
+        with torch.no_grad():  # gate/up ~ 6 x N(0, 1), as the activation tables' inputs: most past a clamp
+            for w, std in ((self.module.w1, 6.0 / D ** 0.5), (self.module.w3, 6.0 / D ** 0.5),
+                           (self.module.w2, 1.0 / F ** 0.5)):
+                w.normal_(0.0, std, generator=gen)
+        T = E * rows
+        self.x = torch.empty(T, D, dtype=dtype, device=device).normal_(generator=gen).requires_grad_()
+        self.grad = torch.empty(T, D, dtype=dtype, device=device).normal_(generator=gen)
+        self.counts = torch.full((E, ), rows, dtype=torch.int64, device=device)
+        self.args = [self.x]
+
+    def clear(self):
+        self.x.grad = None
+        for p in self.module.parameters():
+            p.grad = None
+
+    def grads(self):
+        m = self.module
+        return [self.x.grad, m.w1.grad, m.w2.grad, m.w3.grad]
+
+
+def reference32(inp):
+    """y and the gradients of x, w1, w2, w3 in float32 from the same bf16 values: a float32 copy of
+    the module through DeepSpeed's own for-loop (its eager form), TF32 off."""
+    from deepspeed.moe.ep_experts import _run_experts_for_loop
+
+    m = inp.module
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        x = inp.x.detach().float().requires_grad_()
+        ws = [getattr(m, n).detach().float().requires_grad_() for n in ("w1", "w2", "w3")]
+        y = _run_experts_for_loop(*ws, x, inp.counts, m.activation, m.activation_alpha, m.activation_limit)
+        y.backward(inp.grad.float())
+        return [y.detach(), x.grad] + [w.grad for w in ws]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _rel(a, ref):
+    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def errors(fn, inp, ref):
+    inp.clear()
+    y = fn(inp.x)
+    y.backward(inp.grad)
+    got = [y.detach()] + inp.grads()
+    out = {k: (None if g is None else _rel(g, r)) for k, g, r in zip(WHAT, got, ref)}
+    del y, got
+    inp.clear()
+    return out
+
+
+def copy_ms(inp, iters, warmup, device):
+    """The per-call weight copy of the mlp rows alone: w1 and w3 concatenated into w13, and its
+    backward (autograd splits w13's gradient into w1.grad and w3.grad). Median ms of both."""
+    m = inp.module
+    g = torch.ones(m.w1.shape[0], 2 * m.w1.shape[1], m.w1.shape[2], dtype=m.w1.dtype, device=m.w1.device)
+
+    def step():
+        torch.cat((m.w1, m.w3), dim=1).backward(g)
+        m.w1.grad = m.w3.grad = None
+    return dict(ms=median_ms(step, iters, warmup, device), fwd_ms=None, bwd_ms=None, extra_peak_gib=None,
+                kept_gib=None)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m expertact.bench --autoep", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--rows", type=int, default=None, help="rows per expert (default 261,280 on CUDA, 64 on the CPU)")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--activations", default=None, help=f"default {','.join(ACTIVATIONS)} (one table each)")
+    p.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up")
+    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
+    p.add_argument("--json", default="", metavar="PATH")
+    p.add_argument("--markdown", default="", metavar="PATH")
+    return p.parse_args(argv)
+
+
+def targets(results):
+    by = {r["impl"]: r for r in results if "error" not in r}
+    out = []
+    m, a = by.get("mlp-inplace"), by.get("ds+act-inplace")
+    if m and a and m["extra_peak_gib"] is not None and a["extra_peak_gib"]:
+        peak = m["extra_peak_gib"] / a["extra_peak_gib"]
+        out.append((f"mlp-inplace extra peak {m['extra_peak_gib']:.2f} GiB = {peak:.3f}x ds+act-inplace's "
+                    f"{a['extra_peak_gib']:.2f} (target <= {TARGET_INPLACE_PEAK})", peak <= TARGET_INPLACE_PEAK))
+    if m and a:
+        t = m["ms"] / a["ms"]
+        out.append((f"mlp-inplace {m['ms']:.1f} ms = {t:.3f}x ds+act-inplace's {a['ms']:.1f} ms "
+                    f"(target <= {TARGET_INPLACE_TIME})", t <= TARGET_INPLACE_TIME))
+    f, b = by.get("mlp-fp8"), by.get("ds+act")
+    if f and b:
+        t = f["ms"] / b["ms"]
+        out.append((f"mlp-fp8 {f['ms']:.1f} ms = {t:.3f}x ds+act's {b['ms']:.1f} ms (target <= {TARGET_FP8_TIME})",
+                    t <= TARGET_FP8_TIME))
+        if f["extra_peak_gib"] is not None and b["extra_peak_gib"] is not None:
+            out.append((f"mlp-fp8 extra peak {f['extra_peak_gib']:.2f} GiB vs ds+act's {b['extra_peak_gib']:.2f} GiB "
+                        "(target: at or below)", f["extra_peak_gib"] <= b["extra_peak_gib"]))
+    c, p = by.get("w13-copy"), by.get("mlp")
+    if c and p:
+        out.append((f"the w13 copy (cat + its backward) {c['ms']:.3f} ms = {c['ms'] / p['ms']:.2%} of mlp's "
+                    f"{p['ms']:.1f} ms (target < {COPY_SHARE:.0%})", c["ms"] < COPY_SHARE * p["ms"]))
+    return out
+
+
+def markdown(meta, tables):
+    unit = "GiB"
+    lines = [f"## expertact in DeepSpeed AutoEP's GroupedExperts: {meta['device_name']}", "",
+             f"- shape: {meta['experts']} experts x {meta['rows']:,} rows (T = {meta['tokens']:,}), D = {meta['dim']:,}, "
+             f"F = {meta['ffn']:,}, {meta['dtype']}; DeepSpeed's GroupedExperts (w1, w3 [E, F, D], w2 [E, D, F]) "
+             "called as AutoEP calls it: module(x, num_tokens_per_expert)",
+             f"- timing: {meta['timer']}, median of {meta['iters']} after {meta['warmup']} warm-up; memory: "
+             f"{meta['memory_source']}",
+             f"- torch {meta['torch']}, DeepSpeed {meta['deepspeed']}, expertact {meta['expertact']}, "
+             f"Python {meta['python']}",
+             f"- command: `{meta['command']}`"]
+    for act, (results, checks) in tables.items():
+        lines += ["", f"### {act}", "",
+                  "| row | fwd ms | bwd ms | fwd+bwd ms | extra peak GiB | kept GiB | y err | dx err | dw1 err | "
+                  "dw2 err | dw3 err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in results:
+            if "error" in r:
+                lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 9)
+                continue
+            e = r.get("err") or {}
+            cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in WHAT]
+            f, b = (("n/a" if r.get(k) is None else f"{r[k]:.2f}") for k in ("fwd_ms", "bwd_ms"))
+            lines.append(f"| {r['impl']} | {f} | {b} | {r['ms']:.3f} | "
+                         f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
+                         + " | ".join(cells) + " |")
+        if checks:
+            lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+    lines += ["", "err: ||a - ref|| / ||ref|| against a float32 copy of the module through DeepSpeed's for-loop "
+              "(TF32 off) from the same bf16 values; extra peak: max allocated during forward+backward minus before "
+              "(the weight gradients included); kept: allocated after forward minus before, minus y."]
+    return "\n".join(lines) + "\n"
+
+
+def _row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref):
+    m = inp.module
+    if impl == "w13-copy":
+        return copy_ms(inp, iters, warmup, inp.x.device)
+    m.gate_up_impl = gate_up_impl
+    xds.disable()
+    if enabled is not None:
+        xds.enable(**enabled)
+    try:
+        def fn(x):
+            return m(x, inp.counts)
+        r = measure(fn, inp, clock, memory, iters, warmup, refresh=False)
+        if ref is not None:
+            r["err"] = errors(fn, inp, ref)
+        return r
+    finally:
+        xds.disable()
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = resolve_device(a.device)
+    cuda = device.type == "cuda"
+    try:
+        import deepspeed
+        from deepspeed.moe.ep_experts import GroupedExperts
+        from .. import deepspeed as xds
+    except ImportError as e:
+        raise SystemExit(f"expertact-bench --autoep needs DeepSpeed >= 0.19.8 (AutoEP's GroupedExperts): {e}")
+    d = CUDA_DEFAULT if cuda else CPU_DEFAULT
+    E, rows = a.experts or d["experts"], a.rows if a.rows is not None else d["rows"]
+    D, F = a.dim or d["dim"], a.ffn or d["ffn"]
+    iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
+    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    impls = parse_list(a.impls or ",".join(IMPLS), IMPLS, "impls")
+    acts = parse_list(a.activations or ",".join(ACTIVATIONS), xds.EXPERT_ACTIVATIONS, "activations")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    meta = dict(device_name=torch.cuda.get_device_name(device) if cuda else "CPU", experts=E, rows=rows,
+                tokens=E * rows, dim=D, ffn=F, iters=iters, warmup=warmup, dtype=str(dtype)[6:], **method(device),
+                **versions(device), deepspeed=deepspeed.__version__,
+                command="python -m expertact.bench --autoep " + " ".join(sys.argv[1:] if argv is None else argv))
+    log(f"AutoEP experts bench on {meta['device_name']}: {E} x {rows:,} rows, D {D}, F {F}, {acts}")
+    clock, memory = clock_and_memory(device)
+    tables, data = {}, dict(meta=meta, tables={})
+    failed = False
+    for act in acts:
+        inp = ExpertsInputs(GroupedExperts, E, rows, D, F, dtype, device)
+        inp.module.activation = act
+        ref = None
+        if not a.no_errors:
+            t0 = time.time()
+            ref = reference32(inp)
+            log(f"{act}: float32 reference in {time.time() - t0:.1f} s")
+        results = []
+        for impl in impls:
+            r = dict(impl=impl)
+            gate_up_impl, enabled = ROWS.get(impl, ("fused", None))
+            try:
+                r.update(_row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref))
+            except OOM:
+                r["error"] = "OOM"
+            except NotImplementedError as e:  # FP8 where it cannot run (the CPU, other GPUs)
+                r["error"], r["skipped"] = f"skipped: {str(e)[:160]}", True
+            except Exception as e:  # noqa: BLE001 - one failing row does not end the table
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            inp.clear()
+            if cuda:
+                torch.cuda.empty_cache()
+            results.append(r)
+            failed |= "error" in r and not r.get("skipped")
+            log(f"{act} {impl}: " + (r["error"] if "error" in r else
+                                     f"{r['ms']:.3f} ms, extra peak {r['extra_peak_gib']}, err {r.get('err')}"))
+        checks = targets(results)
+        tables[act] = (results, checks)
+        data["tables"][act] = dict(results=results, targets=[dict(text=t, passed=ok) for t, ok in checks])
+        del inp, ref
+        if cuda:
+            torch.cuda.empty_cache()
+    md = markdown(meta, tables)
+    print()
+    print(md)
+    write_outputs(a.json, a.markdown, data, md)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
