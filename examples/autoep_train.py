@@ -325,7 +325,7 @@ def select_activation(args, registry, device):
     ds_entry = describe_entry(registry[ACTIVATION])
     if enabled is not None:
         if enabled.get("experts") and "experts" not in inspect.signature(xds.enable).parameters:
-            raise SystemExit("autoep_train.py: this expertact's enable() has no experts= (needs >= 0.3.0)")
+            raise SystemExit("autoep_train.py: this expertact's enable() has no experts= (an older expertact)")
         xds.enable(**enabled)
     return ds_entry, describe_entry(registry[ACTIVATION]), enabled
 
