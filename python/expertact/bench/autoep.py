@@ -32,16 +32,15 @@ time of ds+act, extra peak at or below it; w13-copy under 1% of the mlp row's ti
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
 import torch
 
-import expertact
 
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, resolve_device, versions, write_outputs,
+    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, rel_error, resolve_device, versions,
+    write_outputs,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -126,16 +125,12 @@ def reference32(inp):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _rel(a, ref):
-    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def errors(fn, inp, ref):
     inp.clear()
     y = fn(inp.x)
     y.backward(inp.grad)
     got = [y.detach()] + inp.grads()
-    out = {k: (None if g is None else _rel(g, r)) for k, g, r in zip(WHAT, got, ref)}
+    out = {k: (None if g is None else rel_error(g, r)) for k, g, r in zip(WHAT, got, ref)}
     del y, got
     inp.clear()
     return out

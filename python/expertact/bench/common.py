@@ -318,6 +318,11 @@ def median_ms(fn, iters, warmup, device=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def rel_error(a, ref) -> float:
+    """||a - ref|| / ||ref||, a compared in float32 with a float32 reference."""
+    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def resolve_device(name: str) -> torch.device:
     """--device: auto (cuda if available), cuda, cuda:N or cpu; a CUDA device becomes current."""
     if name == "auto":

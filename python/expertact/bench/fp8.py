@@ -39,8 +39,8 @@ from expertact.moe import _fp8
 
 from . import mlp
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, preset_kwargs, resolve_device,
-    write_outputs,
+    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, preset_kwargs, rel_error,
+    resolve_device, write_outputs,
 )
 
 IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
@@ -138,19 +138,15 @@ def reference32(inp, a):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def _rel(a, ref):
-    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def errors(fn, inp, ref):
     inp.clear()
     y = fn(*inp.args)
     y.backward(inp.grad)
-    out = {"y": _rel(y.detach(), ref["y"])}
+    out = {"y": rel_error(y.detach(), ref["y"])}
     del y
     for n in GRADS:
         g = getattr(inp, n).grad
-        out["d" + n] = None if g is None else _rel(g, ref[n])
+        out["d" + n] = None if g is None else rel_error(g, ref[n])
     inp.clear()
     return out
 
