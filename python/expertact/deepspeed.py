@@ -362,7 +362,11 @@ def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
         dt = x.dtype
         w13 = torch.cat((self.w1.to(dt), self.w3.to(dt)), dim=1).transpose(-2, -1)
         w2 = self.w2.to(dt).transpose(-2, -1)
-        offsets = offsets_from_counts(num_tokens_per_expert, "expertact.deepspeed")
+        counts = num_tokens_per_expert
+        if isinstance(counts, torch.Tensor) and counts.device != x.device:
+            # DeepSpeed's for-loop reads the counts to the host wherever they are; so does this.
+            counts = torch.tensor(counts.tolist(), dtype=torch.int64, device=x.device)
+        offsets = offsets_from_counts(counts, "expertact.deepspeed")
         return expert_mlp(x, w13, w2, offsets, self.activation,
                           alpha=float(self.activation_alpha) if uses_alpha else None,
                           limit=float(self.activation_limit) if uses_limit else None,
@@ -430,19 +434,21 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
            experts: bool = False, fp8: Optional[str] = None, recompute: bool = False) -> None:
     """Put expertact's kernels into DeepSpeed AutoEP (``deepspeed.moe.ep_experts``).
 
-    Always: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn`` of
-    ``swiglu``, ``geglu_tanh``, ``swiglu_clamped`` and ``swiglu_oai`` in DeepSpeed's
+    ``enable()``: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn``
+    of ``swiglu``, ``geglu_tanh``, ``swiglu_clamped`` and ``swiglu_oai`` in DeepSpeed's
     expert-activation registry (``EXPERT_ACTIVATIONS``). Each entry is replaced by a copy
     (``dataclasses.replace``); ``fn``, ``uses_alpha``, ``uses_limit`` and ``gate_fn`` stay
     DeepSpeed's. DeepSpeed's ``apply_expert_activation`` / ``apply_packed_expert_activation`` with
     ``fused=True`` (GroupedExperts' grouped-GEMM paths) then run expertact; ``fused=False`` (its
     for-loop path) still runs DeepSpeed's eager ``fn``.
 
-    With ``experts=True``, also the whole expert MLP: ``GroupedExperts.forward`` runs
+    ``enable(experts=True)``: the whole expert MLP instead. ``GroupedExperts.forward`` runs
     :func:`expertact.moe.expert_mlp` on the module's own ``w1``, ``w3`` [E, F, D] and ``w2``
     [E, D, F] on every path DeepSpeed would pick (grouped_mm, Triton, for-loop) and for both
-    ``gate_up_impl``; the gradients land in w1/w2/w3. Forms added with ``register=`` keep
-    DeepSpeed's forward (with the registry's expertact kernel).
+    ``gate_up_impl``; the gradients land in w1/w2/w3. The registry entries of the four names
+    stay DeepSpeed's (the forward no longer calls them). Names given in ``register=`` (or one
+    of the four mapped there to another form) keep DeepSpeed's forward, with expertact's kernel
+    in their registry entry.
 
     Args:
         inplace_backward: write the gradient of gate/up (or gate_up) over them in backward. Safe
@@ -492,6 +498,12 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             f"expertact: DeepSpeed's EXPERT_ACTIVATIONS has no {', '.join(map(repr, missing))} (it has "
             f"{tuple(reg)}); a name given in register= must first be registered in DeepSpeed with "
             "deepspeed.moe.ep_experts.register_expert_activation(name, fn, uses_alpha=, uses_limit=)")
+    # The expert MLP serves the names whose form is expert_mlp's preset of that name; with
+    # experts=True their registry entries stay DeepSpeed's (GroupedExperts no longer calls them),
+    # and only the names it does not serve get expertact's kernels there.
+    mapped = frozenset(n for n in _MLP_FORMS if wanted.get(n) == n)
+    if experts:
+        wanted = {name: spec for name, spec in wanted.items() if name not in mapped}
     new = {}
     for name, spec in wanted.items():
         base = reg[name]
@@ -503,8 +515,6 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         fused_fn, packed_fused_fn = _fused_fns(name, *_form(name, spec, base), inplace_backward)
         _probe(name, base, fused_fn, packed_fused_fn)
         new[name] = (base, dataclasses.replace(base, fused_fn=fused_fn, packed_fused_fn=packed_fused_fn))
-    # The expert MLP serves the names whose form is expert_mlp's preset of that name.
-    mapped = frozenset(n for n in _MLP_FORMS if wanted.get(n) == n)
     cfg = dict(fp8=fp8, recompute=recompute, inplace_backward=inplace_backward)
     forward = None
     if experts:

@@ -122,6 +122,50 @@ def test_enable_disable_and_scopes():
     assert EP.GroupedExperts.forward is DS_FORWARD and not xds.is_enabled()
 
 
+def test_the_registry_stays_deepspeeds_with_experts():
+    """The whole MLP does not go through DeepSpeed's activation registry: enable(experts=True)
+    leaves its four entries as shipped (DeepSpeed's own tests check, e.g., that only swiglu has a
+    packed kernel), and enable() after it puts expertact's kernels in."""
+    shipped = {n: EP.EXPERT_ACTIVATIONS[n] for n in FORMS}
+    xds.enable(experts=True, inplace_backward=True)
+    assert all(EP.EXPERT_ACTIVATIONS[n] is e for n, e in shipped.items())
+    xds.enable()
+    assert all(EP.EXPERT_ACTIVATIONS[n] is not e for n, e in shipped.items())
+    xds.enable(experts=True)
+    assert all(EP.EXPERT_ACTIVATIONS[n] is e for n, e in shipped.items())
+
+
+def test_counts_on_another_device_are_read_to_the_host():
+    """DeepSpeed's for-loop takes the token counts on any device (it reads them with .tolist());
+    so does expertact's forward. Here a CPU tensor that says it is on cuda:0, as DeepSpeed's own
+    unit test of its asynchronous split plan passes them."""
+    class ElsewhereCounts(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    m = _module("swiglu_oai", "for-loop")
+    counts = torch.tensor(_COUNTS)
+    x = torch.randn(sum(_COUNTS), 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = DS_FORWARD(m, x, counts)
+        xds.enable(experts=True)
+        got = m(x, counts.as_subclass(ElsewhereCounts))
+    assert type(got) is torch.Tensor and _rel(got, want) <= 2e-6
+
+
+def test_what_deepspeed_refuses_stays_refused():
+    """The switch replaces the forward only: DeepSpeed's constructor still refuses what it refuses,
+    with its own errors."""
+    xds.enable(experts=True)
+    with pytest.raises(ValueError, match="unknown expert activation 'relu2'"):
+        EP.GroupedExperts(16, 8, 2, use_grouped_mm=False, activation="relu2")
+    with pytest.raises(ValueError, match='gate_up_impl="fused" runs the gate and up projections as one'):
+        EP.GroupedExperts(16, 8, 2, use_grouped_mm=False, gate_up_impl="fused")
+    with pytest.raises(ValueError, match='gate_up_impl must be "separate" or "fused"'):
+        EP.GroupedExperts(16, 8, 2, use_grouped_mm=False, gate_up_impl="packed")
+
+
 def test_disable_leaves_a_forward_someone_else_put_there():
     xds.enable(experts=True)
 
