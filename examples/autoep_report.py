@@ -49,6 +49,8 @@ def label(run):
     text = IMPL_TEXT.get(run["impl"], run["impl"])
     if run.get("gate_up_impl") != "fused":
         text += f" (gate_up {run.get('gate_up_impl')})"
+    if run.get("tag", "").endswith("-repeat"):  # the same command again: the run-to-run noise
+        text += " (repeat)"
     return text
 
 
@@ -90,10 +92,15 @@ def pct(a, b):
     return f"{100.0 * (a - b) / b:+.1f}%"
 
 
+def tokens_per_s(run):
+    """Tokens of all ranks per second of the mean (slowest-rank) step."""
+    return run["tokens_per_rank_per_step"] * run["world_size"] / run["mean_step_time_s"]
+
+
 def table(groups):
     head = ("| config | run | steps | final loss | max abs loss diff vs eager (step) | mean step time (ms) "
-            "| vs eager | peak allocated GiB per rank | vs eager (busiest rank) | busiest rank's rows per MoE "
-            "layer and step (mean / max) | experts' share of the step |")
+            "| tokens/s | vs eager | peak allocated GiB per rank | vs eager (busiest rank) | busiest rank's rows "
+            "per MoE layer and step (mean / max) | experts' share of the step |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for config, runs in groups.items():
         ref = eager_of(runs)
@@ -113,7 +120,8 @@ def table(groups):
             sh = run.get("experts_share")
             share = "n/a" if not sh else f"{sh['share_of_step']:.0%} ({sh['moe_layers']} x {sh['experts_fwd_bwd_ms']:.1f} ms)"
             lines.append(f"| {config} | {label(run)} | {steps} | {run['loss'][-1]:.4f} | {diff} | "
-                         f"{run['mean_step_time_s'] * 1e3:.1f} | {t_vs} | {mem} | {m_vs} | {rows_txt} | {share} |")
+                         f"{run['mean_step_time_s'] * 1e3:.1f} | {tokens_per_s(run):,.0f} | {t_vs} | {mem} | {m_vs} | "
+                         f"{rows_txt} | {share} |")
     return "\n".join(lines)
 
 
@@ -281,7 +289,7 @@ def plot(runs, path):
                     transform=ax_mem.transAxes)
         ax_mem.set_axis_off()
     v = runs[0]["versions"]
-    fig.suptitle(f"DeepSpeed AutoEP, MiniMax-M3-style model, swiglu_oai experts: {runs[0]['world_size']} ranks on "
+    fig.suptitle(f"DeepSpeed AutoEP, MiniMax-M3-style model, swiglu_oai experts: {runs[0]['world_size']} rank{'s' if runs[0]['world_size'] > 1 else ''} on "
                  f"{v.get('device', '?')}; torch {v['torch']}, DeepSpeed {v['deepspeed']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

@@ -141,7 +141,7 @@ def test_report_on_made_up_runs(tmp_path):
                          "DeepSpeed eager (gate_up separate)"}
     # max |sin| over integer steps < 200 is sin(11) ~ 0.99999: 0.02 * that
     assert "| 0.02000 (11) |" in rows["expertact, in-place backward"]
-    assert "| 45.0 | -10.0% | 8.00 / 9.00 | -18.2% |" in rows["expertact"]
+    assert "| 45.0 | 364,089 | -10.0% | 8.00 / 9.00 | -18.2% |" in rows["expertact"]
     assert "| 7.00 / 8.25 | -25.0% |" in rows["expertact, in-place backward"]
     assert "9,100 / 9,199" in rows["DeepSpeed eager"]
     large = [line for line in text.splitlines() if line.startswith("| large |")]
