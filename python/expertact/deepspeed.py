@@ -328,8 +328,7 @@ def _restore(reg):
 # gradient clipping and is_expert_group see what they always see.
 
 _DS_FORWARD = None  # GroupedExperts.forward as DeepSpeed defined it, while expertact's is in place
-_EXPERTS = None  # dict(fp8=, recompute=, inplace_backward=) of the experts=True in force
-_MY_FORWARD = None  # the forward enable(experts=True) put on GroupedExperts
+_MY_FORWARD = None  # the forward enable(experts=True) put on GroupedExperts; None when not in force
 
 # The registry names whose form expert_mlp computes by the same preset name: DeepSpeed's four.
 # A name added with register= (or one it maps to another form) keeps DeepSpeed's forward, which
@@ -354,11 +353,13 @@ def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
     DeepSpeed casts them; w2 is read as stored (a transposed view)."""
     from .moe import expert_mlp, offsets_from_counts
 
+    served = {name: _MLP_FORMS[name] for name in mapped}  # name -> (uses_alpha, uses_limit)
+
     def forward(self, x, num_tokens_per_expert):
-        forms = _MLP_FORMS.get(self.activation) if self.activation in mapped else None
-        if forms is None:
+        reads = served.get(self.activation)
+        if reads is None:
             return ds_forward(self, x, num_tokens_per_expert)
-        uses_alpha, uses_limit = forms
+        uses_alpha, uses_limit = reads
         dt = x.dtype
         w13 = torch.cat((self.w1.to(dt), self.w3.to(dt)), dim=1).transpose(-2, -1)
         w2 = self.w2.to(dt).transpose(-2, -1)
@@ -411,17 +412,18 @@ def _probe_experts(cls, ds_forward, forward, names):
                              "to replace it")
 
 
-def _install_experts(forward, cfg):
-    """Put `forward` (expertact's, checked) on GroupedExperts, or with forward None DeepSpeed's back."""
-    global _DS_FORWARD, _EXPERTS, _MY_FORWARD
+def _install_experts(forward, ds_forward=None):
+    """Put `forward` (expertact's, checked) on GroupedExperts, keeping DeepSpeed's `ds_forward` to
+    restore; with forward None, put DeepSpeed's back."""
+    global _DS_FORWARD, _MY_FORWARD
     cls = _ds_grouped_experts()
     if forward is None:
         if _MY_FORWARD is not None and cls.__dict__.get("forward") is _MY_FORWARD:
             cls.forward = _DS_FORWARD  # one that someone else put there since is theirs and stays
-        _DS_FORWARD, _EXPERTS, _MY_FORWARD = None, None, None
+        _DS_FORWARD = _MY_FORWARD = None
         return
+    _DS_FORWARD = ds_forward
     cls.forward = _MY_FORWARD = forward
-    _EXPERTS = dict(cfg)
 
 
 def _bool_arg(name, v):
@@ -476,7 +478,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     replaced (DeepSpeed < 0.19.8). Works before or after ``deepspeed.initialize``: DeepSpeed looks
     the registry entry and the forward up on every call.
     """
-    global _CONFIG, _DS_FORWARD
+    global _CONFIG
     _bool_arg("inplace_backward", inplace_backward)
     _bool_arg("experts", experts)
     _bool_arg("recompute", recompute)
@@ -515,8 +517,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         fused_fn, packed_fused_fn = _fused_fns(name, *_form(name, spec, base), inplace_backward)
         _probe(name, base, fused_fn, packed_fused_fn)
         new[name] = (base, dataclasses.replace(base, fused_fn=fused_fn, packed_fused_fn=packed_fused_fn))
-    cfg = dict(fp8=fp8, recompute=recompute, inplace_backward=inplace_backward)
-    forward = None
+    forward = ds_forward = None
     if experts:
         cls = _ds_grouped_experts()
         ds_forward = _DS_FORWARD if _DS_FORWARD is not None else cls.forward
@@ -529,9 +530,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         _ORIGINALS[name] = base
         _INSTALLED[name] = entry
         reg[name] = entry
-    if forward is not None:
-        _DS_FORWARD = ds_forward
-    _install_experts(forward, cfg)
+    _install_experts(forward, ds_forward)
     _CONFIG = dict(inplace_backward=inplace_backward, register=dict(register) if register else None,
                    experts=experts, fp8=fp8, recompute=recompute)
 
@@ -541,7 +540,7 @@ def disable() -> None:
     enable() replaced). Idempotent. Raises ImportError without DeepSpeed."""
     global _CONFIG
     _restore(_ds_registry())
-    _install_experts(None, None)
+    _install_experts(None)
     _CONFIG = None
 
 
@@ -552,7 +551,7 @@ def is_enabled() -> bool:
 
 def experts_enabled() -> bool:
     """Whether AutoEP's GroupedExperts runs expertact's whole expert MLP (``enable(experts=True)``)."""
-    return _EXPERTS is not None
+    return _MY_FORWARD is not None
 
 
 @contextlib.contextmanager
