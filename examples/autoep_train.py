@@ -488,15 +488,15 @@ def expert_share(layout, run, device, reps=5):
     return sorted(times[1:])[reps // 2] * 1e3, rows
 
 
-def _share_record(gathered, s, step_time, w):
+def _share_record(gathered, layers, mean_step_s):
     """The experts' share of the step on the busiest rank (None without --expert-share)."""
     shares = [g["share"] for g in gathered if g.get("share") is not None]
     if not shares:
         return None
     ms, rows = max(shares, key=lambda t: t[1])
-    step_ms = sum(step_time[w:]) / len(step_time[w:]) * 1e3
-    return dict(experts_fwd_bwd_ms=ms, rows=rows, moe_layers=s["layers"], mean_step_ms=step_ms,
-                share_of_step=ms * s["layers"] / step_ms)
+    step_ms = mean_step_s * 1e3
+    return dict(experts_fwd_bwd_ms=ms, rows=rows, moe_layers=layers, mean_step_ms=step_ms,
+                share_of_step=ms * layers / step_ms)
 
 
 def result_record(args, engine, setup, layout, run, gathered, activation, device, world):
@@ -504,6 +504,7 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
     s, w = args.sizes, args.sizes["warmup"]
     ds_entry, run_entry, enabled = activation
     step_time = [max(g["times"][i] for g in gathered) for i in range(s["steps"])]
+    mean_step = sum(step_time[w:]) / len(step_time[w:])
     peak_per_rank = [max(g["peaks"][w:]) if device.type == "cuda" else None for g in gathered]
     busiest = [max(max(r) for r in step_rows) for step_rows in run["rows"]]
     model_cfg, act = setup["model_cfg"], layout.act
@@ -525,9 +526,9 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
         loss=run["losses"], step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
         peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
         peak_allocated_bytes_per_rank=peak_per_rank,
-        mean_step_time_s=sum(step_time[w:]) / len(step_time[w:]),
+        mean_step_time_s=mean_step,
         rows_received_per_step=run["rows"], busiest_rank_rows_per_step=busiest,
-        experts_share=_share_record(gathered, s, step_time, w),
+        experts_share=_share_record(gathered, s["layers"], mean_step),
         timed_from_step=w, setup_s=setup["seconds"], versions=versions(device),
         command=" ".join((["torchrun", "--nproc_per_node", str(world)] if "TORCHELASTIC_RUN_ID" in os.environ
                           else [os.path.basename(sys.executable)]) + sys.argv),

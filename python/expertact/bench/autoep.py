@@ -39,8 +39,8 @@ import torch
 
 
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, rel_error, resolve_device, versions,
-    write_outputs,
+    OOM, add_mlp_args, clock_and_memory, fmt_mem, log, measure, median_ms, method, mlp_settings, parse_list,
+    rel_error, resolve_device, versions, write_outputs,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -152,19 +152,9 @@ def copy_ms(inp, iters, warmup, device):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m expertact.bench --autoep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--rows", type=int, default=None, help="rows per expert (default 261,280 on CUDA, 64 on the CPU)")
-    p.add_argument("--dim", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
+    add_mlp_args(p, CPU_DEFAULT["rows"])
     p.add_argument("--activations", default=None, help=f"default {','.join(ACTIVATIONS)} (one table each)")
     p.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up")
-    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
-    p.add_argument("--json", default="", metavar="PATH")
-    p.add_argument("--markdown", default="", metavar="PATH")
     return p.parse_args(argv)
 
 
@@ -257,11 +247,7 @@ def main(argv=None) -> int:
         from .. import deepspeed as xds
     except ImportError as e:
         raise SystemExit(f"expertact-bench --autoep needs DeepSpeed >= 0.19.8 (AutoEP's GroupedExperts): {e}")
-    d = CUDA_DEFAULT if cuda else CPU_DEFAULT
-    E, rows = a.experts or d["experts"], a.rows if a.rows is not None else d["rows"]
-    D, F = a.dim or d["dim"], a.ffn or d["ffn"]
-    iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
-    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    E, rows, D, F, iters, warmup = mlp_settings(a, cuda, CUDA_DEFAULT if cuda else CPU_DEFAULT)
     impls = parse_list(a.impls or ",".join(IMPLS), IMPLS, "impls")
     acts = parse_list(a.activations or ",".join(ACTIVATIONS), xds.EXPERT_ACTIVATIONS, "activations")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -318,6 +318,35 @@ def median_ms(fn, iters, warmup, device=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def add_mlp_args(p, cpu_rows: int) -> None:
+    """The options the expert-MLP tables share (--mlp --fp8, --autoep): the device and shape, the
+    step counts, the error columns and the outputs; `cpu_rows` is the rows-per-expert default
+    the help names for the CPU. mlp_settings resolves them."""
+    p.add_argument("--device", default="auto")
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--rows", type=int, default=None,
+                   help=f"rows per expert (default 261,280 on CUDA, {cpu_rows:,} on the CPU)")
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up")
+    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
+    p.add_argument("--json", default="", metavar="PATH")
+    p.add_argument("--markdown", default="", metavar="PATH")
+
+
+def mlp_settings(a, cuda: bool, default: dict):
+    """(E, rows per expert, D, F, timed steps, warm-up steps) from add_mlp_args' options, each
+    left out taken from `default` (experts, rows, dim, ffn): 10 timed after 2 warm-up on CUDA,
+    3 after 1 with --quick or on the CPU."""
+    E, rows = a.experts or default["experts"], a.rows if a.rows is not None else default["rows"]
+    D, F = a.dim or default["dim"], a.ffn or default["ffn"]
+    iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
+    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    return E, rows, D, F, iters, warmup
+
+
 def rel_error(a, ref) -> float:
     """||a - ref|| / ||ref||, a compared in float32 with a float32 reference."""
     return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))

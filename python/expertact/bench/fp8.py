@@ -39,8 +39,8 @@ from expertact.moe import _fp8
 
 from . import mlp
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, preset_kwargs, rel_error,
-    resolve_device, write_outputs,
+    OOM, add_mlp_args, clock_and_memory, fmt_mem, log, measure, median_ms, method, mlp_settings, parse_list,
+    preset_kwargs, rel_error, resolve_device, write_outputs,
 )
 
 IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
@@ -154,22 +154,12 @@ def errors(fn, inp, ref):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m expertact.bench --mlp --fp8", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--rows", type=int, default=None, help="rows per expert (default 261,280 on CUDA, 256 on the CPU)")
-    p.add_argument("--dim", type=int, default=None)
-    p.add_argument("--ffn", type=int, default=None)
+    add_mlp_args(p, mlp.CPU_DEFAULT["rows"])
     p.add_argument("--preset", default="swiglu_oai", choices=mlp.PRESETS)
     p.add_argument("--layout", default="halves", choices=moe.PACKED_LAYOUTS)
     p.add_argument("--alpha", type=float, default=1.702)
     p.add_argument("--limit", type=float, default=7.0)
     p.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
-    p.add_argument("--json", default="", metavar="PATH")
-    p.add_argument("--markdown", default="", metavar="PATH")
     return p.parse_args(argv)
 
 
@@ -230,11 +220,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     device = resolve_device(a.device)
     cuda = device.type == "cuda"
-    d = mlp.CUDA_DEFAULT if cuda else mlp.CPU_DEFAULT
-    E, rows = a.experts or d["experts"], a.rows if a.rows is not None else d["rows"]
-    D, F = a.dim or d["dim"], a.ffn or d["ffn"]
-    iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
-    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    E, rows, D, F, iters, warmup = mlp_settings(a, cuda, mlp.CUDA_DEFAULT if cuda else mlp.CPU_DEFAULT)
     impls = parse_list(a.impls or ",".join(IMPLS), IMPLS, "impls")
     try:
         import torchao
