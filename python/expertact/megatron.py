@@ -1,0 +1,155 @@
+"""Megatron-Core: expertact as the experts of a Megatron MoE layer (work in progress, issue 33).
+
+``ExpertMLP`` is built and called as Megatron's ``SequentialMLP`` (megatron.core 0.19.2,
+transformer/moe/experts.py): ``ExpertMLP(num_local_experts, config, submodules=None,
+pg_collection=None, name=None)``, ``forward(permuted_local_hidden_states, tokens_per_expert,
+permuted_probs) -> (output, None)``, and computes the local experts with
+:func:`expertact.moe.expert_mlp`. It holds SequentialMLP's parameters under SequentialMLP's names
+(``local_experts.{i}.linear_fc1.weight`` [2F, D], gate then up; ``local_experts.{i}.linear_fc2.weight``
+[D, F]; the biases with ``add_bias_linear``), so a SequentialMLP state dict loads into it and
+back.
+
+Megatron's expert MLP (transformer/mlp.py, the path without TransformerEngine and without
+bias_activation_fusion), for the rows of one expert with routing probability p:
+
+    x_glu, x_linear = chunk(x @ W1^T + b1, 2)            (gate first: expertact's "halves")
+    x_glu, x_linear = clamp(x_glu, max=c), clamp(x_linear, -c, c)   (activation_func_clamp_value c)
+    h = act(x_glu) * (x_linear + glu_linear_offset) * p
+    y = h @ W2^T + b2 * p
+
+which is expert_mlp's y = (act(gate_up) @ w2 + b2) * weights with the preset:
+
+    activation_func F.silu, offset 0, no clamp      -> "swiglu"
+    activation_func F.silu, offset 0, clamp c       -> "swiglu_clamped", limit c
+    activation_func quick_gelu (x * sigmoid(1.702 x)), offset 1, clamp c  -> "swiglu_oai", alpha 1.702, limit c
+
+Anything else is refused at construction with an error naming the config field.
+Not yet: sharded_state_dict, the layer-spec helpers, FP8 and the GPU tests (issue 33).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .moe import expert_mlp
+
+__all__ = ["ExpertMLP", "activation_of"]
+
+
+def _quick_gelus():
+    """Megatron's two quick_gelu functions (x * sigmoid(1.702 x)): the fused path's and activations'."""
+    try:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        from megatron.core import activations
+    except ImportError as e:
+        raise ImportError(f"expertact.megatron needs megatron-core (0.19.2; Python >= 3.12): {e}") from e
+    return (quick_gelu, getattr(activations, "quick_gelu", quick_gelu))
+
+
+def activation_of(config):
+    """(preset, alpha, limit) of expert_mlp for a Megatron TransformerConfig's expert MLP, or
+    ValueError naming the config field expertact cannot take."""
+    import torch.nn.functional as F
+    quick_gelus = _quick_gelus()
+    if not config.gated_linear_unit:
+        raise ValueError("expertact.megatron: config.gated_linear_unit=False (a plain MLP): expertact computes "
+                         "gated experts only")
+    if getattr(config, "use_te_activation_func", False):
+        raise ValueError("expertact.megatron: config.use_te_activation_func=True (TransformerEngine's activation)")
+    act = config.activation_func
+    offset = float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
+    clamp = getattr(config, "activation_func_clamp_value", None)
+    if act is F.silu:
+        if offset != 0.0:
+            raise ValueError(f"expertact.megatron: config.glu_linear_offset={offset} with activation_func silu: "
+                             "expertact's silu forms have no offset on the linear half")
+        return ("swiglu", None, None) if clamp is None else ("swiglu_clamped", None, float(clamp))
+    if any(act is q for q in quick_gelus):
+        if offset != 1.0:
+            raise ValueError(f"expertact.megatron: config.glu_linear_offset={offset} with activation_func quick_gelu: "
+                             "expertact computes GPT-OSS's form, offset 1")
+        if clamp is None:
+            raise ValueError("expertact.megatron: activation_func quick_gelu without "
+                             "config.activation_func_clamp_value: expertact computes GPT-OSS's clamped form")
+        return "swiglu_oai", 1.702, float(clamp)
+    name = getattr(act, "__name__", repr(act))
+    raise ValueError(f"expertact.megatron: config.activation_func={name}: expertact takes F.silu or "
+                     "megatron's quick_gelu")
+
+
+class _Linear(nn.Module):
+    """Holds what Megatron's linear layer holds in a state dict: weight [out, in] (and bias)."""
+
+    def __init__(self, out_features, in_features, bias, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # TransformerEngine / Megatron linear layers save an `_extra_state` (None without FP8).
+        state_dict.pop(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class _Expert(nn.Module):
+    def __init__(self, D, F, bias, dtype, device):
+        super().__init__()
+        self.linear_fc1 = _Linear(2 * F, D, bias, dtype, device)
+        self.linear_fc2 = _Linear(D, F, bias, dtype, device)
+
+
+class ExpertMLP(nn.Module):
+    """Megatron's SequentialMLP computed by expertact.moe.expert_mlp (module docstring)."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
+                 name: Optional[str] = None, *, recompute: bool = False, inplace_backward: bool = False,
+                 fp8: Optional[str] = None):
+        super().__init__()
+        self.config = config
+        self.preset, self.alpha, self.limit = activation_of(config)
+        if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
+            raise ValueError("expertact.megatron: config.moe_apply_probs_on_input=True needs moe_router_topk=1 "
+                             "(as Megatron's own experts)")
+        F = config.moe_ffn_hidden_size or config.ffn_hidden_size
+        D = config.hidden_size
+        dtype = config.params_dtype
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.num_local_experts = num_local_experts
+        self.bias = bool(config.add_bias_linear)
+        self.recompute, self.inplace_backward, self.fp8 = bool(recompute), bool(inplace_backward), fp8
+        self.local_experts = nn.ModuleList(_Expert(D, F, self.bias, dtype, device) for _ in range(num_local_experts))
+        gen_std = config.init_method_std
+        with torch.no_grad():
+            for e in self.local_experts:
+                e.linear_fc1.weight.normal_(0.0, gen_std)
+                e.linear_fc2.weight.normal_(0.0, gen_std)
+
+    def _stacked(self, dtype):
+        w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)  # [E, 2F, D]
+        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).to(dtype)   # [E, D, F]
+        b13 = b2 = None
+        if self.bias:
+            b13 = torch.stack([e.linear_fc1.bias for e in self.local_experts]).to(dtype)
+            b2 = torch.stack([e.linear_fc2.bias for e in self.local_experts]).to(dtype)
+        return w13, w2, b13, b2
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if getattr(self.config, "moe_apply_probs_on_input", False):
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = None
+        counts = tokens_per_expert
+        if not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(list(counts))
+        if self.num_local_experts == 1:
+            counts = torch.tensor([x.shape[0]])  # one expert takes every row, as Megatron's
+        offsets = torch.cumsum(counts.to(torch.int64), 0).to(torch.int32)
+        w13, w2, b13, b2 = self._stacked(x.dtype)
+        weights = None if probs is None else probs.to(torch.float32)
+        y = expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), offsets.to(x.device), self.preset,
+                       alpha=self.alpha, limit=self.limit, layout="halves", weights=weights,
+                       recompute=self.recompute, inplace_backward=self.inplace_backward, b13=b13, b2=b2,
+                       fp8=self.fp8)
+        return y, None

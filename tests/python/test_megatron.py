@@ -1,0 +1,158 @@
+"""expertact.megatron.ExpertMLP against Megatron-Core's own SequentialMLP (megatron-core 0.19.2,
+Python >= 3.12) on the CPU, float32: the same state dict, the same inputs, the output and every
+gradient within float32 rounding. Skips without megatron-core."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 (Python >= 3.12) is not installed")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mpu():
+    """One gloo rank and Megatron's model-parallel groups of size 1 (what SequentialMLP reads)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    made = not dist.is_initialized()
+    if made:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield ProcessGroupCollection.use_mpu_process_groups()
+    parallel_state.destroy_model_parallel()
+    if made:
+        dist.destroy_process_group()
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    base = dict(num_layers=1, hidden_size=32, ffn_hidden_size=48, moe_ffn_hidden_size=48, num_attention_heads=4,
+                num_moe_experts=4, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                bias_activation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _pair(cfg, pg, E=4):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from expertact.megatron import ExpertMLP
+    ref = SequentialMLP(E, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        pg_collection=pg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "bias" in name else 4.0 / p.shape[-1] ** 0.5))
+    ours = ExpertMLP(E, cfg, pg_collection=pg)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def _run(m, x, counts, probs):
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    probs = probs.detach().clone().requires_grad_()
+    y, bias = m(x, counts, probs)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    return y.detach(), bias, x.grad, probs.grad, grads
+
+
+def _gpt_oss():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    return dict(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                add_bias_linear=True)
+
+
+# SequentialMLP itself runs on the CPU without expert biases only: with add_bias_linear=True its
+# MLP adds fc2's bias in place on a view (transformer/mlp.py) and autograd refuses it.
+CONFIGS = {"swiglu": {}, "swiglu-clamped": dict(activation_func_clamp_value=7.0)}
+
+
+@pytest.mark.parametrize("which", CONFIGS)
+def test_matches_sequential_mlp_in_float32(mpu, which):
+    ref, ours = _pair(_config(**CONFIGS[which]), mpu)
+    counts = torch.tensor([10, 0, 17, 9])
+    x = torch.randn(36, 32, generator=torch.Generator().manual_seed(1))
+    probs = torch.rand(36, generator=torch.Generator().manual_seed(2))
+    want = _run(ref, x, counts, probs)
+    got = _run(ours, x, counts, probs)
+    assert got[1] is None and want[1] is None
+    for what, g, w in (("y", got[0], want[0]), ("x.grad", got[2], want[2]), ("probs.grad", got[3], want[3])):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-5, msg=what)
+    assert got[4].keys() == want[4].keys()
+    for n in want[4]:
+        torch.testing.assert_close(got[4][n], want[4][n], rtol=2e-5, atol=2e-5, msg=n)
+
+
+def test_state_dict_round_trip(mpu):
+    ref, ours = _pair(_config(add_bias_linear=True), mpu)
+    sd = ours.state_dict()
+    ref2, _ = _pair(_config(add_bias_linear=True), mpu)
+    ref2.load_state_dict(sd, strict=False)
+    for n, p in ref.state_dict().items():
+        if p is not None:
+            assert torch.equal(ref2.state_dict()[n], p), n
+
+
+def test_refused_configs_name_the_field():
+    from expertact.megatron import activation_of
+    with pytest.raises(ValueError, match="config.gated_linear_unit=False"):
+        activation_of(_config(gated_linear_unit=False))
+    with pytest.raises(ValueError, match="config.activation_func=gelu"):
+        activation_of(_config(activation_func=F.gelu))
+    with pytest.raises(ValueError, match="config.glu_linear_offset=1.0 with activation_func silu"):
+        activation_of(_config(glu_linear_offset=1.0))
+
+
+def _megatron_mlp64(ref, cfg, x, counts, probs):
+    """Megatron's MLP forward (transformer/mlp.py, unfused path) per expert in float64, with the
+    expert's probability multiplying h and fc2's bias, from SequentialMLP's parameters."""
+    act = cfg.activation_func
+    ys, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        ex = ref.local_experts[e]
+        xe, pe = x[start:start + n].double(), probs[start:start + n].double()[:, None]
+        h = xe @ ex.linear_fc1.weight.double().t()
+        if ex.linear_fc1.bias is not None:
+            h = h + ex.linear_fc1.bias.double()
+        g, u = torch.chunk(h, 2, dim=-1)
+        c = cfg.activation_func_clamp_value
+        if c is not None:
+            g, u = g.clamp(max=c), u.clamp(-c, c)
+        h = act(g) * (u + cfg.glu_linear_offset) * pe
+        y = h @ ex.linear_fc2.weight.double().t()
+        if ex.linear_fc2.bias is not None:
+            y = y + ex.linear_fc2.bias.double() * pe
+        ys.append(y)
+        start += n
+    return torch.cat(ys)
+
+
+@pytest.mark.parametrize("which", ["swiglu-bias", "gpt-oss"])
+def test_biased_configs_match_megatrons_formula(mpu, which):
+    """With expert biases (SequentialMLP fails on the CPU there): Megatron's MLP formula in float64
+    on the same parameters; the GPU test against SequentialMLP itself is issue 33's."""
+    cfg = _config(**(dict(add_bias_linear=True) if which == "swiglu-bias" else _gpt_oss()))
+    ref, ours = _pair(cfg, mpu)
+    counts = torch.tensor([10, 0, 17, 9])
+    x = torch.randn(36, 32, generator=torch.Generator().manual_seed(1))
+    probs = torch.rand(36, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = _megatron_mlp64(ref, cfg, x, counts, probs)
+        got, bias = ours(x, counts, probs)
+    assert bias is None
+    # float32 against float64: a few units of float32 rounding of the largest value
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
