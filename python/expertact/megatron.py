@@ -24,7 +24,11 @@ which is expert_mlp's y = (act(gate_up) @ w2 + b2) * weights with the preset:
     activation_func quick_gelu (x * sigmoid(1.702 x)), offset 1, clamp c  -> "swiglu_oai", alpha 1.702, limit c
 
 Anything else is refused at construction with an error naming the config field.
-Not yet: sharded_state_dict, the layer-spec helpers, FP8 and the GPU tests (issue 33).
+``swap_experts(spec)`` returns a layer spec with ExpertMLP in place of SequentialMLP (and how many
+it replaced); ``gpt_layer_local_spec(...)`` is Megatron's ``get_gpt_layer_local_spec(...)`` with
+that done.
+
+Not yet: sharded_state_dict, FP8 and the GPU tests (issue 33).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from torch import nn
 
 from .moe import expert_mlp
 
-__all__ = ["ExpertMLP", "activation_of"]
+__all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec"]
 
 
 def _quick_gelus():
@@ -153,3 +157,57 @@ class ExpertMLP(nn.Module):
                        recompute=self.recompute, inplace_backward=self.inplace_backward, b13=b13, b2=b2,
                        fp8=self.fp8)
         return y, None
+
+
+def swap_experts(spec):
+    """A Megatron layer spec with ExpertMLP wherever its experts are Megatron's SequentialMLP: in
+    ModuleSpec trees and in the functools.partial specs of megatron-core 0.19 (the submodules stay:
+    ExpertMLP takes and ignores them). Returns (the new spec, how many experts specs it replaced);
+    the spec given is not modified."""
+    import copy
+    import dataclasses
+    import functools
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    count = 0
+
+    def swap(obj):
+        nonlocal count
+        if isinstance(obj, functools.partial):
+            func = obj.func
+            if func is SequentialMLP:
+                count += 1
+                func = ExpertMLP
+            args = [swap(a) for a in obj.args]
+            keywords = {k: swap(v) for k, v in obj.keywords.items()}
+            return functools.partial(func, *args, **keywords)
+        if isinstance(obj, ModuleSpec):
+            new = copy.copy(obj)
+            if new.module is SequentialMLP:
+                count += 1
+                new.module = ExpertMLP
+            new.submodules = swap(new.submodules)
+            return new
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return dataclasses.replace(obj, **{f.name: swap(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                                               if f.init})
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(swap(v) for v in obj)
+        if isinstance(obj, dict):
+            return {k: swap(v) for k, v in obj.items()}
+        return obj
+
+    return swap(spec), count
+
+
+def gpt_layer_local_spec(*args, **kwargs):
+    """Megatron's ``get_gpt_layer_local_spec(*args, **kwargs)`` (the local spec: no
+    TransformerEngine) with expertact's ExpertMLP as the experts; with ``num_experts`` and
+    ``moe_grouped_gemm=False`` (Megatron's SequentialMLP), else ValueError."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec, n = swap_experts(get_gpt_layer_local_spec(*args, **kwargs))
+    if n == 0:
+        raise ValueError("expertact.megatron.gpt_layer_local_spec: the spec has no SequentialMLP experts to "
+                         "replace (give num_experts, and moe_grouped_gemm=False)")
+    return spec

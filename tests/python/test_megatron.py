@@ -156,3 +156,18 @@ def test_biased_configs_match_megatrons_formula(mpu, which):
     assert bias is None
     # float32 against float64: a few units of float32 rounding of the largest value
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def test_layer_spec_takes_expert_mlp():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from expertact.megatron import ExpertMLP, gpt_layer_local_spec, swap_experts
+    spec = gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    experts = spec.submodules.mlp.keywords["submodules"].experts
+    assert experts.func is ExpertMLP and experts.keywords["submodules"] is not None
+    assert swap_experts(spec)[1] == 0  # nothing left to swap
+    theirs = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    swapped, n = swap_experts(theirs)
+    assert n == 1 and theirs.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP  # untouched
+    with pytest.raises(ValueError, match="no SequentialMLP experts"):
+        gpt_layer_local_spec()  # a dense layer
