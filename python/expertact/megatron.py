@@ -1,13 +1,13 @@
 """Megatron-Core: expertact as the experts of a Megatron MoE layer (work in progress, issue 33).
 
-``ExpertMLP`` is built and called as Megatron's ``SequentialMLP`` (megatron.core 0.19.2,
-transformer/moe/experts.py): ``ExpertMLP(num_local_experts, config, submodules=None,
-pg_collection=None, name=None)``, ``forward(permuted_local_hidden_states, tokens_per_expert,
-permuted_probs) -> (output, None)``, and computes the local experts with
-:func:`expertact.moe.expert_mlp`. It holds SequentialMLP's parameters under SequentialMLP's names
-(``local_experts.{i}.linear_fc1.weight`` [2F, D], gate then up; ``local_experts.{i}.linear_fc2.weight``
-[D, F]; the biases with ``add_bias_linear``), so a SequentialMLP state dict loads into it and
-back.
+``ExpertMLP`` is Megatron's ``SequentialMLP`` (megatron.core 0.19.2, transformer/moe/experts.py)
+with its forward computed by :func:`expertact.moe.expert_mlp`: built and called as it is
+(``ExpertMLP(num_local_experts, config, submodules=None, pg_collection=None, name=None)``,
+``forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs) -> (output, None)``),
+a subclass whose constructor builds the same local experts, so its parameters
+(``local_experts.{i}.linear_fc1.weight`` [2F, D], gate then up; ``...linear_fc2.weight`` [D, F];
+the biases with ``add_bias_linear``), state dict and sharded state dict (the global expert keys of
+Megatron's distributed checkpoints) are SequentialMLP's own. Expert tensor parallelism is refused.
 
 Megatron's expert MLP (transformer/mlp.py, the path without TransformerEngine and without
 bias_activation_fusion), for the rows of one expert with routing probability p:
@@ -28,18 +28,17 @@ Anything else is refused at construction with an error naming the config field.
 it replaced); ``gpt_layer_local_spec(...)`` is Megatron's ``get_gpt_layer_local_spec(...)`` with
 that done.
 
-Not yet: sharded_state_dict, FP8 and the GPU tests (issue 33).
+Not yet: the GPU tests, FP8 on the GPU, the training example and the benchmark (issue 33).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch import nn
 
 from .moe import expert_mlp
 
-__all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec"]
+__all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec"]  # noqa: F822 (module __getattr__)
 
 
 def _quick_gelus():
@@ -83,80 +82,95 @@ def activation_of(config):
                      "megatron's quick_gelu")
 
 
-class _Linear(nn.Module):
-    """Holds what Megatron's linear layer holds in a state dict: weight [out, in] (and bias)."""
-
-    def __init__(self, out_features, in_features, bias, dtype, device):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # TransformerEngine / Megatron linear layers save an `_extra_state` (None without FP8).
-        state_dict.pop(prefix + "_extra_state", None)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+def _sequential_mlp():
+    try:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    except ImportError as e:
+        raise ImportError(f"expertact.megatron needs megatron-core (0.19.2; Python >= 3.12): {e}") from e
+    return SequentialMLP, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
 
 
-class _Expert(nn.Module):
-    def __init__(self, D, F, bias, dtype, device):
-        super().__init__()
-        self.linear_fc1 = _Linear(2 * F, D, bias, dtype, device)
-        self.linear_fc2 = _Linear(D, F, bias, dtype, device)
+def _expert_mlp_class():
+    """ExpertMLP is a subclass of Megatron's SequentialMLP, made on first use (Megatron is an
+    optional dependency): SequentialMLP's own constructor builds the local experts (Megatron's MLP
+    with its linear layers), so the parameters, state_dict, sharded_state_dict (global expert keys)
+    and checkpoint loading are Megatron's own; only forward is expertact's."""
+    SequentialMLP, local_submodules = _sequential_mlp()
+
+    class ExpertMLP(SequentialMLP):
+        __doc__ = __doc__
+
+        def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
+                     name: Optional[str] = None, *, recompute: bool = False, inplace_backward: bool = False,
+                     fp8: Optional[str] = None):
+            form = activation_of(config)
+            if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
+                raise ValueError("expertact.megatron: config.moe_apply_probs_on_input=True needs moe_router_topk=1 "
+                                 "(as Megatron's own experts)")
+            if pg_collection is None:
+                from megatron.core.process_groups_config import ProcessGroupCollection
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+            super().__init__(num_local_experts, config, submodules or local_submodules, pg_collection, name)
+            if self.tp_group is not None and self.tp_group.size() > 1:
+                raise ValueError(f"expertact.megatron: expert tensor parallelism of {self.tp_group.size()} "
+                                 "(config.expert_tensor_parallel_size): ExpertMLP computes whole experts; use "
+                                 "expert parallelism")
+            self.preset, self.alpha, self.limit = form
+            self.expertact_recompute, self.expertact_inplace = bool(recompute), bool(inplace_backward)
+            self.expertact_fp8 = fp8
+
+        def _stacked(self, dtype):
+            fc1 = [e.linear_fc1 for e in self.local_experts]
+            fc2 = [e.linear_fc2 for e in self.local_experts]
+            w13 = torch.stack([m.weight for m in fc1]).to(dtype)  # [E, 2F, D], gate then up
+            w2 = torch.stack([m.weight for m in fc2]).to(dtype)   # [E, D, F]
+            b13 = b2 = None
+            if self.config.add_bias_linear:
+                b13 = torch.stack([m.bias for m in fc1]).to(dtype)
+                b2 = torch.stack([m.bias for m in fc2]).to(dtype)
+            return w13, w2, b13, b2
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+            x, probs = permuted_local_hidden_states, permuted_probs
+            if self.config.moe_apply_probs_on_input:
+                x = (probs.unsqueeze(-1) * x).to(x.dtype)
+                probs = None
+            if self.num_local_experts == 1:
+                counts = [x.shape[0]]  # one expert takes every row, as Megatron's
+            else:
+                counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) \
+                    else list(tokens_per_expert)
+            ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+            w13, w2, b13, b2 = self._stacked(x.dtype)
+            y = expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), ends, self.preset, alpha=self.alpha,
+                           limit=self.limit, layout="halves",
+                           weights=None if probs is None else probs.to(torch.float32),
+                           recompute=self.expertact_recompute, inplace_backward=self.expertact_inplace,
+                           b13=b13, b2=b2, fp8=self.expertact_fp8)
+            return y, None
+
+    ExpertMLP.__module__ = __name__
+    ExpertMLP.__qualname__ = "ExpertMLP"
+    return ExpertMLP
 
 
-class ExpertMLP(nn.Module):
-    """Megatron's SequentialMLP computed by expertact.moe.expert_mlp (module docstring)."""
+_CLASS = []
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
-                 name: Optional[str] = None, *, recompute: bool = False, inplace_backward: bool = False,
-                 fp8: Optional[str] = None):
-        super().__init__()
-        self.config = config
-        self.preset, self.alpha, self.limit = activation_of(config)
-        if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
-            raise ValueError("expertact.megatron: config.moe_apply_probs_on_input=True needs moe_router_topk=1 "
-                             "(as Megatron's own experts)")
-        F = config.moe_ffn_hidden_size or config.ffn_hidden_size
-        D = config.hidden_size
-        dtype = config.params_dtype
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.num_local_experts = num_local_experts
-        self.bias = bool(config.add_bias_linear)
-        self.recompute, self.inplace_backward, self.fp8 = bool(recompute), bool(inplace_backward), fp8
-        self.local_experts = nn.ModuleList(_Expert(D, F, self.bias, dtype, device) for _ in range(num_local_experts))
-        gen_std = config.init_method_std
-        with torch.no_grad():
-            for e in self.local_experts:
-                e.linear_fc1.weight.normal_(0.0, gen_std)
-                e.linear_fc2.weight.normal_(0.0, gen_std)
 
-    def _stacked(self, dtype):
-        w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)  # [E, 2F, D]
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).to(dtype)   # [E, D, F]
-        b13 = b2 = None
-        if self.bias:
-            b13 = torch.stack([e.linear_fc1.bias for e in self.local_experts]).to(dtype)
-            b2 = torch.stack([e.linear_fc2.bias for e in self.local_experts]).to(dtype)
-        return w13, w2, b13, b2
+def _expert_mlp():
+    """The one ExpertMLP class (made once)."""
+    if not _CLASS:
+        _CLASS.append(_expert_mlp_class())
+    return _CLASS[0]
 
-    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        x, probs = permuted_local_hidden_states, permuted_probs
-        if getattr(self.config, "moe_apply_probs_on_input", False):
-            x = (probs.unsqueeze(-1) * x).to(x.dtype)
-            probs = None
-        counts = tokens_per_expert
-        if not isinstance(counts, torch.Tensor):
-            counts = torch.tensor(list(counts))
-        if self.num_local_experts == 1:
-            counts = torch.tensor([x.shape[0]])  # one expert takes every row, as Megatron's
-        offsets = torch.cumsum(counts.to(torch.int64), 0).to(torch.int32)
-        w13, w2, b13, b2 = self._stacked(x.dtype)
-        weights = None if probs is None else probs.to(torch.float32)
-        y = expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), offsets.to(x.device), self.preset,
-                       alpha=self.alpha, limit=self.limit, layout="halves", weights=weights,
-                       recompute=self.recompute, inplace_backward=self.inplace_backward, b13=b13, b2=b2,
-                       fp8=self.fp8)
-        return y, None
+
+def __getattr__(name):
+    # ExpertMLP exists once Megatron is importable; importing this module does not import Megatron.
+    if name == "ExpertMLP":
+        return _expert_mlp()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def swap_experts(spec):
@@ -178,7 +192,7 @@ def swap_experts(spec):
             func = obj.func
             if func is SequentialMLP:
                 count += 1
-                func = ExpertMLP
+                func = _expert_mlp()
             args = [swap(a) for a in obj.args]
             keywords = {k: swap(v) for k, v in obj.keywords.items()}
             return functools.partial(func, *args, **keywords)
@@ -186,7 +200,7 @@ def swap_experts(spec):
             new = copy.copy(obj)
             if new.module is SequentialMLP:
                 count += 1
-                new.module = ExpertMLP
+                new.module = _expert_mlp()
             new.submodules = swap(new.submodules)
             return new
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -171,3 +171,18 @@ def test_layer_spec_takes_expert_mlp():
     assert n == 1 and theirs.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP  # untouched
     with pytest.raises(ValueError, match="no SequentialMLP experts"):
         gpt_layer_local_spec()  # a dense layer
+
+
+def test_sharded_state_dict_is_sequential_mlps(mpu):
+    """The distributed-checkpoint view: the same keys, global expert keys, shapes, offsets and
+    replica ids as Megatron's SequentialMLP (ExpertMLP builds the same local experts)."""
+    ref, ours = _pair(_config(add_bias_linear=True), mpu)
+    prefix = "decoder.layers.0.mlp.experts."
+    a, b = ref.sharded_state_dict(prefix=prefix), ours.sharded_state_dict(prefix=prefix)
+    assert a.keys() == b.keys() and len(a) == 24
+
+    def view(v):
+        return (type(v).__name__, getattr(v, "key", None), getattr(v, "global_shape", None),
+                getattr(v, "global_offset", None), getattr(v, "replica_id", None))
+    assert all(view(a[k]) == view(b[k]) for k in a)
+    assert any(getattr(v, "key", "").endswith("experts.linear_fc2.weight") for v in b.values())
