@@ -1,4 +1,4 @@
-"""Megatron-Core: expertact as the experts of a Megatron MoE layer (work in progress, issue 33).
+"""Megatron-Core: expertact as the experts of a Megatron MoE layer.
 
 ``ExpertMLP`` is Megatron's ``SequentialMLP`` (megatron.core 0.19.2, transformer/moe/experts.py)
 with its forward computed by :func:`expertact.moe.expert_mlp`: built and called as it is
@@ -28,7 +28,7 @@ Anything else is refused at construction with an error naming the config field.
 it replaced); ``gpt_layer_local_spec(...)`` is Megatron's ``get_gpt_layer_local_spec(...)`` with
 that done.
 
-Not yet: the GPU tests, FP8 on the GPU, the training example and the benchmark (issue 33).
+Not yet: the GPU tests, FP8 on the GPU, the training example and the benchmark (they need a GPU).
 """
 from __future__ import annotations
 

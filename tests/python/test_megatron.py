@@ -144,7 +144,7 @@ def _megatron_mlp64(ref, cfg, x, counts, probs):
 @pytest.mark.parametrize("which", ["swiglu-bias", "gpt-oss"])
 def test_biased_configs_match_megatrons_formula(mpu, which):
     """With expert biases (SequentialMLP fails on the CPU there): Megatron's MLP formula in float64
-    on the same parameters; the GPU test against SequentialMLP itself is issue 33's."""
+    on the same parameters; SequentialMLP itself is the reference on a GPU."""
     cfg = _config(**(dict(add_bias_linear=True) if which == "swiglu-bias" else _gpt_oss()))
     ref, ours = _pair(cfg, mpu)
     counts = torch.tensor([10, 0, 17, 9])
