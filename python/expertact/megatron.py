@@ -32,13 +32,14 @@ Not yet: the GPU tests, FP8 on the GPU, the training example and the benchmark (
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from .moe import expert_mlp
+from .moe import run
 
-__all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec"]  # noqa: F822 (module __getattr__)
+__all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec", "enable", "disable"]  # noqa: F822 (module __getattr__)
 
 
 def _quick_gelus():
@@ -64,10 +65,18 @@ def activation_of(config):
     act = config.activation_func
     offset = float(getattr(config, "glu_linear_offset", 0.0) or 0.0)
     clamp = getattr(config, "activation_func_clamp_value", None)
+    fused = bool(getattr(config, "bias_activation_fusion", False))
     if act is F.silu:
         if offset != 0.0:
             raise ValueError(f"expertact.megatron: config.glu_linear_offset={offset} with activation_func silu: "
                              "expertact's silu forms have no offset on the linear half")
+        if clamp is not None and fused:
+            # Megatron's fused weighted SwiGLU takes no clamp: its experts compute an unclamped
+            # SwiGLU there and a clamped one without the fusion. Neither is guessed.
+            raise ValueError(f"expertact.megatron: config.activation_func_clamp_value={clamp} with "
+                             "bias_activation_fusion=True: Megatron's fused SwiGLU ignores the clamp (its unfused "
+                             "path applies it); set bias_activation_fusion=False for the clamped SwiGLU, or drop "
+                             "the clamp")
         return ("swiglu", None, None) if clamp is None else ("swiglu_clamped", None, float(clamp))
     if any(act is q for q in quick_gelus):
         if offset != 1.0:
@@ -76,10 +85,43 @@ def activation_of(config):
         if clamp is None:
             raise ValueError("expertact.megatron: activation_func quick_gelu without "
                              "config.activation_func_clamp_value: expertact computes GPT-OSS's clamped form")
+        if fused and config.add_bias_linear:
+            # Megatron's fused quick-GeGLU clamps fc1's output before adding its bias; its unfused
+            # path (and GPT-OSS) adds the bias first. expertact computes the latter.
+            raise ValueError("expertact.megatron: config.bias_activation_fusion=True with add_bias_linear=True and "
+                             "quick_gelu: Megatron's fused quick-GeGLU clamps before adding fc1's bias, its unfused "
+                             "path (and GPT-OSS) after; expertact computes the unfused order: set "
+                             "bias_activation_fusion=False")
         return "swiglu_oai", 1.702, float(clamp)
     name = getattr(act, "__name__", repr(act))
     raise ValueError(f"expertact.megatron: config.activation_func={name}: expertact takes F.silu or "
                      "megatron's quick_gelu")
+
+
+def _check_config(config):
+    """activation_of(config), after the refusals of what ExpertMLP cannot take (ValueError
+    naming the config field)."""
+    form = activation_of(config)
+    if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
+        raise ValueError("expertact.megatron: config.moe_apply_probs_on_input=True needs moe_router_topk=1 "
+                         "(as Megatron's own experts)")
+    for field in ("fp8", "fp4"):
+        if getattr(config, field, None):
+            raise ValueError(f"expertact.megatron: config.{field}={getattr(config, field)!r} is TransformerEngine's "
+                             "low precision; ExpertMLP's FP8 is its own switch (fp8='rowwise'), with config.fp8 "
+                             "unset")
+    for field in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+        if getattr(config, field, False):
+            raise ValueError(f"expertact.megatron: config.{field}=True: ExpertMLP computes its weight gradients "
+                             "in its own backward (no deferred backward_dw)")
+    return form
+
+
+def _options(recompute=False, inplace_backward=False, fp8=None):
+    """ExpertMLP's memory mode and precision, checked."""
+    if fp8 not in (None, "rowwise"):
+        raise ValueError(f"expertact.megatron: fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for bf16)")
+    return {"recompute": bool(recompute), "inplace_backward": bool(inplace_backward), "fp8": fp8}
 
 
 def _sequential_mlp():
@@ -105,32 +147,29 @@ def _expert_mlp_class():
         def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
                      name: Optional[str] = None, *, recompute: bool = False, inplace_backward: bool = False,
                      fp8: Optional[str] = None):
-            form = activation_of(config)
-            if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
-                raise ValueError("expertact.megatron: config.moe_apply_probs_on_input=True needs moe_router_topk=1 "
-                                 "(as Megatron's own experts)")
+            options = _options(recompute, inplace_backward, fp8)
+            _check_config(config)
             if pg_collection is None:
                 from megatron.core.process_groups_config import ProcessGroupCollection
                 pg_collection = ProcessGroupCollection.use_mpu_process_groups()
             super().__init__(num_local_experts, config, submodules or local_submodules, pg_collection, name)
+            self._expertact_configure(options)
+
+        def _expertact_configure(self, options):
+            """The checks and settings of __init__, also applied by enable() to a built SequentialMLP."""
             if self.tp_group is not None and self.tp_group.size() > 1:
                 raise ValueError(f"expertact.megatron: expert tensor parallelism of {self.tp_group.size()} "
                                  "(config.expert_tensor_parallel_size): ExpertMLP computes whole experts; use "
                                  "expert parallelism")
-            self.preset, self.alpha, self.limit = form
-            self.expertact_recompute, self.expertact_inplace = bool(recompute), bool(inplace_backward)
-            self.expertact_fp8 = fp8
+            self.preset, self.alpha, self.limit = _check_config(self.config)
+            self.expertact_options = dict(options)
 
-        def _stacked(self, dtype):
-            fc1 = [e.linear_fc1 for e in self.local_experts]
-            fc2 = [e.linear_fc2 for e in self.local_experts]
-            w13 = torch.stack([m.weight for m in fc1]).to(dtype)  # [E, 2F, D], gate then up
-            w2 = torch.stack([m.weight for m in fc2]).to(dtype)   # [E, D, F]
-            b13 = b2 = None
-            if self.config.add_bias_linear:
-                b13 = torch.stack([m.bias for m in fc1]).to(dtype)
-                b2 = torch.stack([m.bias for m in fc2]).to(dtype)
-            return w13, w2, b13, b2
+        def _weights(self, dtype):
+            """w13 [E, D, 2F] and w2 [E, F, D] in dtype, as transposed views of the stacked
+            [E, 2F, D] / [E, D, F] weights of the local experts (one copy each)."""
+            w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)
+            w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).to(dtype)
+            return w13.transpose(-2, -1), w2.transpose(-2, -1)
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
             x, probs = permuted_local_hidden_states, permuted_probs
@@ -143,12 +182,16 @@ def _expert_mlp_class():
                 counts = tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor) \
                     else list(tokens_per_expert)
             ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-            w13, w2, b13, b2 = self._stacked(x.dtype)
-            y = expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), ends, self.preset, alpha=self.alpha,
-                           limit=self.limit, layout="halves",
-                           weights=None if probs is None else probs.to(torch.float32),
-                           recompute=self.expertact_recompute, inplace_backward=self.expertact_inplace,
-                           b13=b13, b2=b2, fp8=self.expertact_fp8)
+            w13, w2 = self._weights(x.dtype)
+            b13 = b2 = None
+            if self.config.add_bias_linear:
+                b13 = torch.stack([e.linear_fc1.bias for e in self.local_experts]).to(x.dtype)
+                b2 = torch.stack([e.linear_fc2.bias for e in self.local_experts]).to(x.dtype)
+            # The stacked weights are made again in backward rather than kept from forward to
+            # backward: Megatron's own experts keep no copy of their weights.
+            y = run(x, w13, w2, ends, self.preset, alpha=self.alpha, limit=self.limit, layout="halves",
+                    weights=None if probs is None else probs.to(torch.float32), b13=b13, b2=b2,
+                    weights_of=functools.partial(self._weights, x.dtype), **self.expertact_options)
             return y, None
 
     ExpertMLP.__module__ = __name__
@@ -173,34 +216,33 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def swap_experts(spec):
+def swap_experts(spec, *, recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None):
     """A Megatron layer spec with ExpertMLP wherever its experts are Megatron's SequentialMLP: in
     ModuleSpec trees and in the functools.partial specs of megatron-core 0.19 (the submodules stay:
-    ExpertMLP takes and ignores them). Returns (the new spec, how many experts specs it replaced);
-    the spec given is not modified."""
+    ExpertMLP takes them as SequentialMLP does), with the memory mode and precision given. Returns
+    (the new spec, how many experts specs it replaced); the spec given is not modified."""
     import copy
     import dataclasses
-    import functools
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    options = _options(recompute, inplace_backward, fp8)
+    ours = _expert_mlp()
     count = 0
 
     def swap(obj):
         nonlocal count
         if isinstance(obj, functools.partial):
-            func = obj.func
-            if func is SequentialMLP:
+            func, keywords = obj.func, {k: swap(v) for k, v in obj.keywords.items()}
+            if func is SequentialMLP or func is ours:
                 count += 1
-                func = _expert_mlp()
-            args = [swap(a) for a in obj.args]
-            keywords = {k: swap(v) for k, v in obj.keywords.items()}
-            return functools.partial(func, *args, **keywords)
+                func, keywords = ours, {**keywords, **options}
+            return functools.partial(func, *[swap(a) for a in obj.args], **keywords)
         if isinstance(obj, ModuleSpec):
             new = copy.copy(obj)
-            if new.module is SequentialMLP:
+            if new.module is SequentialMLP or new.module is ours:
                 count += 1
-                new.module = _expert_mlp()
+                new.module, new.params = ours, {**(new.params or {}), **options}
             new.submodules = swap(new.submodules)
             return new
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -215,13 +257,56 @@ def swap_experts(spec):
     return swap(spec), count
 
 
-def gpt_layer_local_spec(*args, **kwargs):
+def gpt_layer_local_spec(*args, experts: Optional[dict] = None, **kwargs):
     """Megatron's ``get_gpt_layer_local_spec(*args, **kwargs)`` (the local spec: no
-    TransformerEngine) with expertact's ExpertMLP as the experts; with ``num_experts`` and
+    TransformerEngine) with expertact's ExpertMLP as the experts, with ``experts`` (a dict of
+    ExpertMLP's keywords: recompute, inplace_backward, fp8); needs ``num_experts`` and
     ``moe_grouped_gemm=False`` (Megatron's SequentialMLP), else ValueError."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec, n = swap_experts(get_gpt_layer_local_spec(*args, **kwargs))
+    spec, n = swap_experts(get_gpt_layer_local_spec(*args, **kwargs), **(experts or {}))
     if n == 0:
         raise ValueError("expertact.megatron.gpt_layer_local_spec: the spec has no SequentialMLP experts to "
                          "replace (give num_experts, and moe_grouped_gemm=False)")
     return spec
+
+
+def enable(model, *, recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None) -> int:
+    """Switch a built Megatron model (one made from Megatron's own local specs) to expertact: every
+    SequentialMLP in it becomes an ExpertMLP in place, with the memory mode and precision given
+    (an ExpertMLP already there takes them). The parameters, their values, gradients and optimizer
+    state are untouched (ExpertMLP is a SequentialMLP with another forward). Returns how many
+    modules it switched; a config ExpertMLP cannot take raises ValueError before any is switched;
+    TransformerEngine's TEGroupedMLP (other parameters) is refused."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    options = _options(recompute, inplace_backward, fp8)
+    ours = _expert_mlp()
+    found = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls is SequentialMLP or cls is ours:
+            found.append(module)
+        elif cls.__name__ == "TEGroupedMLP":
+            raise ValueError(f"expertact.megatron.enable: {name} is TransformerEngine's TEGroupedMLP; build the "
+                             "model with Megatron's local spec (moe_grouped_gemm=False: SequentialMLP), or with "
+                             "expertact.megatron.gpt_layer_local_spec")
+    for module in found:  # every check before any switch
+        _check_config(module.config)
+        if module.tp_group is not None and module.tp_group.size() > 1:
+            ours._expertact_configure(module, options)  # raises, naming the field
+    for module in found:
+        module.__class__ = ours
+        module._expertact_configure(options)
+    return len(found)
+
+
+def disable(model) -> int:
+    """Undo enable(): every ExpertMLP in the model becomes Megatron's SequentialMLP again (its
+    parameters untouched). Returns how many."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    ours = _expert_mlp()
+    found = [m for m in model.modules() if type(m) is ours]
+    for module in found:
+        module.__class__ = SequentialMLP
+        for attr in ("preset", "alpha", "limit", "expertact_options"):
+            module.__dict__.pop(attr, None)
+    return len(found)

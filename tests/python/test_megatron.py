@@ -44,7 +44,7 @@ def _config(**kw):
     return TransformerConfig(**base)
 
 
-def _pair(cfg, pg, E=4):
+def _pair(cfg, pg, E=4, **options):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -55,7 +55,7 @@ def _pair(cfg, pg, E=4):
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "bias" in name else 4.0 / p.shape[-1] ** 0.5))
-    ours = ExpertMLP(E, cfg, pg_collection=pg)
+    ours = ExpertMLP(E, cfg, pg_collection=pg, **options)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -81,9 +81,14 @@ def _gpt_oss():
 CONFIGS = {"swiglu": {}, "swiglu-clamped": dict(activation_func_clamp_value=7.0)}
 
 
+MODES = {"default": {}, "recompute": dict(recompute=True), "inplace": dict(inplace_backward=True),
+         "recompute-inplace": dict(recompute=True, inplace_backward=True)}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", CONFIGS)
-def test_matches_sequential_mlp_in_float32(mpu, which):
-    ref, ours = _pair(_config(**CONFIGS[which]), mpu)
+def test_matches_sequential_mlp_in_float32(mpu, which, mode):
+    ref, ours = _pair(_config(**CONFIGS[which]), mpu, **MODES[mode])
     counts = torch.tensor([10, 0, 17, 9])
     x = torch.randn(36, 32, generator=torch.Generator().manual_seed(1))
     probs = torch.rand(36, generator=torch.Generator().manual_seed(2))
@@ -107,14 +112,85 @@ def test_state_dict_round_trip(mpu):
             assert torch.equal(ref2.state_dict()[n], p), n
 
 
-def test_refused_configs_name_the_field():
-    from expertact.megatron import activation_of
+def test_refused_configs_name_the_field(mpu):
+    from expertact.megatron import ExpertMLP, activation_of
     with pytest.raises(ValueError, match="config.gated_linear_unit=False"):
         activation_of(_config(gated_linear_unit=False))
     with pytest.raises(ValueError, match="config.activation_func=gelu"):
         activation_of(_config(activation_func=F.gelu))
     with pytest.raises(ValueError, match="config.glu_linear_offset=1.0 with activation_func silu"):
         activation_of(_config(glu_linear_offset=1.0))
+    # Megatron's fused paths compute something else than its unfused path: refused, not guessed
+    with pytest.raises(ValueError, match="activation_func_clamp_value=7.0 with bias_activation_fusion=True"):
+        activation_of(_config(activation_func_clamp_value=7.0, bias_activation_fusion=True))
+    with pytest.raises(ValueError, match="bias_activation_fusion=True with add_bias_linear=True and quick_gelu"):
+        activation_of(_config(**_gpt_oss(), bias_activation_fusion=True))
+    fused_no_bias = dict(_gpt_oss(), add_bias_linear=False, bias_activation_fusion=True)
+    assert activation_of(_config(**fused_no_bias)) == ("swiglu_oai", 1.702, 7.0)  # the same function there
+    with pytest.raises(ValueError, match="moe_apply_probs_on_input=True needs moe_router_topk=1"):
+        ExpertMLP(4, _config(moe_apply_probs_on_input=True, moe_router_topk=2), pg_collection=mpu)
+    with pytest.raises(ValueError, match="fp8='e4m3'"):
+        ExpertMLP(4, _config(), pg_collection=mpu, fp8="e4m3")
+
+
+def test_probs_on_input_matches_sequential_mlp(mpu):
+    """moe_apply_probs_on_input (top-1): the probability scales x, as in Megatron's experts."""
+    ref, ours = _pair(_config(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True), mpu)
+    counts = torch.tensor([5, 11, 0, 8])
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(3))
+    probs = torch.rand(24, generator=torch.Generator().manual_seed(4))
+    want, got = _run(ref, x, counts, probs), _run(ours, x, counts, probs)
+    for i in (0, 2, 3):
+        torch.testing.assert_close(got[i], want[i], rtol=2e-5, atol=2e-5)
+
+
+def test_stacked_weights_are_not_kept(mpu):
+    """The per-call stack of the experts' weights is made again in backward, not kept from
+    forward to backward (Megatron's experts keep no copy of their weights)."""
+    _, ours = _pair(_config(), mpu)
+    x = torch.randn(36, 32, requires_grad=True)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = ours(x, torch.tensor([10, 0, 17, 9]), torch.rand(36))
+    assert shapes and (36, 32) in shapes
+    assert not [s for s in shapes if len(s) == 3], shapes  # no [E, ., .] tensor kept
+    y.sum().backward()
+    assert all(p.grad is not None for p in ours.parameters())
+
+
+def test_enable_switches_a_built_model(mpu):
+    """enable(): every SequentialMLP of a built model becomes an ExpertMLP with its own
+    parameters; disable() switches back; refusals happen before any module is switched."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from expertact import megatron as em
+    ref, _ = _pair(_config(), mpu)
+    other, _ = _pair(_config(), mpu)
+    model = torch.nn.ModuleDict(dict(a=ref, b=other))
+    counts, x, probs = torch.tensor([10, 0, 17, 9]), torch.randn(36, 32), torch.rand(36)
+    want = _run(ref, x, counts, probs)
+    params = [p for p in model.parameters()]
+    assert em.enable(model, inplace_backward=True) == 2
+    assert type(ref) is em.ExpertMLP and ref.expertact_options["inplace_backward"] is True
+    assert [p for p in model.parameters()] == params  # the same Parameter objects
+    got = _run(ref, x, counts, probs)
+    for i in (0, 2, 3):
+        torch.testing.assert_close(got[i], want[i], rtol=2e-5, atol=2e-5)
+    assert em.enable(model, fp8="rowwise") == 2 and ref.expertact_options["fp8"] == "rowwise"
+    assert em.disable(model) == 2 and type(ref) is SequentialMLP and not hasattr(ref, "expertact_options")
+    bad, _ = _pair(_config(), mpu)
+    bad.config = _config(activation_func=F.gelu)
+    with pytest.raises(ValueError, match="activation_func=gelu"):
+        em.enable(torch.nn.ModuleList([ref, bad]))
+    assert type(ref) is SequentialMLP  # nothing switched
+
+    class TEGroupedMLP(torch.nn.Module):
+        pass
+    with pytest.raises(ValueError, match="TEGroupedMLP"):
+        em.enable(torch.nn.ModuleList([ref, TEGroupedMLP()]))
 
 
 def _megatron_mlp64(ref, cfg, x, counts, probs):
@@ -165,7 +241,13 @@ def test_layer_spec_takes_expert_mlp():
     spec = gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     experts = spec.submodules.mlp.keywords["submodules"].experts
     assert experts.func is ExpertMLP and experts.keywords["submodules"] is not None
-    assert swap_experts(spec)[1] == 0  # nothing left to swap
+    assert experts.keywords["inplace_backward"] is False and experts.keywords["fp8"] is None
+    again, n = swap_experts(spec, inplace_backward=True)  # an ExpertMLP spec takes new options
+    assert n == 1 and again.submodules.mlp.keywords["submodules"].experts.keywords["inplace_backward"] is True
+    fp8 = gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, experts=dict(fp8="rowwise"))
+    assert fp8.submodules.mlp.keywords["submodules"].experts.keywords["fp8"] == "rowwise"
+    with pytest.raises(ValueError, match="fp8='e5m2'"):
+        swap_experts(spec, fp8="e5m2")
     theirs = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     swapped, n = swap_experts(theirs)
     assert n == 1 and theirs.submodules.mlp.keywords["submodules"].experts.func is SequentialMLP  # untouched
@@ -186,3 +268,31 @@ def test_sharded_state_dict_is_sequential_mlps(mpu):
                 getattr(v, "global_offset", None), getattr(v, "replica_id", None))
     assert all(view(a[k]) == view(b[k]) for k in a)
     assert any(getattr(v, "key", "").endswith("experts.linear_fc2.weight") for v in b.values())
+
+
+@pytest.mark.parametrize("singleton", [False, True])
+def test_distributed_checkpoint_round_trip(mpu, tmp_path, singleton):
+    """A Megatron distributed checkpoint saved from SequentialMLP loads into ExpertMLP, and one
+    saved from ExpertMLP loads into SequentialMLP (megatron.core.dist_checkpointing, torch_dist)."""
+    from megatron.core import dist_checkpointing
+    if not torch.cuda.is_available():
+        pytest.skip("Megatron's distributed checkpoint writer calls CUDA (torch.cuda.current_device) on save")
+    cfg = _config(add_bias_linear=True)
+    ref, ours = _pair(cfg, mpu)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()  # different from ref's
+    meta = dict(singleton_local_shards=singleton)
+    (tmp_path / "seq").mkdir()
+    (tmp_path / "ours").mkdir()
+    dist_checkpointing.save(ref.sharded_state_dict(metadata=meta), str(tmp_path / "seq"))
+    ours.load_state_dict(dist_checkpointing.load(ours.sharded_state_dict(metadata=meta), str(tmp_path / "seq")))
+    for (n, a), (m, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
+        assert n == m and (a is None or torch.equal(a, b)), n
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(2)
+    dist_checkpointing.save(ours.sharded_state_dict(metadata=meta), str(tmp_path / "ours"))
+    ref.load_state_dict(dist_checkpointing.load(ref.sharded_state_dict(metadata=meta), str(tmp_path / "ours")))
+    for (n, a), (m, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
+        assert a is None or torch.equal(a, b), n

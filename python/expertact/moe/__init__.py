@@ -217,6 +217,20 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     """
     if fused:
         _fused_removed()
+    return run(x, w13, w2, offsets, activation, alpha=alpha, limit=limit, layout=layout, weights=weights,
+               recompute=recompute, inplace_backward=inplace_backward, b13=b13, b2=b2, fp8=fp8, fp8_wgrad=fp8_wgrad)
+
+
+def run(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: str = "swiglu", *,
+        alpha: Optional[float] = None, limit: Optional[float] = None, layout: str = "halves",
+        weights: Optional[Tensor] = None, recompute: bool = False, inplace_backward: bool = False,
+        b13: Optional[Tensor] = None, b2: Optional[Tensor] = None, fp8: Optional[str] = None,
+        fp8_wgrad: bool = True, weights_of=None) -> Tensor:
+    """expert_mlp, for the integrations whose experts are separate parameters stacked on each
+    call (expertact.megatron): ``weights_of``, a callable returning (w13, w2) as given here, is
+    called in backward instead of keeping them, so the stacked copies are not held from
+    forward to backward (one copy of the experts' weights per layer less). The parameters must
+    not change between forward and backward (as in any training step)."""
     glu = _glu_args(activation, alpha, limit, layout)
     T, D, F, ends = _check(x, w13, w2, offsets, weights)
     _check_biases(x, w13, b13, b2)
@@ -236,12 +250,12 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
         if reason is not None:
             raise NotImplementedError(_err(f"fp8='rowwise' cannot run here: {reason}"))
         offs = offs.to(x.device)
-        plan = Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased)
+        plan = Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased, weights_of)
         fplan = Fp8Plan(activation, alpha, limit, layout, bool(fp8_wgrad))
         if needs_grad:
             return Fp8ExpertMLP.apply(x, w13, w2, weights, offs, plan, fplan, b13, b2)
         return _fp8.forward(x, w13, w2, weights, offs, plan, fplan, b13, b2)[2]
-    plan = Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased)
+    plan = Plan(ends, grouped, glu, bool(recompute), bool(inplace_backward), layout, biased, weights_of)
     if needs_grad:
         return ExpertMLP.apply(x, w13, w2, weights, offs, plan, b13, b2)
     return mlp_forward(x, w13, w2, weights, offs, plan, b13, b2)[3]

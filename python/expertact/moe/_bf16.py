@@ -55,6 +55,7 @@ KEPT = 8  # x, w13, w2, weights, offs, gate_up, b13, b2
 def keep(ctx, plan, tensors, h):
     """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, b13, b2 (None
     without biases), and h unless recompute (then h is freed when the caller drops it).
+    With plan.weights_of, w13 and w2 are not kept: kept() remakes them.
 
     h is kept as a plain attribute, not through save_for_backward, so that backward can drop
     it as soon as w2's gradient is computed: a saved tensor lives until its node's backward
@@ -64,6 +65,8 @@ def keep(ctx, plan, tensors, h):
     sees, so the attribute makes no reference cycle. With saved-tensor hooks active (or under
     a compiler), h goes through save_for_backward as before."""
     hooked = not plan.recompute and hooks_active()
+    if plan.weights_of is not None:  # w13 and w2 are remade in backward: not kept
+        tensors = (tensors[0], None, None, *tensors[3:])
     ctx.save_for_backward(*tensors, *((h,) if hooked else ()))
     ctx.h = None if plan.recompute or hooked else h
     ctx.plan = plan
@@ -81,6 +84,9 @@ def kept(ctx):
     saved = ctx.saved_tensors
     h = saved[KEPT] if len(saved) > KEPT else ctx.h
     ctx.h = None
+    if ctx.plan.weights_of is not None:
+        w13, w2 = ctx.plan.weights_of()
+        saved = (saved[0], w13, w2, *saved[3:KEPT])
     return (*saved[:KEPT], h)
 
 

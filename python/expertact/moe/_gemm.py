@@ -19,6 +19,7 @@ class Plan(NamedTuple):
     inplace: bool
     layout: str = "halves"   # gate and up along w13's last dim
     biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
+    weights_of: object = None  # () -> (w13, w2) remade in backward instead of kept (see moe.run)
 
 
 def use_grouped_mm(x, D, F) -> bool:
