@@ -19,7 +19,7 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def mpu():
-    """One gloo rank and Megatron's model-parallel groups of size 1 (what SequentialMLP reads)."""
+    """One rank (gloo; NCCL on a GPU machine) and Megatron's model-parallel groups of size 1 (what SequentialMLP reads)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -27,7 +27,9 @@ def mpu():
     if made:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        if torch.cuda.is_available():  # Megatron's layers run collectives on CUDA tensors there
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield ProcessGroupCollection.use_mpu_process_groups()
     parallel_state.destroy_model_parallel()
@@ -44,6 +46,17 @@ def _config(**kw):
     return TransformerConfig(**base)
 
 
+def runnable_with_biases(module):
+    """Megatron's SequentialMLP with add_bias_linear raises at TP = EP = 1: its MLP adds fc2's bias
+    in place to the output of the TP reduce, which returns its input as is at TP 1 (autograd refuses
+    the in-place change of a custom Function's view). With expert parallelism fc2 skips that reduce
+    (explicit_expert_comm); setting it here takes the same path (the reduce is a no-op at TP 1)."""
+    for m in module.modules():
+        if hasattr(m, "explicit_expert_comm") and getattr(m, "is_expert", False):
+            m.explicit_expert_comm = True
+    return module
+
+
 def _pair(cfg, pg, E=4, **options):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -51,6 +64,7 @@ def _pair(cfg, pg, E=4, **options):
     from expertact.megatron import ExpertMLP
     ref = SequentialMLP(E, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                         pg_collection=pg)
+    runnable_with_biases(ref)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -76,9 +90,8 @@ def _gpt_oss():
                 add_bias_linear=True)
 
 
-# SequentialMLP itself runs on the CPU without expert biases only: with add_bias_linear=True its
-# MLP adds fc2's bias in place on a view (transformer/mlp.py) and autograd refuses it.
-CONFIGS = {"swiglu": {}, "swiglu-clamped": dict(activation_func_clamp_value=7.0)}
+CONFIGS = {"swiglu": {}, "swiglu-clamped": dict(activation_func_clamp_value=7.0),
+           "swiglu-bias": dict(add_bias_linear=True), "gpt-oss": None}
 
 
 MODES = {"default": {}, "recompute": dict(recompute=True), "inplace": dict(inplace_backward=True),
@@ -88,7 +101,7 @@ MODES = {"default": {}, "recompute": dict(recompute=True), "inplace": dict(inpla
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("which", CONFIGS)
 def test_matches_sequential_mlp_in_float32(mpu, which, mode):
-    ref, ours = _pair(_config(**CONFIGS[which]), mpu, **MODES[mode])
+    ref, ours = _pair(_config(**(CONFIGS[which] if CONFIGS[which] is not None else _gpt_oss())), mpu, **MODES[mode])
     counts = torch.tensor([10, 0, 17, 9])
     x = torch.randn(36, 32, generator=torch.Generator().manual_seed(1))
     probs = torch.rand(36, generator=torch.Generator().manual_seed(2))
@@ -219,8 +232,8 @@ def _megatron_mlp64(ref, cfg, x, counts, probs):
 
 @pytest.mark.parametrize("which", ["swiglu-bias", "gpt-oss"])
 def test_biased_configs_match_megatrons_formula(mpu, which):
-    """With expert biases (SequentialMLP fails on the CPU there): Megatron's MLP formula in float64
-    on the same parameters; SequentialMLP itself is the reference on a GPU."""
+    """With expert biases, Megatron's MLP formula (transformer/mlp.py, read, not run) in float64 on
+    the same parameters: where the probability multiplies, fc2's bias scaled by it."""
     cfg = _config(**(dict(add_bias_linear=True) if which == "swiglu-bias" else _gpt_oss()))
     ref, ours = _pair(cfg, mpu)
     counts = torch.tensor([10, 0, 17, 9])
@@ -296,3 +309,144 @@ def test_distributed_checkpoint_round_trip(mpu, tmp_path, singleton):
     ref.load_state_dict(dist_checkpointing.load(ref.sharded_state_dict(metadata=meta), str(tmp_path / "ours")))
     for (n, a), (m, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
         assert a is None or torch.equal(a, b), n
+
+
+# ---------------------------------------------------------------------------
+# On the GPU: SequentialMLP with expert biases, bf16, FP8 and whole GPT models
+# ---------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_FORMS = {"swiglu": {}, "swiglu-clamped": dict(activation_func_clamp_value=7.0),
+             "swiglu-bias": dict(add_bias_linear=True), "gpt-oss": "gpt-oss"}
+
+
+def _gpu_config(which, **kw):
+    extra = _gpt_oss() if GPU_FORMS[which] == "gpt-oss" else GPU_FORMS[which]
+    return _config(**extra, hidden_size=128, ffn_hidden_size=192, moe_ffn_hidden_size=192, **kw)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["default", "inplace"])
+@pytest.mark.parametrize("which", GPU_FORMS)
+def test_gpu_float32_matches_sequential_mlp(mpu, which, mode):
+    """Every form, expert biases included, float32 on the GPU:
+    the output and every gradient equal to SequentialMLP's within rounding (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref, ours = _pair(_gpu_config(which), mpu, **MODES[mode])
+    ref.cuda(), ours.cuda()
+    counts = torch.tensor([100, 0, 170, 93])
+    x = torch.randn(363, 128, generator=torch.Generator().manual_seed(1)).cuda()
+    probs = torch.rand(363, generator=torch.Generator().manual_seed(2)).cuda()
+    want, got = _run(ref, x, counts, probs), _run(ours, x, counts, probs)
+    for i, what in ((0, "y"), (2, "x.grad"), (3, "probs.grad")):
+        torch.testing.assert_close(got[i], want[i].to(got[i].dtype), rtol=1e-4, atol=1e-4 * want[i].abs().max().item(),
+                                   msg=what)
+    for n in want[4]:
+        w = want[4][n]
+        torch.testing.assert_close(got[4][n], w, rtol=1e-4, atol=1e-4 * w.abs().max().item(), msg=n)
+
+
+@cuda
+@pytest.mark.parametrize("impl", ["expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8"])
+@pytest.mark.parametrize("form", ["swiglu", "gpt-oss"])
+def test_gpu_bf16_no_less_accurate_than_megatron(mpu, form, impl):
+    """bf16: ExpertMLP's errors against Megatron's MLP in float32 (the same bf16 values) no larger
+    than 1.25x SequentialMLP's own bf16 errors plus 2e-3; FP8 (e4m3: 3 mantissa bits) within 0.15.
+    The bench's inputs and reference (expertact.bench.megatron) at a small shape."""
+    if impl == "expertact-fp8" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 path runs on sm90")
+    from expertact import megatron as em
+    from expertact.bench import megatron as bm
+    inp = bm.ExpertsInputs(form, 4, 256, 256, 256, torch.bfloat16, torch.device("cuda"))
+    inp.counts = torch.tensor([300, 0, 512, 212])
+    ref = bm.reference32(inp)
+
+    def fn(x, probs):
+        return inp.module(x, inp.counts, probs)[0]
+    theirs = bm.errors(fn, inp, ref)
+    em.enable(inp.module, **bm.OPTIONS[impl])
+    ours = bm.errors(fn, inp, ref)
+    print(f"{form} {impl}: megatron {theirs} expertact {ours}")
+    for k in bm.WHAT:
+        assert ours[k] == ours[k] and theirs[k] == theirs[k], (k, ours, theirs)  # no NaN
+        bound = 0.15 if impl == "expertact-fp8" else 1.25 * theirs[k] + 2e-3
+        assert ours[k] <= bound, (k, ours[k], theirs[k])
+
+
+def _gpt(spec_fn, dtype, **kw):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    cfg = _config(num_layers=2, hidden_size=128, ffn_hidden_size=256, moe_ffn_hidden_size=192, num_moe_experts=4,
+                  moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+                  moe_router_load_balancing_type="aux_loss", use_cpu_initialization=False, params_dtype=dtype,
+                  bf16=dtype == torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+    return GPTModel(config=cfg, transformer_layer_spec=spec_fn(num_experts=4, moe_grouped_gemm=False),
+                    vocab_size=256, max_sequence_length=64).cuda()
+
+
+def _gpt_step(model):
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 256, (4, 64), generator=gen).cuda()
+    labels = torch.randint(0, 256, (4, 64), generator=gen).cuda()
+    pos = torch.arange(64).cuda()[None].expand(4, -1)
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).cuda().triu(1)  # True: masked (causal)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@cuda
+@pytest.mark.parametrize("which", ["swiglu", "gpt-oss"])
+def test_gpu_whole_gpt_model_matches_megatrons(mpu, which):
+    """A GPT model with MoE layers from Megatron's local spec (router, alltoall dispatcher, aux
+    loss) against the same model from expertact.megatron.gpt_layer_local_spec, float32, the same
+    weights: the loss and every parameter's gradient within rounding."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from expertact.megatron import ExpertMLP, gpt_layer_local_spec
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = _gpt_oss() if which == "gpt-oss" else {}
+    theirs = runnable_with_biases(_gpt(get_gpt_layer_local_spec, torch.float32, **kw))
+    ours = _gpt(gpt_layer_local_spec, torch.float32, **kw)
+    assert sum(isinstance(m, ExpertMLP) for m in ours.modules()) == 2
+    ours.load_state_dict(theirs.state_dict())
+    (lt, gt), (lo, go) = _gpt_step(theirs), _gpt_step(ours)
+    torch.testing.assert_close(lo, lt, rtol=1e-5, atol=0)
+    assert gt.keys() == go.keys()
+    for n in gt:
+        if gt[n] is None:
+            assert go[n] is None, n
+            continue
+        torch.testing.assert_close(go[n], gt[n], rtol=1e-4, atol=1e-4 * gt[n].abs().max().item(), msg=n)
+
+
+@cuda
+def test_gpu_enable_on_a_bf16_gpt_model_fp8(mpu):
+    """enable(model, fp8=...) on a bf16 GPT model built from Megatron's own spec: the loss of one
+    step within 2% of Megatron's bf16 loss, every expert weight with a finite gradient."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 path runs on sm90")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from expertact import megatron as em
+    model = _gpt(get_gpt_layer_local_spec, torch.bfloat16)
+    lt, _ = _gpt_step(model)
+    assert em.enable(model, fp8="rowwise") == 2
+    lo, go = _gpt_step(model)
+    assert abs(lo.item() - lt.item()) <= 0.02 * abs(lt.item()), (lo, lt)
+    experts = [g for n, g in go.items() if ".experts." in n]
+    assert experts and all(g is not None and torch.isfinite(g).all() for g in experts)
+
+
+def test_bench_table_on_the_cpu(mpu, tmp_path):
+    """python -m expertact.bench --megatron on the CPU: every row, errors at float32 rounding, FP8
+    skipped with its reason."""
+    import json
+    from expertact.bench import megatron as bm
+    assert bm.main(["--device", "cpu", "--quick", "--json", str(tmp_path / "m.json")]) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "m.json").read_text())["tables"]["4x3072"]["results"]}
+    assert set(rows) == set(bm.IMPLS)
+    assert rows["expertact-fp8"].get("skipped") and "cpu" in rows["expertact-fp8"]["error"]
+    for impl in ("megatron", "expertact", "expertact-recompute", "expertact-inplace"):
+        assert max(rows[impl]["err"].values()) < 1e-5, rows[impl]

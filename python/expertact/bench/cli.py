@@ -15,6 +15,8 @@ implementations), chosen by the command line.
                                                     # expertact (expertact/bench/experts.py)
     python -m expertact.bench --autoep              # DeepSpeed AutoEP's GroupedExperts: DeepSpeed's own forward,
                                                     # with expertact's activation, expertact's whole MLP (bf16, FP8)
+    python -m expertact.bench --megatron            # Megatron-Core's SequentialMLP experts beside expertact's
+                                                    # ExpertMLP (bf16, memory modes, FP8); Python >= 3.12
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ def parse_args(argv=None):
                         "with and without the expert biases)")
     p.add_argument("--autoep", action="store_true",
                    help="DeepSpeed AutoEP's GroupedExperts instead (expertact.bench.autoep; its own options follow)")
+    p.add_argument("--megatron", action="store_true",
+                   help="Megatron-Core's experts instead (expertact.bench.megatron; its own options follow)")
     p.add_argument("--experts", action="store_true",
                    help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
                         "its own options follow)")
@@ -91,6 +95,10 @@ def main(argv=None) -> int:
         from . import autoep
 
         return autoep.main([x for x in argv if x != "--autoep"])
+    if "--megatron" in argv:  # Megatron-Core's experts, with their own options
+        from . import megatron
+
+        return megatron.main([x for x in argv if x != "--megatron"])
     if "--experts" in argv:  # transformers' experts implementations, with their own options
         from . import experts
 

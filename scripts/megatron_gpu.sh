@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# expertact as Megatron-Core's experts on a GPU machine, in stages (a machine that allows only
+# short commands takes them a few at a time). Needs megatron-core 0.19.2 importable (Python
+# >= 3.12): installed, or its wheel in .whl/ (carried; scripts/gpu_check.sh installs .whl/ into
+# /tmp/site). Results and logs go to $OUT/megatron/ ($OUT defaults to out/, git-ignored).
+#
+#   bash scripts/megatron_gpu.sh                       # STAGES="build test bench train report"
+#   STAGES="build test" bash scripts/megatron_gpu.sh
+#
+#   build   the library with its CUDA path (scripts/gpu_check.sh's build stage, build/gpu)
+#   test    tests/python/test_megatron.py on the GPU (fails unless its GPU cases ran)
+#   bench   python -m expertact.bench --megatron (BENCH_ARGS adds options): both shapes
+#   train   examples/megatron_moe.py on one GPU (TRAIN_ARGS replaces its options; default: 300
+#           steps of Megatron's experts, expertact in place, expertact FP8 and Megatron's again)
+#   report  examples/megatron_report.py over the training JSONs: the table and the loss plot
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/out}
+R=$OUT/megatron
+mkdir -p "$R"
+STAGES=${STAGES:-"build test bench train report"}
+SITE=${SITE:-/tmp/site}
+status=0
+has() { case " $STAGES " in *" $1 "*) return 0 ;; esac; return 1; }
+note() { echo "== $*" | tee -a "$R/summary.txt"; }
+fail() { echo "FAIL: $*" | tee -a "$R/summary.txt"; status=1; }
+
+if has build || [ ! -d "$SITE" ]; then  # the build, and the carried wheels into $SITE
+  STAGES=build OUT=$OUT bash scripts/gpu_check.sh > "$R/build.log" 2>&1 || fail "build (build.log)"
+fi
+export PYTHONPATH=$ROOT/python:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export EXPERTACT_LIBRARY=$ROOT/build/gpu/libexpertact.so
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$R/summary.txt" 2>&1 ||
+  fail "megatron-core is not importable (carry its wheel in .whl/)"
+
+if has test; then
+  note "test: tests/python/test_megatron.py"
+  (cd /tmp && timeout 400 python3 -m pytest "$ROOT/tests/python/test_megatron.py" -q -rs -s -p no:cacheprovider \
+    --junitxml="$R/pytest.xml") > "$R/pytest.txt" 2>&1 || fail "pytest (pytest.txt)"
+  tail -3 "$R/pytest.txt" | tee -a "$R/summary.txt"
+  if grep -q "needs CUDA" "$R/pytest.txt"; then fail "GPU cases skipped (pytest.txt)"; fi
+fi
+
+if has bench; then
+  note "bench: python -m expertact.bench --megatron ${BENCH_ARGS:-}"
+  (cd /tmp && timeout 480 python3 -m expertact.bench --megatron ${BENCH_ARGS:-} --json "$R/bench.json" \
+    --markdown "$R/bench.md") > "$R/bench.log" 2>&1 || fail "bench (bench.log)"
+  grep -E "PASS|FAIL" "$R/bench.md" | tee -a "$R/summary.txt"
+fi
+
+if has train; then
+  ARGS=${TRAIN_ARGS:-"--impl megatron,expertact-inplace,expertact-fp8,megatron-repeat --steps 300"}
+  note "train: examples/megatron_moe.py $ARGS"
+  timeout 560 torchrun --standalone --nproc-per-node 1 examples/megatron_moe.py $ARGS --out "$R/train" \
+    > "$R/train.log" 2>&1 || fail "train (train.log)"
+  grep -iE "summary|tokens/s|error" "$R/train.log" | tail -12 | tee -a "$R/summary.txt"
+fi
+
+if has report; then
+  note "report"
+  python3 examples/megatron_report.py --in "$R/train" --md "$R/train.md" --png "$R/megatron-h200-loss.png" \
+    > "$R/report.log" 2>&1 || fail "report (report.log)"
+fi
+exit $status
