@@ -7,7 +7,7 @@
 #   bash scripts/megatron_gpu.sh                       # STAGES="build test bench train report"
 #   STAGES="build test" bash scripts/megatron_gpu.sh
 #
-#   build   the library with its CUDA path (scripts/gpu_check.sh's build stage, build/gpu)
+#   build   the library alone with its CUDA path (ARCHS, default 90), in build/gpu
 #   test    tests/python/test_megatron.py on the GPU (fails unless its GPU cases ran)
 #   bench   python -m expertact.bench --megatron (BENCH_ARGS adds options): both shapes
 #   train   examples/megatron_moe.py on one GPU (TRAIN_ARGS replaces its options; default: 300
@@ -26,8 +26,16 @@ has() { case " $STAGES " in *" $1 "*) return 0 ;; esac; return 1; }
 note() { echo "== $*" | tee -a "$R/summary.txt"; }
 fail() { echo "FAIL: $*" | tee -a "$R/summary.txt"; status=1; }
 
-if has build || [ ! -d "$SITE" ]; then  # the build, and the carried wheels into $SITE
-  STAGES=build OUT=$OUT bash scripts/gpu_check.sh > "$R/build.log" 2>&1 || fail "build (build.log)"
+if has build; then  # the library alone (its CUDA path for ARCHS), in build/gpu
+  t=$SECONDS
+  { cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90}" -DEXPERTACT_BUILD_TESTS=OFF -DEXPERTACT_BUILD_BENCH=OFF &&
+    cmake --build build/gpu -j "$(nproc)" --target expertact; } > "$R/build.log" 2>&1 || fail "build (build.log)"
+  note "build: $((SECONDS - t)) s"
+fi
+if ls .whl/*.whl > /dev/null 2>&1; then  # the carried wheels (megatron-core), out of the machine's way
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/*.whl > "$R/pip.log" 2>&1 || fail "installing .whl/*.whl into $SITE (pip.log)"
 fi
 export PYTHONPATH=$ROOT/python:$SITE${PYTHONPATH:+:$PYTHONPATH}
 export EXPERTACT_LIBRARY=$ROOT/build/gpu/libexpertact.so
@@ -37,7 +45,7 @@ python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >>
 
 if has test; then
   note "test: tests/python/test_megatron.py"
-  (cd /tmp && timeout 400 python3 -m pytest "$ROOT/tests/python/test_megatron.py" -q -rs -s -p no:cacheprovider \
+  (cd /tmp && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest "$ROOT/tests/python/test_megatron.py" -q -rs -s -p no:cacheprovider \
     --junitxml="$R/pytest.xml") > "$R/pytest.txt" 2>&1 || fail "pytest (pytest.txt)"
   tail -3 "$R/pytest.txt" | tee -a "$R/summary.txt"
   if grep -q "needs CUDA" "$R/pytest.txt"; then fail "GPU cases skipped (pytest.txt)"; fi
@@ -45,15 +53,15 @@ fi
 
 if has bench; then
   note "bench: python -m expertact.bench --megatron ${BENCH_ARGS:-}"
-  (cd /tmp && timeout 480 python3 -m expertact.bench --megatron ${BENCH_ARGS:-} --json "$R/bench.json" \
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m expertact.bench --megatron ${BENCH_ARGS:-} --json "$R/bench.json" \
     --markdown "$R/bench.md") > "$R/bench.log" 2>&1 || fail "bench (bench.log)"
   grep -E "PASS|FAIL" "$R/bench.md" | tee -a "$R/summary.txt"
 fi
 
 if has train; then
-  ARGS=${TRAIN_ARGS:-"--impl megatron,expertact-inplace,expertact-fp8,megatron-repeat --steps 300"}
+  ARGS=${TRAIN_ARGS:-"--impl megatron,expertact-inplace,expertact-fp8,megatron-repeat --steps 300 --micro-batch 32"}
   note "train: examples/megatron_moe.py $ARGS"
-  timeout 560 torchrun --standalone --nproc-per-node 1 examples/megatron_moe.py $ARGS --out "$R/train" \
+  timeout "${TRAIN_TIMEOUT:-560}" torchrun --standalone --nproc-per-node 1 examples/megatron_moe.py $ARGS --out "$R/train" \
     > "$R/train.log" 2>&1 || fail "train (train.log)"
   grep -iE "summary|tokens/s|error" "$R/train.log" | tail -12 | tee -a "$R/summary.txt"
 fi

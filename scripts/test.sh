@@ -85,6 +85,21 @@ echo "== Python package (pip install . over the same build: the library is not c
 $PY -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" -C build.targets=expertact \
   -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON .
 
+# Megatron-Core needs Python >= 3.12: its tests run in a 3.12 virtual environment (VENV312, kept)
+# whose packages install beside the other tests (about 3.5 minutes of downloads the first time);
+# then the package goes in as a user installs it (pip install ".[megatron]", over the same build).
+PY312=${PY312:-$(command -v python3.12 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python 2> /dev/null | tail -1 || true)}
+VENV312=${VENV312:-$HOME/.cache/expertact-py312}
+mkdir -p "$BUILD"
+( set -e
+  [ -n "$PY312" ] || { echo "no Python 3.12 (PY312): the Megatron-Core tests cannot run"; exit 3; }
+  [ -x "$VENV312/bin/python" ] || "$PY312" -m venv "$VENV312"
+  "$VENV312/bin/python" -c "import torch, pytest, scikit_build_core, cmake, ninja, megatron.core" 2> /dev/null ||
+    "$VENV312/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.19.2" pytest numpy \
+      scikit-build-core cmake ninja
+) > "$BUILD/py312.log" 2>&1 &
+py312_pid=$!
+
 echo "== pytest; beside it, one job builds the C++ tests and benchmarks and runs ctest"
 t=$SECONDS
 # The CUDA tuning harness (bench/kernel_variants.cu, built on request only) reads the library's
@@ -98,11 +113,27 @@ py_rc=0
 (cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python") || py_rc=$?
 ct_rc=0
 wait $ctest_pid || ct_rc=$?
+echo "== Megatron-Core's tests in Python 3.12 (tests/python/test_megatron.py)"
+mc_rc=0
+wait $py312_pid || mc_rc=$?
+if [ $mc_rc = 0 ]; then  # the package over the same build (after ctest's job: one build at a time)
+  "$VENV312/bin/python" -m pip install -q --no-build-isolation -C build-dir="$BUILD" -C build.targets=expertact \
+    -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON ".[megatron]" \
+    >> "$BUILD/py312.log" 2>&1 || { tail -30 "$BUILD/py312.log"; mc_rc=1; }
+fi
+if [ $mc_rc = 0 ]; then
+  (cd /tmp && "$VENV312/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python/test_megatron.py") || mc_rc=$?
+elif [ $mc_rc = 3 ]; then
+  cat "$BUILD/py312.log"; mc_rc=0  # no Python 3.12 on this machine: said, not failed
+else
+  tail -30 "$BUILD/py312.log"
+fi
 echo "== the C++ build and ctest ($((SECONDS - t)) s for both sides)"
 grep -E "tests passed|tests failed|FAILED|error:" "$BUILD/ctest.log" | head -20 || true
 if [ $ct_rc != 0 ]; then
   grep -E -A 40 "The following tests FAILED|\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout" "$BUILD/ctest.log" | head -200
   tail -30 "$BUILD/ctest.log"
 fi
-[ $py_rc = 0 ] && [ $ct_rc = 0 ] || { echo "FAILED: pytest status $py_rc, C++ build and ctest status $ct_rc"; exit 1; }
+[ $py_rc = 0 ] && [ $ct_rc = 0 ] && [ $mc_rc = 0 ] ||
+  { echo "FAILED: pytest status $py_rc, C++ build and ctest status $ct_rc, Megatron-Core tests $mc_rc"; exit 1; }
 echo "== all tests passed"

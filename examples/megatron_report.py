@@ -1,0 +1,204 @@
+"""The table (markdown) and the loss plot of the Megatron-Core MoE runs that
+examples/megatron_moe.py wrote, one JSON per run:
+
+    python3 examples/megatron_report.py --in OUT/megatron --md OUT/megatron.md --png docs/megatron-h200-loss.png
+
+Runs are grouped by config and activation and compared with that group's "megatron" run (Megatron's
+own SequentialMLP experts). The "megatron-repeat" run is the same run again: its difference from
+"megatron" is the run-to-run nondeterminism, the yardstick for the other runs' differences.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+IMPL_ORDER = ("megatron", "megatron-repeat", "expertact", "expertact-inplace", "expertact-fp8")
+IMPL_TEXT = {"megatron": "Megatron SequentialMLP", "megatron-repeat": "Megatron again (yardstick: run-to-run noise)",
+             "expertact": "expertact ExpertMLP (bf16)", "expertact-inplace": "expertact, in-place backward",
+             "expertact-fp8": "expertact, FP8 rowwise"}
+COLORS = {"megatron": "black", "megatron-repeat": "0.6", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
+          "expertact-fp8": "tab:red"}
+LATE = 50  # the "late" loss differences: steps >= LATE
+GIB = 2**30
+
+
+def load(in_dirs):
+    runs = []
+    for path in sorted(p for d in in_dirs for p in glob.glob(os.path.join(d, "*.json"))):
+        try:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"megatron_report.py: skipping {path}: {e}", file=sys.stderr)
+            continue
+        if isinstance(run, dict) and "impl" in run and "config" in run:
+            run["_path"] = path
+            runs.append(run)
+    return runs
+
+
+def ok(run):
+    return run is not None and not run.get("error") and bool(run.get("losses"))
+
+
+def groups_of(runs):
+    """{(config, activation): runs in IMPL_ORDER}."""
+    out = {}
+    key = lambda r: IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else len(IMPL_ORDER)
+    for run in sorted(runs, key=lambda r: (r["config"], r.get("activation", "?"), key(r), r["impl"])):
+        out.setdefault((run["config"], run.get("activation", "?")), []).append(run)
+    return out
+
+
+def reference(runs):
+    return next((r for r in runs if r["impl"] == "megatron" and ok(r)), None)
+
+
+def diffs(run, ref):
+    """loss - ref loss per common step."""
+    n = min(len(run["losses"]), len(ref["losses"]))
+    return [a - b for a, b in zip(run["losses"][:n], ref["losses"][:n])]
+
+
+def diff_stats(run, ref):
+    """(max |d| (step), max |d| over steps >= LATE, mean |d|) as text."""
+    d = [abs(x) for x in diffs(run, ref)]
+    if not d:
+        return "n/a", "n/a", "n/a"
+    at = max(range(len(d)), key=d.__getitem__)
+    late = f"{max(d[LATE:]):.2e}" if len(d) > LATE else "n/a"
+    return f"{d[at]:.2e} ({at})", late, f"{sum(d) / len(d):.2e}"
+
+
+def table(groups):
+    head = ("| config | activation | run | final loss | mean step (ms) | tokens/s | speed-up vs megatron | peak GiB "
+            f"| max abs loss diff (step) | max abs diff, steps >= {LATE} | mean abs diff |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for (config, act), runs in groups.items():
+        ref = reference(runs)
+        for run in runs:
+            name = IMPL_TEXT.get(run["impl"], run["impl"])
+            if not ok(run):
+                err = (run.get("error") or "no losses").replace("|", "/")
+                lines.append(f"| {config} | {act} | {name} | failed: {err[:120]} |" + " |" * 7)
+                continue
+            speed = f"{ref['mean_step_ms'] / run['mean_step_ms']:.2f}x" if ref and run is not ref else "—"
+            stats = diff_stats(run, ref) if ref and run is not ref else ("—", "—", "—")
+            lines.append(f"| {config} | {act} | {name} | {run['losses'][-1]:.4f} | {run['mean_step_ms']:.1f} | "
+                         f"{run['tokens_per_s']:,.0f} | {speed} | {run['peak_allocated_bytes'] / GIB:.2f} | "
+                         + " | ".join(stats) + " |")
+    return "\n".join(lines)
+
+
+def setup_text(groups):
+    out = []
+    for (config, act), runs in groups.items():
+        r = next((x for x in runs if ok(x)), runs[0])
+        s, v = r["sizes"], r.get("versions", {})
+        out.append(
+            f"- **{config} / {act}**: Megatron-Core GPTModel (local spec, no TransformerEngine), {s['layers']} layers, "
+            f"every one MoE: {s['experts']} experts (ffn {s['ffn']}, top-{s['top_k']}, aux-loss load balancing, "
+            f"alltoall dispatcher), hidden {s['hidden']}, {s['heads']} heads, RMSNorm, RoPE, vocab {s['vocab']}; "
+            f"{r['world_size']} GPU(s), expert parallelism {r['ep']}, data parallelism {r['dp']}; "
+            f"{s['micro_batch']} x {s['seq']} tokens per rank and step ({r['tokens_per_step']:,} a step); bf16, "
+            f"Adam lr {s['lr']} ({r.get('lr_warmup')} warm-up steps, then constant), clip 1.0; seed {r['seed']}; "
+            f"{r['steps']} steps, times and peak memory over steps {r['warmup']}..{r['steps'] - 1} (slowest rank, "
+            f"synchronized; torch.cuda.max_memory_allocated). Loss: {r.get('loss_kind', 'LM loss')}. "
+            f"{v.get('device', '?')}, torch {v.get('torch', '?')}, megatron-core {v.get('megatron_core', '?')}, "
+            f"expertact {v.get('expertact', '?')}, CUDA {v.get('cuda', '?')}.")
+    return "\n".join(out)
+
+
+def markdown(runs, png_rel, report_cmd):
+    groups = groups_of(runs)
+    lines = ["# Megatron-Core MoE training: Megatron's experts against expertact's", "",
+             "Written by examples/megatron_report.py from the JSON files of examples/megatron_moe.py. Every run of a "
+             "group starts from the same weights and trains on the same batches (Megatron's MockGPTDataset).", "",
+             f"![loss curves and their difference from Megatron's]({png_rel})" if png_rel else "(no plot)", "",
+             table(groups), "",
+             "Loss differences are against the group's `megatron` run, per step; the `megatron-repeat` row is "
+             "Megatron against itself, the size of run-to-run nondeterminism.", "", "## Setup", "",
+             setup_text(groups), "", "## Commands", ""]
+    ordered = [r["command"] for rs in groups.values() for r in rs]
+    lines += [f"    {c}" for c in dict.fromkeys(ordered)]
+    lines += [f"    {report_cmd}", ""]
+    return "\n".join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(k, rs) for k, rs in groups_of(runs).items() if any(ok(r) for r in rs)]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 4.2 * len(groups)), squeeze=False)
+    for (ax_loss, ax_diff), ((config, act), rs) in zip(axes, groups):
+        ref = reference(rs)
+        for run in filter(ok, rs):
+            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] == "megatron-repeat" else "-")
+            label = IMPL_TEXT.get(run["impl"], run["impl"])
+            ax_loss.plot(range(len(run["losses"])), run["losses"], label=label, **style)
+            if ref is not None and run is not ref:
+                d = diffs(run, ref)
+                ax_diff.plot(range(len(d)), d, label=f"{label} (max abs {max(map(abs, d)):.1e})", **style)
+        ax_loss.set(title=f"LM loss, {config} / {act}", xlabel="step", ylabel="loss", yscale="log")
+        if ref is None:
+            ax_diff.text(0.5, 0.5, "no successful megatron run to compare with", ha="center", va="center",
+                         transform=ax_diff.transAxes)
+        ax_diff.axhline(0.0, color="black", lw=0.6)
+        ax_diff.set(title="loss minus Megatron's (same step)", xlabel="step", ylabel="difference")
+        for ax in (ax_loss, ax_diff):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    v = next(r for r in runs if ok(r)).get("versions", {})
+    fig.suptitle(f"Megatron-Core MoE, {v.get('device', '?')}: torch {v.get('torch', '?')}, megatron-core "
+                 f"{v.get('megatron_core', '?')}, expertact {v.get('expertact', '?')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--in", dest="in_dirs", nargs="+", default=[os.path.join(os.environ.get("OUT", "."), "megatron")],
+                   help="folder(s) of megatron_moe.py's JSON files (default $OUT/megatron)")
+    p.add_argument("--md", default=None, help="write the markdown here (default: print the table only)")
+    p.add_argument("--png", default=None, help="write the plot here")
+    args = p.parse_args(argv)
+    runs = load(args.in_dirs)
+    if not runs:
+        sys.exit(f"megatron_report.py: no megatron_moe.py results in {' '.join(args.in_dirs)}")
+    seen = {}
+    for r in runs:
+        key = (r["config"], r.get("activation"), r["impl"])
+        if key in seen:
+            sys.exit(f"megatron_report.py: {key} found twice: {seen[key]} and {r['_path']}")
+        seen[key] = r["_path"]
+    for (config, act), rs in groups_of(runs).items():
+        if reference(rs) is None:
+            print(f"megatron_report.py: no successful megatron run for {config}/{act}: no comparisons there",
+                  file=sys.stderr)
+    if args.png and not any(ok(r) for r in runs):
+        print("megatron_report.py: no successful run: no plot", file=sys.stderr)
+        args.png = None
+    if args.png:
+        os.makedirs(os.path.dirname(os.path.abspath(args.png)), exist_ok=True)
+        plot(runs, args.png)
+    if args.md:
+        os.makedirs(os.path.dirname(os.path.abspath(args.md)), exist_ok=True)
+        png_rel = os.path.relpath(os.path.abspath(args.png), os.path.dirname(os.path.abspath(args.md))) \
+            if args.png else None
+        with open(args.md, "w") as f:
+            f.write(markdown(runs, png_rel, " ".join(["python3", "examples/megatron_report.py"] + sys.argv[1:])))
+    print(table(groups_of(runs)))
+    written = [x for x in (args.md, args.png) if x]
+    if written:
+        print("wrote " + " and ".join(written))
+
+
+if __name__ == "__main__":
+    main()
