@@ -14,9 +14,10 @@ One process per GPU, launched by torchrun; several impls run one after another i
                           recorded with its error and skipped)
 
 --activation gpt-oss: GPT-OSS's experts (quick_gelu, glu_linear_offset 1, clamp 7, biases). Megatron
-0.19.2's own SequentialMLP fails there in its first forward (transformer/mlp.py adds the expert bias in
-place to the output of a custom autograd Function: RuntimeError "... is a view and is being modified
-inplace"): the megatron runs are recorded with that error, the expertact runs train.
+0.19.2's own SequentialMLP fails there at TP = EP = 1 in its first forward (transformer/mlp.py adds the
+expert bias in place to the output of the TP reduce, a custom autograd Function that returns its input
+as is at TP 1: RuntimeError "... is a view and is being modified inplace"); the megatron runs then take
+fc2's expert-parallel path (explicit_expert_comm), which skips that reduce.
 
 With N GPUs (--nproc-per-node N) the experts are spread over --ep ranks (default N: expert
 parallelism N, data parallelism N for the rest). The model: Megatron's GPTModel from its local
@@ -193,6 +194,13 @@ def train_one(args, impl, dataset, env, log):
     gpt = GPTModel(config, layer_spec(impl, s["experts"]), vocab_size=s["vocab"], max_sequence_length=s["seq"],
                    position_embedding_type="rope")
     experts = type(gpt.decoder.layers[0].mlp.experts)
+    if IMPLS[impl] is None and config.add_bias_linear and env["ep"] == 1:
+        # Megatron 0.19.2's SequentialMLP with expert biases raises at TP = EP = 1 (its MLP adds fc2's
+        # bias in place to the TP reduce's output, which that reduce returns as is at TP 1); fc2 takes
+        # the path it takes under expert parallelism, where the reduce (a no-op at TP 1) is skipped.
+        for m in gpt.modules():
+            if getattr(m, "is_expert", False) and hasattr(m, "explicit_expert_comm"):
+                m.explicit_expert_comm = True
     gpt.cuda(env["device"])
     with torch.no_grad():  # equal for every impl of a launch: the same initial weights
         checksum = float(sum(p.double().sum() for p in gpt.parameters()))
