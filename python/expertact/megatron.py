@@ -23,12 +23,13 @@ which is expert_mlp's y = (act(gate_up) @ w2 + b2) * weights with the preset:
     activation_func F.silu, offset 0, clamp c       -> "swiglu_clamped", limit c
     activation_func quick_gelu (x * sigmoid(1.702 x)), offset 1, clamp c  -> "swiglu_oai", alpha 1.702, limit c
 
-Anything else is refused at construction with an error naming the config field.
-``swap_experts(spec)`` returns a layer spec with ExpertMLP in place of SequentialMLP (and how many
-it replaced); ``gpt_layer_local_spec(...)`` is Megatron's ``get_gpt_layer_local_spec(...)`` with
-that done.
-
-Not yet: the GPU tests, FP8 on the GPU, the training example and the benchmark (they need a GPU).
+Anything else is refused at construction with an error naming the config field, and so are the
+two fused paths of Megatron that compute another function than its unfused one (docs/megatron.md).
+The memory mode and precision are ExpertMLP's keywords (recompute, inplace_backward, fp8).
+``swap_experts(spec, **options)`` returns a layer spec with ExpertMLP in place of SequentialMLP (and
+how many it replaced); ``gpt_layer_local_spec(..., experts=options)`` is Megatron's
+``get_gpt_layer_local_spec(...)`` with that done; ``enable(model, **options)`` switches the
+SequentialMLPs of a built model in place (``disable(model)`` switches them back).
 """
 from __future__ import annotations
 
