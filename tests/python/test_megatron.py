@@ -450,3 +450,18 @@ def test_bench_table_on_the_cpu(mpu, tmp_path):
     assert rows["expertact-fp8"].get("skipped") and "cpu" in rows["expertact-fp8"]["error"]
     for impl in ("megatron", "expertact", "expertact-recompute", "expertact-inplace"):
         assert max(rows[impl]["err"].values()) < 1e-5, rows[impl]
+
+
+def test_training_example_arguments():
+    """examples/megatron_moe.py's options (the run itself needs CUDA: Megatron's router)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "megatron_moe.py"
+    spec = importlib.util.spec_from_file_location("megatron_moe_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a = mod.parse_args(["--impl", "megatron,expertact-fp8", "--config", "tiny", "--steps", "5"])
+    assert a.impls == ["megatron", "expertact-fp8"] and a.sizes["steps"] == 5
+    for bad in (["--impl", "megatron,nope"], ["--impl", "megatron,megatron"], ["--impl", "x", "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
