@@ -32,6 +32,7 @@ time of ds+act, extra peak at or below it; w13-copy under 1% of the mlp row's ti
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -39,8 +40,8 @@ import torch
 
 
 from .common import (
-    OOM, add_mlp_args, clock_and_memory, fmt_mem, log, measure, median_ms, method, mlp_settings, parse_list,
-    rel_error, resolve_device, versions, write_outputs,
+    add_mlp_args, clock_and_memory, log, measure, median_ms, method, mlp_settings, parse_list,
+    rel_error, resolve_device, run_row, timing_error_rows, versions, write_outputs,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -200,16 +201,7 @@ def markdown(meta, tables):
         lines += ["", f"### {act}", "",
                   "| row | fwd ms | bwd ms | fwd+bwd ms | extra peak GiB | kept GiB | y err | dx err | dw1 err | "
                   "dw2 err | dw3 err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in results:
-            if "error" in r:
-                lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 9)
-                continue
-            e = r.get("err") or {}
-            cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in WHAT]
-            f, b = (("n/a" if r.get(k) is None else f"{r[k]:.2f}") for k in ("fwd_ms", "bwd_ms"))
-            lines.append(f"| {r['impl']} | {f} | {b} | {r['ms']:.3f} | "
-                         f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
-                         + " | ".join(cells) + " |")
+        lines += timing_error_rows(results, WHAT, unit)
         if checks:
             lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
     lines += ["", "err: ||a - ref|| / ||ref|| against float32, one expert at a time with DeepSpeed's eager form of "
@@ -271,14 +263,7 @@ def main(argv=None) -> int:
         for impl in impls:
             r = dict(impl=impl)
             gate_up_impl, enabled = ROWS.get(impl, ("fused", None))
-            try:
-                r.update(_row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref))
-            except OOM:
-                r["error"] = "OOM"
-            except NotImplementedError as e:  # FP8 where it cannot run (the CPU, other GPUs)
-                r["error"], r["skipped"] = f"skipped: {str(e)[:160]}", True
-            except Exception as e:  # noqa: BLE001 - one failing row does not end the table
-                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            run_row(r, functools.partial(_row, impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref))
             inp.clear()
             if cuda:
                 torch.cuda.empty_cache()

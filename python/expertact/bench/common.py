@@ -432,3 +432,35 @@ def write_outputs(json_path, md_path, data, md, *, quiet=False):
             f.write(md)
         if not quiet:
             log(f"wrote {md_path}")
+
+
+def run_row(row: dict, thunk, skip=(NotImplementedError, )) -> dict:
+    """row updated with thunk()'s measurements, or with what ended them: "OOM"; "skipped: ..."
+    (row["skipped"]) for the exceptions in skip, what cannot run on this machine; else the
+    exception. One failing row does not end the table."""
+    try:
+        row.update(thunk())
+    except OOM:
+        row["error"] = "OOM"
+    except skip as e:
+        row["error"], row["skipped"] = f"skipped: {str(e)[:160]}", True
+    except Exception as e:  # noqa: BLE001 - one failing row does not end the table
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def timing_error_rows(results, what, unit="GiB") -> list:
+    """The markdown rows of a forward/backward table with memory and error columns: row, fwd ms,
+    bwd ms, fwd+bwd ms, extra peak, kept, then one ||a - ref|| / ||ref|| cell per name in what."""
+    lines = []
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['error']} |" + " |" * (4 + len(what)))
+            continue
+        e = r.get("err") or {}
+        cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in what]
+        f, b = (("n/a" if r.get(k) is None else f"{r[k]:.2f}") for k in ("fwd_ms", "bwd_ms"))
+        lines.append(f"| {r['impl']} | {f} | {b} | {r['ms']:.3f} | "
+                     f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
+                     + " | ".join(cells) + " |")
+    return lines

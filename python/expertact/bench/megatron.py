@@ -35,6 +35,7 @@ expertact-fp8 at least TARGET_FP8 x faster than expertact (bf16) at 4x3072.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import sys
@@ -43,8 +44,8 @@ import time
 import torch
 
 from .common import (
-    OOM, clock_and_memory, fmt_mem, log, measure, median_ms, method, parse_list, rel_error, resolve_device,
-    versions, write_outputs,
+    clock_and_memory, log, measure, median_ms, method, parse_list, rel_error, resolve_device,
+    run_row, timing_error_rows, versions, write_outputs,
 )
 
 IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
@@ -256,16 +257,7 @@ def markdown(meta, tables):
                   f"D = {info['dim']:,}, F = {info['ffn']:,}, {info['form']}, {meta['dtype']}", "",
                   "| row | fwd ms | bwd ms | fwd+bwd ms | extra peak GiB | kept GiB | y err | dx err | dprobs err | "
                   "dW1 err | dW2 err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in results:
-            if "error" in r:
-                lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 9)
-                continue
-            e = r.get("err") or {}
-            cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in WHAT]
-            f, b = (("n/a" if r.get(k) is None else f"{r[k]:.2f}") for k in ("fwd_ms", "bwd_ms"))
-            lines.append(f"| {r['impl']} | {f} | {b} | {r['ms']:.3f} | "
-                         f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
-                         + " | ".join(cells) + " |")
+        lines += timing_error_rows(results, WHAT, unit)
         if checks:
             lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
     lines += ["", "err: ||a - ref|| / ||ref|| against Megatron's MLP in float32, one expert at a time (TF32 off), "
@@ -331,14 +323,7 @@ def main(argv=None) -> int:
         results = []
         for impl in impls:
             r = dict(impl=impl)
-            try:
-                r.update(_row(impl, inp, xmeg, clock, memory, iters, warmup, ref))
-            except OOM:
-                r["error"] = "OOM"
-            except NotImplementedError as e:  # FP8 where it cannot run (the CPU, other GPUs)
-                r["error"], r["skipped"] = f"skipped: {str(e)[:160]}", True
-            except Exception as e:  # noqa: BLE001 - one failing row does not end the table
-                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            run_row(r, functools.partial(_row, impl, inp, xmeg, clock, memory, iters, warmup, ref))
             inp.clear()
             if cuda:
                 torch.cuda.empty_cache()
