@@ -8,6 +8,8 @@ One process per GPU, launched by torchrun; several impls run one after another i
 
 --impl megatron           get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False): SequentialMLP
 --impl megatron-repeat    the same again: its difference from "megatron" is the run-to-run noise
+--impl megatron-fused     Megatron's experts with bias_activation_fusion=True (its fused weighted SwiGLU:
+                          the same function rounded in another order; swiglu only): the loss yardstick
 --impl expertact          expertact.megatron.gpt_layer_local_spec(...): ExpertMLP, bf16
 --impl expertact-inplace  ... experts=dict(inplace_backward=True)
 --impl expertact-fp8      ... experts=dict(fp8="rowwise") (Hopper only: elsewhere the run is
@@ -46,7 +48,7 @@ import time
 import traceback
 
 # --impl -> the experts: None = Megatron's SequentialMLP, else ExpertMLP's keywords.
-IMPLS = {"megatron": None, "megatron-repeat": None, "expertact": {}, "expertact-inplace": dict(inplace_backward=True),
+IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-fused": None, "expertact": {}, "expertact-inplace": dict(inplace_backward=True),
          "expertact-fp8": dict(fp8="rowwise")}
 # "h200": 64 x 1024 = 65,536 tokens a step, top-4 of 8 experts: 262,144 routed rows per MoE layer.
 CONFIGS = {
@@ -77,6 +79,9 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown or not args.impls:
         p.error(f"--impl {args.impl!r}: unknown {unknown}; expected one of {', '.join(IMPLS)}")
+    if "megatron-fused" in args.impls and args.activation != "swiglu":
+        p.error("--impl megatron-fused is for --activation swiglu (Megatron's fused quick-GeGLU clamps before "
+                "fc1's bias: another function)")
     if len(set(args.impls)) != len(args.impls):
         p.error(f"--impl {args.impl!r} names a run twice (use megatron-repeat for a second megatron run)")
     s = dict(CONFIGS[args.config])
@@ -93,7 +98,7 @@ def parse_args(argv=None):
     return args
 
 
-def transformer_config(args, ep):
+def transformer_config(args, ep, impl):
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -107,7 +112,8 @@ def transformer_config(args, ep):
         num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],
         num_moe_experts=s["experts"], moe_ffn_hidden_size=s["ffn"], moe_router_topk=s["top_k"],
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        moe_grouped_gemm=False, expert_model_parallel_size=ep, bias_activation_fusion=False,
+        moe_grouped_gemm=False, expert_model_parallel_size=ep,
+        bias_activation_fusion=impl == "megatron-fused",
         normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16, **act)
 
@@ -190,7 +196,7 @@ def train_one(args, impl, dataset, env, log):
     s = args.sizes
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # same initial weights for every impl
-    config = transformer_config(args, env["ep"])
+    config = transformer_config(args, env["ep"], impl)
     gpt = GPTModel(config, layer_spec(impl, s["experts"]), vocab_size=s["vocab"], max_sequence_length=s["seq"],
                    position_embedding_type="rope")
     experts = type(gpt.decoder.layers[0].mlp.experts)

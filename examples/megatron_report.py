@@ -4,8 +4,9 @@ examples/megatron_moe.py wrote, one JSON per run:
     python3 examples/megatron_report.py --in OUT/megatron --md OUT/megatron.md --png docs/megatron-h200-loss.png
 
 Runs are grouped by config and activation and compared with that group's "megatron" run (Megatron's
-own SequentialMLP experts). The "megatron-repeat" run is the same run again: its difference from
-"megatron" is the run-to-run nondeterminism, the yardstick for the other runs' differences.
+own SequentialMLP experts). The "megatron-repeat" run is the same run again (its difference from
+"megatron": the run-to-run nondeterminism); "megatron-fused" is Megatron's own fused SwiGLU, the same
+function rounded in another order: the yardstick for the other runs' differences.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import json
 import os
 import sys
 
-IMPL_ORDER = ("megatron", "megatron-repeat", "expertact", "expertact-inplace", "expertact-fp8")
-IMPL_TEXT = {"megatron": "Megatron SequentialMLP", "megatron-repeat": "Megatron again (yardstick: run-to-run noise)",
+IMPL_ORDER = ("megatron", "megatron-repeat", "megatron-fused", "expertact", "expertact-inplace", "expertact-fp8")
+IMPL_TEXT = {"megatron": "Megatron SequentialMLP", "megatron-repeat": "Megatron again (run-to-run noise)",
+             "megatron-fused": "Megatron, its fused SwiGLU (yardstick: another rounding)",
              "expertact": "expertact ExpertMLP (bf16)", "expertact-inplace": "expertact, in-place backward",
              "expertact-fp8": "expertact, FP8 rowwise"}
-COLORS = {"megatron": "black", "megatron-repeat": "0.6", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
+COLORS = {"megatron": "black", "megatron-repeat": "0.6", "megatron-fused": "tab:gray", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
           "expertact-fp8": "tab:red"}
 LATE = 50  # the "late" loss differences: steps >= LATE
 GIB = 2**30
@@ -120,7 +122,8 @@ def markdown(runs, png_rel, report_cmd):
              f"![loss curves and their difference from Megatron's]({png_rel})" if png_rel else "(no plot)", "",
              table(groups), "",
              "Loss differences are against the group's `megatron` run, per step; the `megatron-repeat` row is "
-             "Megatron against itself, the size of run-to-run nondeterminism.", "", "## Setup", "",
+             "Megatron against itself (run-to-run nondeterminism), the `megatron-fused` row Megatron's fused "
+             "SwiGLU (the same function, another rounding): the yardstick.", "", "## Setup", "",
              setup_text(groups), "", "## Commands", ""]
     ordered = [r["command"] for rs in groups.values() for r in rs]
     lines += [f"    {c}" for c in dict.fromkeys(ordered)]
@@ -138,7 +141,7 @@ def plot(runs, path):
     for (ax_loss, ax_diff), ((config, act), rs) in zip(axes, groups):
         ref = reference(rs)
         for run in filter(ok, rs):
-            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] == "megatron-repeat" else "-")
+            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] in ("megatron-repeat", "megatron-fused") else "-")
             label = IMPL_TEXT.get(run["impl"], run["impl"])
             ax_loss.plot(range(len(run["losses"])), run["losses"], label=label, **style)
             if ref is not None and run is not ref:
