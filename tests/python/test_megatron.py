@@ -79,7 +79,7 @@ def _run(m, x, counts, probs):
     x = x.detach().clone().requires_grad_()
     probs = probs.detach().clone().requires_grad_()
     y, bias = m(x, counts, probs)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)).to(y.device, y.dtype))
     grads = {n: p.grad for n, p in m.named_parameters()}
     return y.detach(), bias, x.grad, probs.grad, grads
 
@@ -292,6 +292,7 @@ def test_distributed_checkpoint_round_trip(mpu, tmp_path, singleton):
         pytest.skip("Megatron's distributed checkpoint writer calls CUDA (torch.cuda.current_device) on save")
     cfg = _config(add_bias_linear=True)
     ref, ours = _pair(cfg, mpu)
+    ref.cuda(), ours.cuda()  # the checkpoint's collectives run over NCCL there
     with torch.no_grad():
         for p in ours.parameters():
             p.normal_()  # different from ref's
@@ -465,3 +466,19 @@ def test_training_example_arguments():
     for bad in (["--impl", "megatron,nope"], ["--impl", "megatron,megatron"], ["--impl", "x", "--steps", "0"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
+
+
+def test_bench_gpt_oss_rows_on_the_cpu(mpu):
+    """The benchmark's GPT-OSS form (expert biases; Megatron's reference on fc2's expert-parallel
+    path) on the CPU: Megatron's and expertact's errors against the float32 reference at rounding."""
+    from expertact import megatron as em
+    from expertact.bench import megatron as bm
+    inp = bm.ExpertsInputs("gpt-oss", 4, 32, 64, 64, torch.float32, torch.device("cpu"))
+    ref = bm.reference32(inp)
+
+    def fn(x, probs):
+        return inp.module(x, inp.counts, probs)[0]
+    theirs = bm.errors(fn, inp, ref)
+    em.enable(inp.module)
+    ours = bm.errors(fn, inp, ref)
+    assert max(theirs.values()) < 1e-6 and max(ours.values()) < 1e-5, (theirs, ours)

@@ -150,6 +150,7 @@ def reference32(inp):
     mlp = MLP(config_of(inp.form, cfg.num_moe_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size, torch.float32),
               inp.submodules, ffn_hidden_size=cfg.moe_ffn_hidden_size, is_expert=True,
               tp_group=ProcessGroupCollection.use_mpu_process_groups().expt_tp).to(inp.x.device)
+    mlp.linear_fc2.explicit_expert_comm = inp.module.local_experts[0].linear_fc2.explicit_expert_comm
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
