@@ -482,3 +482,15 @@ def test_bench_gpt_oss_rows_on_the_cpu(mpu):
     em.enable(inp.module)
     ours = bm.errors(fn, inp, ref)
     assert max(theirs.values()) < 1e-6 and max(ours.values()) < 1e-5, (theirs, ours)
+
+
+def test_a_rank_with_no_rows(mpu):
+    """No token routed to this rank's experts: an empty output, zero weight gradients, as
+    SequentialMLP gives."""
+    ref, ours = _pair(_config(), mpu)
+    counts, x, probs = torch.tensor([0, 0, 0, 0]), torch.zeros(0, 32), torch.zeros(0)
+    want, got = _run(ref, x, counts, probs), _run(ours, x, counts, probs)
+    assert got[0].shape == want[0].shape == (0, 32)
+    for n, g in got[4].items():
+        w = want[4][n]
+        assert (g is None or not g.any()) and (w is None or not w.any()), n
