@@ -88,7 +88,12 @@ $PY -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" -C bu
 # Megatron-Core needs Python >= 3.12: its tests run in a 3.12 virtual environment (VENV312, kept)
 # whose packages install beside the other tests (about 3.5 minutes of downloads the first time);
 # then the package goes in as a user installs it (pip install ".[megatron]", over the same build).
-PY312=${PY312:-$(command -v python3.12 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python 2> /dev/null | tail -1 || true)}
+if [ -z "${PY312:-}" ]; then  # the first that runs (a pyenv shim on PATH may not)
+  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python python3.12; do
+    if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2> /dev/null; then PY312=$c; break; fi
+  done
+fi
+PY312=${PY312:-}
 VENV312=${VENV312:-$HOME/.cache/expertact-py312}
 mkdir -p "$BUILD"
 ( set -e
