@@ -32,7 +32,6 @@ time of ds+act, extra peak at or below it; w13-copy under 1% of the mlp row's ti
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 
@@ -41,7 +40,7 @@ import torch
 
 from .common import (
     add_mlp_args, clock_and_memory, log, measure, median_ms, method, mlp_settings, parse_list,
-    rel_error, resolve_device, run_row, timing_error_rows, versions, write_outputs,
+    rel_error, resolve_device, measured_rows, finish, timing_error_rows, versions,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -259,29 +258,18 @@ def main(argv=None) -> int:
             t0 = time.time()
             ref = reference32(inp)
             log(f"{act}: float32 reference in {time.time() - t0:.1f} s")
-        results = []
-        for impl in impls:
-            r = dict(impl=impl)
+        def row_of(impl):
             gate_up_impl, enabled = ROWS.get(impl, ("fused", None))
-            run_row(r, functools.partial(_row, impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref))
-            inp.clear()
-            if cuda:
-                torch.cuda.empty_cache()
-            results.append(r)
-            failed |= "error" in r and not r.get("skipped")
-            log(f"{act} {impl}: " + (r["error"] if "error" in r else
-                                     f"{r['ms']:.3f} ms, extra peak {r['extra_peak_gib']}, err {r.get('err')}"))
+            return _row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref)
+        results, bad = measured_rows(act, impls, row_of, inp, cuda)
+        failed |= bad
         checks = targets(results)
         tables[act] = (results, checks)
         data["tables"][act] = dict(results=results, targets=[dict(text=t, passed=ok) for t, ok in checks])
-        del inp, ref
+        inp = ref = None  # freed before the next table
         if cuda:
             torch.cuda.empty_cache()
-    md = markdown(meta, tables)
-    print()
-    print(md)
-    write_outputs(a.json, a.markdown, data, md)
-    return 1 if failed else 0
+    return finish(a, data, markdown(meta, tables), failed)
 
 
 if __name__ == "__main__":

@@ -464,3 +464,28 @@ def timing_error_rows(results, what, unit="GiB") -> list:
                      f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
                      + " | ".join(cells) + " |")
     return lines
+
+
+def measured_rows(label, impls, row_of, inp, cuda):
+    """One guarded row (run_row) per impl: row_of(impl) measures it; inp.clear() and the CUDA
+    cache emptied after each; each row logged. Returns (rows, whether a row failed other than
+    by being skipped)."""
+    results, failed = [], False
+    for impl in impls:
+        r = run_row(dict(impl=impl), lambda: row_of(impl))
+        inp.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+        results.append(r)
+        failed |= "error" in r and not r.get("skipped")
+        log(f"{label} {impl}: " + (r["error"] if "error" in r else
+                                   f"{r['ms']:.3f} ms, extra peak {r.get('extra_peak_gib')}, err {r.get('err')}"))
+    return results, failed
+
+
+def finish(a, data, md, failed) -> int:
+    """Print a table's markdown, write its --json / --markdown outputs; the exit status."""
+    print()
+    print(md)
+    write_outputs(a.json, a.markdown, data, md)
+    return 1 if failed else 0

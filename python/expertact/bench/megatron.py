@@ -35,7 +35,6 @@ expertact-fp8 at least TARGET_FP8 x faster than expertact (bf16) at 4x3072.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import socket
 import sys
@@ -45,7 +44,7 @@ import torch
 
 from .common import (
     clock_and_memory, log, measure, median_ms, method, parse_list, rel_error, resolve_device,
-    run_row, timing_error_rows, versions, write_outputs,
+    measured_rows, finish, timing_error_rows, versions,
 )
 
 IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
@@ -321,29 +320,17 @@ def main(argv=None) -> int:
             t0 = time.time()
             ref = reference32(inp)
             log(f"{shape}: float32 reference in {time.time() - t0:.1f} s")
-        results = []
-        for impl in impls:
-            r = dict(impl=impl)
-            run_row(r, functools.partial(_row, impl, inp, xmeg, clock, memory, iters, warmup, ref))
-            inp.clear()
-            if cuda:
-                torch.cuda.empty_cache()
-            results.append(r)
-            failed |= "error" in r and not r.get("skipped")
-            log(f"{shape} {impl}: " + (r["error"] if "error" in r else
-                                       f"{r['ms']:.3f} ms, extra peak {r['extra_peak_gib']}, err {r.get('err')}"))
+        results, bad = measured_rows(shape, impls, lambda impl: _row(impl, inp, xmeg, clock, memory, iters, warmup,
+                                                                     ref), inp, cuda)
+        failed |= bad
         checks = targets(shape, results) if cuda else []  # the targets are for the GPU shapes
         tables[shape] = (info, results, checks)
         data["tables"][shape] = dict(shape=info, results=results,
                                      targets=[dict(text=t, passed=ok) for t, ok in checks])
-        del inp, ref
+        inp = ref = None  # freed before the next table
         if cuda:
             torch.cuda.empty_cache()
-    md = markdown(meta, tables)
-    print()
-    print(md)
-    write_outputs(a.json, a.markdown, data, md)
-    return 1 if failed else 0
+    return finish(a, data, markdown(meta, tables), failed)
 
 
 if __name__ == "__main__":
