@@ -40,7 +40,7 @@ import torch
 
 from .common import (
     add_mlp_args, clock_and_memory, log, measure, median_ms, method, mlp_settings, parse_list,
-    rel_error, resolve_device, measured_rows, finish, timing_error_rows, versions,
+    errors_against, finish, measured_rows, resolve_device, timing_error_rows, versions,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -126,14 +126,7 @@ def reference32(inp):
 
 
 def errors(fn, inp, ref):
-    inp.clear()
-    y = fn(inp.x)
-    y.backward(inp.grad)
-    got = [y.detach()] + inp.grads()
-    out = {k: (None if g is None else rel_error(g, r)) for k, g, r in zip(WHAT, got, ref)}
-    del y, got
-    inp.clear()
-    return out
+    return errors_against(fn, inp, ref, WHAT)
 
 
 def copy_ms(inp, iters, warmup, device):

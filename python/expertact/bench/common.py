@@ -489,3 +489,16 @@ def finish(a, data, md, failed) -> int:
     print(md)
     write_outputs(a.json, a.markdown, data, md)
     return 1 if failed else 0
+
+
+def errors_against(fn, inp, ref, what) -> dict:
+    """One forward + backward of fn(*inp.args) with inp.grad: ||a - ref|| / ||ref|| of the output
+    and of inp.grads() against ref, keyed by the names in what (None where a gradient is None)."""
+    inp.clear()
+    y = fn(*inp.args)
+    y.backward(inp.grad)
+    got = [y.detach()] + inp.grads()
+    out = {k: (None if g is None else rel_error(g, r)) for k, g, r in zip(what, got, ref)}
+    del y, got
+    inp.clear()
+    return out

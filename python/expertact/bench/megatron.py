@@ -43,8 +43,8 @@ import time
 import torch
 
 from .common import (
-    clock_and_memory, log, measure, median_ms, method, parse_list, rel_error, resolve_device,
-    measured_rows, finish, timing_error_rows, versions,
+    clock_and_memory, errors_against, finish, log, measure, measured_rows, median_ms, method, parse_list,
+    resolve_device, timing_error_rows, versions,
 )
 
 IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
@@ -175,14 +175,7 @@ def reference32(inp):
 
 
 def errors(fn, inp, ref):
-    inp.clear()
-    y = fn(inp.x, inp.probs)
-    y.backward(inp.grad)
-    got = [y.detach()] + inp.grads()
-    out = {k: (None if g is None else rel_error(g, r)) for k, g, r in zip(WHAT, got, ref)}
-    del y, got
-    inp.clear()
-    return out
+    return errors_against(fn, inp, ref, WHAT)
 
 
 def stack_ms(inp, iters, warmup, device):
