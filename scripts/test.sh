@@ -79,15 +79,19 @@ t=$SECONDS
 cmake --build "$BUILD" -j "$NPROC" --target expertact
 echo "   built in $((SECONDS - t)) s"
 
-echo "== Python package (pip install . over the same build: the library is not compiled again)"
+echo "== Python package (a wheel over the same build: the library is not compiled again)"
 # scikit-build-core configures the same build folder with the same options and builds only the
-# library's target, which is up to date; then it installs it into the package.
-$PY -m pip install -q --no-build-isolation --no-deps -C build-dir="$BUILD" -C build.targets=expertact \
+# library's target, which is up to date; the wheel (py3-none-<platform>: the binding is ctypes)
+# serves this Python and the 3.12 environment below.
+rm -rf "$BUILD/wheel"
+$PY -m pip wheel -q --no-build-isolation --no-deps -w "$BUILD/wheel" -C build-dir="$BUILD" -C build.targets=expertact \
   -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON .
+WHEEL=$(ls "$BUILD"/wheel/expertact-*.whl)
+$PY -m pip install -q --no-deps --force-reinstall "$WHEEL"
 
 # Megatron-Core needs Python >= 3.12: its tests run in a 3.12 virtual environment (VENV312, kept)
 # whose packages install beside the other tests (about 3.5 minutes of downloads the first time);
-# then the package goes in as a user installs it (pip install ".[megatron]", over the same build).
+# then the package's wheel goes in as a user installs it, with its extra (pip install "...[megatron]").
 if [ -z "${PY312:-}" ]; then  # the first that runs (a pyenv shim on PATH may not)
   for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python python3.12; do
     if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2> /dev/null; then PY312=$c; break; fi
@@ -99,9 +103,8 @@ mkdir -p "$BUILD"
 ( set -e
   [ -n "$PY312" ] || { echo "no Python 3.12 (PY312): the Megatron-Core tests cannot run"; exit 3; }
   [ -x "$VENV312/bin/python" ] || "$PY312" -m venv "$VENV312"
-  "$VENV312/bin/python" -c "import torch, pytest, scikit_build_core, cmake, ninja, megatron.core" 2> /dev/null ||
-    "$VENV312/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.19.2" pytest numpy \
-      scikit-build-core cmake ninja
+  "$VENV312/bin/python" -c "import torch, pytest, megatron.core" 2> /dev/null ||
+    "$VENV312/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.19.2" pytest numpy
 ) > "$BUILD/py312.log" 2>&1 &
 py312_pid=$!
 
@@ -121,10 +124,10 @@ wait $ctest_pid || ct_rc=$?
 echo "== Megatron-Core's tests in Python 3.12 (tests/python/test_megatron.py)"
 mc_rc=0
 wait $py312_pid || mc_rc=$?
-if [ $mc_rc = 0 ]; then  # the package over the same build (after ctest's job: one build at a time)
-  "$VENV312/bin/python" -m pip install -q --no-build-isolation -C build-dir="$BUILD" -C build.targets=expertact \
-    -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON ".[megatron]" \
-    >> "$BUILD/py312.log" 2>&1 || { tail -30 "$BUILD/py312.log"; mc_rc=1; }
+if [ $mc_rc = 0 ]; then  # the same wheel, with the extra a user names
+  { "$VENV312/bin/python" -m pip uninstall -q -y expertact 2> /dev/null || true
+    "$VENV312/bin/python" -m pip install -q "$WHEEL[megatron]"; } >> "$BUILD/py312.log" 2>&1 ||
+    { tail -30 "$BUILD/py312.log"; mc_rc=1; }
 fi
 if [ $mc_rc = 0 ]; then
   (cd /tmp && "$VENV312/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python/test_megatron.py") || mc_rc=$?
