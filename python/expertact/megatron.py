@@ -118,6 +118,16 @@ def _check_config(config):
     return form
 
 
+def _check_module(module):
+    """_check_config of a built experts module (a SequentialMLP), after refusing expert tensor
+    parallelism: ExpertMLP computes whole experts."""
+    if module.tp_group is not None and module.tp_group.size() > 1:
+        raise ValueError(f"expertact.megatron: expert tensor parallelism of {module.tp_group.size()} "
+                         "(config.expert_tensor_parallel_size): ExpertMLP computes whole experts; use "
+                         "expert parallelism")
+    return _check_config(module.config)
+
+
 def _options(recompute=False, inplace_backward=False, fp8=None):
     """ExpertMLP's memory mode and precision, checked."""
     if fp8 not in (None, "rowwise"):
@@ -158,11 +168,7 @@ def _expert_mlp_class():
 
         def _expertact_configure(self, options):
             """The checks and settings of __init__, also applied by enable() to a built SequentialMLP."""
-            if self.tp_group is not None and self.tp_group.size() > 1:
-                raise ValueError(f"expertact.megatron: expert tensor parallelism of {self.tp_group.size()} "
-                                 "(config.expert_tensor_parallel_size): ExpertMLP computes whole experts; use "
-                                 "expert parallelism")
-            self.preset, self.alpha, self.limit = _check_config(self.config)
+            self.preset, self.alpha, self.limit = _check_module(self)
             self.expertact_options = dict(options)
 
         def _weights(self, dtype):
@@ -291,9 +297,7 @@ def enable(model, *, recompute: bool = False, inplace_backward: bool = False, fp
                              "model with Megatron's local spec (moe_grouped_gemm=False: SequentialMLP), or with "
                              "expertact.megatron.gpt_layer_local_spec")
     for module in found:  # every check before any switch
-        _check_config(module.config)
-        if module.tp_group is not None and module.tp_group.size() > 1:
-            ours._expertact_configure(module, options)  # raises, naming the field
+        _check_module(module)
     for module in found:
         module.__class__ = ours
         module._expertact_configure(options)

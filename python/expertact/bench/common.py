@@ -328,6 +328,12 @@ def add_mlp_args(p, cpu_rows: int) -> None:
                    help=f"rows per expert (default 261,280 on CUDA, {cpu_rows:,} on the CPU)")
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--ffn", type=int, default=None)
+    add_step_args(p)
+
+
+def add_step_args(p) -> None:
+    """The step counts, the error columns and the outputs of a table (step_counts resolves the
+    counts)."""
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up")
@@ -336,15 +342,20 @@ def add_mlp_args(p, cpu_rows: int) -> None:
     p.add_argument("--markdown", default="", metavar="PATH")
 
 
-def mlp_settings(a, cuda: bool, default: dict):
-    """(E, rows per expert, D, F, timed steps, warm-up steps) from add_mlp_args' options, each
-    left out taken from `default` (experts, rows, dim, ffn): 10 timed after 2 warm-up on CUDA,
-    3 after 1 with --quick or on the CPU."""
-    E, rows = a.experts or default["experts"], a.rows if a.rows is not None else default["rows"]
-    D, F = a.dim or default["dim"], a.ffn or default["ffn"]
+def step_counts(a, cuda: bool):
+    """(timed steps, warm-up steps) from add_step_args' options: 10 timed after 2 warm-up on
+    CUDA, 3 after 1 with --quick or on the CPU."""
     iters = a.iters if a.iters is not None else (3 if a.quick else 10 if cuda else 3)
     warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
-    return E, rows, D, F, iters, warmup
+    return iters, warmup
+
+
+def mlp_settings(a, cuda: bool, default: dict):
+    """(E, rows per expert, D, F, timed steps, warm-up steps) from add_mlp_args' options, each
+    left out taken from `default` (experts, rows, dim, ffn); the step counts as step_counts."""
+    E, rows = a.experts or default["experts"], a.rows if a.rows is not None else default["rows"]
+    D, F = a.dim or default["dim"], a.ffn or default["ffn"]
+    return (E, rows, D, F, *step_counts(a, cuda))
 
 
 def rel_error(a, ref) -> float:

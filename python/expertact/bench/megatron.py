@@ -43,8 +43,8 @@ import time
 import torch
 
 from .common import (
-    clock_and_memory, errors_against, finish, log, measure, measured_rows, median_ms, method, parse_list,
-    resolve_device, timing_error_rows, versions,
+    add_step_args, clock_and_memory, errors_against, finish, log, measure, measured_rows, median_ms, method,
+    parse_list, resolve_device, step_counts, timing_error_rows, versions,
 )
 
 IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
@@ -203,12 +203,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None, help=f"default {','.join(SHAPES)} (one table each)")
     p.add_argument("--impls", default=None, help=f"default {','.join(IMPLS)}")
     p.add_argument("--rows", type=int, default=None, help="rows per expert (default: the shape's)")
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="3 timed steps, 1 warm-up")
-    p.add_argument("--no-errors", action="store_true", help="skip the float32 reference and the error columns")
-    p.add_argument("--json", default="", metavar="PATH")
-    p.add_argument("--markdown", default="", metavar="PATH")
+    add_step_args(p)
     return p.parse_args(argv)
 
 
@@ -289,8 +284,7 @@ def main(argv=None) -> int:
     shapes_known = SHAPES if cuda else CPU_SHAPES
     shapes = parse_list(a.shapes or ",".join(shapes_known), tuple(shapes_known), "shapes")
     impls = parse_list(a.impls or ",".join(IMPLS), IMPLS, "impls")
-    iters = a.iters if a.iters is not None else (3 if a.quick or not cuda else 10)
-    warmup = a.warmup if a.warmup is not None else (1 if a.quick or not cuda else 2)
+    iters, warmup = step_counts(a, cuda)
     dtype = torch.bfloat16 if cuda else torch.float32
     _init_megatron(cuda)
     meta = dict(device_name=torch.cuda.get_device_name(device) if cuda else "CPU", iters=iters, warmup=warmup,
