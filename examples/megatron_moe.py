@@ -10,6 +10,10 @@ One process per GPU, launched by torchrun; several impls run one after another i
 --impl megatron-repeat    the same again: its difference from "megatron" is the run-to-run noise
 --impl megatron-fused     Megatron's experts with bias_activation_fusion=True (its fused weighted SwiGLU:
                           the same function rounded in another order; swiglu only): the loss yardstick
+--impl megatron-eager     Megatron's experts with quick_gelu run op by op in bf16 (Megatron compiles it:
+                          one rounding; eager: three), the same function rounded in another order
+                          (gpt-oss only; its fused quick-GeGLU computes another function with biases):
+                          the loss yardstick of --activation gpt-oss
 --impl expertact          expertact.megatron.gpt_layer_local_spec(...): ExpertMLP, bf16
 --impl expertact-inplace  ... experts=dict(inplace_backward=True)
 --impl expertact-fp8      ... experts=dict(fp8="rowwise") (Hopper only: elsewhere the run is
@@ -48,7 +52,7 @@ import time
 import traceback
 
 # --impl -> the experts: None = Megatron's SequentialMLP, else ExpertMLP's keywords.
-IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-fused": None, "expertact": {}, "expertact-inplace": dict(inplace_backward=True),
+IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-fused": None, "megatron-eager": None, "expertact": {}, "expertact-inplace": dict(inplace_backward=True),
          "expertact-fp8": dict(fp8="rowwise")}
 # "h200": 64 x 1024 = 65,536 tokens a step, top-4 of 8 experts: 262,144 routed rows per MoE layer.
 CONFIGS = {
@@ -81,7 +85,9 @@ def parse_args(argv=None):
         p.error(f"--impl {args.impl!r}: unknown {unknown}; expected one of {', '.join(IMPLS)}")
     if "megatron-fused" in args.impls and args.activation != "swiglu":
         p.error("--impl megatron-fused is for --activation swiglu (Megatron's fused quick-GeGLU clamps before "
-                "fc1's bias: another function)")
+                "fc1's bias: another function; its yardstick is megatron-eager)")
+    if "megatron-eager" in args.impls and args.activation != "gpt-oss":
+        p.error("--impl megatron-eager is for --activation gpt-oss (swiglu's yardstick is megatron-fused)")
     if len(set(args.impls)) != len(args.impls):
         p.error(f"--impl {args.impl!r} names a run twice (use megatron-repeat for a second megatron run)")
     s = dict(CONFIGS[args.config])
@@ -98,6 +104,12 @@ def parse_args(argv=None):
     return args
 
 
+def quick_gelu_eager(y):
+    """Megatron's quick_gelu without its torch.compile: each op rounded to the input's dtype."""
+    import torch
+    return y * torch.sigmoid(1.702 * y)
+
+
 def transformer_config(args, ep, impl):
     import torch
     import torch.nn.functional as F
@@ -106,7 +118,8 @@ def transformer_config(args, ep, impl):
     act = dict(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
     if args.activation == "gpt-oss":  # GPT-OSS's experts: clamped quick-GeGLU with the +1 offset, biases
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
-        act = dict(gated_linear_unit=True, activation_func=quick_gelu, glu_linear_offset=1.0,
+        act = dict(gated_linear_unit=True, activation_func=quick_gelu_eager if impl == "megatron-eager" else quick_gelu,
+                   glu_linear_offset=1.0,
                    activation_func_clamp_value=7.0, add_bias_linear=True)
     return TransformerConfig(
         num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"], ffn_hidden_size=s["ffn"],

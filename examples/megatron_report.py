@@ -5,8 +5,9 @@ examples/megatron_moe.py wrote, one JSON per run:
 
 Runs are grouped by config and activation and compared with that group's "megatron" run (Megatron's
 own SequentialMLP experts). The "megatron-repeat" run is the same run again (its difference from
-"megatron": the run-to-run nondeterminism); "megatron-fused" is Megatron's own fused SwiGLU, the same
-function rounded in another order: the yardstick for the other runs' differences.
+"megatron": the run-to-run nondeterminism); "megatron-fused" is Megatron's own fused SwiGLU and
+"megatron-eager" its quick_gelu uncompiled (GPT-OSS's form), each the same function rounded in another
+order: the yardstick for the other runs' differences.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import json
 import os
 import sys
 
-IMPL_ORDER = ("megatron", "megatron-repeat", "megatron-fused", "expertact", "expertact-inplace", "expertact-fp8")
+IMPL_ORDER = ("megatron", "megatron-repeat", "megatron-fused", "megatron-eager", "expertact", "expertact-inplace", "expertact-fp8")
 IMPL_TEXT = {"megatron": "Megatron SequentialMLP", "megatron-repeat": "Megatron again (run-to-run noise)",
              "megatron-fused": "Megatron, its fused SwiGLU (yardstick: another rounding)",
+             "megatron-eager": "Megatron, quick_gelu uncompiled (yardstick: another rounding)",
              "expertact": "expertact ExpertMLP (bf16)", "expertact-inplace": "expertact, in-place backward",
              "expertact-fp8": "expertact, FP8 rowwise"}
-COLORS = {"megatron": "black", "megatron-repeat": "0.6", "megatron-fused": "tab:gray", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
+COLORS = {"megatron": "black", "megatron-repeat": "0.6", "megatron-fused": "tab:gray", "megatron-eager": "tab:gray", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
           "expertact-fp8": "tab:red"}
 LATE = 50  # the "late" loss differences: steps >= LATE
 GIB = 2**30
@@ -123,7 +125,8 @@ def markdown(runs, png_rel, report_cmd):
              table(groups), "",
              "Loss differences are against the group's `megatron` run, per step; the `megatron-repeat` row is "
              "Megatron against itself (run-to-run nondeterminism), the `megatron-fused` row Megatron's fused "
-             "SwiGLU (the same function, another rounding): the yardstick.", "", "## Setup", "",
+             "SwiGLU and the `megatron-eager` row its quick_gelu uncompiled (each the same function, another "
+             "rounding): the yardstick.", "", "## Setup", "",
              setup_text(groups), "", "## Commands", ""]
     ordered = [r["command"] for rs in groups.values() for r in rs]
     lines += [f"    {c}" for c in dict.fromkeys(ordered)]
@@ -141,7 +144,7 @@ def plot(runs, path):
     for (ax_loss, ax_diff), ((config, act), rs) in zip(axes, groups):
         ref = reference(rs)
         for run in filter(ok, rs):
-            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] in ("megatron-repeat", "megatron-fused") else "-")
+            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] in ("megatron-repeat", "megatron-fused", "megatron-eager") else "-")
             label = IMPL_TEXT.get(run["impl"], run["impl"])
             ax_loss.plot(range(len(run["losses"])), run["losses"], label=label, **style)
             if ref is not None and run is not ref:

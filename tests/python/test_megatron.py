@@ -347,13 +347,20 @@ def test_gpu_float32_matches_sequential_mlp(mpu, which, mode):
         torch.testing.assert_close(got[4][n], w, rtol=1e-4, atol=1e-4 * w.abs().max().item(), msg=n)
 
 
+_FP8_TOL = 0.2
+
+
 @cuda
 @pytest.mark.parametrize("impl", ["expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8"])
 @pytest.mark.parametrize("form", ["swiglu", "gpt-oss"])
 def test_gpu_bf16_no_less_accurate_than_megatron(mpu, form, impl):
     """bf16: ExpertMLP's errors against Megatron's MLP in float32 (the same bf16 values) no larger
-    than 1.25x SequentialMLP's own bf16 errors plus 2e-3; FP8 (e4m3: 3 mantissa bits) within 0.15.
-    The bench's inputs and reference (expertact.bench.megatron) at a small shape."""
+    than 1.25x SequentialMLP's own bf16 errors plus 2e-3. FP8 (e4m3 rowwise) within 0.2, as in
+    test_deepspeed_experts: a wrong layout, scale or padding errs by order 1, the recipe by 6-16 %
+    here (GPT-OSS's dx the most: its bf16 dx error is already 10x its y error); the FP8 path's
+    layouts and scales are test_fp8_mlp's, its errors beside torchao's test_fp8_backward's. FP8
+    must also err more than bf16 (so it ran, not a silent bf16 fallback). The bench's inputs and
+    reference (expertact.bench.megatron) at a small shape."""
     if impl == "expertact-fp8" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the FP8 path runs on sm90")
     from expertact import megatron as em
@@ -370,8 +377,10 @@ def test_gpu_bf16_no_less_accurate_than_megatron(mpu, form, impl):
     print(f"{form} {impl}: megatron {theirs} expertact {ours}")
     for k in bm.WHAT:
         assert ours[k] == ours[k] and theirs[k] == theirs[k], (k, ours, theirs)  # no NaN
-        bound = 0.15 if impl == "expertact-fp8" else 1.25 * theirs[k] + 2e-3
+        bound = _FP8_TOL if impl == "expertact-fp8" else 1.25 * theirs[k] + 2e-3
         assert ours[k] <= bound, (k, ours[k], theirs[k])
+    if impl == "expertact-fp8":
+        assert ours["y"] > 4 * theirs["y"], (ours, theirs)
 
 
 def _gpt(spec_fn, dtype, **kw):
@@ -431,7 +440,9 @@ def test_gpu_enable_on_a_bf16_gpt_model_fp8(mpu):
         pytest.skip("the FP8 path runs on sm90")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from expertact import megatron as em
-    model = _gpt(get_gpt_layer_local_spec, torch.bfloat16)
+    from megatron.core.transformer.module import Float16Module
+    gpt = _gpt(get_gpt_layer_local_spec, torch.bfloat16)
+    model = Float16Module(gpt.config, gpt)  # as a bf16 training wraps it (its norms too)
     lt, _ = _gpt_step(model)
     assert em.enable(model, fp8="rowwise") == 2
     lo, go = _gpt_step(model)
@@ -463,7 +474,10 @@ def test_training_example_arguments():
     spec.loader.exec_module(mod)
     a = mod.parse_args(["--impl", "megatron,expertact-fp8", "--config", "tiny", "--steps", "5"])
     assert a.impls == ["megatron", "expertact-fp8"] and a.sizes["steps"] == 5
-    for bad in (["--impl", "megatron,nope"], ["--impl", "megatron,megatron"], ["--impl", "x", "--steps", "0"]):
+    a = mod.parse_args(["--impl", "megatron,megatron-eager", "--activation", "gpt-oss"])
+    assert a.impls == ["megatron", "megatron-eager"]
+    for bad in (["--impl", "megatron,nope"], ["--impl", "megatron,megatron"], ["--impl", "x", "--steps", "0"],
+                ["--impl", "megatron-eager"], ["--impl", "megatron-fused", "--activation", "gpt-oss"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
 
