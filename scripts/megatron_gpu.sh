@@ -2,10 +2,10 @@
 # expertact as Megatron-Core's experts on a GPU machine, in stages (a machine that allows only
 # short commands takes them a few at a time). Needs megatron-core 0.19.2 importable (Python
 # >= 3.12): installed, or its wheel in .whl/ (carried, with .deps/ for dlpack.h; installed into
-# /tmp/site). Results go to $OUT/megatron/ ($OUT defaults to out/, git-ignored), at most 8 files
-# (summary.txt with the bench table and each failing log's tail, pytest.txt, bench.json, train.log,
-# train/*.json); the logs to $LOGS (default $OUT/megatron/logs). Each stage writes its results as
-# it ends, so a stage cut by a time limit leaves the earlier ones.
+# /tmp/site). Results go to $OUT/megatron/ ($OUT defaults to out/, git-ignored): summary.txt (the
+# bench table and each failing log's tail), pytest.txt, bench.json, train.log, train/*.json (one per
+# run); the logs to $LOGS (default $OUT/megatron/logs). Each stage writes its results as it ends, so
+# a stage cut by a time limit leaves the earlier ones.
 #
 #   bash scripts/megatron_gpu.sh                       # STAGES="build test bench train report"
 #   STAGES="build test" bash scripts/megatron_gpu.sh
@@ -13,9 +13,11 @@
 #   build   the library alone with its CUDA path (ARCHS, default 90), in build/gpu
 #   test    tests/python/test_megatron.py on the GPU (fails unless its GPU cases ran)
 #   bench   python -m expertact.bench --megatron (BENCH_ARGS adds options): both shapes
-#   train   examples/megatron_moe.py on one GPU (TRAIN_ARGS replaces its options; default: 300
-#           steps of Megatron's experts, Megatron's with its fused SwiGLU (the loss yardstick),
-#           expertact in place and expertact FP8, 65,536 tokens a step)
+#   train   examples/megatron_moe.py on one GPU, two launches of 300 steps at 65,536 tokens a step
+#           (TRAIN_ARGS replaces both with one launch of its options; TRAIN_TIMEOUT bounds each):
+#           SwiGLU with Megatron's experts, Megatron's fused SwiGLU (the loss yardstick), expertact
+#           in place and FP8; GPT-OSS's form with Megatron's, its uncompiled quick_gelu (the
+#           yardstick), expertact in place and FP8
 #   report  examples/megatron_report.py over the training JSONs: the table and the loss plot
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -66,16 +68,20 @@ if has bench; then
 fi
 
 if has train; then
-  ARGS=${TRAIN_ARGS:-"--impl megatron,megatron-fused,expertact-inplace,expertact-fp8 --steps 300"}
-  note "train: examples/megatron_moe.py $ARGS"
-  timeout "${TRAIN_TIMEOUT:-560}" torchrun --standalone --nproc-per-node 1 examples/megatron_moe.py $ARGS --out "$R/train" \
-    > "$R/train.log" 2>&1 || fail "train (train.log)"
+  if [ -n "${TRAIN_ARGS:-}" ]; then LAUNCHES=("$TRAIN_ARGS"); else LAUNCHES=(
+    "--impl megatron,megatron-fused,expertact-inplace,expertact-fp8 --steps 300"
+    "--activation gpt-oss --impl megatron,megatron-eager,expertact-inplace,expertact-fp8 --steps 300"); fi
+  for ARGS in "${LAUNCHES[@]}"; do
+    note "train: examples/megatron_moe.py $ARGS"
+    timeout "${TRAIN_TIMEOUT:-560}" torchrun --standalone --nproc-per-node 1 examples/megatron_moe.py $ARGS --out "$R/train" \
+      >> "$R/train.log" 2>&1 || fail "train (train.log)"
+  done
   grep -iE "summary|tokens/s|error" "$R/train.log" | tail -12 | tee -a "$R/summary.txt"
 fi
 
 if has report; then
   note "report"
-  python3 examples/megatron_report.py --in "$R/train" --md "$LOGS/train.md" --png "$LOGS/megatron-loss.png" \
+  python3 examples/megatron_report.py --in "$R/train" --md "$R/train.md" --png "$R/megatron-loss.png" \
     > "$LOGS/report.log" 2>&1 || failed_log report "$LOGS/report.log"
 fi
 exit $status
