@@ -40,7 +40,7 @@ import torch
 
 from .common import (
     add_mlp_args, clock_and_memory, log, measure, median_ms, method, mlp_settings, parse_list,
-    errors_against, finish, measured_rows, resolve_device, timing_error_rows, versions,
+    errors_against, finish, measured_rows, resolve_device, timing_error_table, versions,
 )
 
 IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
@@ -190,12 +190,7 @@ def markdown(meta, tables):
              f"Python {meta['python']}",
              f"- command: `{meta['command']}`"]
     for act, (results, checks) in tables.items():
-        lines += ["", f"### {act}", "",
-                  "| row | fwd ms | bwd ms | fwd+bwd ms | extra peak GiB | kept GiB | y err | dx err | dw1 err | "
-                  "dw2 err | dw3 err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += timing_error_rows(results, WHAT, unit)
-        if checks:
-            lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+        lines += timing_error_table(f"### {act}", results, WHAT, checks, unit)
     lines += ["", "err: ||a - ref|| / ||ref|| against float32, one expert at a time with DeepSpeed's eager form of "
               "the activation (TF32 off), from the same bf16 values; extra peak: max allocated during forward+backward minus before "
               "(the weight gradients included); kept: allocated after forward minus before, minus y."]

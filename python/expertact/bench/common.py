@@ -477,6 +477,22 @@ def timing_error_rows(results, what, unit="GiB") -> list:
     return lines
 
 
+def target_lines(checks) -> list:
+    """The markdown of a table's (text, passed) targets: a "Targets:" list, or nothing."""
+    if not checks:
+        return []
+    return ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+
+
+def timing_error_table(heading, results, what, checks, unit="GiB") -> list:
+    """One titled forward/backward table of timing_error_rows (its header made from `what`), then
+    its targets."""
+    head = (f"| row | fwd ms | bwd ms | fwd+bwd ms | extra peak {unit} | kept {unit} | "
+            + " | ".join(f"{k} err" for k in what) + " |")
+    return (["", heading, "", head, "|---|" + "---:|" * (5 + len(what))] + timing_error_rows(results, what, unit)
+            + target_lines(checks))
+
+
 def measured_rows(label, impls, row_of, inp, cuda):
     """One guarded row (run_row) per impl: row_of(impl) measures it; inp.clear() and the CUDA
     cache emptied after each; each row logged. Returns (rows, whether a row failed other than

@@ -40,7 +40,7 @@ from expertact.moe import _fp8
 from . import mlp
 from .common import (
     OOM, add_mlp_args, clock_and_memory, fmt_mem, log, measure, median_ms, method, mlp_settings, parse_list,
-    preset_kwargs, rel_error, resolve_device, write_outputs,
+    preset_kwargs, rel_error, resolve_device, target_lines, write_outputs,
 )
 
 IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
@@ -211,8 +211,7 @@ def markdown(meta, results, checks):
     lines += ["", "err: ||a - ref|| / ||ref|| against float32 (torch.mm per expert, TF32 off) from the same bf16 "
               "inputs; extra peak: max allocated during forward+backward minus before; kept: allocated after "
               "forward minus before, minus y. fp8-gemms: random e4m3 operands, no quantisation, no activation."]
-    if checks:
-        lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+    lines += target_lines(checks)
     return "\n".join(lines) + "\n"
 
 

@@ -44,7 +44,7 @@ import torch
 
 from .common import (
     add_step_args, clock_and_memory, errors_against, finish, log, measure, measured_rows, median_ms, method,
-    parse_list, resolve_device, step_counts, timing_error_rows, versions,
+    parse_list, resolve_device, step_counts, timing_error_table, versions,
 )
 
 IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
@@ -241,13 +241,9 @@ def markdown(meta, tables):
              f"Python {meta['python']}",
              f"- command: `{meta['command']}`"]
     for shape, (info, results, checks) in tables.items():
-        lines += ["", f"### {shape}: {info['experts']} experts x {info['rows']:,} rows (T = {info['tokens']:,}), "
-                  f"D = {info['dim']:,}, F = {info['ffn']:,}, {info['form']}, {meta['dtype']}", "",
-                  "| row | fwd ms | bwd ms | fwd+bwd ms | extra peak GiB | kept GiB | y err | dx err | dprobs err | "
-                  "dW1 err | dW2 err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += timing_error_rows(results, WHAT, unit)
-        if checks:
-            lines += ["", "Targets:", ""] + [f"- {'PASS' if ok else 'FAIL'}: {t}" for t, ok in checks]
+        lines += timing_error_table(
+            f"### {shape}: {info['experts']} experts x {info['rows']:,} rows (T = {info['tokens']:,}), "
+            f"D = {info['dim']:,}, F = {info['ffn']:,}, {info['form']}, {meta['dtype']}", results, WHAT, checks, unit)
     lines += ["", "err: ||a - ref|| / ||ref|| against Megatron's MLP in float32, one expert at a time (TF32 off), "
               "from the same bf16 values; extra peak: max allocated during forward+backward minus before (the weight "
               "gradients included); kept: allocated after forward minus before, minus y."]
