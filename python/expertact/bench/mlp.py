@@ -73,7 +73,7 @@ _MODES = {
     "expertact-recompute-inplace": dict(recompute=True, inplace_backward=True),
 }
 # The extra peak of the unfused in-place composition at the seed size, measured on the H200
-# (2026-11-30; docs/notes/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
+# (2026-11-30; bench/results/expert-mlp-h200x2-2026-11-30.md): recompute + in place must not peak above
 # it. Recompute runs the forward kernel once more (~4.5 ms at the seed size).
 TARGET_PEAK_GIB = 30.11
 # The expert biases: every row has a "-bias" twin (the same computation with b13 and b2).
