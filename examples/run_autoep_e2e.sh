@@ -37,7 +37,7 @@ mkdir -p "$RES"
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(small large report)
 
-# NVLink multicast stays off on the GPU machine: NCCL NVLS, torch symmetric memory, NVSHMEM.
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM): shared GPU hosts may not allow it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
