@@ -155,8 +155,7 @@ def data_text(runs):
     """What the runs trained on: the byte corpus (its hashes) or, in older files, Megatron's mock data."""
     corpora = {(r["corpus"]["sha256"], r["corpus"].get("batches_sha256")): r["corpus"] for r in runs if r.get("corpus")}
     if not corpora:
-        return ("Megatron's MockGPTDataset (runs of consecutive token ids: the loss falls to about 0.01 within 50 "
-                "steps)")
+        return "Megatron's MockGPTDataset (runs of consecutive token ids)"
     parts = [f"the Python standard library's .py files as byte tokens (examples/byte_corpus.py: {c['files']} files, "
              f"{c['bytes']:,} bytes, sha256 {c['sha256'][:16]}..., Python's own stdlib at {c['root']}), "
              f"{c.get('windows_per_step')} windows of {c.get('window_bytes')} bytes a step from seed {c.get('seed')} "
