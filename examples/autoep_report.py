@@ -3,9 +3,12 @@ examples/autoep_train.py wrote, one JSON per run:
 
     python3 examples/autoep_report.py --in OUT/autoep [MORE_DIRS...] --md docs/autoep-e2e.md --png docs/autoep-e2e-loss.png
 
-Each config's runs are compared with its eager run (DeepSpeed's own activation, gate_up_impl fused).
-A run of DeepSpeed's eager activation with gate_up_impl "separate" (two grouped GEMMs instead of one,
-the same function rounded in another order) is shown, when present, as the size of bf16 noise.
+Each config's runs are compared with DeepSpeed as a user runs it by default: its own experts on
+AutoEP's default gate_up_impl "separate" (--impl eager). Two yardsticks say how large a difference
+is: the same run again (eager-repeat, or a tag ending in -repeat: the run-to-run noise) and
+DeepSpeed with gate_up_impl "fused" (eager-fused: one grouped GEMM instead of two, the same
+function rounded in another order). Runs of older result files (impl eager on gate_up_impl
+"fused") are read as the fused yardstick.
 """
 from __future__ import annotations
 
@@ -15,16 +18,19 @@ import json
 import os
 import sys
 
-IMPL_ORDER = ("eager", "expertact", "expertact-inplace", "mlp", "mlp-recompute", "mlp-inplace",
-              "mlp-recompute-inplace", "mlp-fp8")
+IMPL_ORDER = ("eager", "eager-repeat", "eager-fused", "expertact", "expertact-inplace", "mlp", "mlp-recompute",
+              "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8")
+DEEPSPEED = ("eager", "eager-repeat", "eager-fused")  # DeepSpeed's own experts
+DEFAULT_GATE_UP = "separate"  # AutoEP 0.19.8's default gate_up_impl
+LATE = 50  # the loss over the last LATE steps (or the last quarter of a shorter run)
 CONFIG_ORDER = ("small", "large", "h200", "tiny")
-IMPL_TEXT = {"eager": "DeepSpeed eager", "expertact": "expertact", "expertact-inplace": "expertact, in-place backward",
+IMPL_TEXT = {"expertact": "expertact", "expertact-inplace": "expertact, in-place backward",
              "mlp": "expertact MLP", "mlp-recompute": "expertact MLP, recompute",
              "mlp-inplace": "expertact MLP, in place", "mlp-recompute-inplace": "expertact MLP, recompute + in place",
              "mlp-fp8": "expertact MLP, FP8"}
 COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "mlp": "tab:purple",
           "mlp-inplace": "tab:green", "mlp-fp8": "tab:red"}
-SHORT = {"eager": "eager", "expertact": "expertact", "expertact-inplace": "in-place", "mlp": "MLP",
+SHORT = {"eager": "DeepSpeed", "expertact": "expertact", "expertact-inplace": "in-place", "mlp": "MLP",
          "mlp-inplace": "MLP in place", "mlp-fp8": "MLP FP8"}
 GIB = 2**30
 
@@ -40,23 +46,43 @@ def load(in_dirs):
     return runs
 
 
+def is_deepspeed(run):
+    return run["impl"] in DEEPSPEED
+
+
+def is_repeat(run):
+    """The same command again: the run-to-run noise."""
+    return run["impl"] == "eager-repeat" or run.get("tag", "").endswith("-repeat")
+
+
+def is_baseline(run):
+    """DeepSpeed's default: its own experts on AutoEP's default gate_up_impl, not a repeat."""
+    return is_deepspeed(run) and run.get("gate_up_impl") == DEFAULT_GATE_UP and not is_repeat(run)
+
+
 def is_reference(run):
-    """DeepSpeed's eager activation with separate gate/up GEMMs: the noise yardstick."""
-    return run["impl"] == "eager" and run.get("gate_up_impl") != "fused"
+    """A yardstick: DeepSpeed's own experts other than the baseline (a repeat, gate_up fused)."""
+    return is_deepspeed(run) and not is_baseline(run)
 
 
 def label(run):
-    text = IMPL_TEXT.get(run["impl"], run["impl"])
-    if run.get("gate_up_impl") != "fused":
-        text += f" (gate_up {run.get('gate_up_impl')})"
-    if run.get("tag", "").endswith("-repeat"):  # the same command again: the run-to-run noise
-        text += " (repeat)"
-    return text
+    gate_up = run.get("gate_up_impl")
+    if is_deepspeed(run):
+        text = f"DeepSpeed, gate_up {gate_up}" + (" (AutoEP's default)" if gate_up == DEFAULT_GATE_UP else "")
+    else:
+        text = IMPL_TEXT.get(run["impl"], run["impl"])
+        whole_mlp = (run.get("expertact_enable") or {}).get("experts")  # one gate_up GEMM whatever gate_up_impl says
+        if gate_up != DEFAULT_GATE_UP and not whole_mlp:
+            text += f" (gate_up {gate_up})"
+    if is_repeat(run):
+        text += ", repeat"
+    return text + (" (yardstick)" if is_reference(run) else "")
 
 
 def sort_key(run):
     c = run["config"]
-    return (CONFIG_ORDER.index(c) if c in CONFIG_ORDER else len(CONFIG_ORDER), c, is_reference(run),
+    rank = 0 if is_baseline(run) else 1 if is_reference(run) else 2
+    return (CONFIG_ORDER.index(c) if c in CONFIG_ORDER else len(CONFIG_ORDER), c, rank,
             IMPL_ORDER.index(run["impl"]) if run["impl"] in IMPL_ORDER else len(IMPL_ORDER), run["tag"])
 
 
@@ -67,11 +93,8 @@ def by_config(runs):
     return out
 
 
-def eager_of(runs):
-    for run in runs:
-        if run["impl"] == "eager" and run.get("gate_up_impl") == "fused":
-            return run
-    return None
+def baseline_of(runs):
+    return next((run for run in runs if is_baseline(run)), None)
 
 
 def loss_diff(run, ref):
@@ -80,6 +103,15 @@ def loss_diff(run, ref):
     diffs = [abs(a - b) for a, b in zip(run["loss"][:n], ref["loss"][:n])]
     step = max(range(n), key=diffs.__getitem__)
     return diffs[step], step
+
+
+def late_steps(run):
+    """The steps of the late mean loss: the last LATE, or the last quarter of a shorter run."""
+    return min(LATE, max(1, len(run["loss"]) // 4))
+
+
+def late_loss(run, n):
+    return sum(run["loss"][-n:]) / n
 
 
 def peak(run):
@@ -98,18 +130,21 @@ def tokens_per_s(run):
 
 
 def table(groups):
-    head = ("| config | run | steps | final loss | max abs loss diff vs eager (step) | mean step time (ms) "
-            "| tokens/s | vs eager | peak allocated GiB per rank | vs eager (busiest rank) | busiest rank's rows "
-            "per MoE layer and step (mean / max) | experts' share of the step |")
+    head = ("| config | run | steps | final loss | mean loss, last steps (vs default) | max abs loss diff vs default "
+            "(step) | mean step time (ms) | tokens/s | vs default | peak allocated GiB per rank | vs default (busiest "
+            "rank) | busiest rank's rows per MoE layer and step (mean / max) | experts' share of the step |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for config, runs in groups.items():
-        ref = eager_of(runs)
+        ref = baseline_of(runs)
         for run in runs:
             steps = len(run["loss"])
+            n = late_steps(ref if ref is not None else run)
+            late = f"{late_loss(run, n):.4f} (last {n})"
             if ref is not None and run is not ref:
                 d, at = loss_diff(run, ref)
                 diff = f"{d:.5f} ({at})"
                 t_vs = pct(run["mean_step_time_s"], ref["mean_step_time_s"])
+                late += f" {late_loss(run, n) - late_loss(ref, n):+.4f}"
             else:
                 diff, t_vs = "—", "—"
             p, pref = peak(run), peak(ref) if ref is not None else None
@@ -119,7 +154,7 @@ def table(groups):
             rows_txt = f"{sum(rows) / len(rows):,.0f} / {max(rows):,}"
             sh = run.get("experts_share")
             share = "n/a" if not sh else f"{sh['share_of_step']:.0%} ({sh['moe_layers']} x {sh['experts_fwd_bwd_ms']:.1f} ms)"
-            lines.append(f"| {config} | {label(run)} | {steps} | {run['loss'][-1]:.4f} | {diff} | "
+            lines.append(f"| {config} | {label(run)} | {steps} | {run['loss'][-1]:.4f} | {late} | {diff} | "
                          f"{run['mean_step_time_s'] * 1e3:.1f} | {tokens_per_s(run):,.0f} | {t_vs} | {mem} | {m_vs} | "
                          f"{rows_txt} | {share} |")
     return "\n".join(lines)
@@ -167,13 +202,11 @@ def activation_text(runs):
                        f"GroupedExperts.forward = `{run.get('experts_forward')}`; registry calls counted in step 0: "
                        f"{ran}")
             continue
-        used = run["registry_in_use"]
-        fn = used["packed_fused_fn"] if run.get("gate_up_impl") == "fused" else used["fused_fn"]
+        key = "packed_fused_fn" if run.get("gate_up_impl") == "fused" else "fused_fn"
         ran = ", ".join(f"{k} x{v}" for k, v in run["step0_calls"].items() if v)
-        out.append(f"- {label(run)}: registry['{run['activation']['name']}'] "
-                   f"{'packed_fused_fn' if run.get('gate_up_impl') == 'fused' else 'fused_fn'} = "
-                   f"`{fn}` (DeepSpeed's own: `{run['registry_deepspeed']['packed_fused_fn']}`); calls counted "
-                   f"in step 0: {ran} (alpha {run['activation']['alpha']}, limit {run['activation']['limit']})")
+        out.append(f"- {label(run)}: registry['{run['activation']['name']}'] {key} = `{run['registry_in_use'][key]}` "
+                   f"(DeepSpeed's own: `{run['registry_deepspeed'][key]}`); calls counted in step 0: {ran} (alpha "
+                   f"{run['activation']['alpha']}, limit {run['activation']['limit']})")
     return "\n".join(out)
 
 
@@ -189,8 +222,9 @@ def markdown(runs, png_name, report_cmd):
         "# DeepSpeed AutoEP end to end: DeepSpeed's own experts against expertact",
         "",
         "A randomly initialised MiniMax-M3 text model trained with DeepSpeed AutoEP, several ways with the same "
-        "seed and batches: DeepSpeed's own expert path (its registry has no fused kernel for swiglu_oai, so "
-        "GroupedExperts runs the eager PyTorch form), expertact's activation in DeepSpeed's registry "
+        "seed and batches: DeepSpeed's own expert path as AutoEP runs it by default (`gate_up_impl` \"separate\": two "
+        "grouped GEMMs; its registry has no fused kernel for swiglu_oai, so GroupedExperts runs the eager PyTorch "
+        "form), expertact's activation in DeepSpeed's registry "
         "(`expertact.deepspeed.enable()`, optionally in place), and expertact's whole expert MLP "
         "(`enable(experts=True, ...)`: GroupedExperts.forward runs expertact.moe.expert_mlp, in bf16 or FP8). "
         "Written by examples/autoep_report.py from the JSON files of examples/autoep_train.py.",
@@ -199,11 +233,13 @@ def markdown(runs, png_name, report_cmd):
         "",
         table(groups),
         "",
-        "Max abs loss diff: over all steps, against the same config's DeepSpeed eager run; the loss is the "
-        "global mean over both ranks' tokens. A DeepSpeed eager run with `gate_up_impl` \"separate\" (where "
-        "present) computes the same function with the gate and up GEMMs split: its difference is bf16 "
-        "rounding noise carried through training. Rows: routed (token, expert) rows that the experts of "
-        "the busiest rank received in one MoE layer, per step.",
+        "Default: DeepSpeed's own experts on AutoEP's default `gate_up_impl` \"separate\", the same config; every "
+        "\"vs default\" and the max abs loss diff (over all steps) are against it. The loss is the global mean over "
+        "the ranks' tokens; the mean loss is over the last steps named (and its difference from the default's). "
+        "Yardsticks (where present): the default run again (run-to-run noise) and DeepSpeed with `gate_up_impl` "
+        "\"fused\" (one grouped GEMM over w1 and w3: the same function rounded in another order); a difference "
+        "within theirs is bf16 rounding carried through training. Rows: routed (token, expert) rows that the "
+        "experts of the busiest rank received in one MoE layer, per step.",
         "",
         "## Setup",
         "",
@@ -240,7 +276,7 @@ def plot(runs, path):
     # The loss panels show the config with the most steps (the loss-curve run).
     main_config = max(groups, key=lambda c: (len(groups[c][0]["loss"]), -sort_key(groups[c][0])[0]))
     main_runs = groups[main_config]
-    ref = eager_of(main_runs)
+    ref = baseline_of(main_runs)
 
     fig, (ax_loss, ax_diff, ax_mem) = plt.subplots(1, 3, figsize=(17, 4.8),
                                                    gridspec_kw=dict(width_ratios=[1.2, 1.2, 1.0]))
@@ -252,7 +288,7 @@ def plot(runs, path):
     for run in main_runs:
         steps = range(len(run["loss"]))
         style = dict(color="0.6", lw=1.0, ls="--") if is_reference(run) else dict(color=COLORS.get(
-            run["impl"]), lw=1.3 if run["impl"] == "eager" else 1.0)
+            run["impl"]), lw=1.3 if is_baseline(run) else 1.0)
         ax_loss.plot(steps, run["loss"], label=label(run) + mem_label(run), **style)
         if ref is not None and run is not ref:
             n = min(len(run["loss"]), len(ref["loss"]))
@@ -263,7 +299,7 @@ def plot(runs, path):
     ax_loss.legend(fontsize=8)
     ax_loss.grid(alpha=0.3)
     ax_diff.axhline(0.0, color="black", lw=0.8)
-    ax_diff.set(title="Loss minus DeepSpeed eager's, same step", xlabel="step", ylabel="loss difference")
+    ax_diff.set(title="Loss minus DeepSpeed's default, same step", xlabel="step", ylabel="loss difference")
     if ax_diff.lines[1:]:
         ax_diff.legend(fontsize=8)
     ax_diff.grid(alpha=0.3)
@@ -310,9 +346,10 @@ def main(argv=None):
     dup = sorted({t for t in tags if tags.count(t) > 1})
     if dup:
         sys.exit(f"autoep_report.py: runs {dup} found more than once in {' '.join(args.in_dirs)}")
-    missing = [c for c, rs in by_config(runs).items() if eager_of(rs) is None]
+    missing = [c for c, rs in by_config(runs).items() if baseline_of(rs) is None]
     if missing:
-        print(f"autoep_report.py: no eager run for config(s) {missing}: no differences for them", file=sys.stderr)
+        print(f"autoep_report.py: no run of DeepSpeed's default (--impl eager, gate_up_impl {DEFAULT_GATE_UP}) for "
+              f"config(s) {missing}: no differences for them", file=sys.stderr)
     for path in (args.md, args.png):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     png_rel = os.path.relpath(os.path.abspath(args.png), os.path.dirname(os.path.abspath(args.md)))

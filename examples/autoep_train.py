@@ -5,8 +5,14 @@ One process per rank, launched by torchrun:
 
     torchrun --nproc_per_node 2 examples/autoep_train.py --impl eager --config small --out OUT/autoep
 
---impl eager                     DeepSpeed's registry as shipped: swiglu_oai has no fused kernel, so
-                                 its fused path falls back to the eager fn (checked at step 0, below)
+--impl eager                     DeepSpeed as a user runs it by default: AutoEP's default gate_up_impl
+                                 "separate" (two grouped GEMMs) and its registry as shipped (swiglu_oai has
+                                 no fused kernel, so its fused path falls back to the eager fn; checked at
+                                 step 0, below)
+--impl eager-repeat              the same again: its difference from eager is the run-to-run noise
+--impl eager-fused               DeepSpeed with gate_up_impl "fused" (one grouped GEMM over w1 and w3
+                                 concatenated): the same function rounded in another order, the loss
+                                 yardstick
 --impl expertact                 expertact.deepspeed.enable(): expertact's kernels in the registry
 --impl expertact-inplace         expertact.deepspeed.enable(inplace_backward=True)
 --impl mlp                       enable(experts=True): AutoEP's GroupedExperts runs expertact's whole
@@ -15,12 +21,15 @@ One process per rank, launched by torchrun:
                                  ... with recompute=True, inplace_backward=True, both, fp8="rowwise"
 
 --impl takes a comma-separated list too: the runs then follow one another in the same processes
-(the CPU test runs every memory mode so, with --record-grads).
+(the CPU test runs every memory mode so, with --record-grads). Every run but eager-fused takes
+--gate-up-impl (default "separate", AutoEP's default); a run on another gate_up_impl than its impl
+names gets "-<gate_up_impl>" at the end of its default tag, so that a result file says which.
 
 The model is a randomly initialised MiniMax-M3 text backbone (transformers' minimax_m3_vl_text, built
 from a config, no download), so AutoEP's minimax_m3 preset converts it and its experts compute
 swiglu_oai (alpha 1.702, limit 7). The data are the bytes of the Python standard library's own .py
-files (vocab 256), sampled with a fixed seed: every run of a config sees the same batches.
+files (vocab 256; examples/byte_corpus.py, shared with megatron_moe.py), sampled with a fixed seed:
+every run of a config sees the same batches.
 
 Rank 0 writes OUT/<config>-<impl>.json: per step the global mean loss, the step time (slowest rank),
 each rank's peak allocated memory and the rows each rank's experts received in each MoE layer;
@@ -32,21 +41,24 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
 import inspect
 import json
 import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 import typing
 from pathlib import Path
 
-# --impl -> the arguments of expertact.deepspeed.enable() (None: DeepSpeed as shipped).
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # byte_corpus.py, beside this file
+from byte_corpus import load_corpus, make_batch  # noqa: E402  (the same text as megatron_moe.py's)
+
+# --impl -> the arguments of expertact.deepspeed.enable() (None: DeepSpeed's own experts).
 IMPLS = {
     "eager": None,
+    "eager-repeat": None,
+    "eager-fused": None,
     "expertact": dict(inplace_backward=False),
     "expertact-inplace": dict(inplace_backward=True),
     "mlp": dict(experts=True),
@@ -55,6 +67,11 @@ IMPLS = {
     "mlp-recompute-inplace": dict(experts=True, recompute=True, inplace_backward=True),
     "mlp-fp8": dict(experts=True, fp8="rowwise"),
 }
+# The runs whose gate_up_impl is their name's; every other one takes --gate-up-impl.
+FIXED_GATE_UP = {"eager-fused": "fused"}
+# AutoEP 0.19.8's default (deepspeed/module_inject/auto_ep_config.py: gate_up_impl =
+# param_dict.get("gate_up_impl", "separate")).
+DEFAULT_GATE_UP = "separate"
 ACTIVATION = "swiglu_oai"  # what the minimax_m3 preset asks of DeepSpeed's registry
 PRESET = "minimax_m3"
 
@@ -89,9 +106,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--gate-up-impl", choices=("fused", "separate"), default="fused",
-                   help="AutoEP's gate_up_impl: fused = one grouped GEMM into a packed gate_up tensor "
-                   "(DeepSpeed's packed activation path, where in-place backward applies)")
+    p.add_argument("--gate-up-impl", choices=("separate", "fused"), default=DEFAULT_GATE_UP,
+                   help="AutoEP's gate_up_impl for every run but eager-fused (default separate, AutoEP's default: "
+                   "two grouped GEMMs and the registry's fused_fn; fused: one grouped GEMM into a packed gate_up "
+                   "tensor and its packed_fused_fn)")
     p.add_argument("--expert-gemm", choices=("grouped_mm", "for-loop"), default="grouped_mm",
                    help="AutoEP's use_grouped_mm: grouped_mm (true; DeepSpeed picks its Triton GEMM on sm < 90) or "
                    "for-loop (false: DeepSpeed's per-expert loop)")
@@ -118,39 +136,23 @@ def parse_args(argv=None):
         p.error(f"--impl {args.impl!r}: unknown {unknown}; expected one of {', '.join(IMPLS)}")
     if args.tag is not None and len(args.impls) > 1:
         p.error("--tag names one run; with several --impl each run is named <config>-<impl>")
-    args.tag = args.tag or f"{args.config}-{args.impls[0]}"
+    args.tag = args.tag or default_tag(args, args.impls[0])
     if sizes["warmup"] >= sizes["steps"]:
         p.error(f"--warmup ({sizes['warmup']}) must be below --steps ({sizes['steps']})")
     return args
 
 
-# ---------------------------------------------------------------------------
-# data: the standard library's .py files as bytes
-# ---------------------------------------------------------------------------
-
-def load_corpus():
-    """All .py files under the standard library (not site-packages), sorted by path, joined by
-    a NUL byte; returns (uint8 tensor, description)."""
-    import torch
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages"}
-    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    data = b"\0".join(p.read_bytes() for p in files)
-    if len(data) < 1 << 20:  # CPython's own sources are ~30 MB; a stripped install ships .pyc only
-        raise SystemExit(f"autoep_train.py: only {len(data)} bytes of .py sources under {root}")
-    info = dict(root=str(root), files=len(files), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
+def gate_up_of(args, impl):
+    """The gate_up_impl run `impl` takes: its name's (eager-fused), else --gate-up-impl."""
+    return FIXED_GATE_UP.get(impl, args.gate_up_impl)
 
 
-def make_batch(corpus, step, seed, rank, world, micro_batch, seq):
-    """This rank's [micro_batch, seq] token ids of step `step`: the global batch of world x
-    micro_batch windows at random offsets drawn from (seed, step) alone, so every run and every
-    impl sees the same batches; rank r takes rows r*micro_batch .. (r+1)*micro_batch."""
-    import torch
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, corpus.numel() - seq, (world * micro_batch, ), generator=g)
-    mine = starts[rank * micro_batch:(rank + 1) * micro_batch]
-    return corpus[mine[:, None] + torch.arange(seq)].long()
+def default_tag(args, impl):
+    """<config>-<impl>, with -<gate_up_impl> when the run takes another than its name says
+    (AutoEP's default, or eager-fused's own)."""
+    named = FIXED_GATE_UP.get(impl, DEFAULT_GATE_UP)
+    gate_up = gate_up_of(args, impl)
+    return f"{args.config}-{impl}" + ("" if gate_up == named else f"-{gate_up}")
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def ds_config(args):
             "preset_model": PRESET,
             "comm_backend": "comm",  # torch.distributed all_to_all_single (NCCL on GPUs); no DeepEP
             "use_grouped_mm": args.expert_gemm == "grouped_mm",
-            "gate_up_impl": args.gate_up_impl,
+            "gate_up_impl": gate_up_of(args, args.impl),
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -251,7 +253,7 @@ def expected_calls(impl, gate_up_impl, n_layers, loop_experts=None):
         return {"fn": 0, "fused_fn": 0, "packed_fused_fn": 0}
     if loop_experts is not None:
         return {"fn": n_layers * loop_experts, "fused_fn": 0, "packed_fused_fn": 0}
-    if impl == "eager":
+    if IMPLS[impl] is None:  # DeepSpeed's registry: swiglu_oai has no fused kernel, its fn runs
         return {"fn": n_layers, "fused_fn": 0, "packed_fused_fn": 0}
     key = "packed_fused_fn" if gate_up_impl == "fused" else "fused_fn"
     return {"fn": 0, "fused_fn": 0, "packed_fused_fn": 0, key: n_layers}
@@ -606,7 +608,7 @@ def main(argv=None):
     for impl in args.impls:
         one = copy.copy(args)
         one.impl = impl
-        one.tag = args.tag if len(args.impls) == 1 else f"{args.config}-{impl}"
+        one.tag = args.tag if len(args.impls) == 1 else default_tag(args, impl)
         run_one(one, registry, device, rank, world)
     tdist.destroy_process_group()
 

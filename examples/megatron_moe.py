@@ -1,23 +1,33 @@
-"""A Megatron-Core GPT training run with MoE layers: Megatron's own experts (SequentialMLP)
-against expertact's (expertact.megatron.ExpertMLP), same seed, same weights, same batches.
+"""A Megatron-Core GPT training run with MoE layers: Megatron's own experts (SequentialMLP, a
+loop over the local experts) against expertact's (expertact.megatron.ExpertMLP), same seed, same
+weights, same batches of real text.
 
 One process per GPU, launched by torchrun; several impls run one after another in one launch:
 
     torchrun --nproc-per-node 1 examples/megatron_moe.py \\
-        --impl megatron,megatron-repeat,expertact,expertact-inplace,expertact-fp8 --steps 300 --out OUT/megatron
+        --impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8 --steps 300 --out OUT/megatron
 
---impl megatron           get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False): SequentialMLP
+--impl megatron           Megatron's experts as its trainer runs them by default
+                          (get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False): SequentialMLP):
+                          SwiGLU with bias_activation_fusion=True (Megatron-LM's --bias-swiglu-fusion is on
+                          unless --no-bias-swiglu-fusion is given: its fused weighted SwiGLU); GPT-OSS's form
+                          unfused (Megatron's fused quick-GeGLU clamps before adding fc1's bias, GPT-OSS
+                          after: another function)
 --impl megatron-repeat    the same again: its difference from "megatron" is the run-to-run noise
---impl megatron-fused     Megatron's experts with bias_activation_fusion=True (its fused weighted SwiGLU:
-                          the same function rounded in another order; swiglu only): the loss yardstick
---impl megatron-eager     Megatron's experts with quick_gelu run op by op in bf16 (Megatron compiles it:
-                          one rounding; eager: three), the same function rounded in another order
-                          (gpt-oss only; its fused quick-GeGLU computes another function with biases):
-                          the loss yardstick of --activation gpt-oss
+--impl megatron-unfused   SwiGLU with bias_activation_fusion=False (the activation op by op): the same
+                          function rounded in another order, the loss yardstick (swiglu only)
+--impl megatron-eager     GPT-OSS's form with quick_gelu run op by op in bf16 (Megatron compiles it: one
+                          rounding; eager: three), the same function rounded in another order: the loss
+                          yardstick of --activation gpt-oss
 --impl expertact          expertact.megatron.gpt_layer_local_spec(...): ExpertMLP, bf16
 --impl expertact-inplace  ... experts=dict(inplace_backward=True)
 --impl expertact-fp8      ... experts=dict(fp8="rowwise") (Hopper only: elsewhere the run is
                           recorded with its error and skipped)
+
+The peer is SequentialMLP, Megatron's experts without TransformerEngine. TEGroupedMLP
+(TransformerEngine's GroupedLinear, which Megatron's MoE recipes select with --moe-grouped-gemm)
+was not measured; no comparable published TransformerEngine figure was found (see
+expertact.bench.megatron's docstring).
 
 --activation gpt-oss: GPT-OSS's experts (quick_gelu, glu_linear_offset 1, clamp 7, biases). Megatron
 0.19.2's own SequentialMLP fails there at TP = EP = 1 in its first forward (transformer/mlp.py adds the
@@ -29,14 +39,21 @@ With N GPUs (--nproc-per-node N) the experts are spread over --ep ranks (default
 parallelism N, data parallelism N for the rest). The model: Megatron's GPTModel from its local
 (no TransformerEngine) spec, every layer MoE, RMSNorm, RoPE, no dropout, bf16 (Float16Module),
 Megatron's DistributedDataParallel and optimizer (Adam, clip 1.0, 10 linear warm-up steps then a
-constant lr), a step through get_forward_backward_func(). The data: Megatron's MockGPTDataset (from
-BlendedMegatronDatasetBuilder, NullTokenizer), the same batches for every impl. Its documents are
-runs of consecutive token ids (1, 2, 3, ... then an end-of-document token): easy to learn, so the loss
-falls fast (10.6 to about 1.2 in 12 steps of the h200 config) and the comparison is of the curves.
+constant lr), a step through get_forward_backward_func(). The data: the text examples/autoep_train.py
+trains on (examples/byte_corpus.py): the Python standard library's .py files as byte tokens
+(vocabulary 256), windows of seq + 1 bytes at offsets drawn from (seed, step), the first seq the
+tokens and the last seq the labels; every impl of a launch, and every launch with the same seed and
+sizes, trains on the same batches (the corpus's and the batches' sha256 are in each JSON). It
+replaces Megatron's MockGPTDataset, whose documents (runs of consecutive token ids) were learnt to a
+loss of 0.03 by step 50 and under 0.01 by step 100, after which the curves could not tell
+implementations apart (bench/results/megatron-h200-2026-12-03);
+the AutoEP example's loss on this text was still about 1 after 300 steps (docs/autoep-e2e.md).
 
 Rank 0 writes OUT/<config>-<activation>-<impl>.json per run: the LM loss per step (the token mean
 over all ranks, without the router's aux loss), the step time (slowest rank), the peak allocated
 memory, versions and the command. examples/megatron_report.py makes the table and the plot.
+Megatron-Core's training step is CUDA only (its RoPE, token dispatcher, schedule and DDP buffers
+allocate on the current CUDA device).
 """
 from __future__ import annotations
 
@@ -50,15 +67,21 @@ import platform
 import sys
 import time
 import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # byte_corpus.py, beside this file
+from byte_corpus import VOCAB, batches_sha256, load_corpus, make_batch  # noqa: E402  (autoep_train.py's text)
 
 # --impl -> the experts: None = Megatron's SequentialMLP, else ExpertMLP's keywords.
-IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-fused": None, "megatron-eager": None, "expertact": {}, "expertact-inplace": dict(inplace_backward=True),
-         "expertact-fp8": dict(fp8="rowwise")}
+IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-unfused": None, "megatron-eager": None, "expertact": {},
+         "expertact-inplace": dict(inplace_backward=True), "expertact-fp8": dict(fp8="rowwise")}
+# The yardsticks of one form only: impl -> the --activation it is for.
+ONLY_FOR = {"megatron-unfused": "swiglu", "megatron-eager": "gpt-oss"}
 # "h200": 64 x 1024 = 65,536 tokens a step, top-4 of 8 experts: 262,144 routed rows per MoE layer.
 CONFIGS = {
-    "h200": dict(hidden=1024, heads=16, layers=2, experts=8, ffn=3072, top_k=4, vocab=32768, seq=1024,
+    "h200": dict(hidden=1024, heads=16, layers=2, experts=8, ffn=3072, top_k=4, vocab=VOCAB, seq=1024,
                  micro_batch=64, steps=300, warmup=10, lr=3e-4),
-    "tiny": dict(hidden=64, heads=4, layers=2, experts=4, ffn=128, top_k=2, vocab=512, seq=64,
+    "tiny": dict(hidden=64, heads=4, layers=2, experts=4, ffn=128, top_k=2, vocab=VOCAB, seq=64,
                  micro_batch=4, steps=3, warmup=1, lr=3e-4),
 }
 ACTIVATIONS = ("swiglu", "gpt-oss")
@@ -83,11 +106,11 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown or not args.impls:
         p.error(f"--impl {args.impl!r}: unknown {unknown}; expected one of {', '.join(IMPLS)}")
-    if "megatron-fused" in args.impls and args.activation != "swiglu":
-        p.error("--impl megatron-fused is for --activation swiglu (Megatron's fused quick-GeGLU clamps before "
-                "fc1's bias: another function; its yardstick is megatron-eager)")
-    if "megatron-eager" in args.impls and args.activation != "gpt-oss":
-        p.error("--impl megatron-eager is for --activation gpt-oss (swiglu's yardstick is megatron-fused)")
+    for impl, form in ONLY_FOR.items():
+        if impl in args.impls and args.activation != form:
+            other = next(i for i, f in ONLY_FOR.items() if f == args.activation)
+            p.error(f"--impl {impl} is for --activation {form} (the yardstick of {args.activation} is {other}: "
+                    "Megatron's fused quick-GeGLU clamps before fc1's bias, another function than GPT-OSS's)")
     if len(set(args.impls)) != len(args.impls):
         p.error(f"--impl {args.impl!r} names a run twice (use megatron-repeat for a second megatron run)")
     s = dict(CONFIGS[args.config])
@@ -110,6 +133,13 @@ def quick_gelu_eager(y):
     return y * torch.sigmoid(1.702 * y)
 
 
+def fused(args, impl):
+    """bias_activation_fusion of a run: Megatron-LM's trainer's default for the form (on for SwiGLU,
+    --bias-swiglu-fusion; off for GPT-OSS's, whose fused quick-GeGLU computes another function), off
+    for megatron-unfused."""
+    return args.activation == "swiglu" and impl != "megatron-unfused"
+
+
 def transformer_config(args, ep, impl):
     import torch
     import torch.nn.functional as F
@@ -126,7 +156,7 @@ def transformer_config(args, ep, impl):
         num_moe_experts=s["experts"], moe_ffn_hidden_size=s["ffn"], moe_router_topk=s["top_k"],
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         moe_grouped_gemm=False, expert_model_parallel_size=ep,
-        bias_activation_fusion=impl == "megatron-fused",
+        bias_activation_fusion=fused(args, impl),
         normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
         bf16=True, params_dtype=torch.bfloat16, **act)
 
@@ -144,25 +174,25 @@ def layer_spec(impl, num_experts):
     return xm.gpt_layer_local_spec(experts=IMPLS[impl], **kw)
 
 
-def mock_dataset(args, dp):
-    """Megatron's MockGPTDataset (train split) with enough samples for every step of every rank."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+def corpus_data(args, dp):
+    """The byte corpus and its description: the corpus's sha256 and that of every window offset of
+    the run (dp x micro_batch windows of seq + 1 bytes a step), with which a rerun checks it trains
+    on the same batches."""
+    corpus, info = load_corpus()
     s = args.sizes
-    cfg = GPTDatasetConfig(random_seed=args.seed, sequence_length=s["seq"], tokenizer=NullTokenizer(s["vocab"]),
-                           reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                           create_attention_mask=False)  # the causal mask is made by the attention itself
-    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [s["steps"] * s["micro_batch"] * dp, 0, 0],
-                                                lambda: True, cfg).build()
-    return train
+    count, length = dp * s["micro_batch"], s["seq"] + 1
+    info.update(windows_per_step=count, window_bytes=length, seed=args.seed,
+                batches_sha256=batches_sha256(corpus.numel(), s["steps"], args.seed, count, length))
+    return corpus, info
 
 
-def batch_of(dataset, step, s, dp, dp_rank, device):
-    """This rank's micro batch of step `step` (samples (step * dp + dp_rank) * micro_batch + j)."""
+def batch_of(corpus, seed, step, s, dp, dp_rank, device):
+    """This rank's micro batch of step `step`: windows of seq + 1 bytes (the dp_rank-th share of the
+    step's global batch), tokens the first seq, labels the last seq, every token in the loss."""
     import torch
-    first = (step * dp + dp_rank) * s["micro_batch"]
-    b = torch.utils.data.default_collate([dataset[first + j] for j in range(s["micro_batch"])])
+    w = make_batch(corpus, step, seed, dp_rank, dp, s["micro_batch"], s["seq"] + 1)
+    b = dict(tokens=w[:, :-1], labels=w[:, 1:], loss_mask=torch.ones(w.shape[0], s["seq"]),
+             position_ids=torch.arange(s["seq"]).expand(w.shape[0], -1))
     return {k: v.to(device, non_blocking=True) for k, v in b.items()}
 
 
@@ -196,7 +226,7 @@ def versions():
     return v
 
 
-def train_one(args, impl, dataset, env, log):
+def train_one(args, impl, corpus, env, log):
     """One run: a fresh model from the seed, Megatron's DDP and optimizer, the steps."""
     import torch
     from megatron.core import tensor_parallel
@@ -240,8 +270,8 @@ def train_one(args, impl, dataset, env, log):
         name = f"{experts.__module__}.{experts.__qualname__}"
         log(f"{impl}: experts {name}, {sum(p.numel() for p in gpt.parameters()):,} parameters on this rank "
             f"(sum {checksum:.6f}), optimizer {type(optimizer).__name__}")
-        return steps(s, impl, model, optimizer, scheduler, dataset, env, log) | dict(init_param_sum=checksum,
-                                                                                    experts_class=name)
+        return steps(s, args.seed, impl, model, optimizer, scheduler, corpus, env, log) | dict(
+            init_param_sum=checksum, experts_class=name)
     finally:
         release(model, config)
 
@@ -260,7 +290,7 @@ def release(model, config):
     model.__dict__.clear()
 
 
-def steps(s, impl, model, optimizer, scheduler, dataset, env, log):
+def steps(s, seed, impl, model, optimizer, scheduler, corpus, env, log):
     """The training steps: per step the LM loss, grad norm, step time and peak allocated memory."""
     import torch
     from megatron.core import parallel_state
@@ -272,7 +302,7 @@ def steps(s, impl, model, optimizer, scheduler, dataset, env, log):
     losses, grad_norms, times, peaks = [], [], [], []
     model.train()
     for step in range(s["steps"]):
-        batch = batch_of(dataset, step, s, env["dp"], env["dp_rank"], dev)  # before the clock
+        batch = batch_of(corpus, seed, step, s, env["dp"], env["dp_rank"], dev)  # before the clock
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
@@ -303,7 +333,7 @@ def record(args, impl, run, env, error):
     """Rank 0's JSON record (what examples/megatron_report.py reads)."""
     s, w = args.sizes, args.sizes["warmup"]
     out = dict(impl=impl, config=args.config, sizes=s, activation=args.activation, seed=args.seed,
-               experts_options=IMPLS[impl], steps=s["steps"], warmup=w, lr_warmup=min(LR_WARMUP, s["steps"] - 1),
+               bias_activation_fusion=fused(args, impl), corpus=env["corpus"], experts_options=IMPLS[impl], steps=s["steps"], warmup=w, lr_warmup=min(LR_WARMUP, s["steps"] - 1),
                world_size=env["world"], ep=env["ep"], dp=env["dp"],
                tokens_per_step=s["micro_batch"] * s["seq"] * env["dp"], loss_kind="LM loss (token mean over all "
                "ranks), without the router's aux loss", error=error, versions=env["versions"],
@@ -353,12 +383,14 @@ def main(argv=None):
             print(f"[megatron_moe {args.config}/{args.activation}]", *a, flush=True)
 
     log(f"world {world}, ep {ep}, dp {env['dp']}, sizes {args.sizes}, impls {args.impls}; {env['versions']['device']}")
-    dataset = mock_dataset(args, env["dp"])
+    corpus, env["corpus"] = corpus_data(args, env["dp"])
+    log(f"corpus: {env['corpus']['files']} files, {env['corpus']['bytes']:,} bytes, sha256 "
+        f"{env['corpus']['sha256'][:16]}...; batches sha256 {env['corpus']['batches_sha256'][:16]}...")
     failed = []
     for impl in args.impls:
         run, error = None, None
         try:
-            run = train_one(args, impl, dataset, env, log)
+            run = train_one(args, impl, corpus, env, log)
         except Exception as e:  # e.g. NotImplementedError for FP8 off Hopper: recorded, the next impl runs
             # (an error raised on some ranks only would leave the others waiting in a collective)
             error = f"{type(e).__name__}: {e}"

@@ -3,11 +3,13 @@ examples/megatron_moe.py wrote, one JSON per run:
 
     python3 examples/megatron_report.py --in OUT/megatron --md OUT/megatron.md --png docs/megatron-h200-loss.png
 
-Runs are grouped by config and activation and compared with that group's "megatron" run (Megatron's
-own SequentialMLP experts). The "megatron-repeat" run is the same run again (its difference from
-"megatron": the run-to-run nondeterminism); "megatron-fused" is Megatron's own fused SwiGLU and
-"megatron-eager" its quick_gelu uncompiled (GPT-OSS's form), each the same function rounded in another
-order: the yardstick for the other runs' differences.
+Runs are grouped by config and activation and compared with that group's baseline: Megatron's own
+SequentialMLP experts as its trainer runs them by default (the "megatron" run: for SwiGLU its fused
+bias-SwiGLU, for GPT-OSS's form the unfused path). The yardsticks for the other runs' differences:
+"megatron-repeat", the same run again (the run-to-run nondeterminism), and the same function rounded
+in another order ("megatron-unfused": SwiGLU op by op; "megatron-eager": GPT-OSS's quick_gelu
+uncompiled). Older result files, which name the fused SwiGLU run "megatron-fused" and the unfused
+one "megatron", are read by the fusion they ran with.
 """
 from __future__ import annotations
 
@@ -17,14 +19,13 @@ import json
 import os
 import sys
 
-IMPL_ORDER = ("megatron", "megatron-repeat", "megatron-fused", "megatron-eager", "expertact", "expertact-inplace", "expertact-fp8")
-IMPL_TEXT = {"megatron": "Megatron SequentialMLP", "megatron-repeat": "Megatron again (run-to-run noise)",
-             "megatron-fused": "Megatron, its fused SwiGLU (yardstick: another rounding)",
-             "megatron-eager": "Megatron, quick_gelu uncompiled (yardstick: another rounding)",
+IMPL_ORDER = ("megatron", "megatron-fused", "megatron-repeat", "megatron-unfused", "megatron-eager", "expertact",
+              "expertact-inplace", "expertact-fp8")
+MEGATRON = ("megatron", "megatron-fused", "megatron-repeat", "megatron-unfused", "megatron-eager")
+IMPL_TEXT = {"megatron-eager": "Megatron, quick_gelu uncompiled (yardstick: another rounding)",
              "expertact": "expertact ExpertMLP (bf16)", "expertact-inplace": "expertact, in-place backward",
              "expertact-fp8": "expertact, FP8 rowwise"}
-COLORS = {"megatron": "black", "megatron-repeat": "0.6", "megatron-fused": "tab:gray", "megatron-eager": "tab:gray", "expertact": "tab:blue", "expertact-inplace": "tab:orange",
-          "expertact-fp8": "tab:red"}
+COLORS = {"megatron": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "expertact-fp8": "tab:red"}
 LATE = 50  # the "late" loss differences: steps >= LATE
 GIB = 2**30
 
@@ -51,14 +52,58 @@ def ok(run):
 def groups_of(runs):
     """{(config, activation): runs in IMPL_ORDER}."""
     out = {}
-    key = lambda r: IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else len(IMPL_ORDER)
-    for run in sorted(runs, key=lambda r: (r["config"], r.get("activation", "?"), key(r), r["impl"])):
+    for run in sorted(runs, key=lambda r: (r["config"], r.get("activation", "?"), sort_key(r))):
         out.setdefault((run["config"], run.get("activation", "?")), []).append(run)
     return out
 
 
+def fusion(run):
+    """bias_activation_fusion of a run: recorded, or (older files) what its impl name meant then."""
+    if "bias_activation_fusion" in run:
+        return bool(run["bias_activation_fusion"])
+    return run["impl"] == "megatron-fused"
+
+
+def default_fusion(run):
+    """Megatron-LM's trainer's default for the run's form: fused SwiGLU; GPT-OSS's form unfused."""
+    return run.get("activation") == "swiglu"
+
+
+def is_repeat(run):
+    return run["impl"] == "megatron-repeat"
+
+
+def is_baseline(run):
+    """Megatron's experts as its trainer runs them by default, not a repeat nor quick_gelu uncompiled."""
+    return (run["impl"] in ("megatron", "megatron-fused") and fusion(run) == default_fusion(run))
+
+
+def is_yardstick(run):
+    return run["impl"] in MEGATRON and not is_baseline(run)
+
+
+def label(run):
+    if run["impl"] not in MEGATRON or run["impl"] == "megatron-eager":
+        return IMPL_TEXT.get(run["impl"], run["impl"])
+    if run.get("activation") == "swiglu":
+        text = "Megatron SequentialMLP, " + ("fused SwiGLU" if fusion(run) else "unfused SwiGLU")
+    else:
+        text = "Megatron SequentialMLP, unfused"
+    if is_baseline(run):
+        return text + " (its trainer's default)"
+    if is_repeat(run):
+        return text + ", again (yardstick: run-to-run noise)"
+    return text + " (yardstick: another rounding)"
+
+
+def sort_key(run):
+    rank = 0 if is_baseline(run) else 1 if is_repeat(run) else 2 if is_yardstick(run) else 3
+    order = IMPL_ORDER.index(run["impl"]) if run["impl"] in IMPL_ORDER else len(IMPL_ORDER)
+    return rank, order, run["impl"]
+
+
 def reference(runs):
-    return next((r for r in runs if r["impl"] == "megatron" and ok(r)), None)
+    return next((r for r in runs if is_baseline(r) and ok(r)), None)
 
 
 def diffs(run, ref):
@@ -77,24 +122,45 @@ def diff_stats(run, ref):
     return f"{d[at]:.2e} ({at})", late, f"{sum(d) / len(d):.2e}"
 
 
+def late_mean(run, n):
+    return sum(run["losses"][-n:]) / n
+
+
 def table(groups):
-    head = ("| config | activation | run | final loss | mean step (ms) | tokens/s | speed-up vs megatron | peak GiB "
-            f"| max abs loss diff (step) | max abs diff, steps >= {LATE} | mean abs diff |")
+    head = ("| config | activation | run | final loss | mean loss, last steps (vs default) | mean step (ms) | tokens/s "
+            "| speed-up vs default | peak GiB | max abs loss diff (step) | max abs diff, steps >= "
+            f"{LATE} | mean abs diff |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (config, act), runs in groups.items():
         ref = reference(runs)
         for run in runs:
-            name = IMPL_TEXT.get(run["impl"], run["impl"])
+            name = label(run)
             if not ok(run):
                 err = (run.get("error") or "no losses").replace("|", "/")
-                lines.append(f"| {config} | {act} | {name} | failed: {err[:120]} |" + " |" * 7)
+                lines.append(f"| {config} | {act} | {name} | failed: {err[:120]} |" + " |" * 8)
                 continue
+            n = min(LATE, max(1, len((ref or run)["losses"]) // 4))
+            late = f"{late_mean(run, n):.4f} (last {n})"
+            if ref and run is not ref:
+                late += f" {late_mean(run, n) - late_mean(ref, n):+.4f}"
             speed = f"{ref['mean_step_ms'] / run['mean_step_ms']:.2f}x" if ref and run is not ref else "—"
             stats = diff_stats(run, ref) if ref and run is not ref else ("—", "—", "—")
-            lines.append(f"| {config} | {act} | {name} | {run['losses'][-1]:.4f} | {run['mean_step_ms']:.1f} | "
+            lines.append(f"| {config} | {act} | {name} | {run['losses'][-1]:.4f} | {late} | {run['mean_step_ms']:.1f} | "
                          f"{run['tokens_per_s']:,.0f} | {speed} | {run['peak_allocated_bytes'] / GIB:.2f} | "
                          + " | ".join(stats) + " |")
     return "\n".join(lines)
+
+
+def data_text(runs):
+    """What the runs trained on: the byte corpus (its hashes) or, in older files, Megatron's mock data."""
+    corpora = {(r["corpus"]["sha256"], r["corpus"].get("batches_sha256")): r["corpus"] for r in runs if r.get("corpus")}
+    if not corpora:
+        return "Megatron's MockGPTDataset (runs of consecutive token ids)"
+    parts = [f"the Python standard library's .py files as byte tokens (examples/byte_corpus.py: {c['files']} files, "
+             f"{c['bytes']:,} bytes, sha256 {c['sha256'][:16]}..., Python's own stdlib at {c['root']}), "
+             f"{c.get('windows_per_step')} windows of {c.get('window_bytes')} bytes a step from seed {c.get('seed')} "
+             f"(batches sha256 {str(c.get('batches_sha256'))[:16]}...)" for c in corpora.values()]
+    return "; ".join(parts)
 
 
 def setup_text(groups):
@@ -120,13 +186,15 @@ def markdown(runs, png_rel, report_cmd):
     groups = groups_of(runs)
     lines = ["# Megatron-Core MoE training: Megatron's experts against expertact's", "",
              "Written by examples/megatron_report.py from the JSON files of examples/megatron_moe.py. Every run of a "
-             "group starts from the same weights and trains on the same batches (Megatron's MockGPTDataset).", "",
+             f"group starts from the same weights and trains on the same batches: {data_text(runs)}.", "",
              f"![loss curves and their difference from Megatron's]({png_rel})" if png_rel else "(no plot)", "",
              table(groups), "",
-             "Loss differences are against the group's `megatron` run, per step; the `megatron-repeat` row is "
-             "Megatron against itself (run-to-run nondeterminism), the `megatron-fused` row Megatron's fused "
-             "SwiGLU and the `megatron-eager` row its quick_gelu uncompiled (each the same function, another "
-             "rounding): the yardstick.", "", "## Setup", "",
+             "Default: Megatron's SequentialMLP as its trainer runs it by default (SwiGLU: bias_activation_fusion on, "
+             "Megatron-LM's --bias-swiglu-fusion; GPT-OSS's form: unfused, Megatron's fused quick-GeGLU computing "
+             "another function). Loss differences, speed-ups and the last steps' mean loss are against it, per step. "
+             "Yardsticks: the default again (run-to-run nondeterminism) and the same function rounded in another "
+             "order (SwiGLU unfused; GPT-OSS's quick_gelu uncompiled). The peer is SequentialMLP (a loop over the "
+             "experts); TEGroupedMLP (TransformerEngine's grouped GEMMs) was not measured.", "", "## Setup", "",
              setup_text(groups), "", "## Commands", ""]
     ordered = [r["command"] for rs in groups.values() for r in rs]
     lines += [f"    {c}" for c in dict.fromkeys(ordered)]
@@ -144,18 +212,19 @@ def plot(runs, path):
     for (ax_loss, ax_diff), ((config, act), rs) in zip(axes, groups):
         ref = reference(rs)
         for run in filter(ok, rs):
-            style = dict(color=COLORS.get(run["impl"]), lw=1.0, ls="--" if run["impl"] in ("megatron-repeat", "megatron-fused", "megatron-eager") else "-")
-            label = IMPL_TEXT.get(run["impl"], run["impl"])
-            ax_loss.plot(range(len(run["losses"])), run["losses"], label=label, **style)
+            yard = is_yardstick(run)
+            style = dict(color="0.6" if yard else COLORS.get(run["impl"], "black"), lw=1.0, ls="--" if yard else "-")
+            name = label(run)
+            ax_loss.plot(range(len(run["losses"])), run["losses"], label=name, **style)
             if ref is not None and run is not ref:
                 d = diffs(run, ref)
-                ax_diff.plot(range(len(d)), d, label=f"{label} (max abs {max(map(abs, d)):.1e})", **style)
+                ax_diff.plot(range(len(d)), d, label=f"{name} (max abs {max(map(abs, d)):.1e})", **style)
         ax_loss.set(title=f"LM loss, {config} / {act}", xlabel="step", ylabel="loss", yscale="log")
         if ref is None:
-            ax_diff.text(0.5, 0.5, "no successful megatron run to compare with", ha="center", va="center",
+            ax_diff.text(0.5, 0.5, "no successful run of Megatron's default to compare with", ha="center", va="center",
                          transform=ax_diff.transAxes)
         ax_diff.axhline(0.0, color="black", lw=0.6)
-        ax_diff.set(title="loss minus Megatron's (same step)", xlabel="step", ylabel="difference")
+        ax_diff.set(title="loss minus Megatron's default (same step)", xlabel="step", ylabel="difference")
         for ax in (ax_loss, ax_diff):
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
@@ -186,7 +255,7 @@ def main(argv=None):
         seen[key] = r["_path"]
     for (config, act), rs in groups_of(runs).items():
         if reference(rs) is None:
-            print(f"megatron_report.py: no successful megatron run for {config}/{act}: no comparisons there",
+            print(f"megatron_report.py: no successful run of Megatron's default for {config}/{act}: no comparisons there",
                   file=sys.stderr)
     if args.png and not any(ok(r) for r in runs):
         print("megatron_report.py: no successful run: no plot", file=sys.stderr)

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# The DeepSpeed AutoEP end-to-end runs behind docs/autoep-e2e.md, on one machine with 2 GPUs, then
-# the report: $OUT/autoep/ gets one JSON and one log per run, autoep-e2e.md and autoep-e2e-loss.png.
+# The DeepSpeed AutoEP end-to-end runs behind docs/autoep-e2e.md, then the report: $OUT/autoep/
+# gets one JSON and one log per run, autoep-e2e.md and autoep-e2e-loss.png.
 #
-#   bash examples/run_autoep_e2e.sh                # small (4 runs) + large (3 runs) + report
+#   bash examples/run_autoep_e2e.sh                # small + large + report (2 GPUs)
 #   bash examples/run_autoep_e2e.sh small          # only some parts, in this order
-#   bash examples/run_autoep_e2e.sh large report   # split across two calls: REPORT_IN="DIR..." adds the
-#                                                  # JSON folders of an earlier call to the report
+#   bash examples/run_autoep_e2e.sh large report   # REPORT_IN="DIR..." adds the JSON folders of an earlier
+#                                                  # call to the report
 #   bash examples/run_autoep_e2e.sh tiny report    # the CPU smoke test (2 ranks, gloo; no GPU needed)
 #   bash examples/run_autoep_e2e.sh h200 report    # the whole expert MLP on ONE GPU (autoep_size 1), 300 steps
 #   SMALL_ARGS="--steps 300" LARGE_ARGS="--micro-batch 48" bash examples/run_autoep_e2e.sh
 #
-# Parts: small = 200 steps x 3 impls (eager, expertact, expertact-inplace) plus the bf16-noise
-# yardstick (eager with gate_up_impl separate; NOREF=1 skips it); large = 20 steps x 3 impls with a
-# few hundred thousand rows per rank and MoE layer; h200 = one GPU, every expert on it (autoep_size 1),
-# 300 steps of DeepSpeed's own path, its gate_up_impl "separate" twin (the yardstick), expertact's
-# activation (enable()), expertact's whole expert MLP in place (enable(experts=True,
-# inplace_backward=True)) and in FP8 (enable(experts=True, fp8="rowwise")), each with the experts'
-# measured share of the step; report = examples/autoep_report.py.
-# Needs: torch with CUDA, transformers >= 5.15, matplotlib, deepspeed 0.19.8 importable (e.g.
-# PYTHONPATH=/tmp/site), expertact with expertact.deepspeed.enable() (installed with its CUDA path
-# here when the installed one lacks it). No network.
+# Every part compares against DeepSpeed as a user runs it by default (--impl eager: its own experts
+# on AutoEP's default gate_up_impl "separate"); the yardsticks of a loss difference are the same run
+# again (eager-repeat) and DeepSpeed with gate_up_impl "fused" (eager-fused: the same function rounded
+# in another order). NOREF=1 leaves the yardsticks out.
+#   small  200 steps, 2 ranks: eager, expertact, expertact-inplace; yardsticks
+#   large  20 steps, 2 ranks, a few hundred thousand rows per rank and MoE layer: eager, expertact,
+#          expertact-inplace
+#   h200   300 steps on one GPU, every expert on it (autoep_size 1): eager, expertact (enable()),
+#          mlp-inplace (enable(experts=True, inplace_backward=True)), mlp-fp8 (enable(experts=True,
+#          fp8="rowwise"), Hopper only), each with the experts' measured share of the step; yardsticks
+#   tiny   the small part's runs on the CPU, tiny model, 3 steps
+#   report examples/autoep_report.py over $OUT/autoep (and REPORT_IN)
+#
+# Needs: 2 CUDA GPUs for small and large, one for h200 (Hopper for mlp-fp8), none for tiny; Python
+# with torch (a CUDA build on a GPU machine), deepspeed 0.19.8, transformers >= 5.15 and matplotlib;
+# expertact importable with its CUDA path (when it lacks it, the script builds it into the Python
+# environment: nvcc, CMake >= 3.24, Ninja, scikit-build-core and dlpack.h needed). No network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,7 +37,7 @@ mkdir -p "$RES"
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(small large report)
 
-# NVLink multicast stays off on the GPU machine: NCCL NVLS, torch symmetric memory, NVSHMEM.
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM): shared GPU hosts may not allow it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -67,7 +74,6 @@ assert expertact.has_cuda() or sys.argv[1] == '0', 'no CUDA path'
 if ! expertact_ok; then
   [ "$needs_gpu" != 0 ] || fail "expertact is not usable (see above)"
   echo "== installing expertact with its CUDA path (a few minutes)"
-  export EXPERTACT_DLPACK_INCLUDE_DIR=${EXPERTACT_DLPACK_INCLUDE_DIR:-$ROOT/.deps/include}
   export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
   $PY -m pip install --no-index --no-build-isolation --no-deps -C cmake.define.EXPERTACT_CUDA=ON . \
     >"$RES/build.log" 2>&1 || { tail -30 "$RES/build.log"; fail "expertact build failed ($RES/build.log)"; }
@@ -93,31 +99,35 @@ run() {  # run TAG ARGS...: one training run on NPROC ranks; its full log goes t
   echo "== $tag: $((SECONDS - t)) s"
 }
 
+runs() {  # runs PART IMPL... -- ARGS...: one run per impl, tagged PART-IMPL, each with ARGS
+  local part=$1 impl
+  shift
+  local impls=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do impls+=("$1"); shift; done
+  shift
+  for impl in "${impls[@]}"; do
+    rm -f "$RES/$part-$impl.json"
+    run "$part-$impl" --config "$part" --impl "$impl" "$@"
+  done
+}
+yardsticks() { [ "${NOREF:-0}" != 1 ] && echo eager-repeat eager-fused; }
+
 for part in "${PARTS[@]}"; do
   case $part in
-    small|large|tiny)
+    small|tiny)
       eval "extra=(\${${part^^}_ARGS:-})"
-      for impl in eager expertact expertact-inplace; do
-        rm -f "$RES/$part-$impl.json"
-        run "$part-$impl" --config "$part" --impl "$impl" "${extra[@]}"
-      done
-      if [ "${NOREF:-0}" != 1 ] && [ "$part" != large ]; then
-        rm -f "$RES/$part-eager-separate.json"
-        run "$part-eager-separate" --config "$part" --impl eager --gate-up-impl separate "${extra[@]}"
-      fi
+      # shellcheck disable=SC2046
+      runs "$part" eager expertact expertact-inplace $(yardsticks) -- "${extra[@]}"
+      ;;
+    large)
+      eval "extra=(\${LARGE_ARGS:-})"
+      runs large eager expertact expertact-inplace -- "${extra[@]}"
       ;;
     h200)
       NPROC=1
       eval "extra=(\${H200_ARGS:-})"
-      for impl in eager expertact mlp-inplace mlp-fp8; do
-        rm -f "$RES/h200-$impl.json"
-        run "h200-$impl" --config h200 --ep-size 1 --expert-share --impl "$impl" "${extra[@]}"
-      done
-      if [ "${NOREF:-0}" != 1 ]; then
-        rm -f "$RES/h200-eager-separate.json"
-        run "h200-eager-separate" --config h200 --ep-size 1 --expert-share --impl eager --gate-up-impl separate \
-          "${extra[@]}"
-      fi
+      # shellcheck disable=SC2046
+      runs h200 eager expertact mlp-inplace mlp-fp8 $(yardsticks) -- --ep-size 1 --expert-share "${extra[@]}"
       NPROC=2
       ;;
     report)

@@ -1,25 +1,24 @@
 #!/usr/bin/env bash
-# Builds, tests and benchmarks expertact on a machine with an NVIDIA GPU, in stages, so that
-# a machine that allows only short commands can take them a few at a time. Results and logs
-# go to $OUT/gpu_check/ ($OUT defaults to out/ in the repository, git-ignored; every script
-# of scripts/ writes its results and logs under the same folder; builds go to build/, the
-# carried wheels to /tmp/site, GoogleTest to /tmp/gtest).
+# Builds, tests and benchmarks expertact on a machine with an NVIDIA GPU, in stages, each of
+# which a later call can run alone (the build folder is kept). Results and logs go to
+# $OUT/gpu_check/ ($OUT defaults to out/ in the repository, git-ignored; every script of scripts/
+# writes its results and logs under the same folder; builds go to build/).
 #
 #   bash scripts/gpu_check.sh                              # STAGES="build ctest pytest"
 #   STAGES="bench mlp fuzz" bash scripts/gpu_check.sh      # then the benchmarks and the fuzzer
-#   STAGES="prepare" bash scripts/gpu_check.sh             # first, on a machine with network
+#
+# Needs: an NVIDIA GPU (sm_80 or newer; sm_90 for the FP8 cases) and its driver; the CUDA toolkit
+# (nvcc) with CMake >= 3.24 and Ninja; dlpack.h (libdlpack-dev, or a dlpack/ folder under
+# .deps/include) and GoogleTest (libgtest-dev, or its sources in GTEST_SRC, default
+# .deps/googletest, built into /tmp/gtest); Python with a CUDA build of torch, pytest and numpy.
+# Optional: deepspeed 0.19.8 and triton (the DeepSpeed rows and tests skip without them). No
+# network is used.
 #
 # Stages run in this order, whatever the order given. Times: measured where a date is given
 # (H200 = one NVIDIA H200 with 16 cores), else estimated (~):
-#   prepare  on a machine WITH network, before going to a GPU machine without one: fills the
-#            git-ignored .deps/ (dlpack.h, GoogleTest sources; from libdlpack-dev and
-#            libgtest-dev, apt-get installed where missing) and .whl/ (DeepSpeed 0.19.8, built
-#            from its sdist, and the packages it needs), to be carried along. 8 s with pip's cache warm (2026-12-01);
-#            ~1-2 minutes cold.
-#   build    GoogleTest from .deps/googletest where no GTest is installed; the library with its
-#            CUDA path (sm_90; ARCHS for others), the C++ tests and benchmarks, in build/gpu
-#            (BUILD; incremental when kept from an earlier call). ~1-2 minutes on the H200's
-#            16 cores (estimated).
+#   build    the library with its CUDA path (sm_90; ARCHS for others), the C++ tests and
+#            benchmarks, in build/gpu (BUILD; incremental when kept from an earlier call). ~1-2
+#            minutes on the H200's 16 cores (estimated).
 #   ctest    the GoogleTest suite, the kernel-choice entries; fails unless the kernels' CUDA
 #            cases ran (CTEST_JOBS, default 4). ~1 minute (46-64 s on a shared 2-core machine,
 #            CUDA cases skipped, 2026-12-01).
@@ -31,9 +30,10 @@
 #            BENCH_ARGS replaces these options), then the C++ GPU benchmark (GPU_BENCH_ARGS).
 #            ~2-3 minutes: the same at five sizes took 243 s on the H200 (2026-11-30).
 #   mlp      python -m expertact.bench --mlp: the expert MLP at the seed's busiest rank
-#            (4 experts x 261,280 rows, D = F = 3,072, bf16) (MLP_ARGS adds options). 59 s on the H200 (2026-11-30). Then --mlp --bias (the
-#            same with and without GPT-OSS's expert biases, about 110 s on the H200, 2026-12-01)
-#            and python -m expertact.bench.bias_kernels (the bias kernels alone, ~20 s).
+#            (4 experts x 261,280 rows, D = F = 3,072, bf16) (MLP_ARGS adds options). 59 s on the
+#            H200 (2026-11-30). Then --mlp --bias (the same with and without GPT-OSS's expert
+#            biases, about 110 s on the H200, 2026-12-01) and python -m expertact.bench.bias_kernels
+#            (the bias kernels alone, ~20 s).
 #   fuzz     the differential fuzzer on CUDA over this build: scripts/reliability_gpu.sh's fuzz
 #            stage, FUZZ_SECONDS (default 60) or FUZZ_PROBLEMS per process. 71 s wall for 60 s
 #            on the H200 (2026-11-30).
@@ -42,15 +42,8 @@
 #   wheel    scripts/wheel_check.sh on dist/expertact-*.whl (built elsewhere by
 #            scripts/build_wheel.sh): installs it without building, runs pytest against it.
 #            209 s on the H200 (2026-11-30).
-# With 10 minutes a command: "build ctest pytest", then "bench mlp fuzz", then "sanitize",
-# then "wheel", the build folder kept between the calls.
-#
-# Needs: nvcc, cmake, ninja, python3 with a CUDA build of torch, pytest (the prepare stage:
-# torch too, to build DeepSpeed's wheel, and wheels for Python 3.12; PYVER=3.11 etc. for another
-# Python on the GPU machine). Without network the
-# GPU machine needs .deps/ (or libdlpack-dev and libgtest-dev installed) and .whl/ carried
-# along from the prepare stage; without .whl/ the DeepSpeed rows and tests skip. The wheels of .whl/ (WHEELS) install into /tmp/site (SITE), never
-# into the machine's own site-packages. Exit status: 0 when every stage run passed.
+# scripts/gpu_session.sh runs the measurements the documentation's comparisons rest on.
+# Exit status: 0 when every stage run passed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -59,8 +52,7 @@ R=$OUT/gpu_check
 mkdir -p "$R"
 STAGES=${STAGES:-"build ctest pytest"}
 BUILD=${BUILD:-$ROOT/build/gpu}
-WHEELS=${WHEELS:-$ROOT/.whl}
-SITE=${SITE:-/tmp/site}
+GTEST_SRC=${GTEST_SRC:-$ROOT/.deps/googletest}
 JOBS=${JOBS:-$(nproc)}
 SEED_SIZE="--rows 1045081 --ffn 3072"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -68,47 +60,15 @@ note() { echo "== $(date +%T) $*" | tee -a "$R/summary.txt"; }
 status=0
 fail() { note "FAILED: $*"; status=1; }
 for s in $STAGES; do
-  case $s in prepare | build | ctest | pytest | bench | mlp | fuzz | sanitize | wheel) ;;
-    *) echo "unknown stage '$s' (prepare build ctest pytest bench mlp fuzz sanitize wheel)"; exit 2 ;;
+  case $s in build | ctest | pytest | bench | mlp | fuzz | sanitize | wheel) ;;
+    *) echo "unknown stage '$s' (build ctest pytest bench mlp fuzz sanitize wheel)"; exit 2 ;;
   esac
 done
-# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM) on shared GPU hosts.
+# NVLink multicast stays off (NCCL NVLS, torch symmetric memory, NVSHMEM): shared GPU hosts may not allow it.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 
-# ---- prepare (machine with network): .deps/ and .whl/ for a GPU machine without one
-if has prepare; then
-  note "prepare .deps/ and $WHEELS"
-  mkdir -p .deps/include "$WHEELS"
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO="sudo"
-  if [ ! -f /usr/include/dlpack/dlpack.h ] || [ ! -d /usr/src/googletest ]; then
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
-  fi
-  cp -r /usr/include/dlpack .deps/include/ && rm -rf .deps/googletest && cp -r /usr/src/googletest .deps/ ||
-    fail "copying dlpack.h and the GoogleTest sources into .deps/"
-  # DeepSpeed's PyPI release is an sdist: its wheel is built here (DS_BUILD_OPS=0: no ops
-  # compiled; its setup.py imports torch, hence no build isolation). The rest are wheels for
-  # the GPU machine's Python 3.12 on x86-64.
-  DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8 ||
-    fail "building DeepSpeed's wheel"
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version ${PYVER:-3.12} --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux2010_x86_64 -d "$WHEELS" hjson py-cpuinfo msgpack psutil \
-    pydantic pydantic-core annotated-types typing-extensions typing-inspection einops tqdm ||
-    fail "downloading wheels into $WHEELS"
-  note "prepared: .deps ($(du -sh .deps | cut -f1)), $WHEELS ($(du -sh "$WHEELS" | cut -f1)): carry both"
-fi
-
-# ---- the environment: the machine, and the carried wheels installed out of the way
-gpu_stages=0
-for s in build ctest pytest bench mlp fuzz sanitize wheel; do has $s && gpu_stages=1; done
-[ $gpu_stages = 1 ] || { note "done: status $status"; exit $status; }
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    "$WHEELS"/*.whl > "$R/pip-wheels.log" 2>&1 || fail "installing $WHEELS/*.whl into $SITE (pip-wheels.log)"
-  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-fi
+# ---- the environment
 {
   echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo '(no git)') ($(git status --porcelain 2>/dev/null | wc -l) changed files)"
@@ -136,14 +96,14 @@ PKG_PATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 
 # ---- build
 if has build; then
-  # GoogleTest: installed (libgtest-dev), or built once from .deps/googletest into /tmp/gtest.
+  # GoogleTest: installed (libgtest-dev), or built once from its sources (GTEST_SRC) into /tmp/gtest.
   GTEST_PREFIX=""
   if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && [ ! -f /usr/lib/cmake/GTest/GTestConfig.cmake ] &&
-     [ ! -f /usr/local/lib/cmake/GTest/GTestConfig.cmake ] && [ -d .deps/googletest ]; then
+     [ ! -f /usr/local/lib/cmake/GTest/GTestConfig.cmake ] && [ -d "$GTEST_SRC" ]; then
     GTEST_PREFIX=/tmp/gtest
     if [ ! -f /tmp/gtest/lib/cmake/GTest/GTestConfig.cmake ] && [ ! -f /tmp/gtest/lib64/cmake/GTest/GTestConfig.cmake ]; then
-      note "build GoogleTest (.deps/googletest -> /tmp/gtest)"
-      { cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      note "build GoogleTest ($GTEST_SRC -> /tmp/gtest)"
+      { cmake -S "$GTEST_SRC" -B /tmp/gtest-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
           -DCMAKE_INSTALL_PREFIX=/tmp/gtest -DBUILD_GMOCK=OFF && ninja -C /tmp/gtest-build -j"$JOBS" install; } \
         > "$R/gtest-build.log" 2>&1 || fail "GoogleTest build (gtest-build.log)"
     fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reliability run on the GPU machine, one call: the differential fuzzer on CUDA (parallel
+# The reliability run on a GPU machine, one call: the differential fuzzer on CUDA (parallel
 # processes, each kernel variant of EXPERTACT_CUDA_KERNEL when the library reads it), the OOM
 # and CUDA-graph tests and the other CUDA pytest files alongside; optionally the
 # compute-sanitizer sweep (scripts/sanitize.sh, its own call: 243 s wall with the build on an
@@ -12,7 +12,7 @@
 #   FUZZ_PROBLEMS=2000 bash scripts/reliability_gpu.sh   # a fixed number of problems per process
 #   STAGES=sanitize bash scripts/reliability_gpu.sh      # = bash scripts/sanitize.sh
 #
-# Needs what scripts/gpu_check.sh's build stage needs (without network: .deps/ carried); it
+# Needs what scripts/gpu_check.sh's build stage needs (its header); it
 # reuses that stage. The fuzzer is tests/python/support/fuzz.py; the Python package runs from
 # the source tree over build/gpu/libexpertact.so (BUILD; FUZZ_LIB names another library).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU test suite under compute-sanitizer, in one call on the GPU machine: every CUDA test
+# The GPU test suite under compute-sanitizer, in one call on a GPU machine: every CUDA test
 # of the GoogleTest binary under memcheck, racecheck, initcheck and synccheck (sharded, all
 # shards at once), and the CUDA part of pytest under each tool. 243 s wall with the build on
 # an H200 (2026-11-30; docs/reliability.md), each process under a SAN_TIMEOUT of 450 s. Results in $OUT/sanitize ($OUT defaults to out/ in the
@@ -10,7 +10,8 @@
 #   SAN_BUILD=0 bash scripts/sanitize.sh            # over the build already in build/gpu (BUILD)
 #   SAN_TOOLS="memcheck initcheck" SAN_PARTS=ctest bash scripts/sanitize.sh
 #
-# Needs what scripts/gpu_check.sh's build stage needs (without network: .deps/ carried). The
+# Needs what scripts/gpu_check.sh's build stage needs (its header), and compute-sanitizer (the
+# CUDA toolkit's). The
 # Python package is used from the source tree (PYTHONPATH=python) over build/gpu/libexpertact.so
 # (EXPERTACT_LIBRARY): no second CUDA build.
 set -u

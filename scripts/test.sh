@@ -9,18 +9,61 @@
 # architectures, in a quarter to a third of the time (EXPERTACT_TEST_DEVICE_OPT=1 compiles them as a
 # release does; on a machine with a GPU they always are). This package is then for the tests
 # only: `pip install .` builds the library as a release.
+#
+# Optional test dependencies (DeepSpeed, transformers, TorchTitan, and Megatron-Core in a Python
+# 3.12 environment) are installed where missing, each step retried once. A user's run goes on
+# without one that cannot be had and ends with one line per test suite it skipped, saying why.
+# Under CI (CI=true) a missing Python 3.12 or a failed install fails the run, naming it. Every
+# step that fails prints its own log (the end of it) and the command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO="sudo"
 PY=${PYTHON:-python3}
 NPROC=$(nproc)
+BUILD=${BUILD_DIR:-build/test}
+LOGS=$BUILD/logs
+mkdir -p "$LOGS"
+trap 'echo "FAILED: scripts/test.sh line $LINENO: $BASH_COMMAND (exit $?)" >&2' ERR
+
+ci() { [ "${CI:-}" = true ]; }
+has_gpu() { command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; }
+SKIPS=()  # "suite: why" of each test suite a user's run leaves out, printed at the end
+
+# step LOG CMD...: CMD with its output in LOG, once more after a pause if it fails (downloads); on
+# the second failure the end of LOG is printed and the status is 1.
+step() {
+  local log=$1 attempt
+  shift
+  for attempt in 1 2; do
+    if "$@" > "$log" 2>&1; then return 0; fi
+    echo "   failed (attempt $attempt of 2): $*"
+    [ $attempt = 2 ] || sleep "${RETRY_PAUSE:-15}"
+  done
+  echo "---- the end of $log:"
+  tail -40 "$log"
+  echo "----"
+  return 1
+}
+
+# optional NAME SUITES CMD...: install an optional test dependency with step; if it cannot be had,
+# CI fails naming it, a user's run records SUITES as skipped.
+optional() {
+  local name=$1 suites=$2
+  shift 2
+  echo "== installing $name (for $suites)"
+  step "$LOGS/install-$name.log" "$@" && return 0
+  if ci; then
+    echo "FAILED: CI=true and $name did not install ($LOGS/install-$name.log): $suites would not run" >&2
+    exit 1
+  fi
+  SKIPS+=("$suites: skipped, $name did not install ($LOGS/install-$name.log)")
+}
 
 echo "== installing build and test dependencies (where missing)"
 if command -v apt-get > /dev/null; then
   if ! dpkg -s libdlpack-dev libgtest-dev > /dev/null 2>&1; then
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev > /dev/null
+    step "$LOGS/apt.log" bash -c "$SUDO apt-get update -qq && $SUDO apt-get install -y -qq libdlpack-dev libgtest-dev"
   fi
 fi
 # The pinned versions that are not installed yet (one Python call instead of a pip call each).
@@ -43,33 +86,40 @@ EOF
 wants() { for n in "$@"; do [[ " $missing " == *" $n "* ]] && return 0; done; return 1; }
 # torch 2.13.0 (the CPU build); without a GPU it is enough.
 if wants torch pytest numpy cmake ninja scikit-build-core; then
-  $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
+  step "$LOGS/install-base.log" $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
 fi
-# DeepSpeed, an optional test dependency: tests/python/test_deepspeed_registry.py runs expertact inside
-# its expert-activation registry and skips without it. Its PyPI release is an sdist whose setup.py
-# imports torch (hence --no-build-isolation); DS_BUILD_OPS=0 compiles none of its ops. About a
-# minute when not yet installed.
-if wants deepspeed; then DS_BUILD_OPS=0 $PY -m pip install -q --no-build-isolation deepspeed==0.19.8; fi
+# DeepSpeed, an optional test dependency: tests/python/test_deepspeed*.py run expertact inside its
+# expert-activation registry and AutoEP's experts, and skip without it. Its PyPI release is an sdist
+# whose setup.py imports torch (hence --no-build-isolation); DS_BUILD_OPS=0 compiles none of its ops.
+# About a minute when not yet installed.
+if wants deepspeed; then
+  optional deepspeed "the DeepSpeed tests (test_deepspeed*.py, test_bench_autoep.py, test_autoep_example.py)" \
+    env DS_BUILD_OPS=0 $PY -m pip install -q --no-build-isolation deepspeed==0.19.8
+fi
 # Hugging Face transformers, an optional test dependency: tests/python/test_transformers.py checks
 # expertact.transformers against transformers' own experts and skips without it.
-if wants transformers; then $PY -m pip install -q "transformers==5.17.0"; fi
+if wants transformers; then
+  optional transformers "the transformers tests (test_transformers.py, test_bench_experts.py, test_examples.py)" \
+    $PY -m pip install -q "transformers==5.17.0"
+fi
 # TorchTitan, an optional test dependency: tests/python/test_torchtitan.py checks expertact.torchtitan
 # against TorchTitan's own experts and skips without it. --no-deps with the few packages its model
 # code imports (not its trainer's wandb, tensorboard, datasets), so torch stays as it is; its token
 # dispatcher imports triton even on the CPU (a CUDA torch brings its own, left in place).
 if wants torchtitan spmd_types tyro docstring-parser typeguard; then
-  $PY -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
+  optional torchtitan "the TorchTitan tests (test_torchtitan.py, test_examples.py's TorchTitan loop)" \
+    $PY -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
     typeguard==4.6.1
 fi
-$PY -c "import triton" 2> /dev/null || $PY -m pip install -q --no-deps triton==3.9.0
+if ! $PY -c "import triton" 2> /dev/null; then
+  optional triton "the TorchTitan tests (test_torchtitan.py)" $PY -m pip install -q --no-deps triton==3.9.0
+fi
 
-BUILD=${BUILD_DIR:-build/test}
 CUDA_FLAGS=""
-if ! { command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; } && [ "${EXPERTACT_TEST_DEVICE_OPT:-0}" != 1 ]; then
+if ! has_gpu && [ "${EXPERTACT_TEST_DEVICE_OPT:-0}" != 1 ]; then
   CUDA_FLAGS="-Xcicc -O0 -Xptxas -O0"
 fi
 echo "== configuring (CUDA: ${EXPERTACT_CUDA:-AUTO}; device code: ${CUDA_FLAGS:-optimised})"
-mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA="${EXPERTACT_CUDA:-AUTO}" \
   -DCMAKE_CUDA_FLAGS="$CUDA_FLAGS" -DEXPERTACT_BUILD_TESTS=ON -DEXPERTACT_BUILD_BENCH=ON \
   > "$BUILD/configure.log" 2>&1 || { cat "$BUILD/configure.log"; exit 1; }
@@ -84,14 +134,18 @@ echo "== Python package (a wheel over the same build: the library is not compile
 # library's target, which is up to date; the wheel (py3-none-<platform>: the binding is ctypes)
 # serves this Python and the 3.12 environment below.
 rm -rf "$BUILD/wheel"
-$PY -m pip wheel -q --no-build-isolation --no-deps -w "$BUILD/wheel" -C build-dir="$BUILD" -C build.targets=expertact \
-  -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON .
+step "$LOGS/wheel.log" $PY -m pip wheel --no-build-isolation --no-deps -w "$BUILD/wheel" -C build-dir="$BUILD" \
+  -C build.targets=expertact -C cmake.define.EXPERTACT_BUILD_TESTS=ON -C cmake.define.EXPERTACT_BUILD_BENCH=ON .
 WHEEL=$(ls "$BUILD"/wheel/expertact-*.whl)
-$PY -m pip install -q --no-deps --force-reinstall "$WHEEL"
+step "$LOGS/install-expertact.log" $PY -m pip install -q --no-deps --force-reinstall "$WHEEL"
 
 # Megatron-Core needs Python >= 3.12: its tests run in a 3.12 virtual environment (VENV312, kept)
 # whose packages install beside the other tests (about 3.5 minutes of downloads the first time);
 # then the package's wheel goes in as a user installs it, with its extra (pip install "...[megatron]").
+# Without a GPU the environment takes torch's CPU build (TORCH_CPU_INDEX, about 0.2 GB) rather than
+# PyPI's default CUDA build (several GB of CUDA libraries for tests that cannot use them); PyPI's if
+# that index cannot be reached.
+MEGATRON_SUITES="the Megatron-Core tests (test_megatron.py, test_megatron_example.py)"
 if [ -z "${PY312:-}" ]; then  # the first that runs (a pyenv shim on PATH may not)
   for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python python3.12; do
     if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2> /dev/null; then PY312=$c; break; fi
@@ -99,14 +153,31 @@ if [ -z "${PY312:-}" ]; then  # the first that runs (a pyenv shim on PATH may no
 fi
 PY312=${PY312:-}
 VENV312=${VENV312:-$HOME/.cache/expertact-py312}
-mkdir -p "$BUILD"
-( set -e
-  [ -n "$PY312" ] || { echo "no Python 3.12 (PY312): the Megatron-Core tests cannot run"; exit 3; }
-  [ -x "$VENV312/bin/python" ] || "$PY312" -m venv "$VENV312"
-  "$VENV312/bin/python" -c "import torch, pytest, megatron.core" 2> /dev/null ||
-    "$VENV312/bin/python" -m pip install -q "torch==2.13.0" "megatron-core==0.19.2" pytest numpy
-) > "$BUILD/py312.log" 2>&1 &
-py312_pid=$!
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+if [ -z "$PY312" ]; then
+  if ci; then echo "FAILED: CI=true and no Python 3.12 found (set PY312): $MEGATRON_SUITES would not run" >&2; exit 1; fi
+  SKIPS+=("$MEGATRON_SUITES: skipped, no Python 3.12 (set PY312 to one)")
+  py312_pid=""
+else
+  ( set -e
+    trap - ERR
+    echo "== the Python 3.12 environment $VENV312 ($PY312)"
+    [ -x "$VENV312/bin/python" ] || step "$LOGS/py312-venv.log" "$PY312" -m venv "$VENV312"
+    if ! "$VENV312/bin/python" -c "import torch" 2> /dev/null; then
+      if has_gpu; then
+        step "$LOGS/py312-torch.log" "$VENV312/bin/python" -m pip install -q "torch==2.13.0"
+      else
+        step "$LOGS/py312-torch.log" "$VENV312/bin/python" -m pip install -q --index-url "$TORCH_CPU_INDEX" \
+          "torch==2.13.0" ||
+          { echo "   $TORCH_CPU_INDEX failed: PyPI's torch"
+            step "$LOGS/py312-torch.log" "$VENV312/bin/python" -m pip install -q "torch==2.13.0"; }
+      fi
+    fi
+    "$VENV312/bin/python" -c "import pytest, megatron.core" 2> /dev/null ||
+      step "$LOGS/py312-megatron.log" "$VENV312/bin/python" -m pip install -q "megatron-core==0.19.2" pytest numpy
+  ) > "$LOGS/py312.log" 2>&1 &
+  py312_pid=$!
+fi
 
 echo "== pytest; beside it, one job builds the C++ tests and benchmarks and runs ctest"
 t=$SECONDS
@@ -121,27 +192,35 @@ py_rc=0
 (cd /tmp && $PY -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python") || py_rc=$?
 ct_rc=0
 wait $ctest_pid || ct_rc=$?
-echo "== Megatron-Core's tests in Python 3.12 (tests/python/test_megatron.py)"
+
+echo "== $MEGATRON_SUITES in Python 3.12"
 mc_rc=0
-wait $py312_pid || mc_rc=$?
-if [ $mc_rc = 0 ]; then  # the same wheel, with the extra a user names
-  { "$VENV312/bin/python" -m pip uninstall -q -y expertact 2> /dev/null || true
-    "$VENV312/bin/python" -m pip install -q "$WHEEL[megatron]"; } >> "$BUILD/py312.log" 2>&1 ||
-    { tail -30 "$BUILD/py312.log"; mc_rc=1; }
+if [ -n "$py312_pid" ]; then
+  wait "$py312_pid" || mc_rc=$?
+  if [ $mc_rc = 0 ]; then  # the same wheel, with the extra a user names
+    { "$VENV312/bin/python" -m pip uninstall -q -y expertact 2> /dev/null || true
+      step "$LOGS/py312-expertact.log" "$VENV312/bin/python" -m pip install -q "$WHEEL[megatron]"; } >> "$LOGS/py312.log" 2>&1 ||
+      mc_rc=$?
+  fi
+  if [ $mc_rc = 0 ]; then
+    (cd /tmp && "$VENV312/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python/test_megatron.py" \
+      "$OLDPWD/tests/python/test_megatron_example.py") || mc_rc=$?
+  else
+    echo "   the Python 3.12 environment could not be made: its steps ($LOGS/py312.log):"
+    cat "$LOGS/py312.log"
+    if ! ci; then SKIPS+=("$MEGATRON_SUITES: skipped, the Python 3.12 environment could not be made ($LOGS/py312.log)"); mc_rc=0; fi
+  fi
 fi
-if [ $mc_rc = 0 ]; then
-  (cd /tmp && "$VENV312/bin/python" -m pytest -q -p no:cacheprovider "$OLDPWD/tests/python/test_megatron.py") || mc_rc=$?
-elif [ $mc_rc = 3 ]; then
-  cat "$BUILD/py312.log"; mc_rc=0  # no Python 3.12 on this machine: said, not failed
-else
-  tail -30 "$BUILD/py312.log"
-fi
+
 echo "== the C++ build and ctest ($((SECONDS - t)) s for both sides)"
 grep -E "tests passed|tests failed|FAILED|error:" "$BUILD/ctest.log" | head -20 || true
+n_skipped=$(grep -c "(Skipped)" "$BUILD/ctest.log" || true)
+echo "   ctest: $n_skipped skipped (cases that cannot run here: no GPU, or not this build)"
 if [ $ct_rc != 0 ]; then
   grep -E -A 40 "The following tests FAILED|\*\*\*Failed|\*\*\*Exception|\*\*\*Timeout" "$BUILD/ctest.log" | head -200
   tail -30 "$BUILD/ctest.log"
 fi
+for line in "${SKIPS[@]+"${SKIPS[@]}"}"; do echo "SKIPPED: $line"; done
 [ $py_rc = 0 ] && [ $ct_rc = 0 ] && [ $mc_rc = 0 ] ||
   { echo "FAILED: pytest status $py_rc, C++ build and ctest status $ct_rc, Megatron-Core tests $mc_rc"; exit 1; }
-echo "== all tests passed"
+echo "== all tests passed${SKIPS[*]:+ (but for the suites skipped above)}"

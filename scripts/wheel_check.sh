@@ -7,7 +7,7 @@
 # H200 (209 s, 2026-11-30: install 7 s, pytest 202 s).
 # Needs python3 with torch (a CUDA build) and pytest; cuobjdump (the CUDA toolkit's, or see
 # scripts/check_library.sh); no nvcc, cmake or network. DeepSpeed's tests run where
-# deepspeed imports (on PYTHONPATH, e.g. the wheels of .whl/ installed by scripts/gpu_check.sh).
+# deepspeed imports (installed, or on PYTHONPATH).
 # WHEEL_CHECK_ALLOW_NO_GPU=1 lets it run without a GPU (CUDA tests then skip).
 set -uo pipefail
 whl_arg=${1:+$(realpath "$1")}

@@ -73,7 +73,8 @@ def test_count_calls_counts_and_puts_the_same_entry_back():
     assert counts == {"fn": 1, "fused_fn": 0, "packed_fused_fn": 2}
     restore()
     assert reg["swiglu_oai"] is entry
-    assert train.expected_calls("eager", "fused", 4) == {"fn": 4, "fused_fn": 0, "packed_fused_fn": 0}
+    assert train.expected_calls("eager", "separate", 4) == {"fn": 4, "fused_fn": 0, "packed_fused_fn": 0}
+    assert train.expected_calls("eager-fused", "fused", 4) == {"fn": 4, "fused_fn": 0, "packed_fused_fn": 0}
     assert train.expected_calls("expertact", "fused", 4) == {"fn": 0, "fused_fn": 0, "packed_fused_fn": 4}
     assert train.expected_calls("expertact-inplace", "separate", 2) == {"fn": 0, "fused_fn": 2, "packed_fused_fn": 0}
 
@@ -84,26 +85,46 @@ def test_args_presets_and_overrides():
     assert a.tag == "large-expertact"
     cfg = train.ds_config(a)
     assert cfg["expert_parallel"]["preset_model"] == "minimax_m3" and cfg["expert_parallel"]["comm_backend"] == "comm"
+    assert cfg["expert_parallel"]["gate_up_impl"] == "separate"  # AutoEP's default
     assert cfg["bf16"] == {"enabled": True} and cfg["train_micro_batch_size_per_gpu"] == 8
     with pytest.raises(SystemExit):
         train.parse_args(["--impl", "expertact", "--steps", "3", "--warmup", "3"])
+
+
+def test_gate_up_impl_default_and_the_fused_run_named():
+    """AutoEP's default gate_up_impl ("separate", read from the installed DeepSpeed where there is
+    one) for every run but eager-fused; a run on another than its name says is tagged so."""
+    a = train.parse_args(["--impl", "eager,eager-repeat,eager-fused,mlp-fp8", "--config", "h200"])
+    assert a.gate_up_impl == train.DEFAULT_GATE_UP == "separate"
+    assert [train.gate_up_of(a, i) for i in a.impls] == ["separate", "separate", "fused", "separate"]
+    assert [train.default_tag(a, i) for i in a.impls] == ["h200-eager", "h200-eager-repeat", "h200-eager-fused",
+                                                         "h200-mlp-fp8"]
+    a.impl = "eager-fused"
+    assert train.ds_config(a)["expert_parallel"]["gate_up_impl"] == "fused"
+    a = train.parse_args(["--impl", "expertact", "--gate-up-impl", "fused"])
+    assert a.tag == "small-expertact-fused" and train.ds_config(a)["expert_parallel"]["gate_up_impl"] == "fused"
+    try:
+        from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+    except ImportError:
+        return
+    assert parse_autoep_config({"enabled": True}).gate_up_impl == train.DEFAULT_GATE_UP
 
 
 # ---------------------------------------------------------------------------
 # autoep_report.py on made-up runs
 # ---------------------------------------------------------------------------
 
-def _fake_run(config, impl, gate_up="fused", steps=200, shift=0.0, peak_gib=(10.0, 11.0), ms=50.0):
+def _fake_run(config, impl, gate_up="separate", steps=200, shift=0.0, peak_gib=(10.0, 11.0), ms=50.0, tag=None):
     """A made-up result in autoep_train.py's format (for the report's test only)."""
     loss = [5.5 * math.exp(-i / 60) + 1.2 + shift * math.sin(i) for i in range(steps)]
     return dict(
-        tag=f"{config}-{impl}" + ("" if gate_up == "fused" else "-separate"), impl=impl, config=config,
+        tag=tag or f"{config}-{impl}", impl=impl, config=config,
         sizes=dict(train.CONFIGS["small"], steps=steps), seed=1, zero_stage=1, dtype="bf16", gate_up_impl=gate_up,
         world_size=2, ep_size=2, experts_per_rank=[[0, 1, 2, 3], [4, 5, 6, 7]],
         activation=dict(name="swiglu_oai", alpha=1.702, limit=7.0), expert_gemm="grouped_mm",
         registry_deepspeed=dict(fn="ds._swiglu_oai", fused_fn=None, packed_fused_fn=None),
-        registry_in_use=dict(fn="ds._swiglu_oai", fused_fn=None if impl == "eager" else "x.fused",
-                             packed_fused_fn=None if impl == "eager" else "x.packed"),
+        registry_in_use=dict(fn="ds._swiglu_oai", fused_fn=None if impl.startswith("eager") else "x.fused",
+                             packed_fused_fn=None if impl.startswith("eager") else "x.packed"),
         step0_calls=train.expected_calls(impl, gate_up, 4), optimizer="DeepSpeedZeroOptimizer",
         ds_config=dict(expert_parallel=dict(preset_model="minimax_m3", autoep_size=2, comm_backend="comm")),
         model_config=dict(model_type="minimax_m3_vl_text", vocab_size=256, hidden_size=512, intermediate_size=1024,
@@ -121,14 +142,47 @@ def _fake_run(config, impl, gate_up="fused", steps=200, shift=0.0, peak_gib=(10.
         env={}, date="2000-01-01T00:00:00Z")
 
 
+def _report_runs():
+    return [_fake_run("small", "eager"), _fake_run("small", "expertact", shift=0.01, peak_gib=(8.0, 9.0), ms=45),
+            _fake_run("small", "expertact-inplace", shift=0.02, peak_gib=(7.0, 8.25)),
+            _fake_run("small", "eager-fused", gate_up="fused", shift=0.015, ms=55),
+            _fake_run("small", "eager-repeat", shift=0.001),
+            _fake_run("large", "eager", steps=20, peak_gib=(50.0, 60.0), ms=400),
+            _fake_run("large", "expertact", steps=20, shift=0.001, peak_gib=(40.0, 45.0), ms=380),
+            # an older file: DeepSpeed on gate_up fused under the impl name eager, and its repeat
+            _fake_run("large", "eager", gate_up="fused", steps=20, ms=420, tag="large-eager-old"),
+            _fake_run("large", "eager", gate_up="fused", steps=20, ms=420, tag="large-eager-old-repeat")]
+
+
+def test_report_table_against_deepspeeds_default():
+    """Every difference is against DeepSpeed's default run (eager, gate_up separate); the repeat and
+    the fused run are yardsticks, older files' fused eager runs too."""
+    runs = _report_runs()
+    groups = report.by_config(runs)
+    assert [report.label(r) for r in groups["small"]] == [
+        "DeepSpeed, gate_up separate (AutoEP's default)", "DeepSpeed, gate_up separate (AutoEP's default), repeat "
+        "(yardstick)", "DeepSpeed, gate_up fused (yardstick)", "expertact", "expertact, in-place backward"]
+    assert report.baseline_of(groups["large"])["tag"] == "large-eager"
+    assert [report.label(r) for r in groups["large"]][1:] == [
+        "DeepSpeed, gate_up fused (yardstick)", "DeepSpeed, gate_up fused, repeat (yardstick)", "expertact"]
+    rows = {line.split(" | ")[1]: line for line in report.table(groups).splitlines() if line.startswith("| small |")}
+    # max |sin| over integer steps < 200 is sin(11) ~ 0.99999: 0.02 * that
+    assert "| 0.02000 (11) |" in rows["expertact, in-place backward"]
+    assert "| 45.0 | 364,089 | -10.0% | 8.00 / 9.00 | -18.2% |" in rows["expertact"]
+    assert "| 55.0 | 297,891 | +10.0% |" in rows["DeepSpeed, gate_up fused (yardstick)"]
+    assert "| 7.00 / 8.25 | -25.0% |" in rows["expertact, in-place backward"]
+    assert "9,100 / 9,199" in rows["DeepSpeed, gate_up separate (AutoEP's default)"]
+    # the mean loss of the last 50 steps and its difference from the default's
+    base, ours = runs[0]["loss"][-50:], runs[1]["loss"][-50:]
+    want = f"| {sum(ours) / 50:.4f} (last 50) {sum(ours) / 50 - sum(base) / 50:+.4f} |"
+    assert want in rows["expertact"]
+    large = [line for line in report.table(groups).splitlines() if line.startswith("| large |")]
+    assert len(large) == 4 and "| 40.00 / 45.00 | -25.0% |" in large[3] and "(last 5)" in large[0]
+
+
 def test_report_on_made_up_runs(tmp_path):
     pytest.importorskip("matplotlib")
-    runs = [_fake_run("small", "eager"), _fake_run("small", "expertact", shift=0.01, peak_gib=(8.0, 9.0), ms=45),
-            _fake_run("small", "expertact-inplace", shift=0.02, peak_gib=(7.0, 8.25)),
-            _fake_run("small", "eager", gate_up="separate", shift=0.015),
-            _fake_run("large", "eager", steps=20, peak_gib=(50.0, 60.0), ms=400),
-            _fake_run("large", "expertact", steps=20, shift=0.001, peak_gib=(40.0, 45.0), ms=380)]
-    for r in runs:
+    for r in _report_runs():
         (tmp_path / f"{r['tag']}.json").write_text(json.dumps(r))
     (tmp_path / "unrelated.json").write_text("{}")
     md, png = tmp_path / "doc" / "e2e.md", tmp_path / "doc" / "e2e.png"
@@ -136,16 +190,7 @@ def test_report_on_made_up_runs(tmp_path):
     text = md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "![loss curves and peak memory](e2e.png)" in text
-    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| small |")}
-    assert set(rows) == {"DeepSpeed eager", "expertact", "expertact, in-place backward",
-                         "DeepSpeed eager (gate_up separate)"}
-    # max |sin| over integer steps < 200 is sin(11) ~ 0.99999: 0.02 * that
-    assert "| 0.02000 (11) |" in rows["expertact, in-place backward"]
-    assert "| 45.0 | 364,089 | -10.0% | 8.00 / 9.00 | -18.2% |" in rows["expertact"]
-    assert "| 7.00 / 8.25 | -25.0% |" in rows["expertact, in-place backward"]
-    assert "9,100 / 9,199" in rows["DeepSpeed eager"]
-    large = [line for line in text.splitlines() if line.startswith("| large |")]
-    assert len(large) == 2 and "| 40.00 / 45.00 | -25.0% |" in large[1]
+    assert report.table(report.by_config(report.load([str(tmp_path)]))) in text
 
 
 # ---------------------------------------------------------------------------
@@ -206,19 +251,22 @@ def _same_training(tmp_path, ref, got, rank):
 
 def test_two_rank_autoep_whole_mlp_on_cpu(tmp_path):
     """Tiny MiniMax-M3 model, AutoEP over 2 gloo ranks (ZeRO 1, AdamW, gradient clipping), float32:
-    DeepSpeed's own expert path, expertact's activation in its registry, and expertact's whole expert
-    MLP (enable(experts=True)) in every memory mode give the same losses, gradients and parameters.
-    torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's own run takes its grouped_mm
-    path with gate_up_impl fused. About 40 s on a shared 2-core machine."""
+    DeepSpeed's own expert path (AutoEP's default gate_up_impl "separate", and "fused"), expertact's
+    activation in its registry (in place, on the default path), and expertact's whole expert MLP
+    (enable(experts=True)) in every memory mode give the same losses, gradients and parameters.
+    torch._grouped_mm runs on the CPU in torch >= 2.9, so DeepSpeed's own runs take its grouped_mm
+    path. About 45 s on a shared 2-core machine."""
     _needs_autoep()
-    impls = ("eager", "expertact-inplace", "mlp", "mlp-recompute", "mlp-inplace", "mlp-recompute-inplace")
+    impls = ("eager", "eager-fused", "expertact-inplace", "mlp", "mlp-recompute", "mlp-inplace",
+             "mlp-recompute-inplace")
     t = time.perf_counter()
     _torchrun(tmp_path, "--impl", ",".join(impls))
     for impl in impls:
         res = json.loads((tmp_path / f"tiny-{impl}.json").read_text())
         s = res["sizes"]
         assert len(res["loss"]) == 3 and all(4.0 < x < 7.0 for x in res["loss"])  # ln 256 = 5.55 at random init
-        assert res["step0_calls"] == train.expected_calls(impl, "fused", s["layers"])
+        assert res["gate_up_impl"] == ("fused" if impl == "eager-fused" else "separate")
+        assert res["step0_calls"] == train.expected_calls(impl, res["gate_up_impl"], s["layers"])
         assert res["activation"] == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
         assert res["expert_gemm"] == "grouped_mm" and res["experts_per_rank"] == [[0, 1], [2, 3]]
         assert res["expertact_enable"] == train.IMPLS[impl]

@@ -15,20 +15,6 @@ from expertact.bench import experts  # noqa: E402
 SMALL = ["--dim", "64", "--ffn", "32", "--num-experts", "8", "--top-k", "2"]
 
 
-def _expertact_takes_biases() -> bool:
-    """Whether expertact.transformers runs GPT-OSS's experts with their biases (it refuses them
-    with NotImplementedError until its bias support is in)."""
-    import expertact.transformers as ea
-
-    spec = experts.model_spec("gpt_oss_20b", 16, 8, 2, 1)
-    module, _ = experts._experts_module(spec, torch.float32, torch.device("cpu"))
-    try:
-        ea.experts_forward(module, torch.randn(3, 16), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
-    except NotImplementedError:
-        return False
-    return True
-
-
 def test_refuses_an_unknown_model():
     with pytest.raises(SystemExit, match="unknown model"):
         experts.main(["--device", "cpu", "--models", "no_such_model", "--tokens", "8"])
@@ -95,23 +81,15 @@ def test_small_table_on_the_cpu(tmp_path):
     rows = {(r["model"], r["impl"]): r for r in data["rows"]}
     assert list(rows) == [(m, i) for m in experts.MODELS for i in experts.IMPLS]
     assert data["meta"]["dtype"] == "float32" and data["meta"]["timer"] == "time.perf_counter"
-    takes_biases = _expertact_takes_biases()
     for (model, impl), r in rows.items():
         assert (r["D"], r["F"], r["E"], r["K"]) == (64, 32, 8, 2)
-        if model == "gpt_oss_20b" and impl.startswith("expertact") and not takes_biases:
-            # expertact.transformers without bias support: the row says so and the table goes on
-            assert r["skipped"] and "biases" in r["error"], r
-            continue
-        assert "error" not in r, r
+        assert "error" not in r, r  # GPT-OSS's expertact rows with their biases too
         if impl != "eager":
             assert r["finite"] and "missing_grads" not in r, r
             # float32, against eager's loop: summation order only
             assert r["y_rel"] < 1e-5 and r["grad_rel_max"] < 1e-5, r
     assert all(t["passed"] is None for t in data["targets"])  # another shape than the models': measured
     assert "GPT-OSS's experts with their biases" in md.read_text()
-    if not takes_biases:
-        pytest.skip("GPT-OSS's expertact rows: expertact.transformers refuses expert biases here; "
-                    "the other rows were checked")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -136,13 +114,10 @@ def test_small_table_on_the_gpu(tmp_path):
     assert rc == 0
     rows = json.loads(js.read_text())["rows"]
     assert [(r["model"], r["impl"]) for r in rows] == [(m, i) for m in experts.MODELS for i in experts.IMPLS]
-    takes_biases = _expertact_takes_biases()
     for r in rows:
         if r["impl"] == "eager":
             continue
-        if r["model"] == "gpt_oss_20b" and r["impl"].startswith("expertact") and not takes_biases:
-            assert r["skipped"] and "biases" in r["error"], r
-            continue
+        assert "error" not in r, r
         assert r["finite"] and "missing_grads" not in r, r
         # bf16 storage; the implementations differ in summation order and in where the routing
         # weight multiplies (h or y): a few bf16 ulps, far below a wrong gate's error

@@ -92,24 +92,6 @@ def _check_repeat(variants, name, of):
     assert r["bit_identical_params"] == (r["params_sha256"] == variants[of]["params_sha256"])
 
 
-def _gpt_oss_biases_supported():
-    """Whether expertact.transformers takes GPT-OSS's expert biases in this checkout."""
-    import expertact.transformers as xt
-    from transformers import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    cfg = GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=2, num_experts_per_tok=1,
-                       num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8, vocab_size=8)
-    m = GptOssExperts(cfg)
-    for p in m.parameters():
-        torch.nn.init.normal_(p)
-    try:
-        xt.experts_forward(m, torch.randn(3, 8), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
-    except NotImplementedError as e:
-        assert "bias" in str(e)
-        return False
-    return True
-
-
 def test_finetune_gpt_oss(tmp_path, restore_flags):
     variants = ["grouped_mm", "eager", "expertact", "expertact_inplace", "expertact_repeat"]
     result = ft.run(_args(tmp_path, variants), log=_quiet)
@@ -121,22 +103,16 @@ def test_finetune_gpt_oss(tmp_path, restore_flags):
         assert v[name]["experts_implementation_set"] == name
     assert _max_diff(v["eager"]["loss"], v["grouped_mm"]["loss"]) <= LOSS_ATOL_F32
     assert v["eager"]["max_abs_loss_diff_vs_baseline"] == _max_diff(v["eager"]["loss"], v["grouped_mm"]["loss"])
-    ran = [n for n in variants if "error" not in v[n]]
-    _check_outputs(tmp_path, result, ran)
-    if not _gpt_oss_biases_supported():
-        for name in ("expertact", "expertact_inplace", "expertact_repeat"):
-            assert "NotImplementedError" in v[name]["error"] and "bias" in v[name]["error"]
-        pytest.skip("expertact.transformers does not take GPT-OSS's expert biases in this checkout; "
-                    "grouped_mm and eager checked, the expertact comparison not run")
-    for name in ("expertact", "expertact_inplace", "expertact_repeat"):
+    for name in ("expertact", "expertact_inplace", "expertact_repeat"):  # with GPT-OSS's expert biases
         assert "error" not in v[name], v[name].get("error")
         _check_training(v[name])
         assert v[name]["max_abs_loss_diff_vs_baseline"] <= LOSS_ATOL_F32, name
     _check_repeat(v, "expertact_repeat", "expertact")
+    _check_outputs(tmp_path, result, variants)
 
 
 def test_finetune_qwen3_moe_control(tmp_path, restore_flags):
-    """The same example on Qwen3-MoE (no expert biases), which expertact takes today."""
+    """The same example on Qwen3-MoE (no expert biases)."""
     variants = ["grouped_mm", "expertact", "expertact_inplace", "expertact_repeat"]
     result = ft.run(_args(tmp_path, variants, "--arch", "qwen3_moe"), log=_quiet)
     v = result["variants"]

@@ -6,28 +6,39 @@ backward through its own forward call, one row per way of running it, in one run
     python -m expertact.bench --autoep --activations swiglu,swiglu_oai --quick
     python -m expertact.bench --autoep --device cpu   # a small CPU table (DeepSpeed's CPU paths; no FP8)
 
+The peer is GroupedExperts as AutoEP builds it by default: use_grouped_mm=True (torch._grouped_mm;
+disable_triton_grouped_mm=True, which changes nothing on sm_90, where DeepSpeed prefers
+torch._grouped_mm anyway) and gate_up_impl "separate", AutoEP 0.19.8's default
+(deepspeed/module_inject/auto_ep_config.py: gate_up_impl = param_dict.get("gate_up_impl",
+"separate")): two grouped GEMMs for gate and up, then its registry's fused_fn (swiglu: its Triton
+kernel; the other forms have none and run the eager PyTorch expression).
+
 Rows (--impls), each on the same module, inputs and weights:
-  deepspeed                DeepSpeed as shipped, gate_up_impl "fused" (one grouped GEMM over w1 and w3
-                           concatenated) with its registry's packed kernel where it has one (swiglu: its
-                           Triton kernel; the other forms: the eager PyTorch expression)
-  deepspeed-separate       ... gate_up_impl "separate" (AutoEP's default: two grouped GEMMs)
-  ds+act                   expertact.deepspeed.enable(): DeepSpeed's GEMMs, expertact's activation (fused)
-  ds+act-inplace           enable(inplace_backward=True)
-  mlp                      enable(experts=True): GroupedExperts.forward runs expertact.moe.expert_mlp
+  deepspeed                DeepSpeed's default: gate_up_impl "separate"
+  deepspeed-fused          gate_up_impl "fused" (one grouped GEMM over w1 and w3 concatenated, then the
+                           registry's packed_fused_fn), the other configuration a DeepSpeed user can pick
+  deepspeed-compile        torch.compile(module) on DeepSpeed's default, as a user compiles it; compiled
+                           before the timed steps (needs bf16: skipped in the float32 CPU table)
+  ds+act                   expertact.deepspeed.enable() on DeepSpeed's default: its two GEMMs, expertact's
+                           activation (its fused_fn)
+  ds+act-inplace           enable(inplace_backward=True): the gradients of gate and up written over them
+  mlp                      enable(experts=True): GroupedExperts.forward runs expertact.moe.expert_mlp (one
+                           gate_up GEMM over w1 and w3 concatenated, whatever gate_up_impl says)
   mlp-recompute            enable(experts=True, recompute=True)
   mlp-inplace              enable(experts=True, inplace_backward=True)
   mlp-recompute-inplace    both
   mlp-fp8                  enable(experts=True, fp8="rowwise")
   w13-copy                 torch.cat of w1 and w3 and its backward alone (fwd+bwd only): the per-call weight
-                           copy that the mlp rows (and DeepSpeed's gate_up_impl "fused") make, for its share
+                           copy that the mlp rows (and deepspeed-fused) make, for its share
 
 Columns: fwd / bwd / fwd+bwd medians (CUDA events), extra peak and kept memory (as --mlp measures
 them; the weight gradients are part of both), ||a - ref|| / ||ref|| of y, dx, dw1, dw2, dw3 against
 a float32 copy of the module, one expert at a time with DeepSpeed's eager form (TF32 off, the same bf16 values).
 
-Targets (PASS / FAIL below each table): mlp-inplace at or below TARGET_INPLACE_PEAK x the extra peak
-of ds+act-inplace and at most TARGET_INPLACE_TIME x its time; mlp-fp8 at most TARGET_FP8_TIME x the
-time of ds+act, extra peak at or below it; w13-copy under 1% of the mlp row's time.
+Targets (PASS / FAIL below each table), every one against a row on DeepSpeed's default
+configuration: mlp-inplace at or below TARGET_INPLACE_PEAK x the extra peak of ds+act-inplace and
+at most TARGET_INPLACE_TIME x its time; mlp-fp8 at most TARGET_FP8_TIME x the time of ds+act, extra
+peak at or below it; w13-copy under 1% of the mlp row's time.
 """
 from __future__ import annotations
 
@@ -43,16 +54,20 @@ from .common import (
     errors_against, finish, measured_rows, resolve_device, timing_error_table, versions,
 )
 
-IMPLS = ("deepspeed", "deepspeed-separate", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute", "mlp-inplace",
-         "mlp-recompute-inplace", "mlp-fp8", "w13-copy")
-# impl -> (gate_up_impl, the arguments of expertact.deepspeed.enable(), None: DeepSpeed as shipped)
+IMPLS = ("deepspeed", "deepspeed-fused", "deepspeed-compile", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute",
+         "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "w13-copy")
+#: AutoEP 0.19.8's default gate_up_impl (deepspeed/module_inject/auto_ep_config.py): the
+#: configuration every row runs on unless ROWS names another.
+DEFAULT_GATE_UP = "separate"
+# impl -> (gate_up_impl, the arguments of expertact.deepspeed.enable(), None: DeepSpeed's own forward)
 ROWS = {
-    "deepspeed": ("fused", None), "deepspeed-separate": ("separate", None),
-    "ds+act": ("fused", {}), "ds+act-inplace": ("fused", dict(inplace_backward=True)),
-    "mlp": ("fused", dict(experts=True)), "mlp-recompute": ("fused", dict(experts=True, recompute=True)),
-    "mlp-inplace": ("fused", dict(experts=True, inplace_backward=True)),
-    "mlp-recompute-inplace": ("fused", dict(experts=True, recompute=True, inplace_backward=True)),
-    "mlp-fp8": ("fused", dict(experts=True, fp8="rowwise")),
+    "deepspeed": (DEFAULT_GATE_UP, None), "deepspeed-fused": ("fused", None),
+    "deepspeed-compile": (DEFAULT_GATE_UP, None),
+    "ds+act": (DEFAULT_GATE_UP, {}), "ds+act-inplace": (DEFAULT_GATE_UP, dict(inplace_backward=True)),
+    "mlp": (DEFAULT_GATE_UP, dict(experts=True)), "mlp-recompute": (DEFAULT_GATE_UP, dict(experts=True, recompute=True)),
+    "mlp-inplace": (DEFAULT_GATE_UP, dict(experts=True, inplace_backward=True)),
+    "mlp-recompute-inplace": (DEFAULT_GATE_UP, dict(experts=True, recompute=True, inplace_backward=True)),
+    "mlp-fp8": (DEFAULT_GATE_UP, dict(experts=True, fp8="rowwise")),
 }
 # The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows, D = F = 3,072.
 CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072)
@@ -152,25 +167,28 @@ def parse_args(argv=None):
 
 
 def targets(results):
+    """(text, passed) of each target whose rows were measured; the rows compared are on DeepSpeed's
+    default gate_up_impl, as the texts say."""
     by = {r["impl"]: r for r in results if "error" not in r}
+    cfg = f"gate_up_impl {DEFAULT_GATE_UP}, DeepSpeed's default"
     out = []
     m, a = by.get("mlp-inplace"), by.get("ds+act-inplace")
     if m and a and m["extra_peak_gib"] is not None and a["extra_peak_gib"]:
         peak = m["extra_peak_gib"] / a["extra_peak_gib"]
         out.append((f"mlp-inplace extra peak {m['extra_peak_gib']:.2f} GiB = {peak:.3f}x ds+act-inplace's "
-                    f"{a['extra_peak_gib']:.2f} (target <= {TARGET_INPLACE_PEAK})", peak <= TARGET_INPLACE_PEAK))
+                    f"{a['extra_peak_gib']:.2f} ({cfg}; target <= {TARGET_INPLACE_PEAK})", peak <= TARGET_INPLACE_PEAK))
     if m and a:
         t = m["ms"] / a["ms"]
         out.append((f"mlp-inplace {m['ms']:.1f} ms = {t:.3f}x ds+act-inplace's {a['ms']:.1f} ms "
-                    f"(target <= {TARGET_INPLACE_TIME})", t <= TARGET_INPLACE_TIME))
+                    f"({cfg}; target <= {TARGET_INPLACE_TIME})", t <= TARGET_INPLACE_TIME))
     f, b = by.get("mlp-fp8"), by.get("ds+act")
     if f and b:
         t = f["ms"] / b["ms"]
-        out.append((f"mlp-fp8 {f['ms']:.1f} ms = {t:.3f}x ds+act's {b['ms']:.1f} ms (target <= {TARGET_FP8_TIME})",
-                    t <= TARGET_FP8_TIME))
+        out.append((f"mlp-fp8 {f['ms']:.1f} ms = {t:.3f}x ds+act's {b['ms']:.1f} ms ({cfg}; target <= "
+                    f"{TARGET_FP8_TIME})", t <= TARGET_FP8_TIME))
         if f["extra_peak_gib"] is not None and b["extra_peak_gib"] is not None:
             out.append((f"mlp-fp8 extra peak {f['extra_peak_gib']:.2f} GiB vs ds+act's {b['extra_peak_gib']:.2f} GiB "
-                        "(target: at or below)", f["extra_peak_gib"] <= b["extra_peak_gib"]))
+                        f"({cfg}; target: at or below)", f["extra_peak_gib"] <= b["extra_peak_gib"]))
     c, p = by.get("w13-copy"), by.get("mlp")
     if c and p:
         out.append((f"the w13 copy (cat + its backward) {c['ms']:.3f} ms = {c['ms'] / p['ms']:.2%} of mlp's "
@@ -184,6 +202,11 @@ def markdown(meta, tables):
              f"- shape: {meta['experts']} experts x {meta['rows']:,} rows (T = {meta['tokens']:,}), D = {meta['dim']:,}, "
              f"F = {meta['ffn']:,}, {meta['dtype']}; DeepSpeed's GroupedExperts (w1, w3 [E, F, D], w2 [E, D, F]) "
              "called as AutoEP calls it: module(x, num_tokens_per_expert)",
+             f"- the peer: GroupedExperts as AutoEP builds it by default, use_grouped_mm=True (torch._grouped_mm) and "
+             f"gate_up_impl \"{DEFAULT_GATE_UP}\" (AutoEP's default: two grouped GEMMs, then the registry's fused_fn); "
+             "every row runs on that configuration except deepspeed-fused (gate_up_impl \"fused\": one GEMM over w1 "
+             "and w3 concatenated, the registry's packed_fused_fn); deepspeed-compile is torch.compile(module) of the "
+             "default; the mlp rows compute one gate_up GEMM whatever gate_up_impl says",
              f"- timing: {meta['timer']}, median of {meta['iters']} after {meta['warmup']} warm-up; memory: "
              f"{meta['memory_source']}",
              f"- torch {meta['torch']}, DeepSpeed {meta['deepspeed']}, expertact {meta['expertact']}, "
@@ -197,6 +220,24 @@ def markdown(meta, tables):
     return "\n".join(lines) + "\n"
 
 
+def compiled(module, inp):
+    """torch.compile(module) as a DeepSpeed user compiles it, compiled by one forward + backward
+    here (so that no timed step includes compilation): the function the deepspeed-compile row
+    times. torch 2.13 traces torch._grouped_mm with bf16 operands only (its meta function refuses
+    float32), hence NotImplementedError (a skipped row) for another dtype."""
+    if inp.x.dtype != torch.bfloat16:
+        raise NotImplementedError(f"torch.compile traces torch._grouped_mm with bf16 operands only, this table is "
+                                  f"{str(inp.x.dtype)[6:]}")
+    cm = torch.compile(module)
+
+    def fn(x):
+        return cm(x, inp.counts)
+    inp.clear()
+    fn(*inp.args).backward(inp.grad)
+    inp.clear()
+    return fn
+
+
 def _row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref):
     m = inp.module
     if impl == "w13-copy":
@@ -206,14 +247,19 @@ def _row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, re
     if enabled is not None:
         xds.enable(**enabled)
     try:
-        def fn(x):
-            return m(x, inp.counts)
+        if impl == "deepspeed-compile":
+            fn = compiled(m, inp)
+        else:
+            def fn(x):
+                return m(x, inp.counts)
         r = measure(fn, inp, clock, memory, iters, warmup, refresh=False)
         if ref is not None:
             r["err"] = errors(fn, inp, ref)
         return r
     finally:
         xds.disable()
+        if impl == "deepspeed-compile":
+            torch._dynamo.reset()  # the compiled graphs and what they hold go before the next row
 
 
 def main(argv=None) -> int:
@@ -247,7 +293,7 @@ def main(argv=None) -> int:
             ref = reference32(inp)
             log(f"{act}: float32 reference in {time.time() - t0:.1f} s")
         def row_of(impl):
-            gate_up_impl, enabled = ROWS.get(impl, ("fused", None))
+            gate_up_impl, enabled = ROWS.get(impl, (DEFAULT_GATE_UP, None))
             return _row(impl, inp, gate_up_impl, enabled, xds, clock, memory, iters, warmup, ref)
         results, bad = measured_rows(act, impls, row_of, inp, cuda)
         failed |= bad

@@ -1,12 +1,26 @@
 """The Megatron-Core experts table: Megatron's own SequentialMLP (megatron.core 0.19,
-transformer/moe/experts.py: the experts of a MoE layer built from the local spec) at a busiest-rank
-shape, forward + backward through the module's forward call as the MoE layer makes it
-(permuted hidden states, tokens per expert, permuted probabilities), one row per way of running
-it, in one run. Needs megatron-core (Python >= 3.12).
+transformer/moe/experts.py: the experts of a MoE layer built from the local spec, a loop over its
+local experts) at a busiest-rank shape, forward + backward through the module's forward call as the
+MoE layer makes it (permuted hidden states, tokens per expert, permuted probabilities), one row per
+way of running it, in one run. Needs megatron-core (Python >= 3.12).
 
     python -m expertact.bench --megatron                 # CUDA: both shapes below, bf16
     python -m expertact.bench --megatron --shapes 4x3072 --quick
     python -m expertact.bench --megatron --device cpu    # a small CPU table (the 4-expert form only)
+
+The peer is SequentialMLP as Megatron-LM's trainer configures it by default. For SwiGLU that is
+its fused path: the trainer sets bias_activation_fusion from --bias-swiglu-fusion, on unless
+--no-bias-swiglu-fusion is given (megatron/training/arguments.py and argument_utils.py in
+megatron-core 0.19.2), so its experts run Megatron's weighted bias-SwiGLU (torch.compile'd). For
+GPT-OSS's form Megatron has no fused path of the same function: its fused quick-GeGLU clamps
+fc1's output before adding fc1's bias, GPT-OSS (and Megatron's unfused path) after, so the peer
+there is the unfused path (quick_gelu compiled, the rest op by op). TEGroupedMLP (TransformerEngine's
+GroupedLinear, which Megatron's MoE recipes select with --moe-grouped-gemm) was not measured here:
+it needs TransformerEngine, and no published TransformerEngine figure at a comparable shape
+(one expert-parallel rank's experts, forward + backward) was found; the nearest public numbers are
+whole-model TFLOPS (Megatron-Core's MoE report, arXiv 2603.07685, on GB200/GB300) and a
+TransformerEngine issue measuring GroupedLinear slower than a loop of F.linear on B300
+(NVIDIA/TransformerEngine#2939), neither comparable with this table.
 
 Shapes (--shapes):
   4x3072        4 local experts x 262,144 rows (1,048,576 rows), D = F = 3,072, SwiGLU, no biases
@@ -15,8 +29,10 @@ Shapes (--shapes):
                 activation_func_clamp_value 7, add_bias_linear: expert biases)
 
 Rows (--impls), each on the same module, inputs and weights (enable() / disable() switch it):
-  megatron            Megatron's SequentialMLP as shipped (a loop over experts of its MLP: two GEMMs
-                      and the unfused activation in PyTorch)
+  megatron            Megatron's SequentialMLP as its trainer runs it by default: SwiGLU with
+                      bias_activation_fusion=True (its fused weighted SwiGLU); GPT-OSS's form unfused
+  megatron-unfused    SwiGLU with bias_activation_fusion=False (the activation op by op in PyTorch);
+                      skipped at gpt-oss-20b, whose megatron row is already the unfused path
   expertact           expertact.megatron.enable(module): ExpertMLP, bf16
   expertact-recompute enable(module, recompute=True)
   expertact-inplace   enable(module, inplace_backward=True)
@@ -26,11 +42,12 @@ Rows (--impls), each on the same module, inputs and weights (enable() / disable(
 
 Columns: fwd / bwd / fwd+bwd medians (CUDA events), extra peak and kept memory (the weight
 gradients are part of both), ||a - ref|| / ||ref|| of y, dx, dprobs, dW1, dW2 against Megatron's
-own MLP run in float32 one expert at a time from the same bf16 values (TF32 off).
+own unfused MLP run in float32 one expert at a time from the same bf16 values (TF32 off).
 
-Targets (PASS / FAIL): at gpt-oss-20b expertact at least TARGET_BF16_GPT_OSS x faster than megatron;
-at 4x3072 not slower; expertact-inplace's extra peak at most TARGET_INPLACE_PEAK x megatron's;
-expertact-fp8 at least TARGET_FP8 x faster than expertact (bf16) at 4x3072.
+Targets (PASS / FAIL), against the megatron row (the default): at gpt-oss-20b expertact at least
+TARGET_BF16_GPT_OSS x faster; at 4x3072 not slower; expertact-inplace's extra peak at most
+TARGET_INPLACE_PEAK x megatron's; expertact-fp8 at least TARGET_FP8 x faster than expertact (bf16)
+at 4x3072.
 """
 from __future__ import annotations
 
@@ -47,7 +64,8 @@ from .common import (
     parse_list, resolve_device, step_counts, timing_error_table, versions,
 )
 
-IMPLS = ("megatron", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8", "stack-copy")
+IMPLS = ("megatron", "megatron-unfused", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8",
+         "stack-copy")
 OPTIONS = {"expertact": {}, "expertact-recompute": dict(recompute=True),
            "expertact-inplace": dict(inplace_backward=True), "expertact-fp8": dict(fp8="rowwise")}
 SHAPES = {
@@ -77,12 +95,18 @@ def _init_megatron(cuda: bool):
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def config_of(form, E, D, F, dtype):
+def fused_by_default(form) -> bool:
+    """Megatron-LM's trainer's bias_activation_fusion for the form: on for SwiGLU (--bias-swiglu-fusion);
+    off for GPT-OSS's, whose fused quick-GeGLU computes another function (module docstring)."""
+    return form == "swiglu"
+
+
+def config_of(form, E, D, F, dtype, fused=False):
     import torch.nn.functional as Fn
     from megatron.core.transformer.transformer_config import TransformerConfig
     kw = dict(num_layers=1, hidden_size=D, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_attention_heads=8,
               num_moe_experts=E, gated_linear_unit=True, activation_func=Fn.silu, add_bias_linear=False,
-              bias_activation_fusion=False, use_cpu_initialization=True, perform_initialization=False,
+              bias_activation_fusion=fused, use_cpu_initialization=True, perform_initialization=False,
               params_dtype=dtype, bf16=dtype == torch.bfloat16)
     if form == "gpt-oss":
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
@@ -93,16 +117,18 @@ def config_of(form, E, D, F, dtype):
 
 class ExpertsInputs:
     """Megatron's SequentialMLP (E local experts: linear_fc1 [2F, D], linear_fc2 [D, F], biases
-    with the GPT-OSS form) in the table's dtype, x [T, D] and probs [T] (float32, as the router
-    gives them) requiring grad, dy, the tokens per expert. measure() calls fn(x, probs) and
+    with the GPT-OSS form) in the table's dtype, configured as Megatron's trainer does by default
+    (fused_by_default; `fused` overrides it), x [T, D] and probs [T] (float32, as the router gives
+    them) requiring grad, dy, the tokens per expert. measure() calls fn(x, probs) and
     backward(grad)."""
 
-    def __init__(self, form, E, rows, D, F, dtype, device, seed=0):
+    def __init__(self, form, E, rows, D, F, dtype, device, seed=0, fused=None):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.mlp import MLPSubmodules
         from megatron.core.transformer.moe.experts import SequentialMLP
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-        self.form, self.config = form, config_of(form, E, D, F, dtype)
+        self.fused = fused_by_default(form) if fused is None else fused
+        self.form, self.config = form, config_of(form, E, D, F, dtype, self.fused)
         self.submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
         self.module = SequentialMLP(E, self.config, self.submodules,
                                     pg_collection=ProcessGroupCollection.use_mpu_process_groups())
@@ -142,7 +168,7 @@ class ExpertsInputs:
 
 def reference32(inp):
     """y and the gradients of x, probs, W1, W2 in float32 from the same bf16 values: Megatron's own
-    MLP of each expert, in a float32 copy, one expert at a time (TF32 off)."""
+    MLP of each expert (its unfused path), in a float32 copy, one expert at a time (TF32 off)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.mlp import MLP
     cfg = inp.config
@@ -235,6 +261,10 @@ def targets(shape, results):
 def markdown(meta, tables):
     unit = "GiB"
     lines = [f"## expertact as Megatron-Core's experts (SequentialMLP): {meta['device_name']}", "",
+             "- the peer: Megatron's SequentialMLP (a loop over its local experts) as Megatron-LM's trainer configures "
+             "it by default: SwiGLU with bias_activation_fusion=True (--bias-swiglu-fusion, on by default; "
+             "megatron-unfused: off); GPT-OSS's form unfused (Megatron's fused quick-GeGLU clamps before fc1's bias: "
+             "another function). TEGroupedMLP (TransformerEngine's grouped GEMMs) was not measured.",
              f"- timing: {meta['timer']}, median of {meta['iters']} after {meta['warmup']} warm-up; memory: "
              f"{meta['memory_source']}",
              f"- torch {meta['torch']}, megatron-core {meta['megatron_core']}, expertact {meta['expertact']}, "
@@ -254,8 +284,13 @@ def _row(impl, inp, xmeg, clock, memory, iters, warmup, ref):
     m = inp.module
     if impl == "stack-copy":
         return stack_ms(inp, iters, warmup, inp.x.device)
+    if impl == "megatron-unfused" and not inp.fused:
+        raise NotImplementedError(f"the {inp.form} form's megatron row is already Megatron's unfused path (its fused "
+                                  "quick-GeGLU clamps before fc1's bias: another function)")
     xmeg.disable(m)
-    if impl != "megatron":
+    if impl == "megatron-unfused":
+        m.config.bias_activation_fusion = False  # the config every local expert's MLP reads at its forward
+    elif impl != "megatron":
         xmeg.enable(m, **OPTIONS[impl])
     try:
         def fn(x, probs):
@@ -266,6 +301,7 @@ def _row(impl, inp, xmeg, clock, memory, iters, warmup, ref):
         return r
     finally:
         xmeg.disable(m)
+        m.config.bias_activation_fusion = inp.fused
 
 
 def main(argv=None) -> int:
