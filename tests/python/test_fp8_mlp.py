@@ -196,6 +196,44 @@ def test_a_wrong_scale_fails_the_bound(monkeypatch):
     assert rel(got["y"], want["y"]) > 10 * TIGHT
 
 
+def test_what_the_node_keeps_and_its_peak(monkeypatch):
+    """Forward keeps what recompute=True keeps (gate_up, no h) plus two small amax tables (x's
+    [E, D] and h's [E, F], for the weight gradients' operands); the backward's peak lies under
+    the smallest bf16 mode's. CPU allocator events (bench.cpu_memory), with the GEMM layer
+    replaced by one that only allocates its output, so that the node's own tensors are counted
+    and not the emulation's float32 temporaries. Measured in [T, F] bf16 units (D = F): FP8
+    5.60 (5.60 in place: the FP8 node always writes dgate_up over gate_up where dw13 needs it;
+    6.63 with fp8_wgrad=False), bf16 8.63, and 6.63 with recompute and inplace_backward."""
+    from expertact.bench import cpu_memory
+
+    def allocate_only(a, b, scale_a, scale_b, offs):
+        shape = (a.shape[0], b.shape[2]) if b.dim() == 3 else (offs.numel(), a.shape[0], b.shape[1])
+        return torch.empty(shape, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(_gemm, "scaled_gmm", allocate_only)
+    T, D, F, E = 1024, 64, 64, 4
+    t, dy, ends = _problem(T=T, D=D, F=F, ends=(300, 300, 800, 1024))
+    leaves = [t[k].clone().requires_grad_() for k in ("x", "w13", "w2", "weights")]
+    offsets = torch.tensor(ends, dtype=torch.int32)
+
+    class Inputs:
+        args, grad = leaves, dy
+
+    def measure(**kw):
+        for leaf in leaves:
+            leaf.grad = None
+        return cpu_memory(lambda x, w13, w2, w: expert_mlp(x, w13, w2, offsets, "swiglu", weights=w, **kw), Inputs)
+
+    tf = T * F * 2
+    peak, kept = measure(fp8="rowwise")
+    assert kept == T * 2 * F * 2 + E * D * 4 + E * F * 4, kept / tf
+    assert peak <= 5.6 * tf + tf // 16, peak / tf
+    assert peak <= measure(recompute=True, inplace_backward=True)[0], peak / tf
+    assert measure(fp8="rowwise", inplace_backward=True)[0] == peak
+    peak_bf16_wgrad, kept = measure(fp8="rowwise", fp8_wgrad=False)
+    assert kept == T * 2 * F * 2 and peak_bf16_wgrad <= measure(recompute=True, inplace_backward=True)[0]
+
+
 def test_transposed_weights():
     """Weights held [E, N, K] and passed as transposed views (DeepSpeed, TorchTitan, transformers)
     get their gradients laid out as their storage, with the same values."""

@@ -123,6 +123,25 @@ def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]) -> Tensor:
     return zero_empty_groups(_gemm.scaled_gmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
+def _glu_backward(dh, gate_up, weights, b13, offs, plan, need):
+    """The fused FP8 activation backward, where dx is wanted and b13 needs no gradient: (dx's
+    operand (q, scale, dgate_up's per expert and column amax or None), the weights' gradient or
+    None, dgate_up in bf16 or None). dx's operand is quantised from the float32 gradient (one
+    rounding; b13 added inside, its gradient not computed); the bf16 dgate_up that dw13's operand
+    is quantised from is written over gate_up (its last use), and only when dw13 is wanted, with
+    its column amax taken in the same pass when that GEMM runs in FP8."""
+    E, C = len(plan.ends), gate_up.shape[-1]
+    q, scale = _fp8_buffers.rowwise(gate_up, C)
+    dweights = torch.empty(scale.shape, dtype=torch.float32, device=dh.device) if (
+        weights is not None and need.weights) else None
+    amax = _fp8_buffers.amax(E, C, dh.device) if plan.fp8_wgrad and need.w13 else None
+    dgate_up = gate_up if need.w13 else None
+    grouped = b13 is not None or amax is not None
+    _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, b13, offs if grouped else None, q, scale.view(-1),
+                                  None if dweights is None else dweights.view(-1), amax, dgate_up, *plan.glu)
+    return (q, scale, amax), dweights, dgate_up
+
+
 # ---------------------------------------------------------------------------
 # The node
 # ---------------------------------------------------------------------------
@@ -206,26 +225,14 @@ class Fp8ExpertMLP(torch.autograd.Function):
         if need.dh:
             dh = _mm(dyq, _weight(w2.transpose(-2, -1)), offs, end)
             del dyq
+            dg = None
             if need.x and not (b13 is not None and need.b13):
-                # dx's operand straight from the fused FP8 activation backward (from float32, one
-                # rounding; b13 added inside, its gradient not computed), with dgate_up's column
-                # amax for dw13's operand; the bf16 dgate_up that operand is quantised from is
-                # written over gate_up (its last use), and only when dw13 is wanted.
-                dgq, sdg = _fp8_buffers.rowwise(gate_up, gate_up.shape[-1])
-                dweights = (torch.empty(sdg.shape, dtype=torch.float32, device=dy.device)
-                            if weights is not None and need.weights else None)
-                dgamax = _fp8_buffers.amax(E, gate_up.shape[-1], dy.device) if wgrad and need.w13 else None
-                grouped = b13 is not None or dgamax is not None
-                dgate_up = gate_up if need.w13 else None
-                _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, b13, offs if grouped else None, dgq, sdg.view(-1),
-                                              None if dweights is None else dweights.view(-1), dgamax, dgate_up,
-                                              *plan.glu)
-                del dh, gate_up  # gate_up's last use: freed here unless its storage holds dgate_up
-                dg = (dgq, sdg, dgamax)
+                dg, dweights, dgate_up = _glu_backward(dh, gate_up, weights, b13, offs, plan, need)
             else:  # the bf16 activation's backward in the node's memory mode (b13's gradient fused)
                 dgate_up, dweights, db13 = glu_grad(ctx, need, dh, gate_up, weights, b13, offs)
-                del dh, gate_up  # as above, before dx's operand exists
-                dg = _rowwise(dgate_up, offs if wgrad and need.w13 else None, E) if need.x else None
+            del dh, gate_up  # gate_up's last use: freed here unless its storage holds dgate_up
+            if need.x and dg is None:  # dx's operand quantised from the bf16 backward's output
+                dg = _rowwise(dgate_up, offs if wgrad and need.w13 else None, E)
             if need.x:
                 dx = _mm(dg, _weight(w13.transpose(-2, -1)), offs, end)
             dgamax = None if dg is None else dg[2]
