@@ -29,7 +29,7 @@ import dataclasses
 import importlib
 import math
 import warnings
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -37,6 +37,7 @@ from . import _capi
 from ._args import ACTIVATIONS, PRESETS, float_arg, tensor_arg
 from ._autograd import glu_backward_any, glu_call
 from ._capi import rows_view_ok
+from .moe import expert_mlp, fp8_recipe, offsets_from_counts
 
 __all__ = [
     "EXPERT_ACTIVATIONS", "swiglu", "swiglu_packed", "swiglu_clamped", "swiglu_clamped_packed",
@@ -351,8 +352,6 @@ def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
     as DeepSpeed's gate_up_impl="fused" does (one copy of the gate/up weights a call; its
     gradient is split back into w1.grad and w3.grad by autograd), and cast to x's dtype as
     DeepSpeed casts them; w2 is read as stored (a transposed view)."""
-    from .moe import expert_mlp, offsets_from_counts
-
     served = {name: _MLP_FORMS[name] for name in mapped}  # name -> (uses_alpha, uses_limit)
 
     def forward(self, x, num_tokens_per_expert):
@@ -433,7 +432,7 @@ def _bool_arg(name, v):
 
 
 def enable(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-           experts: bool = False, fp8: Optional[str] = None, recompute: bool = False) -> None:
+           experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False) -> None:
     """Put expertact's kernels into DeepSpeed AutoEP (``deepspeed.moe.ep_experts``).
 
     ``enable()``: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn``
@@ -463,9 +462,11 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             must match the entry's uses_alpha/uses_limit; otherwise they default to 1 and no clamp.
             A name of the four may be given too, to map it differently.
         experts: run GroupedExperts' whole forward as expertact's expert MLP (above).
-        fp8: with ``experts=True``, ``"rowwise"`` runs the six grouped GEMMs in float8 (expert_mlp's
-            ``fp8="rowwise"``: Hopper, bf16, D and F multiples of 16; elsewhere the forward raises
-            NotImplementedError naming what is missing). None: the GEMMs in the model's dtype.
+        fp8: with ``experts=True``, an FP8 recipe of the six grouped GEMMs, expert_mlp's ``fp8``
+            (resolved by :func:`expertact.moe.fp8_recipe`): ``"rowwise"`` (Hopper, bf16, D and F
+            multiples of 16; on the CPU the emulation of the recipe; elsewhere the forward
+            raises NotImplementedError naming what is missing). None or False: the GEMMs in the
+            model's dtype.
         recompute: with ``experts=True``, keep one [T, F] tensor less between forward and
             backward (h recomputed in backward; expert_mlp's ``recompute``).
 
@@ -482,8 +483,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     _bool_arg("inplace_backward", inplace_backward)
     _bool_arg("experts", experts)
     _bool_arg("recompute", recompute)
-    if fp8 not in (None, "rowwise"):
-        raise ValueError(f"expertact: fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for the model's dtype)")
+    fp8 = fp8_recipe(fp8, "expertact.deepspeed.enable")
     if not experts and (fp8 is not None or recompute):
         given = ", ".join(f"{k}={v!r}" for k, v in (("fp8", fp8), ("recompute", recompute)) if v)
         raise ValueError(f"expertact: {given} applies to the whole expert MLP: pass experts=True as well "
@@ -556,7 +556,7 @@ def experts_enabled() -> bool:
 
 @contextlib.contextmanager
 def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-                  experts: bool = False, fp8: Optional[str] = None, recompute: bool = False):
+                  experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False):
     """``with expertact.deepspeed.enabled_scope(): ...``: :func:`enable` for the block, then back to
     what was in force before it (DeepSpeed's entries, or an outer enable()'s)."""
     before = _CONFIG

@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _capi, _ops
+from . import _capi, _fp8_buffers, _ops
 from ._args import ACTIVATIONS, check_ends, layout_code, preset_coeffs, tensor_arg
 from ._capi import rows_view_ok
 
@@ -50,14 +50,6 @@ __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "gl
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
-
-
-
-def _outputs(like, cols):
-    shape = (*like.shape[:-1], cols)
-    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=like.device)
-    scale = torch.empty(shape[:-1], dtype=torch.float32, device=like.device)
-    return q, scale
 
 
 def quantize_rowwise(t: torch.Tensor, *, col_amax_offsets: Optional[torch.Tensor] = None, ends=None):
@@ -77,12 +69,12 @@ def quantize_rowwise(t: torch.Tensor, *, col_amax_offsets: Optional[torch.Tensor
         raise ValueError(f"{where}: t must have at least one dimension [..., C]")
     if ends is not None and col_amax_offsets is None:
         raise ValueError(f"{where}: ends goes with col_amax_offsets (got ends alone)")
-    q, scale = _outputs(t, t.shape[-1])
+    q, scale = _fp8_buffers.rowwise(t, t.shape[-1])
     if col_amax_offsets is None:
         _ops.fp8_quantize_rowwise(t, q, scale.view(-1))
         return q, scale
     offsets, _ = _grouped_offsets(col_amax_offsets, scale.numel(), t.device, ends, where, "col_amax_offsets")
-    amax = torch.empty((offsets.numel(), t.shape[-1]), dtype=torch.float32, device=t.device)
+    amax = _fp8_buffers.amax(offsets.numel(), t.shape[-1], t.device)
     _ops.fp8_quantize_rowwise(t, q, scale.view(-1), offsets, amax)
     return q, scale, amax
 
@@ -112,15 +104,7 @@ def padded_offsets(offsets, pad_to: int):
         if offsets.dtype != torch.int32 or offsets.dim() != 1:
             raise ValueError(f"{where}: offsets must be a 1-D int32 tensor (got {offsets.dtype}, "
                              f"shape {tuple(offsets.shape)})")
-        n = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return torch.cumsum((n + (P - 1)) // P * P, 0, dtype=torch.int32)
-    out, prev, acc = [], 0, 0
-    for end in offsets:
-        end = int(end)
-        acc += -(-(end - prev) // P) * P
-        prev = end
-        out.append(acc)
-    return out
+    return _fp8_buffers.padded_offsets(offsets, P)
 
 
 def _grouped_offsets(offsets, rows, device, ends, where, name="offsets"):
@@ -164,16 +148,8 @@ def _amax_arg(amax, E, C, cname, xname, device, where):
 def _colwise_outputs(offsets, host, T, C, P, device, where):
     """(q_t [C, rows] e4m3, scale [E, C] float32, the padded offsets or None) of a column-wise
     quantisation of T rows padded to P per expert."""
-    if P == 1:
-        rows, pads = T, None
-    else:
-        rows = padded_offsets(host, P)[-1]
-        if rows >= 2 ** 31:
-            raise ValueError(f"{where}: the padded row count {rows} does not fit the int32 offsets")
-        pads = padded_offsets(offsets, P)
-    q_t = torch.empty((C, rows), dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((offsets.numel(), C), dtype=torch.float32, device=device)
-    return q_t, scale, pads
+    q_t, scale = _fp8_buffers.colwise(T, host, C, P, device, where)
+    return q_t, scale, None if P == 1 else _fp8_buffers.padded_offsets(offsets, P)
 
 
 def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: int = 1,
@@ -264,14 +240,14 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     if gate_up.dim() < 1:
         raise ValueError(f"{where}: gate_up must have at least one dimension")
     cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
-    q, scale = _outputs(gate_up, cols)
+    q, scale = _fp8_buffers.rowwise(gate_up, cols)
     offs = amax = None
     if offsets is not None or col_amax_offsets is not None:
         name = "offsets" if offsets is not None else "col_amax_offsets"
         offs, _ = _grouped_offsets(offsets if offsets is not None else col_amax_offsets, scale.numel(),
                                    gate_up.device, ends, where, name)
         if col_amax_offsets is not None:
-            amax = torch.empty((offs.numel(), cols), dtype=torch.float32, device=gate_up.device)
+            amax = _fp8_buffers.amax(offs.numel(), cols, gate_up.device)
     _ops.fp8_glu_rowwise(gate_up, up, weights, bias, offs, q, scale.view(-1), amax, code, act, a, lim, beta)
     return (q, scale) if amax is None else (q, scale, amax)
 
@@ -398,7 +374,7 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     code = layout_code(layout, True)
     if gate_up.dim() < 1:
         raise ValueError(f"{where}: gate_up must have at least one dimension")
-    q, scale = _outputs(gate_up, gate_up.shape[-1])
+    q, scale = _fp8_buffers.rowwise(gate_up, gate_up.shape[-1])
     dw = None
     if weights_grad:
         dw = torch.empty(scale.shape, dtype=torch.float32, device=gate_up.device)
@@ -406,7 +382,7 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     if offsets is not None:
         offsets, _ = _grouped_offsets(offsets, scale.numel(), gate_up.device, ends, where)
         if col_amax:
-            amax = torch.empty((offsets.numel(), gate_up.shape[-1]), dtype=torch.float32, device=gate_up.device)
+            amax = _fp8_buffers.amax(offsets.numel(), gate_up.shape[-1], gate_up.device)
     _dgate_up_out_arg(dgate_up_out, gate_up, where)
     _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, bias, offsets, q, scale.view(-1),
                                   None if dw is None else dw.view(-1), amax, dgate_up_out, code, act, a, lim, beta)

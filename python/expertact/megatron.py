@@ -25,7 +25,8 @@ which is expert_mlp's y = (act(gate_up) @ w2 + b2) * weights with the preset:
 
 Anything else is refused at construction with an error naming the config field, and so are the
 two fused paths of Megatron that compute another function than its unfused one (docs/megatron.md).
-The memory mode and precision are ExpertMLP's keywords (recompute, inplace_backward, fp8).
+The memory mode and precision are ExpertMLP's keywords (recompute, inplace_backward, fp8: a recipe
+of expertact.moe.FP8_RECIPES, resolved by expertact.moe.fp8_recipe).
 ``swap_experts(spec, **options)`` returns a layer spec with ExpertMLP in place of SequentialMLP (and
 how many it replaced); ``gpt_layer_local_spec(..., experts=options)`` is Megatron's
 ``get_gpt_layer_local_spec(...)`` with that done; ``enable(model, **options)`` switches the
@@ -34,11 +35,11 @@ SequentialMLPs of a built model in place (``disable(model)`` switches them back)
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .moe import run
+from .moe import expert_mlp, fp8_recipe
 
 __all__ = ["ExpertMLP", "activation_of", "swap_experts", "gpt_layer_local_spec", "enable", "disable"]  # noqa: F822 (module __getattr__)
 
@@ -129,10 +130,9 @@ def _check_module(module):
 
 
 def _options(recompute=False, inplace_backward=False, fp8=None):
-    """ExpertMLP's memory mode and precision, checked."""
-    if fp8 not in (None, "rowwise"):
-        raise ValueError(f"expertact.megatron: fp8={fp8!r}: the FP8 recipe is 'rowwise' (or None for bf16)")
-    return {"recompute": bool(recompute), "inplace_backward": bool(inplace_backward), "fp8": fp8}
+    """ExpertMLP's memory mode and precision, checked (fp8 resolved to its recipe's name or None)."""
+    return {"recompute": bool(recompute), "inplace_backward": bool(inplace_backward),
+            "fp8": fp8_recipe(fp8, "expertact.megatron")}
 
 
 def _sequential_mlp():
@@ -157,7 +157,7 @@ def _expert_mlp_class():
 
         def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
                      name: Optional[str] = None, *, recompute: bool = False, inplace_backward: bool = False,
-                     fp8: Optional[str] = None):
+                     fp8: Union[str, bool, None] = None):
             options = _options(recompute, inplace_backward, fp8)
             _check_config(config)
             if pg_collection is None:
@@ -196,9 +196,9 @@ def _expert_mlp_class():
                 b2 = torch.stack([e.linear_fc2.bias for e in self.local_experts]).to(x.dtype)
             # The stacked weights are made again in backward rather than kept from forward to
             # backward: Megatron's own experts keep no copy of their weights.
-            y = run(x, w13, w2, ends, self.preset, alpha=self.alpha, limit=self.limit, layout="halves",
-                    weights=None if probs is None else probs.to(torch.float32), b13=b13, b2=b2,
-                    weights_of=functools.partial(self._weights, x.dtype), **self.expertact_options)
+            y = expert_mlp(x, w13, w2, ends, self.preset, alpha=self.alpha, limit=self.limit, layout="halves",
+                           weights=None if probs is None else probs.to(torch.float32), b13=b13, b2=b2,
+                           remake_weights=functools.partial(self._weights, x.dtype), **self.expertact_options)
             return y, None
 
     ExpertMLP.__module__ = __name__
@@ -223,7 +223,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def swap_experts(spec, *, recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None):
+def swap_experts(spec, *, recompute: bool = False, inplace_backward: bool = False,
+                 fp8: Union[str, bool, None] = None):
     """A Megatron layer spec with ExpertMLP wherever its experts are Megatron's SequentialMLP: in
     ModuleSpec trees and in the functools.partial specs of megatron-core 0.19 (the submodules stay:
     ExpertMLP takes them as SequentialMLP does), with the memory mode and precision given. Returns
@@ -277,7 +278,8 @@ def gpt_layer_local_spec(*args, experts: Optional[dict] = None, **kwargs):
     return spec
 
 
-def enable(model, *, recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None) -> int:
+def enable(model, *, recompute: bool = False, inplace_backward: bool = False,
+           fp8: Union[str, bool, None] = None) -> int:
     """Switch a built Megatron model (one made from Megatron's own local specs) to expertact: every
     SequentialMLP in it becomes an ExpertMLP in place, with the memory mode and precision given
     (an ExpertMLP already there takes them). The parameters, their values, gradients and optimizer

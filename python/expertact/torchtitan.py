@@ -8,8 +8,9 @@ no whole-module form: list a factory, not just this module. Three are provided::
     --override.imports expertact.torchtitan.expertact_grouped_experts
     --override.imports expertact.torchtitan.expertact_fused_grouped_experts
     --override.imports expertact.torchtitan.expertact_gpt_oss_grouped_experts
-    # with expert_mlp's memory modes (one shell token, JSON kwargs):
+    # with expert_mlp's memory modes or an FP8 recipe (one shell token, JSON kwargs):
     --override.imports 'expertact.torchtitan.expertact_grouped_experts={"recompute": true}'
+    --override.imports 'expertact.torchtitan.expertact_grouped_experts={"fp8": "rowwise"}'
 
 TorchTitan imports this module while resolving the target; importing it only registers the
 factories and changes nothing else. The first two replace every ``GroupedExperts.Config`` (the
@@ -34,7 +35,11 @@ factories and changes nothing else. The first two replace every ``GroupedExperts
   (list only one: two factories claiming the same node is an error in TorchTitan).
 
 All forwards go through :func:`expertact.moe.expert_mlp`, one autograd node for the whole MLP
-whose memory modes (``recompute``, ``inplace_backward``) decide what is kept for backward.
+whose memory modes (``recompute``, ``inplace_backward``) decide what is kept for backward, and
+whose ``fp8`` (an FP8 recipe of ``expertact.moe.FP8_RECIPES``, e.g. ``"rowwise"``, resolved by
+``expertact.moe.fp8_recipe``; None, the default, keeps the GEMMs in the compute dtype) runs its
+six grouped GEMMs in float8: bf16 compute dtype, on Hopper, or on the CPU as an emulation of the
+recipe.
 
 For a model built in Python rather than by the trainer, :func:`enable` switches the
 ``GroupedExperts`` / ``FusedGroupedExperts`` / ``GptOssGroupedExperts`` modules of a built model to expertact's forward and
@@ -115,7 +120,7 @@ try:  # TorchTitan's own fused gate/up override (it imports triton)
 except ImportError:  # pragma: no cover - depends on the environment
     FusedGroupedExperts = fused_grouped_experts = None
 
-from .moe import expert_mlp, offsets_from_counts
+from .moe import expert_mlp, fp8_recipe, offsets_from_counts
 
 __all__ = ["ExpertactGroupedExperts", "expertact_grouped_experts", "ExpertactFusedGroupedExperts",
            "expertact_fused_grouped_experts", "ExpertactGptOssGroupedExperts", "expertact_gpt_oss_grouped_experts",
@@ -211,7 +216,7 @@ def _tp_degree(param) -> int:
     return mesh.size(names.index("tp")) if "tp" in names else 1
 
 
-def _gpt_oss_forward(module, x, offsets, dt, recompute, inplace_backward):
+def _gpt_oss_forward(module, x, offsets, dt, recompute, inplace_backward, fp8):
     """GptOssGroupedExperts' forward through expert_mlp: mlp1 [E, 2F, D] (gate and up
     interleaved along 2F) with its bias [E, 2F] in the same column order, swiglu_oai with
     TorchTitan's alpha 1.702 and the config's swiglu_limit, mlp2 [E, D, F] with its bias [E, D]
@@ -233,17 +238,17 @@ def _gpt_oss_forward(module, x, offsets, dt, recompute, inplace_backward):
         b2 = _ScaleForward.apply(b2, tp)
     return expert_mlp(x.to(dt), w1.to(dt).transpose(-2, -1), w2.to(dt).transpose(-2, -1), offsets, "swiglu_oai",
                       alpha=_GPT_OSS_ALPHA, limit=float(limit), layout="interleaved", b13=b1.to(dt), b2=b2.to(dt),
-                      recompute=recompute, inplace_backward=inplace_backward)
+                      recompute=recompute, inplace_backward=inplace_backward, fp8=fp8)
 
 
 def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor, *, recompute: bool = False,
-                    inplace_backward: bool = False, compute_dtype=torch.bfloat16) -> Tensor:
+                    inplace_backward: bool = False, compute_dtype=torch.bfloat16, fp8=None) -> Tensor:
     """TorchTitan's ``GroupedExperts.forward`` (x [R, D] sorted by expert, num_tokens_per_expert
     [E]) over ``module``'s w1_EFD, w2_EDF, w3_EFD (or a FusedGroupedExperts' w13, w2_EDF; or a
     GptOssGroupedExperts' mlp1_weight_EGD, mlp1_bias_EG, mlp2_weight_EDF, mlp2_bias_ED), through
     :func:`expertact.moe.expert_mlp`. compute_dtype: the dtype of the GEMMs and the activation,
     bf16 as TorchTitan's modules; None computes in x's dtype. recompute / inplace_backward:
-    expert_mlp's memory modes. Returns [R, D] in x's dtype (GPT-OSS: in the compute dtype, as
+    expert_mlp's memory modes; fp8: its FP8 recipe (None: the GEMMs in the compute dtype). Returns [R, D] in x's dtype (GPT-OSS: in the compute dtype, as
     TorchTitan's GptOssGroupedExperts); rows past sum(num_tokens_per_expert) are 0."""
     name = type(module).__name__
     if x.dim() != 2:
@@ -251,7 +256,7 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
     dt = x.dtype if compute_dtype is None else compute_dtype
     if "mlp1_weight_EGD" in module._parameters:  # GptOssGroupedExperts
         offsets = offsets_from_counts(num_tokens_per_expert, _err(name))
-        return _gpt_oss_forward(module, x, offsets, dt, recompute, inplace_backward)
+        return _gpt_oss_forward(module, x, offsets, dt, recompute, inplace_backward, fp8)
     fused = "w13" in module._parameters
     if fused:  # TorchTitan's FusedGroupedExperts: w13 [E, F, 2, D], gate and up interleaved along F
         w13_EF2D, w2 = _local(module.w13), _local(module.w2_EDF)
@@ -274,7 +279,7 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
         w13, layout = _PackGateUp.apply(w1, w3, dt).transpose(-2, -1), "halves"
     w2_fd = w2.to(dt).transpose(-2, -1)  # [E, F, D], a view when w2 is in dt
     y = expert_mlp(x.to(dt), w13, w2_fd, offsets, "swiglu", layout=layout, recompute=recompute,
-                   inplace_backward=inplace_backward)
+                   inplace_backward=inplace_backward, fp8=fp8)
     return y.type_as(x)
 
 
@@ -283,58 +288,67 @@ def experts_forward(module: nn.Module, x: Tensor, num_tokens_per_expert: Tensor,
 # ---------------------------------------------------------------------------
 
 
-_MODE_ATTRS = ("recompute", "inplace_backward", "compute_dtype")
+_MODE_ATTRS = ("recompute", "inplace_backward", "compute_dtype", "fp8")
+
+
+def _fp8(value):
+    """An override's or enable()'s fp8 as its recipe's name or None (expertact.moe.fp8_recipe)."""
+    return fp8_recipe(value, _PREFIX)
 
 
 class _Modes:
-    """The memory modes and compute dtype of the expertact classes, set from a config or by enable()."""
+    """The memory modes, compute dtype and FP8 recipe of the expertact classes, set from a config or
+    by enable()."""
 
     def __init__(self, config):
         super().__init__(config)
-        self._set_modes(config.recompute, config.inplace_backward, config.compute_dtype)
+        self._set_modes(config.recompute, config.inplace_backward, config.compute_dtype, config.fp8)
 
-    def _set_modes(self, recompute, inplace_backward, compute_dtype):
+    def _set_modes(self, recompute, inplace_backward, compute_dtype, fp8):
         self.recompute, self.inplace_backward = bool(recompute), bool(inplace_backward)
         self.compute_dtype = _dtype(compute_dtype)
+        self.fp8 = _fp8(fp8)
 
     def forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
         return experts_forward(self, x_RD, num_tokens_per_expert_E, recompute=self.recompute,
-                               inplace_backward=self.inplace_backward, compute_dtype=self.compute_dtype)
+                               inplace_backward=self.inplace_backward, compute_dtype=self.compute_dtype, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, recompute={self.recompute}, "
-                f"inplace_backward={self.inplace_backward}, compute_dtype={self.compute_dtype}")
+                f"inplace_backward={self.inplace_backward}, compute_dtype={self.compute_dtype}, fp8={self.fp8!r}")
 
 
 class ExpertactGroupedExperts(_Modes, GroupedExperts):
     """TorchTitan's ``GroupedExperts`` (same parameters, same state dict keys) whose forward is
     :func:`experts_forward`. Config fields beyond GroupedExperts.Config: ``recompute`` and
     ``inplace_backward`` (expert_mlp's memory modes), ``compute_dtype`` (bf16 as TorchTitan's
-    module; None computes in the activations' dtype)."""
+    module; None computes in the activations' dtype), ``fp8`` (expert_mlp's FP8 recipe, e.g.
+    "rowwise"; None: none)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
         recompute: bool = False
         inplace_backward: bool = False
         compute_dtype: Optional[torch.dtype] = torch.bfloat16
+        fp8: Optional[str] = None
 
 
-def _modes(recompute, inplace_backward, compute_dtype) -> dict:
+def _modes(recompute, inplace_backward, compute_dtype, fp8) -> dict:
     """The override factories' keyword arguments as config fields."""
     return dict(recompute=bool(recompute), inplace_backward=bool(inplace_backward),
-                compute_dtype=_dtype(compute_dtype))
+                compute_dtype=_dtype(compute_dtype), fp8=_fp8(fp8))
 
 
 @override(target=GroupedExperts.Config,
           description="expertact: routed experts' SwiGLU MLP as one fused autograd node (expertact.moe.expert_mlp)")
 def expertact_grouped_experts(cfg: GroupedExperts.Config, *, recompute: bool = False, inplace_backward: bool = False,
-                              compute_dtype="bfloat16") -> ExpertactGroupedExperts.Config:
+                              compute_dtype="bfloat16", fp8=None) -> ExpertactGroupedExperts.Config:
     """TorchTitan override factory: ``GroupedExperts.Config`` -> ``ExpertactGroupedExperts.Config``
     (every other field copied). Keyword arguments come from the ``--override.imports`` entry's
     JSON: ``recompute``, ``inplace_backward`` (bools), ``compute_dtype`` ("bfloat16", "float32",
-    or null for the activations' dtype). A ``GptOssGroupedExperts.Config`` becomes
+    or null for the activations' dtype), ``fp8`` (an FP8 recipe, e.g. "rowwise", or null). A ``GptOssGroupedExperts.Config`` becomes
     ``ExpertactGptOssGroupedExperts.Config``; other subclasses raise NotImplementedError."""
-    modes = _modes(recompute, inplace_backward, compute_dtype)
+    modes = _modes(recompute, inplace_backward, compute_dtype, fp8)
     if _is_gpt_oss(cfg):
         return _gpt_oss_config(cfg, modes)
     if type(cfg) is not GroupedExperts.Config and not isinstance(cfg, ExpertactGroupedExperts.Config):
@@ -357,11 +371,12 @@ if FusedGroupedExperts is not None:
             recompute: bool = False
             inplace_backward: bool = False
             compute_dtype: Optional[torch.dtype] = torch.bfloat16
+            fp8: Optional[str] = None
 
     @override(target=GroupedExperts.Config,
               description="expertact: fused gate/up weight (TorchTitan's FusedGroupedExperts) read without a copy")
     def expertact_fused_grouped_experts(cfg: GroupedExperts.Config, *, recompute: bool = False,
-                                        inplace_backward: bool = False, compute_dtype="bfloat16"):
+                                        inplace_backward: bool = False, compute_dtype="bfloat16", fp8=None):
         """TorchTitan override factory: what TorchTitan's own ``fused_grouped_experts`` override
         does to a ``GroupedExperts.Config`` (w1_EFD and w3_EFD become one ``w13`` parameter, its
         initialisation and sharding remapped by TorchTitan), building
@@ -369,7 +384,7 @@ if FusedGroupedExperts is not None:
         the same nodes). Keyword arguments as :func:`expertact_grouped_experts`. A
         ``GptOssGroupedExperts.Config`` (whose gate and up are one parameter already) becomes
         ``ExpertactGptOssGroupedExperts.Config``, as with :func:`expertact_grouped_experts`."""
-        modes = _modes(recompute, inplace_backward, compute_dtype)
+        modes = _modes(recompute, inplace_backward, compute_dtype, fp8)
         if _is_gpt_oss(cfg):
             return _gpt_oss_config(cfg, modes)
         if isinstance(cfg, ExpertactFusedGroupedExperts.Config):
@@ -399,6 +414,7 @@ if GptOssGroupedExperts is not None:
             recompute: bool = False
             inplace_backward: bool = False
             compute_dtype: Optional[torch.dtype] = torch.bfloat16
+            fp8: Optional[str] = None
 
     def _gpt_oss_config(cfg, modes):
         """A GptOssGroupedExperts.Config (or an expertact one, given new modes) -> expertact's."""
@@ -409,13 +425,13 @@ if GptOssGroupedExperts is not None:
     @override(target=GptOssGroupedExperts.Config,
               description="expertact: GPT-OSS routed experts (biased clamped SwiGLU) as one autograd node")
     def expertact_gpt_oss_grouped_experts(cfg: GptOssGroupedExperts.Config, *, recompute: bool = False,
-                                          inplace_backward: bool = False, compute_dtype="bfloat16"):
+                                          inplace_backward: bool = False, compute_dtype="bfloat16", fp8=None):
         """TorchTitan override factory: ``GptOssGroupedExperts.Config`` ->
         ``ExpertactGptOssGroupedExperts.Config`` (every other field copied: dims, swiglu_limit,
         initialisation, sharding). Claims GPT-OSS's experts only; ``expertact_grouped_experts``
         and ``expertact_fused_grouped_experts`` convert them too (list one of the three).
         Keyword arguments as :func:`expertact_grouped_experts`."""
-        return _gpt_oss_config(cfg, _modes(recompute, inplace_backward, compute_dtype))
+        return _gpt_oss_config(cfg, _modes(recompute, inplace_backward, compute_dtype, fp8))
 
 else:  # pragma: no cover - a TorchTitan without GPT-OSS
     ExpertactGptOssGroupedExperts = expertact_gpt_oss_grouped_experts = None
@@ -441,15 +457,16 @@ def _swaps():
 
 
 def enable(model: nn.Module, *, recompute: bool = False, inplace_backward: bool = False,
-           compute_dtype=torch.bfloat16) -> List[str]:
+           compute_dtype=torch.bfloat16, fp8=None) -> List[str]:
     """Switches every TorchTitan ``GroupedExperts`` (``FusedGroupedExperts``,
     ``GptOssGroupedExperts``) module of a built ``model`` to expertact's forward: its class
     becomes :class:`ExpertactGroupedExperts` (:class:`ExpertactFusedGroupedExperts`,
     :class:`ExpertactGptOssGroupedExperts`); parameters, buffers and hooks are the same objects.
-    Modules already switched take the new modes. Nothing changes when a module is refused
+    Modules already switched take the new modes. ``fp8``: expert_mlp's FP8 recipe (e.g.
+    "rowwise"; None keeps the GEMMs in the compute dtype). Nothing changes when a module is refused
     (other subclasses: NotImplementedError). Returns the qualified names of the modules
     switched or updated."""
-    dt = _dtype(compute_dtype)
+    dt, recipe = _dtype(compute_dtype), _fp8(fp8)
     swaps = _swaps()
     ours = set(swaps.values())
     found = []
@@ -460,7 +477,7 @@ def enable(model: nn.Module, *, recompute: bool = False, inplace_backward: bool 
             found.append((fqn, m))
     for fqn, m in found:
         m.__class__ = swaps.get(type(m), type(m))
-        m._set_modes(recompute, inplace_backward, dt)
+        m._set_modes(recompute, inplace_backward, dt, recipe)
     return [fqn for fqn, _ in found]
 
 

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -73,7 +73,7 @@ if not hasattr(_hf_moe, "ALL_EXPERTS_FUNCTIONS"):  # pragma: no cover
     raise ImportError("expertact.transformers: this transformers has no experts registry "
                       "(transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS); it needs transformers >= 5")
 
-from .moe import expert_mlp
+from .moe import expert_mlp, fp8_recipe
 
 __all__ = ["register", "experts_forward", "DEFAULT_NAME"]
 
@@ -266,14 +266,14 @@ class _Gather(torch.autograd.Function):
 
 
 def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *,
-                    recompute: bool = False, inplace_backward: bool = False, fp8: Optional[str] = None,
+                    recompute: bool = False, inplace_backward: bool = False, fp8: Union[str, bool, None] = None,
                     fp8_wgrad: bool = True) -> Tensor:
     """The experts of a transformers MoE block (the class's ``forward`` arguments) through
     :func:`expertact.moe.expert_mlp`: hidden_states [T, D], top_k_index [T, K] (expert ids;
     ids >= E contribute nothing), top_k_weights [T, K] -> [T, D] in hidden_states' dtype.
     With expert biases (has_bias=True), each pair gives (act(x W13 + b13) W2 + b2) * weight.
     recompute / inplace_backward: expert_mlp's memory modes; fp8 / fp8_wgrad: its FP8 GEMMs
-    (fp8="rowwise", Hopper only)."""
+    (an FP8 recipe, e.g. fp8="rowwise": bf16 on Hopper; on the CPU the emulation of the recipe)."""
     gate = _gate_of(module)
     name = type(module).__name__
     if hidden_states.dim() != 2:
@@ -321,15 +321,18 @@ _REGISTERED: Dict[str, Callable] = {}
 
 
 def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward: bool = False,
-             fp8: Optional[str] = None, fp8_wgrad: bool = True) -> Callable:
+             fp8: Union[str, bool, None] = None, fp8_wgrad: bool = True) -> Callable:
     """Registers expertact under ``name`` in transformers' experts registry, with expert_mlp's
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
-    is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8="rowwise":
-    Hopper only; fp8_wgrad=False keeps the weight gradients in bf16). Returns the registered
-    function. Re-registering a name this module registered replaces it; transformers' own names
-    ("eager", "grouped_mm", ...) are refused."""
+    is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8: a
+    recipe of expertact.moe.FP8_RECIPES, resolved here by expertact.moe.fp8_recipe, e.g.
+    "rowwise": bf16 models on Hopper, and on the CPU as an emulation of the recipe;
+    fp8_wgrad=False keeps the weight gradients in bf16). Returns the registered function.
+    Re-registering a name this module registered replaces it; transformers' own names ("eager",
+    "grouped_mm", ...) are refused."""
     if not isinstance(name, str) or not name:
         raise ValueError(_err(f"name must be a non-empty string; got {name!r}"))
+    fp8 = fp8_recipe(fp8, _PREFIX + ".register")
     taken = {"eager"} | set(_hf_moe.ALL_EXPERTS_FUNCTIONS.keys())
     fp8_names = getattr(_fp8_registry(), "keys", None)
     if fp8_names is not None:

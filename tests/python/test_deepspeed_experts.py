@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from expertact import deepspeed as xds
+from expertact.moe import expert_mlp
 from conftest import requires_cuda
 from test_deepspeed_registry import EP, FORMS, _OpLog, _grouped_experts, needs_ds
 
@@ -233,10 +234,54 @@ def test_a_registered_form_keeps_deepspeeds_forward(monkeypatch):
 
 
 def test_fp8_where_it_cannot_run_says_why():
+    """float32 on the CPU (the emulation takes bf16, as the GPU path does)."""
     xds.enable(experts=True, fp8="rowwise")
     m = _module("swiglu", "grouped_mm-fused")
-    with pytest.raises(NotImplementedError, match="fp8='rowwise' cannot run here"):
+    with pytest.raises(NotImplementedError, match="fp8='rowwise' cannot run here: x is on cpu, .*float32"):
         m(torch.randn(16, 32), torch.tensor([16, 0, 0, 0]))
+
+
+def test_fp8_names():
+    """fp8 resolves through expertact.moe.fp8_recipe: False is bf16, True is refused while no
+    default recipe is chosen (naming the recipes and their loss cost), nothing changes then."""
+    xds.enable(experts=True, fp8=False)
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] is None
+    xds.disable()
+    with pytest.raises(ValueError, match=r"expertact.deepspeed.enable: fp8=True .*'rowwise' \(\+0\.09"):
+        xds.enable(experts=True, fp8=True)
+    assert EP.GroupedExperts.forward is DS_FORWARD and not xds.is_enabled()
+
+
+@pytest.mark.parametrize("path", ["grouped_mm-separate", "for-loop"])
+@pytest.mark.parametrize("name", ["swiglu", "swiglu_oai"])
+def test_fp8_reaches_expert_mlp_on_the_cpu(name, path):
+    """enable(experts=True, fp8="rowwise") on a bf16 module on the CPU runs the FP8 node (its
+    emulation there): the six GEMMs in FP8, the output and the gradients of x, w1, w2, w3 those of
+    expert_mlp(fp8="rowwise") on the module's weights bit for bit (test_fp8_mlp holds that node to
+    the recipe's oracle), and differing from enable(experts=True)'s bf16 ones as FP8 must."""
+    from support.fp8_oracle import ScaledGemmLog
+    m = _module(name, path, dtype=torch.bfloat16)
+    counts = torch.tensor(_COUNTS)
+    x = torch.randn(sum(_COUNTS) + _PAD, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
+    xds.enable(experts=True)
+    bf16, _ = _fwd_bwd(m, x, counts)
+    xds.enable(experts=True, fp8="rowwise")
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise"
+    with ScaledGemmLog() as log:
+        got, _ = _fwd_bwd(m, x, counts)
+    assert log.calls == 6
+
+    def by_hand(module, x, counts):
+        w13 = torch.cat((module.w1, module.w3), dim=1).transpose(-2, -1)
+        kw = dict(alpha=module.activation_alpha, limit=module.activation_limit) if name == "swiglu_oai" else {}
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return expert_mlp(x, w13, module.w2.transpose(-2, -1), offsets, name, fp8="rowwise", **kw)
+
+    xds.disable()
+    want, _ = _fwd_bwd(m, x, counts, forward=by_hand)
+    for what, g, w, b in zip(WHAT, got, want, bf16):
+        assert torch.equal(g, w), what
+        assert _rel(g, b) > 2e-2, (what, _rel(g, b))
 
 
 # ---------------------------------------------------------------------------

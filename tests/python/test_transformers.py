@@ -5,7 +5,8 @@ non-zero expert biases, with its clamp limit of 7 and of 1, and with its biases 
 loss, logits and every parameter's gradient (the expert biases' included) after one forward
 and backward in train mode, in each memory mode; expert-parallel sentinel ids; the registry;
 the errors for what is not supported (other activations and gates, biases missing or of the
-wrong shape).
+wrong shape); register(..., fp8="rowwise") against the FP8 recipe's float64 oracle (bf16, the
+CPU emulation of the recipe).
 CPU, float32; skipped where transformers (>= 5, with its experts registry) is not installed."""
 import copy
 
@@ -340,6 +341,87 @@ def test_bf16_and_routing_weights_dtype(name, weights_dtype):
     assert len(got) == len(want) == (7 if name == "gpt_oss" else 5)
     for what, g, e in zip(CALL_OUTPUTS, got, want):
         _close(g.float(), e.float(), what, rtol=3e-2)
+
+
+# ---------------------------------------------------------------------------
+# FP8: register(..., fp8="rowwise"), on the CPU as the recipe's emulation
+# ---------------------------------------------------------------------------
+
+# The experts' forms, written out: (preset, layout, alpha and limit from the module's attributes).
+_FP8_FORMS = {"qwen3_moe": ("swiglu", "halves", None, None), "gpt_oss": ("swiglu_oai", "interleaved", "alpha", "limit")}
+
+
+def _fp8_oracle(experts, x, ids, w, dy, name):
+    """The FP8 recipe's float64 oracle (support.fp8_oracle) of an experts call: the (token, k)
+    pairs sorted by expert, the oracle's expert MLP over them, each token's K outputs summed and
+    rounded to bf16 as transformers' implementations sum them; the gradients of x (its K copies
+    summed), the routing weights, and of the experts' parameters in their storage order."""
+    from support import fp8_oracle
+    preset, layout, alpha, limit = _FP8_FORMS[name]
+    E, K, T = experts.gate_up_proj.shape[0], ids.shape[1], x.shape[0]
+    order = torch.sort(ids.reshape(-1), stable=True).indices
+    tok = order // K
+    ends = torch.bincount(ids.reshape(-1), minlength=E).cumsum(0).tolist()
+    stored = lambda t: t if experts.is_transposed else t.transpose(-2, -1)  # noqa: E731
+    kw = {} if alpha is None else dict(alpha=getattr(experts, alpha), limit=getattr(experts, limit))
+    biases = dict(b13=experts.gate_up_proj_bias.detach(), b2=experts.down_proj_bias.detach()) if experts.has_bias else {}
+    o = fp8_oracle.expert_mlp(x[tok], stored(experts.gate_up_proj.detach()), stored(experts.down_proj.detach()), ends,
+                              dy[tok], preset, layout=layout, weights=w.reshape(-1)[order].float(), **biases, **kw)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel())
+    y = o["y"][back].view(T, K, -1).sum(1).to(torch.bfloat16)
+    out = dict(y=y, x=o["x"][back].view(T, K, -1).sum(1).to(torch.bfloat16), weights=o["weights"][back].view(T, K),
+               gate_up_proj=stored(o["w13"]), down_proj=stored(o["w2"]))
+    if experts.has_bias:
+        out.update(gate_up_proj_bias=o["b13"], down_proj_bias=o["b2"])
+    return out
+
+
+@pytest.mark.parametrize("name", list(_FP8_FORMS))
+def test_fp8_gives_the_recipes_values(name):
+    """register(name, fp8="rowwise") runs the FP8 node (on the CPU its emulation): the six GEMMs
+    in FP8, the output and the gradients of x, the routing weights and the experts' parameters
+    (GPT-OSS's biases included) within test_fp8_mlp's bound of the recipe's float64 oracle, and
+    differing from the bf16 implementation's as FP8 must. A bf16 model (FP8 takes bf16).
+    Measured (CPU, transformers 5.17): every bf16 tensor equal to the oracle's, the routing
+    weights' gradient within 1e-7; the bf16 implementation 5.7e-2 or more away from each."""
+    from support.fp8_oracle import ScaledGemmLog, rel
+    et.register("expertact_test_fp8", fp8="rowwise")
+    assert _hf_moe.ALL_EXPERTS_FUNCTIONS["expertact_test_fp8"].fp8 == "rowwise"
+    experts, x, ids, w = _module_case(name, T=24)
+    experts.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    params = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if experts.has_bias else [])
+
+    def call(impl):
+        experts.config._experts_implementation = impl
+        experts.zero_grad(set_to_none=True)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = experts(xr, ids, wr)
+        y.backward(dy)
+        return dict(y=y.detach(), x=xr.grad, weights=wr.grad, **{n: getattr(experts, n).grad for n in params})
+
+    with ScaledGemmLog() as log:
+        got = call("expertact_test_fp8")
+    assert log.calls == 6
+    want = _fp8_oracle(experts, x, ids, w, dy, name)
+    bf16 = call("expertact")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        assert rel(got[k], want[k]) < 2e-3, (k, rel(got[k], want[k]))  # test_fp8_mlp.TIGHT
+        if k != "down_proj_bias":  # its gradient is dy's sum, which FP8 does not touch
+            assert rel(got[k], bf16[k]) > 2e-2, (k, rel(got[k], bf16[k]))  # test_fp8_mlp.LOWER
+
+
+def test_fp8_names():
+    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True .*'rowwise' \(\+0\.09"):
+        et.register("expertact_test_fp8_true", fp8=True)
+    assert "expertact_test_fp8_true" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
+    with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
+        et.register("expertact_test_fp8_true", fp8="e4m3")
+    assert et.register("expertact_test_fp8_off", fp8=False).fp8 is None
 
 
 # ---------------------------------------------------------------------------

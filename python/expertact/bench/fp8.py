@@ -35,7 +35,7 @@ import torch
 
 import expertact
 from expertact import moe
-from expertact.moe import _fp8
+from expertact.moe import _fp8, _gemm
 
 from . import mlp
 from .common import (
@@ -95,7 +95,7 @@ def gemm_floor(inp, s, iters, warmup):
     w13t, w2t = r8(E, 2 * F, D).transpose(-2, -1), r8(E, D, F).transpose(-2, -1)
     w2b, w13b = r8(E, F, D).transpose(-2, -1), r8(E, D, 2 * F).transpose(-2, -1)
     xt, ht, dgc, dyc = r8(D, T), r8(F, T), r8(2 * F, T).t(), r8(D, T).t()
-    sg = _fp8.sgmm
+    sg = _gemm.scaled_gmm
 
     def fwd():
         sg(x8, w13t, ones(T), ones((E, 2 * F)), offs)

@@ -5,6 +5,8 @@ backward in the node's memory mode, w2's gradient). The FP8 node (_fp8) builds o
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import _ops
@@ -12,7 +14,8 @@ from .._autograd import CREATE_GRAPH_MSG, SECOND_BACKWARD_MSG
 from .._library import glu_backward_inplace_op, glu_backward_op, glu_op
 from ._gemm import gmm, gmm_wgrad, mm_operand
 
-__all__ = ["ExpertMLP", "activation", "mlp_forward", "hooks_active", "keep", "kept", "glu_grad", "w2_grad", "KEPT"]
+__all__ = ["ExpertMLP", "activation", "mlp_forward", "hooks_active", "keep", "kept", "Needs", "needs", "glu_grad",
+           "w2_grad", "KEPT"]
 
 
 def activation(gate_up, weights, glu, b13, offs):
@@ -55,7 +58,7 @@ KEPT = 8  # x, w13, w2, weights, offs, gate_up, b13, b2
 def keep(ctx, plan, tensors, h):
     """What both autograd nodes keep: x, w13, w2, weights, offs, gate_up, b13, b2 (None
     without biases), and h unless recompute (then h is freed when the caller drops it).
-    With plan.weights_of, w13 and w2 are not kept: kept() remakes them.
+    With plan.remake_weights, w13 and w2 are not kept: kept() remakes them.
 
     h is kept as a plain attribute, not through save_for_backward, so that backward can drop
     it as soon as w2's gradient is computed: a saved tensor lives until its node's backward
@@ -65,7 +68,7 @@ def keep(ctx, plan, tensors, h):
     sees, so the attribute makes no reference cycle. With saved-tensor hooks active (or under
     a compiler), h goes through save_for_backward as before."""
     hooked = not plan.recompute and hooks_active()
-    if plan.weights_of is not None:  # w13 and w2 are remade in backward: not kept
+    if plan.remake_weights is not None:  # w13 and w2 are remade in backward: not kept
         tensors = (tensors[0], None, None, *tensors[3:])
     ctx.save_for_backward(*tensors, *((h,) if hooked else ()))
     ctx.h = None if plan.recompute or hooked else h
@@ -84,26 +87,45 @@ def kept(ctx):
     saved = ctx.saved_tensors
     h = saved[KEPT] if len(saved) > KEPT else ctx.h
     ctx.h = None
-    if ctx.plan.weights_of is not None:
-        w13, w2 = ctx.plan.weights_of()
+    if ctx.plan.remake_weights is not None:
+        w13, w2 = ctx.plan.remake_weights()
         saved = (saved[0], w13, w2, *saved[3:KEPT])
     return (*saved[:KEPT], h)
 
 
-def glu_grad(ctx, dh, gate_up, weights, b13, offs):
+class Needs(NamedTuple):
+    """Which of the node's inputs want a gradient."""
+    x: bool
+    w13: bool
+    w2: bool
+    weights: bool
+    b13: bool
+    b2: bool
+
+    @property
+    def dh(self) -> bool:
+        """Whether dh (and so the activation's backward) is needed."""
+        return self.x or self.w13 or self.weights or self.b13
+
+
+def needs(ctx) -> Needs:
+    """Needs of a node's backward: both nodes take (x, w13, w2, weights, offs, plan, b13, b2)."""
+    n = ctx.needs_input_grad
+    return Needs(n[0], n[1], n[2], n[3], n[6], n[7])
+
+
+def glu_grad(ctx, need, dh, gate_up, weights, b13, offs):
     """(dgate_up, the weights' gradient or None, db13 or None) from dh: the activation's
     backward in the node's memory mode (in place over gate_up with inplace_backward, which
-    spends the node), b13's gradient fused when b13 is given."""
+    spends the node), b13's gradient fused when b13 is given. need: the node's Needs."""
     plan = ctx.plan
-    need_x, need_w13, _, need_w = ctx.needs_input_grad[:4]
-    need_b13 = ctx.needs_input_grad[ctx.b13_index]
-    weights_grad = weights is not None and need_w
-    inplace = plan.inplace and (need_x or need_w13 or need_b13)
+    weights_grad = weights is not None and need.weights
+    inplace = plan.inplace and (need.x or need.w13 or need.b13)
     if inplace:
         ctx.spent = True
     if b13 is not None:
         dgate_up, _, dweights, db13 = _ops.glu_backward_bias(dh, gate_up, None, b13, offs, weights, weights_grad,
-                                                           need_b13, inplace, *plan.glu)
+                                                           need.b13, inplace, *plan.glu)
         return dgate_up, dweights, db13
     if inplace:
         gw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device) if weights_grad else None
@@ -122,36 +144,33 @@ class ExpertMLP(torch.autograd.Function):
     def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
         x, gate_up, h, y = mlp_forward(x, w13, w2, weights, offs, plan, b13, b2)
         keep(ctx, plan, (x, w13, w2, weights, offs, gate_up, b13, b2), h)
-        ctx.b13_index = 6
         del h  # with recompute, freed here: one [T, F] tensor less kept for backward
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w13, w2, weights, offs, gate_up, b13, b2, h = kept(ctx)
-        plan = ctx.plan
-        need_x, need_w13, need_w2, need_w = ctx.needs_input_grad[:4]
-        need_b13, need_b2 = ctx.needs_input_grad[6:8]
+        plan, need = ctx.plan, needs(ctx)
         if plan.grouped:
             dy = mm_operand(dy, row_major=True)  # once, here, rather than in each of the two GEMMs
         dx = dw13 = dw2 = dweights = db13 = db2 = None
         dweights_b2 = None
         if b2 is not None:  # one pass over dy: b2's gradient and its term of the weights' gradient
-            db2, dweights_b2 = _ops.expert_bias_backward(dy, b2, offs, weights, weights is not None and need_w,
-                                                         need_b2)
+            db2, dweights_b2 = _ops.expert_bias_backward(dy, b2, offs, weights, weights is not None and need.weights,
+                                                         need.b2)
         # Order for the smallest peak: w2's gradient first, so that h (kept or recomputed) is freed
         # before dh exists; then dh, the activation's backward (over gate_up if in place),
         # dh freed, then x's gradient.
-        if need_w2:
+        if need.w2:
             dw2 = w2_grad(h, gate_up, weights, plan.glu, dy, offs, plan, w2, b13)
         h = None  # freed now (kept as an attribute, or recomputed): dh and dgate_up never meet it
-        if need_x or need_w13 or need_w or need_b13:
+        if need.dh:
             dh = gmm(dy, w2.transpose(-2, -1), offs, plan)
-            dgate_up, dweights, db13 = glu_grad(ctx, dh, gate_up, weights, b13, offs)
+            dgate_up, dweights, db13 = glu_grad(ctx, need, dh, gate_up, weights, b13, offs)
             del dh
-            if need_x:
+            if need.x:
                 dx = gmm(dgate_up, w13.transpose(-2, -1), offs, plan)
-            if need_w13:
+            if need.w13:
                 dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
         if dweights_b2 is not None:
             dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)

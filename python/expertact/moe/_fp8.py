@@ -1,12 +1,13 @@
-"""The FP8 node of expert_mlp (fp8="rowwise"): the grouped expert MLP with its six GEMMs as
-torch._scaled_grouped_mm in float8 e4m3fn on Hopper (docs/spec.md section 10).
+"""The FP8 node of expert_mlp (fp8="rowwise"): the grouped expert MLP with its six GEMMs in float8
+e4m3fn (docs/spec.md section 10), torch._scaled_grouped_mm on Hopper and its emulation on the CPU
+(_gemm.scaled_gmm, the one place where they differ).
 
 Operands, in the formats that operator takes on sm90 (A row-major, B column-major, float32
 dequantisation scales):
 
     forward   gate_up = x_q  @ w13_q   x rowwise [T];  w13 per expert and column [E, 2F]
-              y       = h_q  @ w2_q    h rowwise [T] (expertact.fp8.glu_rowwise: the activation
-                                       writes h in e4m3 from its float32 values); w2 [E, D]
+              y       = h_q  @ w2_q    h rowwise [T] (the activation kernel writes h in e4m3 from
+                                       its float32 values); w2 [E, D]
     backward  dh      = dy_q @ w2^T_q  dy rowwise;  w2^T per expert and column [E, F]
               dx      = dg_q @ w13^T_q dgate_up rowwise; w13^T [E, D]
               dw2     = h^T dy         both per expert and column over the expert's rows,
@@ -16,24 +17,24 @@ dequantisation scales):
 
 Scales are torchao's recipe (powers of two from the row's or column's amax, NaN ignored);
 docs/spec.md section 10 says which operands are torchao's bit for bit and which are quantised
-from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16
-(torch._grouped_mm). h is not kept: backward makes w2's gradient operand from gate_up with h's
-column amax taken by the forward's activation, by its own pass over gate_up before dh's GEMM
-(fp8.glu_colwise_grouped), or (with b13) from h recomputed in bf16 and a column-wise pass, so
-the node keeps what ``recompute=True`` keeps.
+from float32 values instead. ``fp8_wgrad=False`` keeps the two weight-gradient GEMMs in bf16.
+The kernels are _ops' (expertact.fp8 is their checked public form), their outputs allocated by
+_fp8_buffers. The node keeps what ``recompute=True`` keeps: h is not kept; backward makes w2's
+gradient operand from gate_up with h's column amax taken by the forward's activation (with b13,
+from h recomputed in bf16 and a column-wise pass).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from .. import _ops, fp8
-from . import _bf16
-from ._bf16 import activation, hooks_active, keep, kept
+from .. import _fp8_buffers, _ops
+from . import _gemm
+from ._bf16 import activation, glu_grad, hooks_active, keep, kept, needs
 from ._gemm import gmm_wgrad, held_transposed, zero_empty_groups
 
-__all__ = ["Fp8ExpertMLP", "Fp8Plan", "why_not", "sgmm", "ALIGN", "ROW_PAD"]
+__all__ = ["Fp8ExpertMLP", "why_not", "forward", "ALIGN", "ROW_PAD"]
 
 Tensor = torch.Tensor
 
@@ -43,214 +44,146 @@ ALIGN = 16  # rows per group of the weight-gradient GEMMs' reduction dim; K and 
 ROW_PAD = 32
 
 
-class Fp8Plan(NamedTuple):
-    activation: str
-    alpha: Optional[float]
-    limit: Optional[float]
-    layout: str
-    wgrad: bool  # the weight-gradient GEMMs in FP8 too
-
-
 def why_not(x: Tensor, D: int, F: int) -> Optional[str]:
-    """Why fp8="rowwise" cannot run on these operands, or None."""
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
-    if not x.is_cuda:
-        return f"x is on {x.device}: the FP8 grouped GEMMs run on CUDA (Hopper, sm90) only"
-    major, minor = torch.cuda.get_device_capability(x.device)
-    if major != 9:
-        return (f"{torch.cuda.get_device_name(x.device)} is sm{major}{minor}: the FP8 rowwise grouped GEMMs "
-                "are taken on Hopper (sm90) only")
+    """Why the FP8 node cannot run on these operands, or None: Hopper (sm90) GPUs, and the CPU
+    (the emulation), with bfloat16 operands and D and F multiples of 16 on both."""
+    if x.is_cuda:
+        if not hasattr(torch, "_scaled_grouped_mm"):
+            return f"this torch ({torch.__version__}) has no torch._scaled_grouped_mm"
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major != 9:
+            return (f"{torch.cuda.get_device_name(x.device)} is sm{major}{minor}: the FP8 rowwise grouped GEMMs "
+                    "are taken on Hopper (sm90) only")
+    elif x.device.type != "cpu":
+        return f"x is on {x.device}: FP8 runs on Hopper GPUs (sm90), and on the CPU as an emulation"
     if x.dtype != torch.bfloat16:
-        return f"x has dtype {x.dtype}: the FP8 path takes bfloat16 operands"
+        where = "" if x.is_cuda else f"x is on {x.device}, where the recipe runs as an emulation, and "
+        return f"{where}x has dtype {x.dtype}: the FP8 path takes bfloat16 operands"
     if D % ALIGN or F % ALIGN:
         return f"D = {D} and F = {F} must be multiples of {ALIGN} (the FP8 GEMMs' K and N)"
     return None
 
 
-def sgmm(a, b, scale_a, scale_b, offs):
-    """torch._scaled_grouped_mm with bf16 output and fast accumulation, as torchao calls it."""
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
-                                    use_fast_accum=True)
+# ---------------------------------------------------------------------------
+# Operands and GEMMs
+# ---------------------------------------------------------------------------
 
 
-def _quant_b(w_kn: Tensor):
+def _rowwise(t: Tensor, offs: Optional[Tensor] = None, experts: int = 0):
+    """(q, scale, amax or None): t [T, C] quantised per row; with offs, also its per expert and
+    column amax [E, C] in the same read (for the column-wise operand of a weight gradient)."""
+    q, scale = _fp8_buffers.rowwise(t, t.shape[-1])
+    amax = None if offs is None else _fp8_buffers.amax(experts, t.shape[-1], t.device)
+    _ops.fp8_quantize_rowwise(t, q, scale.view(-1), offs, amax)
+    return q, scale, amax
+
+
+def _weight(w_kn: Tensor):
     """A GEMM's B operand [E, K, N] -> (e4m3 [E, K, N] column-major, scale [E, N]): one scale per
     expert and output column, over K. Weights are small (a few hundred MB): one contiguous copy
-    when their storage is not [E, N, K] already, then expertact's rowwise kernel."""
-    wt = w_kn.transpose(-2, -1).contiguous()
-    q, s = fp8.quantize_rowwise(wt)
-    return q.transpose(-2, -1), s
+    when their storage is not [E, N, K] already, then the rowwise kernel."""
+    q, scale, _ = _rowwise(w_kn.transpose(-2, -1).contiguous())
+    return q.transpose(-2, -1), scale
 
 
-def _zero_tail(t: Tensor, end: int) -> Tensor:
-    if end < t.shape[0]:
-        t[end:].zero_()  # rows past the last offset: the grouped GEMM leaves them unwritten
-    return t
+def _mm(a, w, offs, end: int) -> Tensor:
+    """out[rows of e] = a[rows of e] @ w[e] in FP8: a = (q, scale, _) from _rowwise, w = (q, scale)
+    from _weight; rows past the last offset zeroed (the GEMM leaves them unwritten)."""
+    out = _gemm.scaled_gmm(a[0], w[0], a[1], w[1], offs)
+    if end < out.shape[0]:
+        out[end:].zero_()
+    return out
 
 
-def _cols(t: Tensor, offs: Tensor, ends, amax=None):
+def _cols(t: Tensor, offs: Tensor, poffs: Tensor, ends, amax=None):
     """t's column-wise operand of a weight-gradient GEMM: (e4m3 [Tp, C] column-major, scale
-    [E, C]), each expert's rows padded to ROW_PAD. amax: the per expert and column amax when a
-    rowwise pass has already taken it (quantize_rowwise(col_amax_offsets=)): t is read once."""
-    return fp8.quantize_colwise_grouped(t, offs, pad_to=ROW_PAD, ends=ends, amax=amax)
+    [E, C]), each expert's rows padded to ROW_PAD (poffs: the padded offsets). amax: the per
+    expert and column amax when a rowwise pass has taken it already: t is then read once."""
+    q_t, scale = _fp8_buffers.colwise(t.shape[0], ends, t.shape[1], ROW_PAD, t.device)
+    _ops.fp8_quantize_colwise_grouped(t, offs, poffs, q_t, scale, amax)
+    return q_t.t(), scale
 
 
-def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]):
+def _h_cols(gate_up, weights, offs, poffs, ends, glu, hamax):
+    """dw2's column-wise operand of h (_cols' form) made from gate_up in one pass with the
+    column amax the forward took: the bytes of h recomputed in bf16 and quantised column-wise,
+    without writing h."""
+    q_t, scale = _fp8_buffers.colwise(gate_up.shape[0], ends, gate_up.shape[1] // 2, ROW_PAD, gate_up.device)
+    _ops.fp8_glu_colwise_grouped(gate_up, None, weights, None, offs, poffs, q_t, scale, hamax, *glu)
+    return q_t.t(), scale
+
+
+def _wgrad(a, b, poffs: Tensor, ends, like: Optional[Tensor]) -> Tensor:
     """out[e] = a[rows of e]^T @ b[rows of e] in FP8: [E, a cols, b cols], from the operands'
     column-wise forms a = (aq, sa), b = (bq, sb) (_cols); laid out as ``like`` (a weight held as
     a transposed view gets its gradient in the weight's storage order)."""
     if held_transposed(like):
         return _wgrad(b, a, poffs, ends, None).transpose(-2, -1)
     (aq, sa), (bq, sb) = a, b
-    return zero_empty_groups(sgmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
+    return zero_empty_groups(_gemm.scaled_gmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), poffs), ends)
 
 
-def _h_fp8(gate_up, weights, fplan, b13, offs, ends, h_amax=False):
-    """(h in e4m3, its rowwise scales, h's per expert and column amax or None), h from the
-    activation kernel's float32 values (one rounding), b13 added inside when given. h_amax: the
-    same kernel also takes h's column amax, which lets backward make dw2's operand from gate_up
-    in one pass (h_cols)."""
-    bias = {} if b13 is None else dict(bias=b13, offsets=offs, ends=ends)
-    if h_amax:
-        return fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
-                               layout=fplan.layout, weights=weights, col_amax_offsets=offs, ends=ends, **bias)
-    return (*fp8.glu_rowwise(gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit,
-                             layout=fplan.layout, weights=weights, **bias), None)
+def _glu_backward(dh, gate_up, weights, b13, offs, plan, need):
+    """The fused FP8 activation backward, where dx is wanted and b13 needs no gradient: (dx's
+    operand (q, scale, dgate_up's per expert and column amax or None), the weights' gradient or
+    None, dgate_up in bf16 or None). dx's operand is quantised from the float32 gradient (one
+    rounding; b13 added inside, its gradient not computed); the bf16 dgate_up that dw13's operand
+    is quantised from is written over gate_up (its last use), and only when dw13 is wanted, with
+    its column amax taken in the same pass when that GEMM runs in FP8."""
+    E, C = len(plan.ends), gate_up.shape[-1]
+    q, scale = _fp8_buffers.rowwise(gate_up, C)
+    dweights = torch.empty(scale.shape, dtype=torch.float32, device=dh.device) if (
+        weights is not None and need.weights) else None
+    amax = _fp8_buffers.amax(E, C, dh.device) if plan.fp8_wgrad and need.w13 else None
+    dgate_up = gate_up if need.w13 else None
+    grouped = b13 is not None or amax is not None
+    _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, b13, offs if grouped else None, q, scale.view(-1),
+                                  None if dweights is None else dweights.view(-1), amax, dgate_up, *plan.glu)
+    return (q, scale, amax), dweights, dgate_up
 
 
-def h_cols(gate_up, weights, offs, ends, fplan, hamax):
-    """dw2's column-wise operand of h (_cols' form), made from gate_up in one pass with the
-    column amax the forward took (fp8.glu_colwise_grouped: the bytes of h recomputed in bf16
-    and quantised column-wise, without writing h)."""
-    return fp8.glu_colwise_grouped(gate_up, fplan.activation, offs, alpha=fplan.alpha, limit=fplan.limit,
-                                   layout=fplan.layout, weights=weights, pad_to=ROW_PAD, ends=ends, amax=hamax)
+# ---------------------------------------------------------------------------
+# The node
+# ---------------------------------------------------------------------------
 
 
-def forward(x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None, x_amax=False, h_amax=False):
+def forward(x, w13, w2, weights, offs, plan, b13=None, b2=None, x_amax=False, h_amax=False):
     """(x as kept, gate_up, y, x's per expert and column amax or None, h's or None). x_amax:
     take that amax in the rowwise pass over x, for dw13's column-wise operand in backward;
     h_amax: h's in the activation's pass, for dw2's (without b13 only: with it backward
     recomputes h)."""
-    end = plan.ends[-1] if plan.ends else 0
+    ends, E = plan.ends, len(plan.ends)
+    end = ends[-1] if ends else 0
     x = x.contiguous()
-    xamax = None
-    if x_amax and fplan.wgrad:
-        xq, sx, xamax = fp8.quantize_rowwise(x, col_amax_offsets=offs, ends=plan.ends)
-    else:
-        xq, sx = fp8.quantize_rowwise(x)
-    w13q, s13 = _quant_b(w13)
-    gate_up = _zero_tail(sgmm(xq, w13q, sx, s13, offs), end)
-    del xq, sx, w13q, s13
-    hq, sh, hamax = _h_fp8(gate_up, weights, fplan, b13, offs, plan.ends,
-                           h_amax and fplan.wgrad and b13 is None)
-    w2q, s2 = _quant_b(w2)
-    y = _zero_tail(sgmm(hq, w2q, sh, s2, offs), end)
+    xq = _rowwise(x, offs if x_amax else None, E)
+    gate_up = _mm(xq, _weight(w13), offs, end)
+    xamax = xq[2]
+    del xq
+    # h in e4m3 from the activation's float32 values (one rounding), b13 added inside; with
+    # h_amax, h's per expert and column amax of the same pass.
+    F = gate_up.shape[1] // 2
+    hq, sh = _fp8_buffers.rowwise(gate_up, F)
+    hamax = _fp8_buffers.amax(E, F, gate_up.device) if h_amax else None
+    grouped = b13 is not None or h_amax
+    _ops.fp8_glu_rowwise(gate_up, None, weights, b13, offs if grouped else None, hq, sh.view(-1), hamax, *plan.glu)
+    y = _mm((hq, sh), _weight(w2), offs, end)
     if b2 is not None:
         _ops.expert_bias_forward(y, b2, offs, weights, inplace=True)
     return x, gate_up, y, xamax, hamax
 
 
-def glu_grad_fp8(dh, gate_up, weights, weights_grad, b13, offs, ends, fplan, col_amax, keep_bf16):
-    """(dg_q, dg_scale, dweights or None, dgate_up's column amax or None, dgate_up in bf16 or
-    None): the activation's backward quantised rowwise from its float32 values in one pass
-    (expertact.fp8.glu_backward_rowwise; b13 added inside, its gradient not computed), the
-    column amax for dw13's column-wise operand when ``col_amax``, and the bf16 gradient that
-    operand is quantised from when ``keep_bf16``, written in place over gate_up (its last use:
-    the node holds no second [T, 2F] tensor at the peak)."""
-    out = gate_up if keep_bf16 else None
-    grouped = b13 is not None or col_amax
-    dgq, sdg, dweights, amax = fp8.glu_backward_rowwise(
-        dh, gate_up, fplan.activation, alpha=fplan.alpha, limit=fplan.limit, layout=fplan.layout, weights=weights,
-        weights_grad=weights_grad, bias=b13, offsets=offs if grouped else None, ends=ends if grouped else None,
-        col_amax=col_amax, dgate_up_out=out)
-    return dgq, sdg, dweights, amax, out
-
-
-def backward(ctx_needs, x, w13, w2, weights, offs, b2, dy, plan, fplan, glu_grad, h_of, gmm_wgrad, xamax=None,
-             glu_fp8=None, h_cols_of=None):
-    """The gradients (dx, dw13, dw2, dweights, db13, db2) of forward's y.
-
-    glu_grad(dh) -> (dgate_up, dweights, db13): the activation's backward (moe's, with its
-    memory modes); h_of() -> h in bf16 recomputed from gate_up; h_cols_of() -> dw2's operand of h
-    made from gate_up (h_cols), or None where the forward took no amax of h; gmm_wgrad: moe's bf16
-    weight-gradient GEMM (fp8_wgrad=False). glu_fp8(dh, col_amax, keep_bf16) -> glu_grad_fp8's
-    result, or None where it does not apply (b13's gradient wanted): when dx is wanted, dx's
-    operand comes straight from the fused FP8 backward (dgate_up not written in bf16 and read
-    back for the rowwise pass; written, over gate_up, only when dw13 needs it)."""
-    need_x, need_w13, need_w2, need_w, need_b13, need_b2 = ctx_needs
-    ends = plan.ends
-    end = ends[-1] if ends else 0
-    dy = dy.contiguous()
-    dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
-    if b2 is not None:
-        db2, dweights_b2 = _ops.expert_bias_backward(dy, b2, offs, weights, weights is not None and need_w,
-                                                     need_b2)
-    poffs = fp8.padded_offsets(offs, ROW_PAD) if fplan.wgrad and (need_w2 or need_w13) else None
-    need_dh = need_x or need_w13 or need_w or need_b13
-    dyq = sdy = dyamax = None
-    if need_dh:  # dy's rowwise operand, and in the same read its column amax for dw2's operand
-        if fplan.wgrad and need_w2:
-            dyq, sdy, dyamax = fp8.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)
-        else:
-            dyq, sdy = fp8.quantize_rowwise(dy)
-    if need_w2:  # first, so that h is freed before dh exists
-        hc = h_cols_of() if fplan.wgrad and h_cols_of is not None else None
-        h = h_of() if hc is None else None
-        if hc is not None:
-            dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
-            del hc
-        elif fplan.wgrad:
-            hc = _cols(h, offs, ends)
-            del h
-            dw2 = _wgrad(hc, _cols(dy, offs, ends, dyamax), poffs, ends, w2)
-            del hc
-        else:
-            dw2 = gmm_wgrad(h, dy, offs, plan, like=w2)
-            del h
-    if need_dh:
-        w2tq, s2t = _quant_b(w2.transpose(-2, -1))
-        dh = _zero_tail(sgmm(dyq, w2tq, sdy, s2t, offs), end)
-        del dyq, sdy, w2tq, s2t
-        fused = glu_fp8(dh, fplan.wgrad and need_w13, need_w13) if glu_fp8 is not None and need_x else None
-        dgamax = None
-        if fused is not None:  # dx's operand (and dw13's amax) from the fused FP8 backward
-            dgq, sdg, dweights, dgamax, dgate_up = fused
-            del dh, fused
-        else:
-            dgate_up, dweights, db13 = glu_grad(dh)
-            del dh
-            if need_x:
-                if fplan.wgrad and need_w13:
-                    dgq, sdg, dgamax = fp8.quantize_rowwise(dgate_up, col_amax_offsets=offs, ends=ends)
-                else:
-                    dgq, sdg = fp8.quantize_rowwise(dgate_up)
-        if need_x:
-            w13tq, s13t = _quant_b(w13.transpose(-2, -1))
-            dx = _zero_tail(sgmm(dgq, w13tq, sdg, s13t, offs), end)
-            del dgq, sdg, w13tq, s13t
-        if need_w13:
-            if fplan.wgrad:
-                dgc = _cols(dgate_up, offs, ends, dgamax)
-                del dgate_up  # (its storage freed before the GEMM: gate_up's, when written in place)
-                dw13 = _wgrad(_cols(x, offs, ends, xamax), dgc, poffs, ends, w13)
-            else:
-                dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
-    if dweights_b2 is not None:
-        dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
-    return dx, dw13, dw2, dweights, db13, db2
-
-
 class Fp8ExpertMLP(torch.autograd.Function):
-    """expert_mlp(fp8="rowwise"): keeps what recompute=True keeps (x, the weights,
-    gate_up in bf16, and two small amax tables); w2's gradient operand is made from gate_up in
-    backward."""
+    """expert_mlp(fp8="rowwise"): keeps what recompute=True keeps (x, the weights, gate_up in
+    bf16, and two small amax tables); w2's gradient operand is made from gate_up in backward,
+    and gate_up is freed after the activation's backward (its storage holds dgate_up where the
+    weight gradient reads it), so the graph runs backward once."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, weights, offs, plan, fplan, b13=None, b2=None):
-        x, gate_up, y, xamax, hamax = forward(x, w13, w2, weights, offs, plan, fplan, b13, b2,
-                                                       x_amax=ctx.needs_input_grad[1],
-                                                       h_amax=ctx.needs_input_grad[2])
+    def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
+        need = needs(ctx)
+        x, gate_up, y, xamax, hamax = forward(x, w13, w2, weights, offs, plan, b13, b2,
+                                              x_amax=need.w13 and plan.fp8_wgrad,
+                                              h_amax=need.w2 and plan.fp8_wgrad and b13 is None)
         # gate_up as an attribute, as keep() holds h: backward drops it after the activation's
         # backward, before the dx and dw13 operands exist (one [T, 2F] tensor less at the peak).
         hooked = hooks_active()
@@ -258,42 +191,58 @@ class Fp8ExpertMLP(torch.autograd.Function):
         ctx.gate_up = None if hooked else gate_up
         ctx.xamax = xamax  # x's per expert and column amax [E, D] (float32, small), or None
         ctx.hamax = hamax  # h's [E, F], or None
-        ctx.fplan = fplan
-        ctx.b13_index = 7
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w13, w2, weights, offs, gate_up, b13, b2, _ = kept(ctx)
-        held = {"gate_up": gate_up if gate_up is not None else ctx.gate_up}
-        ctx.gate_up = gate_up = None
-        if held["gate_up"] is None:  # taken by an earlier backward (retain_graph=True)
-            raise RuntimeError("expertact.moe: expert_mlp(fp8='rowwise') frees gate_up during its backward, so its "
-                               "graph runs backward once (a second backward, retain_graph=True, is not supported)")
-        plan = ctx.plan
-        n = ctx.needs_input_grad
-        needs = (n[0], n[1], n[2], n[3], n[7], n[8])
-
-        def glu_grad(dh):
-            out = _bf16.glu_grad(ctx, dh, held["gate_up"], weights, b13, offs)
-            held.clear()  # gate_up's last use (in place, dgate_up is its storage and lives on)
-            return out
-
-        def glu_fp8(dh, col_amax, keep_bf16):
-            # The fused FP8 activation backward (in place over gate_up), where b13 needs no
-            # gradient (the biased bf16 backward computes it).
-            if b13 is not None and n[7]:
-                return None
-            out = glu_grad_fp8(dh, held["gate_up"], weights, weights is not None and n[3], b13, offs, plan.ends,
-                               ctx.fplan, col_amax, keep_bf16)
-            held.clear()
-            return out
-
-        grads = backward(
-            needs, x, w13, w2, weights, offs, b2, dy, plan, ctx.fplan, glu_grad=glu_grad,
-            h_of=lambda: activation(held["gate_up"], weights, plan.glu, b13, offs), gmm_wgrad=gmm_wgrad,
-            xamax=ctx.xamax, glu_fp8=glu_fp8,
-            h_cols_of=None if ctx.hamax is None else lambda: h_cols(
-                held["gate_up"], weights, offs, plan.ends, ctx.fplan, ctx.hamax))
-        dx, dw13, dw2, dweights, db13, db2 = grads
-        return dx, dw13, dw2, dweights, None, None, None, db13, db2
+        if gate_up is None:
+            gate_up, ctx.gate_up = ctx.gate_up, None
+        if gate_up is None:  # taken by an earlier backward (retain_graph=True)
+            raise RuntimeError("expertact.moe: expert_mlp(fp8=...) frees gate_up during its backward, so its graph "
+                               "runs backward once (a second backward, retain_graph=True, is not supported)")
+        plan, need = ctx.plan, needs(ctx)
+        ends, E, wgrad = plan.ends, len(plan.ends), plan.fp8_wgrad
+        end = ends[-1] if ends else 0
+        dy = dy.contiguous()
+        dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
+        if b2 is not None:  # one pass over dy: b2's gradient and its term of the weights' gradient
+            db2, dweights_b2 = _ops.expert_bias_backward(dy, b2, offs, weights, weights is not None and need.weights,
+                                                         need.b2)
+        poffs = _fp8_buffers.padded_offsets(offs, ROW_PAD) if wgrad and (need.w2 or need.w13) else None
+        if need.dh:  # dy's rowwise operand, and in the same read its column amax for dw2's operand
+            dyq = _rowwise(dy, offs if wgrad and need.w2 else None, E)
+        # w2's gradient first, so that h's operand is freed before dh exists.
+        if need.w2 and not wgrad:
+            dw2 = gmm_wgrad(activation(gate_up, weights, plan.glu, b13, offs), dy, offs, plan, like=w2)
+        elif need.w2:
+            if ctx.hamax is not None:  # from gate_up in one pass, with the amax the forward took
+                hc = _h_cols(gate_up, weights, offs, poffs, ends, plan.glu, ctx.hamax)
+            else:  # with b13: h recomputed in bf16, then its column-wise pass
+                hc = _cols(activation(gate_up, weights, plan.glu, b13, offs), offs, poffs, ends)
+            dw2 = _wgrad(hc, _cols(dy, offs, poffs, ends, dyq[2] if need.dh else None), poffs, ends, w2)
+            del hc
+        if need.dh:
+            dh = _mm(dyq, _weight(w2.transpose(-2, -1)), offs, end)
+            del dyq
+            dg = None
+            if need.x and not (b13 is not None and need.b13):
+                dg, dweights, dgate_up = _glu_backward(dh, gate_up, weights, b13, offs, plan, need)
+            else:  # the bf16 activation's backward in the node's memory mode (b13's gradient fused)
+                dgate_up, dweights, db13 = glu_grad(ctx, need, dh, gate_up, weights, b13, offs)
+            del dh, gate_up  # gate_up's last use: freed here unless its storage holds dgate_up
+            if need.x and dg is None:  # dx's operand quantised from the bf16 backward's output
+                dg = _rowwise(dgate_up, offs if wgrad and need.w13 else None, E)
+            if need.x:
+                dx = _mm(dg, _weight(w13.transpose(-2, -1)), offs, end)
+            dgamax = None if dg is None else dg[2]
+            del dg
+            if need.w13 and wgrad:
+                dgc = _cols(dgate_up, offs, poffs, ends, dgamax)
+                del dgate_up  # (its storage freed before the GEMM: gate_up's, when written in place)
+                dw13 = _wgrad(_cols(x, offs, poffs, ends, ctx.xamax), dgc, poffs, ends, w13)
+            elif need.w13:
+                dw13 = gmm_wgrad(x, dgate_up, offs, plan, like=w13)
+        if dweights_b2 is not None:
+            dweights = dweights_b2 if dweights is None else dweights.add_(dweights_b2)
+        return dx, dw13, dw2, dweights, None, None, db13, db2

@@ -1,13 +1,15 @@
 """The grouped GEMMs of the expert MLP, shared by its bf16 and FP8 nodes: torch._grouped_mm on
 CUDA where it has a grouped kernel, a per-expert torch.matmul loop elsewhere, and the layout
-rules of their operands and weight gradients."""
+rules of their operands and weight gradients; and the one layer under the FP8 node's GEMMs,
+torch._scaled_grouped_mm on Hopper and its emulation on the CPU (scaled_gmm)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed", "zero_empty_groups"]
+__all__ = ["Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed", "zero_empty_groups",
+           "scaled_gmm"]
 
 
 class Plan(NamedTuple):
@@ -19,7 +21,9 @@ class Plan(NamedTuple):
     inplace: bool
     layout: str = "halves"   # gate and up along w13's last dim
     biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
-    weights_of: object = None  # () -> (w13, w2) remade in backward instead of kept (see moe.run)
+    remake_weights: object = None  # () -> (w13, w2) remade in backward instead of kept (expert_mlp's argument)
+    fp8: Optional[str] = None  # the FP8 recipe (expertact.moe.FP8_RECIPES), None for the model's dtype
+    fp8_wgrad: bool = True     # with fp8: the weight-gradient GEMMs in FP8 too (else bf16)
 
 
 def use_grouped_mm(x, D, F) -> bool:
@@ -118,4 +122,46 @@ def zero_empty_groups(out: torch.Tensor, ends) -> torch.Tensor:
         if stop == start:
             out[e].zero_()
         start = stop
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The FP8 GEMMs: the one place where Hopper and the CPU differ
+# ---------------------------------------------------------------------------
+
+
+def scaled_gmm(a, b, scale_a, scale_b, offs):
+    """torch._scaled_grouped_mm as the FP8 node calls it: e4m3 operands in the formats it takes on
+    sm90 (A row-major, B column-major), float32 dequantisation scales, int32 offs, bf16 output.
+    Two forms: a [T, K] with b [E, K, N], scale_a [T], scale_b [E, N], offs the experts' end rows
+    of a -> [T, N], rows past offs[-1] left unwritten; and a [M, Kp] with b [Kp, N], scale_a
+    [E * M], scale_b [E * N], offs the experts' end columns of a along Kp -> [E, M, N] (the
+    weight gradients over each expert's padded rows).
+
+    On CUDA the operator, with fast accumulation as torchao calls it. On the CPU its emulation,
+    for tests and studies of the recipe (slow, not a speed path): q dequantised exactly (q *
+    scale, the scales being powers of two) and multiplied in float32 by torch.matmul, each
+    expert's block rounded once to bf16. What the operator leaves unwritten (rows past the last
+    offset, the block of an expert without rows) the emulation fills with NaN, so that a caller
+    that forgets to zero it fails on the CPU too."""
+    if a.is_cuda:
+        return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+    ends = offs.tolist()
+    start = 0
+    if b.dim() == 3:
+        out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=torch.bfloat16)
+        for e, end in enumerate(ends):
+            if end > start:
+                out[start:end] = torch.matmul(a[start:end].float() * scale_a[start:end, None],
+                                              b[e].float() * scale_b[e][None, :])
+            start = end
+        return out
+    M, N = a.shape[0], b.shape[1]
+    sa, sb = scale_a.view(-1, M), scale_b.view(-1, N)
+    out = torch.full((len(ends), M, N), float("nan"), dtype=torch.bfloat16)
+    for e, end in enumerate(ends):
+        if end > start:
+            out[e] = torch.matmul(a[:, start:end].float() * sa[e][:, None], b[start:end].float() * sb[e][None, :])
+        start = end
     return out
