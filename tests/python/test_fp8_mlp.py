@@ -287,13 +287,13 @@ def test_second_backward_refused():
 def test_recipe_names():
     """FP8_RECIPES names the recipes with their loss cost; no default is chosen yet, so fp8=True
     raises naming them; None and False are bf16."""
-    assert list(moe.FP8_RECIPES) == ["rowwise"] and "+0.09" in moe.FP8_RECIPES["rowwise"]
+    assert list(moe.FP8_RECIPES) == ["rowwise"] and "+0.083" in moe.FP8_RECIPES["rowwise"]
     assert moe.DEFAULT_FP8_RECIPE is None
     assert moe.fp8_recipe(None) is None and moe.fp8_recipe(False) is None and moe.fp8_recipe("rowwise") == "rowwise"
-    with pytest.raises(ValueError, match=r"fp8=True .*none is chosen yet.*'rowwise' \(\+0\.09 loss .*1\.1588"):
+    with pytest.raises(ValueError, match=r"fp8=True .*none is chosen yet.*'rowwise' \(\+0\.083 loss .*1\.1588"):
         moe.fp8_recipe(True)
     for bad in ("tensorwise", "blockwise", "Rowwise", 1, 0, "", torch.float8_e4m3fn):
-        with pytest.raises(ValueError, match=r"fp8=.* is not an FP8 recipe: the recipes are 'rowwise' \(\+0\.09"):
+        with pytest.raises(ValueError, match=r"fp8=.* is not an FP8 recipe: the recipes are 'rowwise' \(\+0\.083"):
             moe.fp8_recipe(bad, "where")
 
 

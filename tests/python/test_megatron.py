@@ -149,7 +149,7 @@ def test_refused_configs_name_the_field(mpu):
         ExpertMLP(4, _config(moe_apply_probs_on_input=True, moe_router_topk=2), pg_collection=mpu)
     with pytest.raises(ValueError, match="expertact.megatron: fp8='e4m3' is not an FP8 recipe"):
         ExpertMLP(4, _config(), pg_collection=mpu, fp8="e4m3")
-    with pytest.raises(ValueError, match=r"expertact.megatron: fp8=True .*'rowwise' \(\+0\.09"):
+    with pytest.raises(ValueError, match=r"expertact.megatron: fp8=True .*'rowwise' \(\+0\.083"):
         ExpertMLP(4, _config(), pg_collection=mpu, fp8=True)
 
 

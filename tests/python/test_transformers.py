@@ -416,7 +416,7 @@ def test_fp8_gives_the_recipes_values(name):
 
 
 def test_fp8_names():
-    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True .*'rowwise' \(\+0\.09"):
+    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True .*'rowwise' \(\+0\.083"):
         et.register("expertact_test_fp8_true", fp8=True)
     assert "expertact_test_fp8_true" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
