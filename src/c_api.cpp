@@ -777,8 +777,11 @@ expertact_status expertact_fp8_glu_backward_tiles(
   return guarded_c("expertact_fp8_glu_backward_tiles", [&]() -> Status {
     GluParams p;
     EA_TRY(to_params(params, p));
+    // gate_up alone, whatever the layout: the body refuses the separate one, naming it.
+    EA_TRY(check_layout(layout));
     GluOperands o;
-    EA_TRY(to_glu_operands(layout, gate_up, nullptr, weights, o));
+    EA_TRY(to_matrix("gate_up", gate_up, o.x));
+    if (weights) EA_TRY(to_vector("weights", weights, o.w));
     MatrixRef mb, mq, ms, mqt, mcs, mg;
     OffsetsRef offs, pads;
     VectorRef vgw;
