@@ -31,6 +31,20 @@ output is NaN, never finite garbage.
                                                        amax=h_amax)
     offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
 
+The blockwise operands (DeepSeek-V3's recipe: the same scale per tile of 128 values; 1 x 128 row
+tiles, 128 x 1 column tiles over each expert's rows padded to multiples of 128, 128 x 128 weight
+blocks)::
+
+    x_q, x_s = expertact.fp8.quantize_row_tiles(x)                     # x_s [T, ceil(C / 128)]
+    w_q, w_s = expertact.fp8.quantize_blocks(w13)                       # any strides: [E, R, C]
+    h_q, h_s = expertact.fp8.glu_row_tiles(gate_up, "swiglu_oai", layout="interleaved")
+    # backward: dy in row tiles and column tiles from one read; h recomputed in column tiles
+    dy_cq, dy_cs, dy_q, dy_s = expertact.fp8.quantize_column_tiles_grouped(dy, offsets, ends=ends,
+                                                                          row_tiles=True)
+    h_cq, h_cs = expertact.fp8.glu_column_tiles_grouped(gate_up, "swiglu", offsets, ends=ends)
+    dg_q, dg_s, dg_cq, dg_cs, dw = expertact.fp8.glu_backward_tiles(dh, gate_up, "swiglu", offsets=offsets,
+                                                                    ends=ends, column_tiles=True)
+
 CPU and CUDA, the same bytes and scales on both. No autograd: these are operand producers for
 a custom FP8 backward.
 """

@@ -9,14 +9,16 @@
 namespace expertact::cuda {
 namespace {
 
-// h of 4 columns from c of one row. kRound: rounded to T first (the column tiles' values, as
-// glu_col_quant_kernel's: the bytes of the forward's output). bg null: no bias; else expert e's
-// bias row (e outside [0, E): none, a row past the last offset). kRowExperts: a tile's rows may
-// belong to several experts (the row-tile schedule knows no experts), so each row's expert is
-// looked up (a binary search of offs, once a row and tile).
-template <typename T, Activation A, bool kRound>
+// h of 4 columns from c of one row. round_to_t: rounded to T first (the column tiles' values, as
+// glu_col_quant_kernel's: the bytes of the forward's output; a flag, not a template argument:
+// one kernel for both forms). bg null: no bias; else expert e's bias row (e outside [0, E): none,
+// a row past the last offset). kRowExperts: the row-tile schedule knows no experts, so a tile's
+// rows may belong to several and each row's expert is looked up (a binary search of offs, once
+// a row and tile; the column tiles' schedule gives the tile's expert).
+template <typename T, Activation A>
 struct GluTileSrc : tiles::NoTileState {
-  static constexpr bool kRowExperts = !kRound;
+  static constexpr bool kRowExperts = true;
+  bool round_to_t;
   const T* g;
   const T* u;
   int64_t g_stride, u_stride;
@@ -42,34 +44,34 @@ struct GluTileSrc : tiles::NoTileState {
       float gv = to_f(gr[j]), uv = to_f(ur[j]);
       if (has_b) gv += to_f(bg[e * b_stride + j]), uv += to_f(bu[e * b_stride + j]);
       const float h = math::glu_fwd<A>(gv, uv, wr, cf);
-      v[jj] = kRound ? to_f(from_f<T>(h)) : h;
+      v[jj] = round_to_t ? to_f(from_f<T>(h)) : h;
     }
   }
 };
 
-template <bool kRound>
-Status launch_glu_tiles(const detail::GluProblem& p, const detail::GluBias* bias, const detail::TileOut& o,
-                        int64_t grid_x, cudaStream_t st, const char* what) {
+Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const detail::GluBias* bias,
+                        const detail::TileOut& o, int64_t grid_x, cudaStream_t st, const char* what) {
   const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
   return dispatch_storage(p.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     return detail::dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
       // The bias's experts: its own offsets for row tiles, o's (the same) for column tiles.
-      const GluTileSrc<T, A, kRound> src{{},
-                                         static_cast<const T*>(p.g),
-                                         static_cast<const T*>(p.u),
-                                         p.g_stride,
-                                         p.u_stride,
-                                         p.step,
-                                         p.w,
-                                         p.w_stride,
-                                         bias ? static_cast<const T*>(bias->bg) : nullptr,
-                                         bias ? static_cast<const T*>(bias->bu) : nullptr,
-                                         bias ? bias->b_stride : 0,
-                                         bias ? bias->er.offsets : nullptr,
-                                         bias ? bias->er.experts : 0,
-                                         cf};
+      const GluTileSrc<T, A> src{{},
+                                 round_to_t,
+                                 static_cast<const T*>(p.g),
+                                 static_cast<const T*>(p.u),
+                                 p.g_stride,
+                                 p.u_stride,
+                                 p.step,
+                                 p.w,
+                                 p.w_stride,
+                                 bias ? static_cast<const T*>(bias->bg) : nullptr,
+                                 bias ? static_cast<const T*>(bias->bu) : nullptr,
+                                 bias ? bias->b_stride : 0,
+                                 bias ? bias->er.offsets : nullptr,
+                                 bias ? bias->er.experts : 0,
+                                 cf};
       return tiles::launch_tiles(src, o, p.rows, p.F, grid_x, false, st, what);
     });
   });
@@ -86,8 +88,8 @@ Status cuda_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const Ti
                         {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
                          {"bias", bias ? bias->bg : nullptr}, {"offsets", bias ? bias->er.offsets : nullptr},
                          {"q", o.q}, {"scale", o.scale}}));
-  return cuda::launch_glu_tiles<false>(p, bias, o, cuda::tiles::schedule_blocks(o, p.rows, 0),
-                                       static_cast<cudaStream_t>(stream), "fp8 glu row tiles kernel launch");
+  return cuda::launch_glu_tiles(false, p, bias, o, cuda::tiles::schedule_blocks(o, p.rows, 0),
+                                static_cast<cudaStream_t>(stream), "fp8 glu row tiles kernel launch");
 }
 
 Status cuda_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o, void* stream) {
@@ -96,8 +98,8 @@ Status cuda_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const
                         {{p.packed ? "gate_up" : "gate", p.g}, {"up", p.packed ? nullptr : p.u}, {"weights", p.w},
                          {"bias", bias ? bias->bg : nullptr}, {"offsets", o.offsets}, {"padded_offsets", o.pends},
                          {"q_t", o.q_t}, {"scale", o.col_scale}}));
-  return cuda::launch_glu_tiles<true>(p, bias, o, cuda::tiles::schedule_blocks(o, p.rows, 0),
-                                      static_cast<cudaStream_t>(stream), "fp8 glu column tiles kernel launch");
+  return cuda::launch_glu_tiles(true, p, bias, o, cuda::tiles::schedule_blocks(o, p.rows, 0),
+                                static_cast<cudaStream_t>(stream), "fp8 glu column tiles kernel launch");
 }
 
 }  // namespace expertact::detail

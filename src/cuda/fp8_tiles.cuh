@@ -165,7 +165,7 @@ template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
                     bool all_columns, cudaStream_t st, const char* what) {
   const int64_t KB = (cols + kTile - 1) / kTile;
-  const int64_t per = all_columns ? (KB > 0 ? KB : 1) : (KB + 65534) / 65535;
+  const int64_t per = all_columns ? (KB > 0 ? KB : 1) : (KB > 0 ? (KB + 65534) / 65535 : 1);
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
