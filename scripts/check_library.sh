@@ -38,7 +38,7 @@ done
 
 # 2. Exports: expertact_* (the C ABI) and the functions of expertact.hpp (src/exports.map).
 exports=$("$NM" -D --defined-only -C "$lib" | cut -d' ' -f3-)
-extra=$(echo "$exports" | grep -v -E '^expertact_[a-z0-9_]+$|^expertact::(preset_swiglu|preset_swiglu_clamped|preset_swiglu_oai|preset_geglu_tanh|glu_forward|glu_backward|glu_forward_bias|glu_backward_bias|glu_bias_workspace_bytes|expert_bias_forward|expert_bias_backward|expert_bias_workspace_bytes|fp8_quantize_rowwise|fp8_quantize_colwise_grouped|fp8_glu_rowwise|fp8_glu_colwise_grouped|fp8_glu_backward_rowwise|last_error|has_cuda|cpu_threads|set_cpu_threads)\(')
+extra=$(echo "$exports" | grep -v -E '^expertact_[a-z0-9_]+$|^expertact::(preset_swiglu|preset_swiglu_clamped|preset_swiglu_oai|preset_geglu_tanh|glu_forward|glu_backward|glu_forward_bias|glu_backward_bias|glu_bias_workspace_bytes|expert_bias_forward|expert_bias_backward|expert_bias_workspace_bytes|fp8_quantize_rowwise|fp8_quantize_colwise_grouped|fp8_glu_rowwise|fp8_glu_colwise_grouped|fp8_glu_backward_rowwise|fp8_quantize_row_tiles|fp8_quantize_column_tiles_grouped|fp8_quantize_blocks|fp8_glu_row_tiles|fp8_glu_column_tiles_grouped|fp8_glu_backward_tiles|last_error|has_cuda|cpu_threads|set_cpu_threads)\(')
 echo "exported: $(echo "$exports" | grep -c .) symbols ($(echo "$exports" | grep -c '^expertact_') C, $(echo "$exports" | grep -c '^expertact::') C++)"
 [ -z "$extra" ] || die "symbols exported beyond the C ABI and C++ API:
 $(echo "$extra" | head -20)"

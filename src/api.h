@@ -89,4 +89,26 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
                                      const VectorRef* grad_weights, const MatrixRef* col_amax,
                                      const MatrixRef* grad_gate_up, void* stream);
 
+// FP8 blockwise operands (src/api_fp8_tiles.cpp; expertact.hpp says what each writes). Optional
+// operands: null when not given.
+Status fp8_quantize_row_tiles_body(const MatrixRef& x, const MatrixRef& q, const MatrixRef& scale, void* stream);
+// q and row_scale: both null or both given.
+Status fp8_quantize_column_tiles_grouped_body(const MatrixRef& x, const OffsetsRef& offsets,
+                                              const OffsetsRef& padded_offsets, const MatrixRef& q_t,
+                                              const MatrixRef& scale, const MatrixRef* q, const MatrixRef* row_scale,
+                                              void* stream);
+Status fp8_quantize_blocks_body(const Tensor3Ref& w, const MatrixRef& q, const MatrixRef& scale, void* stream);
+Status fp8_glu_row_tiles_body(const GluParams& params, Layout layout, const MatrixRef& x, const MatrixRef* up,
+                              const VectorRef* weights, const MatrixRef* bias, const OffsetsRef* offsets,
+                              const MatrixRef& q, const MatrixRef& scale, void* stream);
+Status fp8_glu_column_tiles_grouped_body(const GluParams& params, Layout layout, const MatrixRef& x,
+                                         const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                                         const OffsetsRef& offsets, const OffsetsRef& padded_offsets,
+                                         const MatrixRef& q_t, const MatrixRef& scale, void* stream);
+Status fp8_glu_backward_tiles_body(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                                   const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
+                                   const OffsetsRef* offsets, const OffsetsRef* padded_offsets, const MatrixRef& q,
+                                   const MatrixRef& scale, const MatrixRef* q_t, const MatrixRef* col_scale,
+                                   const VectorRef* grad_weights, const MatrixRef* grad_gate_up, void* stream);
+
 }  // namespace expertact::detail

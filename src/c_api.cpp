@@ -337,6 +337,29 @@ Status to_glu_operands(int32_t layout, const expertact_tensor* x, const expertac
   return Status::kOk;
 }
 
+// A 3-dimensional DLTensor of any strides (strides null: compact row-major) as a Tensor3Ref.
+Status to_tensor3(const char* name, const DLTensor* t, Tensor3Ref& out) {
+  if (t == nullptr) return fail(Status::kInvalidArgument, name, " is null");
+  if (t->ndim != 3 || t->shape == nullptr)
+    return fail(Status::kInvalidArgument, name, " has ", t->ndim, " dimensions; expected 3: [E, R, C]");
+  EA_TRY(to_dtype(name, t->dtype, out.dtype));
+  EA_TRY(to_device(name, t->device, out.device, out.device_id));
+  out.batch = t->shape[0];
+  out.rows = t->shape[1];
+  out.cols = t->shape[2];
+  if (t->strides) {
+    out.batch_stride = t->strides[0];
+    out.row_stride = t->strides[1];
+    out.col_stride = t->strides[2];
+  } else {
+    out.col_stride = 1;
+    out.row_stride = out.cols;
+    out.batch_stride = out.rows * out.cols;
+  }
+  out.data = t->data == nullptr ? nullptr : static_cast<char*>(t->data) + t->byte_offset;
+  return Status::kOk;
+}
+
 // One C entry point: fn's Status as the C code, inside the one exception guard.
 template <typename Fn>
 expertact_status guarded_c(const char* what, Fn&& fn) {
@@ -650,6 +673,137 @@ expertact_status expertact_fp8_glu_backward_rowwise(
                                          grad_gate_up ? &mg : nullptr, stream);
   });
 }
+
+// ---- FP8 blockwise operands (src/api_fp8_tiles.cpp) ----
+
+expertact_status expertact_fp8_quantize_row_tiles(const expertact_tensor* x, expertact_tensor* q,
+                                                  expertact_tensor* scale, void* stream) {
+  return guarded_c("expertact_fp8_quantize_row_tiles", [&]() -> Status {
+    MatrixRef mx, mq, ms;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    return fp8_quantize_row_tiles_body(mx, mq, ms, stream);
+  });
+}
+
+expertact_status expertact_fp8_quantize_column_tiles_grouped(const expertact_tensor* x,
+                                                             const expertact_tensor* offsets,
+                                                             const expertact_tensor* padded_offsets,
+                                                             expertact_tensor* q_t, expertact_tensor* scale,
+                                                             expertact_tensor* q, expertact_tensor* row_scale,
+                                                             void* stream) {
+  return guarded_c("expertact_fp8_quantize_column_tiles_grouped", [&]() -> Status {
+    MatrixRef mx, mqt, ms, mq, mrs;
+    OffsetsRef offs, pads;
+    EA_TRY(to_matrix("x", x, mx));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
+    EA_TRY(to_matrix("q_t", q_t, mqt));
+    EA_TRY(to_matrix("scale", scale, ms));
+    if (q) EA_TRY(to_matrix("q", q, mq));
+    if (row_scale) EA_TRY(to_matrix("row_scale", row_scale, mrs));
+    return fp8_quantize_column_tiles_grouped_body(mx, offs, pads, mqt, ms, q ? &mq : nullptr,
+                                                  row_scale ? &mrs : nullptr, stream);
+  });
+}
+
+expertact_status expertact_fp8_quantize_blocks(const DLTensor* w, expertact_tensor* q, expertact_tensor* scale,
+                                               void* stream) {
+  return guarded_c("expertact_fp8_quantize_blocks", [&]() -> Status {
+    Tensor3Ref tw;
+    MatrixRef mq, ms;
+    EA_TRY(to_tensor3("w", w, tw));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    return fp8_quantize_blocks_body(tw, mq, ms, stream);
+  });
+}
+
+expertact_status expertact_fp8_glu_row_tiles(const expertact_params* params, int32_t layout,
+                                             const expertact_tensor* x, const expertact_tensor* up,
+                                             const expertact_tensor* weights, const expertact_tensor* bias,
+                                             const expertact_tensor* offsets, expertact_tensor* q,
+                                             expertact_tensor* scale, void* stream) {
+  return guarded_c("expertact_fp8_glu_row_tiles", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mb, mq, ms;
+    OffsetsRef offs;
+    if (bias) EA_TRY(to_matrix("bias", bias, mb));
+    if (offsets) EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    return fp8_glu_row_tiles_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                  weights ? &o.w : nullptr, bias ? &mb : nullptr, offsets ? &offs : nullptr, mq, ms,
+                                  stream);
+  });
+}
+
+expertact_status expertact_fp8_glu_column_tiles_grouped(const expertact_params* params, int32_t layout,
+                                                        const expertact_tensor* x, const expertact_tensor* up,
+                                                        const expertact_tensor* weights,
+                                                        const expertact_tensor* bias,
+                                                        const expertact_tensor* offsets,
+                                                        const expertact_tensor* padded_offsets,
+                                                        expertact_tensor* q_t, expertact_tensor* scale,
+                                                        void* stream) {
+  return guarded_c("expertact_fp8_glu_column_tiles_grouped", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    GluOperands o;
+    EA_TRY(to_glu_operands(layout, x, up, weights, o));
+    MatrixRef mb, mqt, ms;
+    OffsetsRef offs, pads;
+    if (bias) EA_TRY(to_matrix("bias", bias, mb));
+    EA_TRY(to_offsets(offsets, offs));
+    EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
+    EA_TRY(to_matrix("q_t", q_t, mqt));
+    EA_TRY(to_matrix("scale", scale, ms));
+    return fp8_glu_column_tiles_grouped_body(p, static_cast<Layout>(layout), o.x, o.separate ? &o.up : nullptr,
+                                             weights ? &o.w : nullptr, bias ? &mb : nullptr, offs, pads, mqt, ms,
+                                             stream);
+  });
+}
+
+expertact_status expertact_fp8_glu_backward_tiles(
+    const expertact_params* params, int32_t layout, const expertact_tensor* grad_out,
+    const expertact_tensor* gate_up, const expertact_tensor* weights, const expertact_tensor* bias,
+    const expertact_tensor* offsets, const expertact_tensor* padded_offsets, expertact_tensor* q,
+    expertact_tensor* scale, expertact_tensor* q_t, expertact_tensor* col_scale, expertact_tensor* grad_weights,
+    expertact_tensor* grad_gate_up, void* stream) {
+  return guarded_c("expertact_fp8_glu_backward_tiles", [&]() -> Status {
+    GluParams p;
+    EA_TRY(to_params(params, p));
+    // gate_up alone, whatever the layout: the body refuses the separate one, naming it.
+    EA_TRY(check_layout(layout));
+    GluOperands o;
+    EA_TRY(to_matrix("gate_up", gate_up, o.x));
+    if (weights) EA_TRY(to_vector("weights", weights, o.w));
+    MatrixRef mb, mq, ms, mqt, mcs, mg;
+    OffsetsRef offs, pads;
+    VectorRef vgw;
+    EA_TRY(to_matrix("grad_out", grad_out, o.grad_out));
+    if (bias) EA_TRY(to_matrix("bias", bias, mb));
+    if (offsets) EA_TRY(to_offsets(offsets, offs));
+    if (padded_offsets) EA_TRY(to_offsets(padded_offsets, pads, "padded_offsets"));
+    EA_TRY(to_matrix("q", q, mq));
+    EA_TRY(to_matrix("scale", scale, ms));
+    if (q_t) EA_TRY(to_matrix("q_t", q_t, mqt));
+    if (col_scale) EA_TRY(to_matrix("col_scale", col_scale, mcs));
+    if (grad_weights) EA_TRY(to_vector("grad_weights", grad_weights, vgw));
+    if (grad_gate_up) EA_TRY(to_matrix("grad_gate_up", grad_gate_up, mg));
+    return fp8_glu_backward_tiles_body(p, static_cast<Layout>(layout), o.grad_out, o.x, weights ? &o.w : nullptr,
+                                       bias ? &mb : nullptr, offsets ? &offs : nullptr,
+                                       padded_offsets ? &pads : nullptr, mq, ms, q_t ? &mqt : nullptr,
+                                       col_scale ? &mcs : nullptr, grad_weights ? &vgw : nullptr,
+                                       grad_gate_up ? &mg : nullptr, stream);
+  });
+}
+
+// ---- end of the FP8 blockwise operands ----
 
 const char* expertact_last_error(void) { return expertact::last_error(); }
 int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }

@@ -278,6 +278,111 @@ Status fp8_glu_backward_rowwise(const GluParams& params, Layout layout, const Ma
                                 const VectorRef* grad_weights, const MatrixRef* col_amax,
                                 const MatrixRef* grad_gate_up, void* stream = nullptr);
 
+// ---------------------------------------------------------------------------
+// FP8 blockwise operands (DeepSeek-V3's recipe; docs/notes/fp8-recipes.md, "The blockwise
+// operand formats"): the rowwise recipe above (torchao's power-of-two scale of the amax, NaN
+// ignored; q = e4m3fn(clamp(v * s, -448, 448)), nearest even; scale = 1 / s) applied per tile
+// of 128 values: 1 x 128 row tiles (the token-major operands of the forward and input-gradient
+// GEMMs), 128 x 128 blocks (the weights), 128 x 1 column tiles over one expert's rows (the
+// operands of the weight-gradient GEMMs). A tile at an edge takes what is there. An all-zero
+// tile gets scale 2^-48 (s of amax 1e-12); an infinite value gives its tile scale +inf.
+// CPU and CUDA write the same bytes and scales for the same values.
+// ---------------------------------------------------------------------------
+
+// A 3-D view [batch, rows, cols] of any element strides (in elements; e.g. the transposed view
+// [E, D, 2F] of an [E, 2F, D] weight): element (b, r, c) at data + b * batch_stride +
+// r * row_stride + c * col_stride. Only read.
+struct Tensor3Ref {
+  void* data = nullptr;
+  int64_t batch = 0, rows = 0, cols = 0;
+  int64_t batch_stride = 0, row_stride = 0, col_stride = 1;
+  DType dtype = DType::kFloat32;
+  DeviceType device = DeviceType::kCPU;
+  int32_t device_id = 0;
+};
+
+// Row tiles of x [T, C] (float32, float16 or bfloat16): q [T, C] (kFloat8E4M3) and scale
+// float32 [KB, T], KB = ceil(C / 128) (a MatrixRef of KB rows of T, row stride >= T: T
+// contiguous): scale (k, r) dequantises row r's columns 128 k .. 128 k + 127 (the last tile
+// partial when C is not a multiple of 128). Its [T, KB] view with strides (1, T) is the
+// "outer-dim-major" 1 x 128 scale torch._scaled_mm and CUTLASS's blockwise mainloop read.
+Status fp8_quantize_row_tiles(const MatrixRef& x, const MatrixRef& q, const MatrixRef& scale,
+                              void* stream = nullptr);
+
+// Column tiles per expert, for the weight-gradient GEMMs (their reduction runs over an
+// expert's rows): x [T, C] with rows sorted by expert (offsets as OffsetsRef: int32 [E], the
+// cumulative end rows); padded_offsets: int32 [E] on x's device, the experts' end rows once
+// each expert's rows are padded to a multiple of 128 (the sum over e' <= e of ceil(n_e' / 128)
+// * 128, n_e the rows of expert e). q_t [C, Tp] (kFloat8E4M3; Tp a multiple of 128, at least
+// padded_offsets[E - 1]): expert e's rows, in order, from column padded_offsets[e - 1] (0 for
+// e = 0) on, then 0x00 to its block's end; scale float32 [Tp / 128, C]: row j holds the C
+// scales of the tile of columns 128 j .. 128 j + 127 of q_t (expert e's tiles: rows
+// padded_offsets[e - 1] / 128 .. padded_offsets[e] / 128 - 1). Columns past
+// padded_offsets[E - 1] are 0x00 (scale 2^-48); rows past offsets[E - 1] are left out. On the
+// CPU both offsets' values are checked (padded_offsets must be exactly that padding); on a GPU
+// they are not read on the host (values that break the rules give wrong output there, never an
+// access out of bounds).
+Status fp8_quantize_column_tiles_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                         const OffsetsRef& padded_offsets, const MatrixRef& q_t,
+                                         const MatrixRef& scale, void* stream = nullptr);
+// The same, also writing x's row tiles (q [T, C], row_scale float32 [KB, T], as
+// fp8_quantize_row_tiles writes them, every row included) from the same read of x: a 128 x 128
+// tile of one expert's rows holds what both need.
+Status fp8_quantize_column_tiles_grouped(const MatrixRef& x, const OffsetsRef& offsets,
+                                         const OffsetsRef& padded_offsets, const MatrixRef& q_t,
+                                         const MatrixRef& scale, const MatrixRef& q, const MatrixRef& row_scale,
+                                         void* stream = nullptr);
+
+// 128 x 128 blocks of the weights w [E, R, C] (any strides): q [E * R, C] (kFloat8E4M3, the
+// [E, R, C] tensor with expert e's row r at row e * R + r; C contiguous) and scale float32
+// [E * RB, CB] (RB = ceil(R / 128), CB = ceil(C / 128); the [E, RB, CB] tensor): scale
+// (e RB + i, j) dequantises rows 128 i .. and columns 128 j .. of expert e. A block's scale is
+// the same in both orientations, so the transposed q serves the transposed GEMM operand.
+Status fp8_quantize_blocks(const Tensor3Ref& w, const MatrixRef& q, const MatrixRef& scale,
+                           void* stream = nullptr);
+
+// The activation (glu_forward's arguments; with bias, not nullptr, glu_forward_bias's: bias
+// [E, 2F] in x's layout and dtype with its offsets, both or neither) quantised in row tiles
+// from its float32 values (one rounding, as fp8_glu_rowwise): q [rows, F] (kFloat8E4M3),
+// scale float32 [ceil(F / 128), rows] as fp8_quantize_row_tiles's.
+Status fp8_glu_row_tiles(const GluParams& params, Layout layout, const MatrixRef& x, const MatrixRef* up,
+                         const VectorRef* weights, const MatrixRef* bias, const OffsetsRef* offsets,
+                         const MatrixRef& q, const MatrixRef& scale, void* stream = nullptr);
+
+// The activation h (glu_forward's arguments, or glu_forward_bias's with bias; nullptr: none),
+// rounded to x's dtype as the activation's forward writes it, quantised in column tiles as
+// fp8_quantize_column_tiles_grouped quantises a tensor: the same q_t [F, Tp] and scale
+// float32 [Tp / 128, F] as fp8_quantize_column_tiles_grouped(h, offsets, padded_offsets, ...)
+// with h the forward's output, without writing h (x is read once). offsets group the rows
+// and are the bias's. The bytes depend only on h's bits, so CPU and CUDA agree wherever their
+// forwards do (the GPU's exp and division are approximate forms: h may differ in its last bit).
+Status fp8_glu_column_tiles_grouped(const GluParams& params, Layout layout, const MatrixRef& x,
+                                    const MatrixRef* up, const VectorRef* weights, const MatrixRef* bias,
+                                    const OffsetsRef& offsets, const OffsetsRef& padded_offsets,
+                                    const MatrixRef& q_t, const MatrixRef& scale, void* stream = nullptr);
+
+// The activation's backward (glu_backward's gradient of gate_up, with glu_forward_bias's bias
+// when given), computed in float32 and quantised from those values (one rounding each) without
+// writing it in gate_up's dtype: row tiles along the packed 2F columns, q [rows, 2F]
+// (kFloat8E4M3, gate_up's column layout) with scale float32 [ceil(2F / 128), rows], for the
+// input gradient's GEMM; and, with q_t and col_scale (both or neither; they need offsets and
+// padded_offsets), column tiles q_t [2F, Tp] with col_scale float32 [Tp / 128, 2F] as
+// fp8_quantize_column_tiles_grouped writes them, for the weight gradient's GEMM, from the same
+// pass (every row's row tiles; rows past offsets[E - 1] have no column tiles). Packed layouts
+// only (gate_up [rows, 2F]; grad_out [rows, F] of its dtype). Optional (nullptr: not wanted):
+// bias (with offsets: added to gate and up before the activation; its own gradient is not
+// computed here); grad_weights (float32 [rows], needs weights: the row's float32 sum of
+// grad_out * act * (up + beta) over its F columns, in a fixed order: the same bits from run to
+// run); grad_gate_up ([rows, 2F] of gate_up's dtype, not overlapping gate_up: the gradient
+// rounded to that dtype, as glu_backward writes it). CPU and CUDA quantise alike; the float32
+// gradient itself differs in its last bits between them as the activation's backward does, and
+// grad_weights by its sum's order.
+Status fp8_glu_backward_tiles(const GluParams& params, Layout layout, const MatrixRef& grad_out,
+                              const MatrixRef& gate_up, const VectorRef* weights, const MatrixRef* bias,
+                              const OffsetsRef* offsets, const OffsetsRef* padded_offsets, const MatrixRef& q,
+                              const MatrixRef& scale, const MatrixRef* q_t, const MatrixRef* col_scale,
+                              const VectorRef* grad_weights, const MatrixRef* grad_gate_up, void* stream = nullptr);
+
 const char* last_error();
 
 // Whether this build has the CUDA path, and the number of CPU threads the CPU path uses.

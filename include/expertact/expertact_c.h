@@ -21,10 +21,12 @@ extern "C" {
 #define EXPERTACT_API __attribute__((visibility("default")))
 #endif
 
-#define EXPERTACT_ABI_VERSION 4
+#define EXPERTACT_ABI_VERSION 5
 /* 2: dtype errors return EXPERTACT_INVALID_DTYPE; 3: per-expert biases, FP8;
  * 4: every entry takes expertact_tensor (the DLTensor entries and the _2d suffix are gone;
- *    expertact_tensor_from_dlpack / expertact_vector_from_dlpack convert a DLTensor). */
+ *    expertact_tensor_from_dlpack / expertact_vector_from_dlpack convert a DLTensor);
+ * 5: the blockwise FP8 operands (row tiles, column tiles, weight blocks; their activation
+ *    forms). */
 
 typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_OK 0
@@ -218,6 +220,55 @@ EXPERTACT_API expertact_status expertact_fp8_glu_backward_rowwise(
     const expertact_tensor* offsets, expertact_tensor* q, expertact_tensor* scale,
     expertact_tensor* grad_weights, expertact_tensor* col_amax, expertact_tensor* grad_gate_up,
     void* stream);
+
+/* ---- FP8 blockwise operands (DeepSeek-V3's recipe; expertact.hpp, "FP8 blockwise operands",
+ * says each format exactly): the rowwise recipe's power-of-two scale per tile of 128 values.
+ * Row tiles: q [T, C] float8 with scale float32 [ceil(C / 128), T] (T contiguous). Column tiles:
+ * per expert (offsets) and 128-row tile of its rows, each expert padded to a multiple of 128
+ * rows (padded_offsets: int32 [E], the padded cumulative ends, on the tensors' device): q_t
+ * [C, Tp] float8 (Tp a multiple of 128) with scale float32 [Tp / 128, C]. Weight blocks: 128 x 128.
+ * CPU and CUDA write the same bytes. ---- */
+
+/* Row tiles of x [T, C]: q [T, C], scale [ceil(C / 128), T]. */
+EXPERTACT_API expertact_status expertact_fp8_quantize_row_tiles(const expertact_tensor* x, expertact_tensor* q,
+                                                                expertact_tensor* scale, void* stream);
+/* Column tiles of x [T, C] over its experts: q_t [C, Tp], scale [Tp / 128, C]. q with row_scale
+ * (both or neither; NULL: not wanted): also x's row tiles, from the same read of x. */
+EXPERTACT_API expertact_status expertact_fp8_quantize_column_tiles_grouped(
+    const expertact_tensor* x, const expertact_tensor* offsets, const expertact_tensor* padded_offsets,
+    expertact_tensor* q_t, expertact_tensor* scale, expertact_tensor* q, expertact_tensor* row_scale, void* stream);
+/* 128 x 128 blocks of the weights w, a 3-dimensional DLTensor [E, R, C] of any strides (a
+ * weight's transposed view included; float32, float16 or bfloat16): q [E * R, C] float8 (the
+ * [E, R, C] tensor, C contiguous), scale float32 [E * ceil(R / 128), ceil(C / 128)]. */
+EXPERTACT_API expertact_status expertact_fp8_quantize_blocks(const DLTensor* w, expertact_tensor* q,
+                                                             expertact_tensor* scale, void* stream);
+/* The activation of expertact_glu_forward's arguments (with bias and offsets, NULL: none,
+ * expertact_glu_forward_bias's) in row tiles of its float32 values: q [rows, F] float8, scale
+ * [ceil(F / 128), rows]. */
+EXPERTACT_API expertact_status expertact_fp8_glu_row_tiles(
+    const expertact_params* params, int32_t layout, const expertact_tensor* x, const expertact_tensor* up,
+    const expertact_tensor* weights, const expertact_tensor* bias, const expertact_tensor* offsets,
+    expertact_tensor* q, expertact_tensor* scale, void* stream);
+/* The activation (bias: NULL or with offsets, which also group the rows), rounded to x's dtype
+ * as the forward writes it, in column tiles as expertact_fp8_quantize_column_tiles_grouped
+ * writes them of that output: q_t [F, Tp], scale [Tp / 128, F]; the activation is not written. */
+EXPERTACT_API expertact_status expertact_fp8_glu_column_tiles_grouped(
+    const expertact_params* params, int32_t layout, const expertact_tensor* x, const expertact_tensor* up,
+    const expertact_tensor* weights, const expertact_tensor* bias, const expertact_tensor* offsets,
+    const expertact_tensor* padded_offsets, expertact_tensor* q_t, expertact_tensor* scale, void* stream);
+/* The activation's backward quantised from its float32 gradient, packed layouts only: row tiles
+ * along the packed 2F columns q [rows, 2F] with scale [ceil(2F / 128), rows]; with q_t and
+ * col_scale (both or neither; they need offsets and padded_offsets) its column tiles q_t [2F, Tp]
+ * and col_scale [Tp / 128, 2F] from the same pass. NULL for what is not given or not wanted:
+ * weights, bias (with offsets), grad_weights (float32 [rows], needs weights; fixed-order sums),
+ * grad_gate_up (the gradient in gate_up's dtype, apart from gate_up). No bias gradient. */
+EXPERTACT_API expertact_status expertact_fp8_glu_backward_tiles(
+    const expertact_params* params, int32_t layout, const expertact_tensor* grad_out,
+    const expertact_tensor* gate_up, const expertact_tensor* weights, const expertact_tensor* bias,
+    const expertact_tensor* offsets, const expertact_tensor* padded_offsets, expertact_tensor* q,
+    expertact_tensor* scale, expertact_tensor* q_t, expertact_tensor* col_scale, expertact_tensor* grad_weights,
+    expertact_tensor* grad_gate_up, void* stream);
+/* ---- end of the FP8 blockwise operands ---- */
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

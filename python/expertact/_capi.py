@@ -27,7 +27,7 @@ try:
 except ImportError:  # the C library alone: no tensor descriptions
     torch = None
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # expertact_status values
 OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, INTERNAL, INVALID_DTYPE = 0, 1, 2, 3, 4, 5
@@ -47,6 +47,14 @@ class DLDevice(ctypes.Structure):
 
 class DLDataType(ctypes.Structure):
     _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    """dlpack.h's DLTensor: the description of a tensor of any strides, which one entry takes
+    (expertact_fp8_quantize_blocks: weights in any orientation)."""
+
+    _fields_ = [("data", c_void_p), ("device", DLDevice), ("ndim", c_int32), ("dtype", DLDataType),
+                ("shape", POINTER(c_int64)), ("strides", POINTER(c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
 class Tensor(ctypes.Structure):
@@ -96,6 +104,13 @@ PROTOTYPES = {
     "expertact_fp8_glu_rowwise_bias": (c_int32, None),
     "expertact_fp8_glu_colwise_grouped": (c_int32, None),
     "expertact_fp8_glu_backward_rowwise": (c_int32, None),
+    # FP8 blockwise operands
+    "expertact_fp8_quantize_row_tiles": (c_int32, None),
+    "expertact_fp8_quantize_column_tiles_grouped": (c_int32, None),
+    "expertact_fp8_quantize_blocks": (c_int32, None),
+    "expertact_fp8_glu_row_tiles": (c_int32, None),
+    "expertact_fp8_glu_column_tiles_grouped": (c_int32, None),
+    "expertact_fp8_glu_backward_tiles": (c_int32, None),
     "expertact_last_error": (c_char_p, []),
     "expertact_has_cuda": (c_int32, []),
     "expertact_abi_version": (c_int32, []),
@@ -477,3 +492,21 @@ def put_params(act, alpha, limit, beta):
     f = FRAME
     pack_params(f.buf, act, alpha, limit, beta)
     return f.params
+
+
+def dl_tensor(t):
+    """t described as a DLTensor with its own shape and strides (no copy): (the DLTensor, which
+    holds its shape and stride arrays; the caller keeps it and t alive over the call)."""
+    code, bits = DL_CODES.get(t.dtype, (_UNKNOWN_DTYPE_CODE, t.element_size() * 8))
+    n = t.dim()
+    d = DLTensor()
+    d.data = t.data_ptr()
+    d.device = DLDevice(DL_CUDA if t.is_cuda else DL_CPU if t.is_cpu else 0, t.get_device() if t.is_cuda else 0)
+    d.ndim = n
+    d.dtype = DLDataType(code, bits, 1)
+    d._shape = (c_int64 * max(n, 1))(*t.shape)
+    d._strides = (c_int64 * max(n, 1))(*t.stride())
+    d.shape = ctypes.cast(d._shape, POINTER(c_int64))
+    d.strides = ctypes.cast(d._strides, POINTER(c_int64))
+    d.byte_offset = 0
+    return d

@@ -10,7 +10,7 @@ through its copy and copied back.
 """
 from __future__ import annotations
 
-from ctypes import c_size_t, c_void_p
+from ctypes import byref, c_size_t, c_void_p
 
 import torch
 
@@ -20,6 +20,9 @@ __all__ = [
     "glu_forward", "glu_backward", "glu_backward_inplace", "glu_forward_bias", "glu_backward_bias",
     "expert_bias_forward", "expert_bias_backward", "fp8_quantize_rowwise", "fp8_quantize_colwise_grouped",
     "fp8_glu_rowwise", "fp8_glu_colwise_grouped", "fp8_glu_backward_rowwise",
+    # FP8 blockwise operands
+    "fp8_quantize_row_tiles", "fp8_quantize_column_tiles_grouped", "fp8_quantize_blocks", "fp8_glu_row_tiles",
+    "fp8_glu_column_tiles_grouped", "fp8_glu_backward_tiles",
 ]
 
 _LIB = _capi.LIB
@@ -337,3 +340,89 @@ def fp8_glu_backward_rowwise(dh, gate_up, weights, bias, offsets, q, scale, grad
     rg = None if grad_gate_up is None else _put(9, grad_gate_up, "dgate_up_out")[1]
     _check(_LIB.expertact_fp8_glu_backward_rowwise(p, _int32(layout), rd, rx, rw, rb, ro, rq, rs, rgw, ra, rg,
                                                    _stream(gate_up)))
+
+
+# ---------------------------------------------------------------------------
+# FP8 blockwise operands (1 x 128 row tiles, 128 x 1 column tiles, 128 x 128 weight blocks): the
+# outputs are given, allocated by fp8.py; scales as the library writes them (row tiles [KB, T],
+# column tiles [Tp / 128, C], blocks [E * RB, CB])
+# ---------------------------------------------------------------------------
+
+
+def fp8_quantize_row_tiles(t, q, scale):
+    """q [..., C] and scale [KB, T] of t [..., C] (T: its rows)."""
+    t, rx = _put(0, t, "t")
+    _, rq = _put(1, q, "q")
+    _, rs = _put(2, scale, "scale")
+    _check(_LIB.expertact_fp8_quantize_row_tiles(rx, rq, rs, _stream(t)))
+
+
+def fp8_quantize_column_tiles_grouped(t, offsets, padded_offsets, q_t, scale, q=None, row_scale=None):
+    """q_t [C, Tp] and scale [Tp / 128, C] of t [T, C]; with q and row_scale also its row tiles."""
+    t, rx = _put(0, t, "t")
+    offsets, ro = _vec(1, offsets)
+    padded_offsets, rp = _vec(2, padded_offsets)
+    _, rqt = _put(3, q_t, "q_t")
+    _, rs = _put(4, scale, "scale")
+    rq = None if q is None else _put(5, q, "q")[1]
+    rrs = None if row_scale is None else _put(6, row_scale, "row_scale")[1]
+    _check(_LIB.expertact_fp8_quantize_column_tiles_grouped(rx, ro, rp, rqt, rs, rq, rrs, _stream(t)))
+
+
+def fp8_quantize_blocks(w, q, scale):
+    """q [E * R, C] and scale [E * RB, CB] of w [E, R, C] (any strides)."""
+    dw = _capi.dl_tensor(w)
+    _, rq = _put(0, q, "q")
+    _, rs = _put(1, scale, "scale")
+    _check(_LIB.expertact_fp8_quantize_blocks(byref(dw), rq, rs, _stream(w)))
+
+
+def fp8_glu_row_tiles(x, up, weights, bias, offsets, q, scale, layout, act, alpha, limit, beta):
+    """q [..., F] and scale [KB, T] of the activation (bias[e] added when given, with offsets)."""
+    p = _params(act, alpha, limit, beta)
+    x, rx = _put(0, x, _name(layout))
+    up, ru = (None, None) if up is None else _put(1, up, "up")
+    weights, rw = (None, None) if weights is None else _vec(2, weights)
+    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    offsets, ro = (None, None) if offsets is None else _vec(4, offsets)
+    _, rq = _put(5, q, "q")
+    _, rs = _put(6, scale, "scale")
+    _check(_LIB.expertact_fp8_glu_row_tiles(p, _int32(layout), rx, ru, rw, rb, ro, rq, rs, _stream(x)))
+
+
+def fp8_glu_column_tiles_grouped(x, up, weights, bias, offsets, padded_offsets, q_t, scale, layout, act, alpha,
+                                 limit, beta):
+    """q_t [F, Tp] and scale [Tp / 128, F] of the activation rounded to x's dtype."""
+    p = _params(act, alpha, limit, beta)
+    x, rx = _put(0, x, _name(layout))
+    up, ru = (None, None) if up is None else _put(1, up, "up")
+    weights, rw = (None, None) if weights is None else _vec(2, weights)
+    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    offsets, ro = _vec(4, offsets)
+    padded_offsets, rp = _vec(5, padded_offsets)
+    _, rqt = _put(6, q_t, "q_t")
+    _, rs = _put(7, scale, "scale")
+    _check(_LIB.expertact_fp8_glu_column_tiles_grouped(p, _int32(layout), rx, ru, rw, rb, ro, rp, rqt, rs,
+                                                       _stream(x)))
+
+
+def fp8_glu_backward_tiles(dh, gate_up, weights, bias, offsets, padded_offsets, q, scale, q_t, col_scale,
+                           grad_weights, grad_gate_up, layout, act, alpha, limit, beta):
+    """q [..., 2F] and scale [KB, T] of the activation's gradient; q_t [2F, Tp] and col_scale
+    [Tp / 128, 2F], grad_weights [...] and grad_gate_up (gate_up's shape, written through) when
+    given."""
+    p = _params(act, alpha, limit, beta)
+    dh, rd = _put(0, dh, "dh")
+    gate_up, rx = _put(1, gate_up, "gate_up")
+    weights, rw = (None, None) if weights is None else _vec(2, weights)
+    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    offsets, ro = (None, None) if offsets is None else _vec(4, offsets)
+    padded_offsets, rp = (None, None) if padded_offsets is None else _vec(5, padded_offsets)
+    _, rq = _put(6, q, "q")
+    _, rs = _put(7, scale, "scale")
+    rqt = None if q_t is None else _put(8, q_t, "q_t")[1]
+    rcs = None if col_scale is None else _put(9, col_scale, "col_scale")[1]
+    rgw = None if grad_weights is None else _vec(10, grad_weights)[1]
+    rg = None if grad_gate_up is None else _put(11, grad_gate_up, "dgate_up_out")[1]
+    _check(_LIB.expertact_fp8_glu_backward_tiles(p, _int32(layout), rd, rx, rw, rb, ro, rp, rq, rs, rqt, rcs, rgw, rg,
+                                                 _stream(gate_up)))

@@ -31,11 +31,26 @@ output is NaN, never finite garbage.
                                                        amax=h_amax)
     offs16 = expertact.fp8.padded_offsets(offsets, 16)                 # on offsets' device
 
+The blockwise operands (DeepSeek-V3's recipe: the same scale per tile of 128 values; 1 x 128 row
+tiles, 128 x 1 column tiles over each expert's rows padded to multiples of 128, 128 x 128 weight
+blocks)::
+
+    x_q, x_s = expertact.fp8.quantize_row_tiles(x)                     # x_s [T, ceil(C / 128)]
+    w_q, w_s = expertact.fp8.quantize_blocks(w13)                       # any strides: [E, R, C]
+    h_q, h_s = expertact.fp8.glu_row_tiles(gate_up, "swiglu_oai", layout="interleaved")
+    # backward: dy in row tiles and column tiles from one read; h recomputed in column tiles
+    dy_cq, dy_cs, dy_q, dy_s = expertact.fp8.quantize_column_tiles_grouped(dy, offsets, ends=ends,
+                                                                          row_tiles=True)
+    h_cq, h_cs = expertact.fp8.glu_column_tiles_grouped(gate_up, "swiglu", offsets, ends=ends)
+    dg_q, dg_s, dg_cq, dg_cs, dw = expertact.fp8.glu_backward_tiles(dh, gate_up, "swiglu", offsets=offsets,
+                                                                    ends=ends, column_tiles=True)
+
 CPU and CUDA, the same bytes and scales on both. No autograd: these are operand producers for
 a custom FP8 backward.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Tuple
 
@@ -46,7 +61,10 @@ from ._args import ACTIVATIONS, check_ends, layout_code, preset_coeffs, tensor_a
 from ._capi import rows_view_ok
 
 __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "glu_rowwise", "glu_colwise_grouped",
-           "glu_backward_rowwise", "DL_FLOAT8_E4M3FN"]
+           "glu_backward_rowwise", "DL_FLOAT8_E4M3FN",
+           # the blockwise operands
+           "TILE", "quantize_row_tiles", "quantize_column_tiles_grouped", "quantize_blocks", "glu_row_tiles",
+           "glu_column_tiles_grouped", "glu_backward_tiles"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -387,3 +405,225 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, bias, offsets, q, scale.view(-1),
                                   None if dw is None else dw.view(-1), amax, dgate_up_out, code, act, a, lim, beta)
     return q, scale, dw, amax
+
+
+# ---------------------------------------------------------------------------
+# The blockwise operands (DeepSeek-V3's recipe; docs/notes/fp8-recipes.md, "The blockwise operand
+# formats"): the rowwise recipe's power-of-two scale per tile of 128 values. Row tiles (1 x 128,
+# the token-major operands of the forward and input-gradient GEMMs): q [T, C] with scale
+# [T, ceil(C / 128)], a view of [ceil(C / 128), T] storage (strides (1, T)), the layout
+# torch._scaled_mm takes for 1 x 128 scales. Column tiles (128 x 1 over one expert's rows, the
+# weight-gradient GEMMs' operands): each expert's rows padded to a multiple of 128, q [Tp, C]
+# column-major (strides (1, Tp)) with scale [Tp / 128, C]. Weight blocks (128 x 128): q
+# [E, R, C] with scale [E, ceil(R / 128), ceil(C / 128)]. A tile at an edge takes what is
+# there; an all-zero tile has scale 2^-48; an infinite value makes its tile's scale inf.
+# ---------------------------------------------------------------------------
+
+#: The tile edge of the blockwise operands.
+TILE = 128
+
+
+def _tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def _row_tile_outputs(like, cols):
+    """(q [..., cols] e4m3, scale storage [KB, T] float32, scale as the [..., KB] view)."""
+    lead = like.shape[:-1]
+    T = math.prod(lead)
+    KB = _tiles(cols)
+    q = torch.empty((*lead, cols), dtype=torch.float8_e4m3fn, device=like.device)
+    store = torch.empty((KB, T), dtype=torch.float32, device=like.device)
+    return q, store, store.view(KB, *lead).movedim(0, -1)
+
+
+def _column_tile_outputs(offsets, host, C, device, where):
+    """(q_t [C, Tp] e4m3, scale [Tp / 128, C] float32, the 128-padded offsets on the device)."""
+    Tp = padded_offsets(host, TILE)[-1]
+    if Tp >= 2 ** 31:
+        raise ValueError(f"{where}: the padded row count {Tp} does not fit the int32 offsets")
+    q_t = torch.empty((C, Tp), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((Tp // TILE, C), dtype=torch.float32, device=device)
+    return q_t, scale, padded_offsets(offsets, TILE)
+
+
+def quantize_row_tiles(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): t [..., C] (float32, float16 or bfloat16) in 1 x 128 row tiles: q
+    float8_e4m3fn [..., C], scale float32 [..., ceil(C / 128)] (for t [T, C]: [T, KB] with
+    strides (1, T)), scale[r, k] the dequantisation scale of t[r, 128 k : 128 k + 128] (the last
+    tile partial when C is not a multiple of 128): t ~= q.float() * scale repeated 128 times along
+    the columns. CPU and CUDA (same bytes)."""
+    tensor_arg("t", t)
+    if t.dim() < 1:
+        raise ValueError("expertact.fp8.quantize_row_tiles: t must have at least one dimension [..., C]")
+    q, store, scale = _row_tile_outputs(t, t.shape[-1])
+    _ops.fp8_quantize_row_tiles(t, q, store)
+    return q, scale
+
+
+def quantize_column_tiles_grouped(t: torch.Tensor, offsets: torch.Tensor, *, ends=None, row_tiles: bool = False):
+    """(q, scale): t [T, C] (rows sorted by expert; ``offsets`` int32 [E], each expert's
+    cumulative end row) in 128 x 1 column tiles over each expert's rows, each expert's rows padded
+    to a multiple of 128 (the operands of the weight-gradient GEMMs, whose reduction runs over an
+    expert's rows): q float8_e4m3fn [Tp, C] column-major (strides (1, Tp)), Tp = sum over e of
+    ceil(n_e / 128) * 128 (n_e: expert e's rows), expert e's rows from row
+    ``padded_offsets(offsets, 128)[e - 1]`` (0 for e = 0) on, then 0x00 to its block's end; rows
+    past offsets[-1] are left out. scale float32 [Tp / 128, C]: row j the scales of q's rows
+    128 j .. 128 j + 127 per column.
+
+    ``row_tiles=True``: returns (q, scale, row_q, row_scale), also t's row tiles as
+    :func:`quantize_row_tiles` gives them (every row), from the same read of t (x in backward, dy:
+    both operands at once). ``ends``: offsets' values as host ints (see
+    :func:`quantize_colwise_grouped`)."""
+    where = "expertact.fp8.quantize_column_tiles_grouped"
+    tensor_arg("t", t)
+    if t.dim() != 2:
+        raise ValueError(f"{where}: t must be 2-D [T, C] (got shape {tuple(t.shape)})")
+    T, C = t.shape
+    offsets, host = _grouped_offsets(offsets, T, t.device, ends, where)
+    q_t, scale, pads = _column_tile_outputs(offsets, host, C, t.device, where)
+    if not row_tiles:
+        _ops.fp8_quantize_column_tiles_grouped(t, offsets, pads, q_t, scale)
+        return q_t.t(), scale
+    q, store, row_scale = _row_tile_outputs(t, C)
+    _ops.fp8_quantize_column_tiles_grouped(t, offsets, pads, q_t, scale, q, store)
+    return q_t.t(), scale, q, row_scale
+
+
+def quantize_blocks(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): weights w [E, R, C] (or [R, C]; float32, float16 or bfloat16, any strides:
+    e.g. the transposed view of an [E, C, R] parameter, read in place) in 128 x 128 blocks: q
+    float8_e4m3fn [E, R, C] contiguous, scale float32 [E, ceil(R / 128), ceil(C / 128)] (without
+    E for a 2-D w). A block's scale is the same in both orientations: ``q.transpose(-1, -2)``
+    with ``scale.transpose(-1, -2)`` is the transposed weight's quantisation."""
+    where = "expertact.fp8.quantize_blocks"
+    tensor_arg("w", w)
+    if w.dim() not in (2, 3):
+        raise ValueError(f"{where}: w must be [E, R, C] or [R, C] (got shape {tuple(w.shape)})")
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    E, R, C = w3.shape
+    q = torch.empty((E, R, C), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((E, _tiles(R), _tiles(C)), dtype=torch.float32, device=w.device)
+    _ops.fp8_quantize_blocks(w3, q.view(E * R, C), scale.view(E * _tiles(R), _tiles(C)))
+    return (q, scale) if w.dim() == 3 else (q[0], scale[0])
+
+
+def glu_row_tiles(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,
+                  alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
+                  weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                  offsets: Optional[torch.Tensor] = None, ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(h_q, scale): the gated activation of gate_up [..., 2F] (or gate [..., F] with ``up``)
+    times ``weights``, quantised in 1 x 128 row tiles from its float32 values (one rounding), as
+    :func:`quantize_row_tiles` quantises a tensor: h_q float8_e4m3fn [..., F], scale float32
+    [..., ceil(F / 128)] (strides (1, T) for 2-D gate_up). The arguments as in
+    :func:`glu_rowwise` (``bias`` [E, 2F] with ``offsets``)."""
+    where = "expertact.fp8.glu_row_tiles"
+    tensor_arg("gate_up" if up is None else "gate", gate_up)
+    tensor_arg("up", up, optional=True)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    if (bias is None) != (offsets is None):
+        raise ValueError(f"{where}: bias and offsets go together (got only {'bias' if offsets is None else 'offsets'})")
+    if ends is not None and offsets is None:
+        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, up is None)
+    if gate_up.dim() < 1:
+        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    cols = gate_up.shape[-1] if up is not None else gate_up.shape[-1] // 2
+    q, store, scale = _row_tile_outputs(gate_up, cols)
+    if offsets is not None:
+        offsets, _ = _grouped_offsets(offsets, store.shape[1], gate_up.device, ends, where)
+    _ops.fp8_glu_row_tiles(gate_up, up, weights, bias, offsets, q, store, code, act, a, lim, beta)
+    return q, scale
+
+
+def glu_column_tiles_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.Tensor, *,
+                             up: Optional[torch.Tensor] = None, alpha: Optional[float] = None,
+                             limit: Optional[float] = None, layout: Optional[str] = None,
+                             weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                             ends=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): the activation h = act(gate_up [+ bias[e]]) * weights of gate_up [T, 2F] (or
+    gate [T, F] with ``up``), in gate_up's dtype as the activation's forward writes it
+    (``functional.glu`` with the preset's parameters, ``bias=``, ``offsets=``), in 128 x 1 column
+    tiles: exactly ``quantize_column_tiles_grouped(h, offsets, ends=ends)`` (q float8_e4m3fn
+    [Tp, F] column-major, scale float32 [Tp / 128, F]), without writing h (gate_up read once): the
+    second weight gradient's operand, recomputed in backward. ``offsets`` group the rows and are
+    the bias's. CPU and CUDA write the same bytes for the same h; h itself may differ in its last
+    bit between them as the activation's forward does."""
+    where = "expertact.fp8.glu_column_tiles_grouped"
+    tensor_arg("gate_up" if up is None else "gate", gate_up)
+    tensor_arg("up", up, optional=True)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, up is None)
+    xname = "gate_up" if up is None else "gate"
+    if gate_up.dim() != 2:
+        raise ValueError(f"{where}: {xname} must be 2-D [T, {'2F' if up is None else 'F'}] "
+                         f"(got shape {tuple(gate_up.shape)})")
+    T = gate_up.shape[0]
+    F = gate_up.shape[1] if up is not None else gate_up.shape[1] // 2
+    offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
+    q_t, scale, pads = _column_tile_outputs(offsets, host, F, gate_up.device, where)
+    _ops.fp8_glu_column_tiles_grouped(gate_up, up, weights, bias, offsets, pads, q_t, scale, code, act, a, lim, beta)
+    return q_t.t(), scale
+
+
+def glu_backward_tiles(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,
+                       alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
+                       weights: Optional[torch.Tensor] = None, weights_grad: bool = False,
+                       bias: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None, ends=None,
+                       column_tiles: bool = False, dgate_up_out: Optional[torch.Tensor] = None):
+    """(q, scale, col_q, col_scale, dweights): the gradient of gate_up [..., 2F] of h =
+    act(gate_up [+ bias[e]]) * weights, given dh [..., F] (gate_up's dtype), computed in float32
+    and quantised from those values (one rounding each) without writing it in gate_up's dtype:
+    q float8_e4m3fn [..., 2F] in 1 x 128 row tiles along the packed columns (gate_up's column
+    layout; packed layouts only) with scale float32 [..., ceil(2F / 128)] as
+    :func:`quantize_row_tiles` gives them, for the input gradient's GEMM.
+
+    ``column_tiles=True`` (needs ``offsets``; 2-D gate_up): also col_q [Tp, 2F] and col_scale
+    [Tp / 128, 2F], the gradient's 128 x 1 column tiles over each expert's rows as
+    :func:`quantize_column_tiles_grouped` gives them, for the weight gradient's GEMM, from the same
+    pass (else None, None). ``weights_grad`` (needs ``weights``): also the routing weights'
+    gradient, float32 [...] (the row's float32 sum of dh * act * (up + beta) in a fixed order:
+    the same bits from run to run; else None). ``bias`` [E, 2F] with ``offsets``: as in
+    :func:`glu_rowwise` (its own gradient is not computed here). ``ends``: offsets' values as host
+    ints. ``dgate_up_out`` (gate_up's shape and dtype, rows it can be written through, apart from
+    gate_up): also receives the gradient rounded to gate_up's dtype. CPU and CUDA quantise alike;
+    the float32 gradient differs in its last bits between them as the activation's backward
+    does, and the weights' gradient by its sum's order."""
+    where = "expertact.fp8.glu_backward_tiles"
+    tensor_arg("dh", dh)
+    tensor_arg("gate_up", gate_up)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
+    if weights_grad and weights is None:
+        raise ValueError(f"{where}: weights_grad=True needs weights")
+    if bias is not None and offsets is None:
+        raise ValueError(f"{where}: bias goes with offsets (got bias alone)")
+    if column_tiles and offsets is None:
+        raise ValueError(f"{where}: column_tiles=True needs offsets")
+    if ends is not None and offsets is None:
+        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, True)
+    if gate_up.dim() < 1:
+        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    C = gate_up.shape[-1]
+    q, store, scale = _row_tile_outputs(gate_up, C)
+    T = store.shape[1]
+    dw = torch.empty(gate_up.shape[:-1], dtype=torch.float32, device=gate_up.device) if weights_grad else None
+    q_t = col_scale = pads = None
+    if offsets is not None:
+        offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
+        if column_tiles:
+            if gate_up.dim() != 2:
+                raise ValueError(f"{where}: column_tiles=True takes a 2-D gate_up [T, 2F] (got shape "
+                                 f"{tuple(gate_up.shape)})")
+            q_t, col_scale, pads = _column_tile_outputs(offsets, host, C, gate_up.device, where)
+    _dgate_up_out_arg(dgate_up_out, gate_up, where)
+    _ops.fp8_glu_backward_tiles(dh, gate_up, weights, bias, offsets, pads, q, store, q_t, col_scale,
+                                None if dw is None else dw.view(-1), dgate_up_out, code, act, a, lim, beta)
+    return q, scale, None if q_t is None else q_t.t(), col_scale, dw

@@ -11,6 +11,7 @@ namespace expertact::fp8 {
 
 constexpr float kMax = 448.0f;     // the largest finite e4m3fn value
 constexpr float kAmaxFloor = 1e-12f;  // amax below this is taken as this (no division by 0)
+constexpr int64_t kTile = 128;     // the blockwise recipe's tile edge (1 x 128, 128 x 128, 128 x 1)
 
 // f (any float) -> e4m3fn bits: nearest even, |f| >= 448 -> +-448, NaN -> 0x7f with f's sign.
 EA_HD uint8_t from_float(float f) {

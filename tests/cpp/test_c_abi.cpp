@@ -906,7 +906,7 @@ TEST(CAbi, LastErrorIsClearedBySuccess) {
 
 TEST(CAbi, Queries) {
   EXPECT_EQ(expertact_abi_version(), EXPERTACT_ABI_VERSION);
-  EXPECT_EQ(expertact_abi_version(), 4);  // 2: dtype error status; 3: biases, FP8; 4: expertact_tensor
+  EXPECT_EQ(expertact_abi_version(), 5);  // 2: dtype error status; 3: biases, FP8; 4: expertact_tensor; 5: FP8 tiles
   EXPECT_EQ(expertact_has_cuda(), EXPERTACT_WITH_CUDA ? 1 : 0);
   EXPECT_EQ(expertact::has_cuda(), EXPERTACT_WITH_CUDA != 0);
   expertact_set_cpu_threads(3);

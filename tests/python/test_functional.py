@@ -194,7 +194,7 @@ def test_presets_match_the_c_library():
 
 
 def test_library_info():
-    assert expertact.abi_version() == 4
+    assert expertact.abi_version() == 5
     assert isinstance(expertact.has_cuda(), bool)
     n = expertact.cpu_threads()
     assert n >= 1

@@ -16,7 +16,10 @@ def pow2_scale(amax):
     """(s, 1 / s) from a float32 amax tensor: s multiplies before the cast, 1 / s dequantises."""
     a = torch.clamp(amax.float(), min=torch.tensor(1e-12, dtype=torch.float32))
     s = (448.0 / a.double()).float()
-    s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
+    # 2^floor(log2(s)) from s's exponent (frexp: s = m 2^e, m in [0.5, 1)); float32 log2 rounds
+    # up to the next integer for s within about 2^-24 k of 2^k from below (k >= 4)
+    _, e = torch.frexp(s)
+    s = torch.where(s > 0, torch.ldexp(torch.ones_like(s), e - 1), s)
     return s, 1.0 / s
 
 

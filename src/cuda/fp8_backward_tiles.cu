@@ -1,0 +1,166 @@
+// The activation's backward in blockwise FP8 on CUDA, through the tile engine (fp8_tiles.cuh):
+// the gradient of gate_up computed in float32 per element (math::glu_bwd, the backward kernels'
+// expression) for each packed column of a tile, quantised in row tiles (the input gradient's
+// operand) and, over the experts' padded tiles, in column tiles (the weight gradient's) from the
+// same registers: one pass, the gradient never written in gate_up's dtype unless asked for. A
+// block takes all of a tile's columns, so the routing weights' gradient (each row's sum over its
+// F columns) is each lane's running sum in column order, then a warp's fixed-order reduction:
+// the same bits from run to run.
+//
+// The values of a lane's 4 packed columns: interleaved (step 2), the gate and up of 2 columns of
+// gate_up's F, each computed once; halves and up-first, 4 columns of one half (or across the two
+// halves at column F), each computed for the one gradient it needs (the other half's columns lie
+// in another column tile, usually another block's iteration; the arithmetic of glu_bwd for both
+// is taken, the unused half dropped).
+#include "cuda/device.h"
+#include "cuda/fp8_tiles.cuh"
+
+namespace expertact::cuda {
+namespace {
+
+__device__ __forceinline__ float warp_sum_tiles(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// kRowExperts: the tile engine gives each row's expert (the tile's, or looked up in offs where
+// the schedule knows no experts: row tiles alone, with a bias), once a row and tile.
+template <typename T, Activation A>
+struct BwdTileSrc {
+  static constexpr bool kRowExperts = true;
+  const T* g;
+  const T* u;
+  int64_t x_stride;  // gate_up's row stride
+  int step;
+  int64_t F;
+  int64_t q_g, q_u;  // the packed columns of gate's and up's column 0
+  const T* dy;
+  int64_t dy_stride;
+  const float* w;
+  int64_t w_stride;
+  const T* bg;
+  const T* bu;
+  int64_t b_stride;
+  const int32_t* offs;
+  int64_t E;
+  math::Coeffs cf;
+  float* dw;  // null: not wanted
+  int64_t dw_stride;
+  T* dgu;  // null: not wanted
+  int64_t dgu_stride;
+  float part[tiles::kRowsPerWarp];  // the lane's running row sums of the routing weights' gradient
+
+  __device__ __forceinline__ int64_t expert_of_row(int64_t r) const { return bg ? detail::expert_of(offs, E, r) : E; }
+  __device__ __forceinline__ void begin_tile() {
+#pragma unroll
+    for (int k = 0; k < tiles::kRowsPerWarp; ++k) part[k] = 0.0f;
+  }
+  __device__ __forceinline__ void end_tile(const detail::TileRows& t, int warp, int lane) {
+    if (dw == nullptr) return;
+#pragma unroll
+    for (int k = 0; k < tiles::kRowsPerWarp; ++k) {
+      const int i = tiles::kRowsPerWarp * warp + k;
+      if (i >= t.n) continue;  // the same in the whole warp
+      const float s = warp_sum_tiles(part[k]);
+      if (lane == 0) dw[(t.r0 + i) * dw_stride] = s;
+    }
+  }
+  // The gradient of gate_up's F column j of the row: (dg, du), and its term of the weights'
+  // gradient.
+  __device__ __forceinline__ void grad(const T* gr, const T* dyr, const T* bgr, const T* bur, float wr, int64_t j,
+                                       float& dg, float& du, float& term) const {
+    const int64_t o = j * step;
+    float gv = to_f(gr[q_g + o]), uv = to_f(gr[q_u + o]);
+    if (bgr) gv += to_f(bgr[o]), uv += to_f(bur[o]);
+    math::glu_bwd<A>(gv, uv, to_f(dyr[j]), wr, cf, dg, du, term);
+  }
+  __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) {
+    const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
+    const T* dyr = dy + row * dy_stride;
+    const float wr = w ? w[row * w_stride] : 1.0f;
+    const bool has_b = bg != nullptr && e >= 0 && e < E;
+    const T* bgr = has_b ? bg + e * b_stride : nullptr;
+    const T* bur = has_b ? bu + e * b_stride : nullptr;
+    float dg, du, term;
+    if (step == 2) {  // packed columns c, c + 1 are gate and up of column c / 2 (c is even)
+#pragma unroll
+      for (int jj = 0; jj < 4; jj += 2) {
+        if (jj >= nv) break;  // (unrolled: v's indices stay constants, v in registers)
+        grad(gr, dyr, bgr, bur, wr, (c + jj) / 2, dg, du, term);
+        v[jj] = dg;
+        v[jj + 1] = du;
+        part[k] += term;
+      }
+    } else {
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        if (jj >= nv) break;
+        const int64_t pc = c + jj;
+        const bool up = pc >= q_u && pc < q_u + F;
+        grad(gr, dyr, bgr, bur, wr, pc - (up ? q_u : q_g), dg, du, term);
+        v[jj] = up ? du : dg;
+        if (!up) part[k] += term;
+      }
+    }
+    if (dgu) {
+      T* d = dgu + row * dgu_stride + c;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+        if (jj < nv) d[jj] = from_f<T>(v[jj]);
+    }
+  }
+};
+
+}  // namespace
+}  // namespace expertact::cuda
+
+namespace expertact::detail {
+
+// Blocks for the rows past the last offset, at most this many an SM (they loop over the rest).
+constexpr int64_t kBwdTailBlocksPerSm = 4;
+
+Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o,
+                                   void* stream) {
+  cuda::DeviceGuard guard(p.device_id);
+  EA_TRY(enter_operands(p.device_id, guard,
+                        {{"gate_up", p.g}, {"grad_out", d.dy}, {"weights", p.w}, {"bias", bias ? bias->bg : nullptr},
+                         {"offsets", bias ? bias->er.offsets : o.offsets}, {"padded_offsets", o.pends}, {"q", o.q},
+                         {"scale", o.scale}, {"q_t", o.q_t}, {"col_scale", o.col_scale}, {"grad_weights", d.dw},
+                         {"grad_gate_up", d.dgu}}));
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
+  const int64_t grid_x = cuda::tiles::schedule_blocks(o, p.rows, kBwdTailBlocksPerSm * cuda::sm_count(p.device_id));
+  return cuda::dispatch_storage(p.dtype, [&](auto t) -> Status {
+    using T = decltype(t);
+    return dispatch_act(p.params.act, [&](auto act) -> Status {
+      constexpr Activation A = decltype(act)::value;
+      const cuda::BwdTileSrc<T, A> src{static_cast<const T*>(p.g),
+                                       static_cast<const T*>(p.u),
+                                       p.g_stride,
+                                       p.step,
+                                       p.F,
+                                       d.q_g,
+                                       d.q_u,
+                                       static_cast<const T*>(d.dy),
+                                       d.dy_stride,
+                                       p.w,
+                                       p.w_stride,
+                                       bias ? static_cast<const T*>(bias->bg) : nullptr,
+                                       bias ? static_cast<const T*>(bias->bu) : nullptr,
+                                       bias ? bias->b_stride : 0,
+                                       bias ? bias->er.offsets : nullptr,
+                                       bias ? bias->er.experts : 0,
+                                       cf,
+                                       d.dw,
+                                       d.dw_stride,
+                                       static_cast<T*>(d.dgu),
+                                       d.dgu_stride,
+                                       {}};
+      return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, st,
+                                       "fp8 glu backward tiles kernel launch");
+    });
+  });
+}
+
+}  // namespace expertact::detail

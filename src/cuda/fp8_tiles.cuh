@@ -1,0 +1,196 @@
+// The tile engine of the blockwise FP8 kernels (fp8_tiles.cu, fp8_glu_*tiles.cu,
+// fp8_backward_tiles.cu): a block of 512 threads takes a tile of 128 rows (src/core/fp8_tiles.h's
+// schedule) and walks its 128-column tiles; in each, warp w holds rows 8 w .. 8 w + 7 and lane l
+// columns 4 l .. 4 l + 3 as float32 in registers (32 values, from the source: x, the activation,
+// its gradient). Row tiles: a row's 128 values lie in one warp, so its amax is a warp reduction,
+// and its bytes one 4-byte store a lane. Column tiles: each thread's running column amax over its
+// 8 rows, the 16 warps' combined through shared memory, then each column's 8 bytes a thread
+// (from_scaled4 four rows at a time) stored as one 8-byte run of q_t's row. The scale and
+// conversion are fp8.h's, as on the CPU: the same bytes for the same values. (256 threads of 16
+// rows held 64 values a thread: the activation's sources spilled at 128 registers.)
+//
+// A source (Src) gives the values: load(k, row, c, nv, e, v) fills v[0 .. 3] with the values of
+// `row` at columns c .. c + 3 (nv of them exist, the rest 0; k: the row's place among the warp's
+// 16; e: the row's expert, E for none, as fp8_tiles.h's TileRows), begin_tile() and
+// end_tile(t, warp, lane) bracket a tile's columns (the backward's row sums); kRowExperts: each
+// row's expert is looked up (rows of several experts in one tile, for a bias), via
+// expert_of_row(row).
+#pragma once
+
+#include <cstdint>
+
+#include "core/fp8.h"
+#include "core/fp8_tiles.h"
+#include "cuda/fp8_common.cuh"
+
+namespace expertact::cuda::tiles {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerWarp = 8;  // kWarps x kRowsPerWarp = 128 rows
+constexpr int kTile = 128;
+
+// How the outputs' rows take stores, proven on the host: q's 4-byte runs (pointer and row stride
+// multiples of 4), q_t's 8-byte runs (8, 4 or 1: the widest store its pointer and row stride
+// allow).
+struct Align {
+  bool q4 = false;
+  int qt = 1;
+};
+
+inline Align align_of(const detail::TileOut& o, int64_t rows, int64_t cols) {
+  Align a;
+  const auto aligned = [](const void* p, int64_t stride, int64_t n, int v) {
+    return reinterpret_cast<uintptr_t>(p) % v == 0 && (n <= 1 || stride % v == 0);
+  };
+  a.q4 = o.q != nullptr && aligned(o.q, o.q_stride, rows, 4);
+  if (o.q_t != nullptr) a.qt = aligned(o.q_t, o.qt_stride, cols, 8) ? 8 : aligned(o.q_t, o.qt_stride, cols, 4) ? 4 : 1;
+  return a;
+}
+
+// Two words (8 bytes, the first byte lowest) at dst, in the widest stores `align` allows.
+__device__ __forceinline__ void store8(uint8_t* dst, const uint32_t (&w)[2], int align) {
+  if (align == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else if (align == 4) {
+    reinterpret_cast<uint32_t*>(dst)[0] = w[0];
+    reinterpret_cast<uint32_t*>(dst)[1] = w[1];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+  }
+}
+
+// Column tile kb (columns 128 kb ..) of tile t: the values, then the row tiles (o.q) and the
+// column tiles (o.q_t, when t has them). red: the column amax's exchange between warps.
+template <typename Src>
+__device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
+                                              const detail::TileOut& o, const Align& al, float (*red)[kTile],
+                                              const int32_t* row_e) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  const int64_t c = kb * kTile + 4 * l;
+  const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
+  float v[kRowsPerWarp][4];
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int i = kRowsPerWarp * w + k;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
+    if (i < t.n && nv > 0) src.load(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e, v[k]);
+  }
+  if (o.q != nullptr) {
+#pragma unroll
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      const int i = kRowsPerWarp * w + k;
+      if (i >= t.n) continue;  // the same in the whole warp: the shuffles below see every lane
+      float m = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[k][j]));  // NaN ignored
+      const float s = fp8::scale_of(warp_amax(m));
+      const uint32_t word = fp8::from_scaled4(v[k][0] * s, v[k][1] * s, v[k][2] * s, v[k][3] * s);
+      const int64_t r = t.r0 + i;
+      uint8_t* q = static_cast<uint8_t*>(o.q) + r * o.q_stride + c;
+      if (nv == 4 && al.q4) {
+        *reinterpret_cast<uint32_t*>(q) = word;
+      } else {
+        for (int j = 0; j < nv; ++j) q[j] = static_cast<uint8_t>(word >> (8 * j));
+      }
+      if (l == 0) o.scale[kb * o.scale_stride + r] = 1.0f / s;
+    }
+  }
+  if (o.q_t != nullptr && t.ct >= 0) {  // the same in the whole block: the barriers below
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float m = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kRowsPerWarp; ++k) m = fmaxf(m, fabsf(v[k][j]));  // padding rows are 0
+      red[w][4 * l + j] = m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float m = red[0][4 * l + j];
+#pragma unroll
+      for (int ww = 1; ww < kWarps; ++ww) m = fmaxf(m, red[ww][4 * l + j]);
+      const float s = fp8::scale_of(m);
+      if (j < nv) {
+        uint32_t wd[kRowsPerWarp / 4];
+#pragma unroll
+        for (int g = 0; g < kRowsPerWarp / 4; ++g)
+          wd[g] = fp8::from_scaled4(v[4 * g][j] * s, v[4 * g + 1][j] * s, v[4 * g + 2][j] * s, v[4 * g + 3][j] * s);
+        uint8_t* dst = static_cast<uint8_t*>(o.q_t) + (c + j) * o.qt_stride + t.ct * kTile + kRowsPerWarp * w;
+        store8(dst, wd, al.qt);
+        if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = 1.0f / s;
+      }
+    }
+    __syncthreads();  // red is written again by the next column tile
+  }
+}
+
+// The block's tiles: tile b = blockIdx.x, then on by gridDim.x (fp8_tiles.h's schedule: the
+// padded tiles of q_t when column tiles are wanted, then with row tiles the rows past the last
+// offset, whose count is read here from the offsets), and in each its column tiles
+// [kb_per_block blockIdx.y, + kb_per_block).
+template <typename Src>
+__global__ void __launch_bounds__(kThreads, 1)
+    tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block) {
+  __shared__ float red[kWarps][kTile];
+  __shared__ int32_t row_e[Src::kRowExperts ? kTile : 1];
+  const int64_t E = o.q_t ? o.experts : 0, out_tiles = o.q_t ? o.out_rows / kTile : 0;
+  const int64_t tail0 = detail::tail_start(o.offsets, E, rows);
+  const int64_t nt = detail::tile_count(out_tiles, o.q != nullptr, rows, tail0);
+  const int64_t KB = (cols + kTile - 1) / kTile;
+  const int64_t kb0 = static_cast<int64_t>(blockIdx.y) * kb_per_block;
+  const int64_t kb1 = kb0 + kb_per_block < KB ? kb0 + kb_per_block : KB;
+  for (int64_t b = blockIdx.x; b < nt; b += gridDim.x) {
+    const detail::TileRows t = detail::tile_rows(b, out_tiles, rows, o.offsets, o.pends, E, tail0);
+    if constexpr (Src::kRowExperts) {
+      if (threadIdx.x < kTile)
+        row_e[threadIdx.x] = threadIdx.x < t.n ? (t.e >= 0 ? static_cast<int32_t>(t.e)
+                                                           : src.expert_of_row(t.r0 + threadIdx.x))
+                                               : 0;
+      __syncthreads();
+    }
+    src.begin_tile();
+    for (int64_t kb = kb0; kb < kb1; ++kb) quantize_tile(src, t, kb, cols, o, al, red, row_e);
+    src.end_tile(t, threadIdx.x >> 5, threadIdx.x & 31);
+    if constexpr (Src::kRowExperts) __syncthreads();  // row_e is written again by the next tile
+  }
+}
+
+// Launches tiles_kernel over grid_x blocks of tiles (the schedule's count or fewer: the blocks
+// loop) and the column tiles: all of a tile's in one block (all_columns: the backward's row sums
+// run over them in a fixed order), else one a block (more when there are over 65,535).
+template <typename Src>
+Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
+                    bool all_columns, cudaStream_t st, const char* what) {
+  const int64_t KB = (cols + kTile - 1) / kTile;
+  const int64_t per = all_columns ? (KB > 0 ? KB : 1) : (KB > 0 ? (KB + 65534) / 65535 : 1);
+  const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
+  if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
+  if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
+  tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, 0, st>>>(
+      src, o, align_of(o, rows, cols), rows, cols, per);
+  return cuda_check(cudaGetLastError(), what);
+}
+
+// The blocks a schedule takes: one per padded tile of q_t, and with row tiles one per 128 rows
+// past the last offset, whose number the host does not know (the offsets are not read on the
+// host): every row's (no column tiles) or at most `tail_blocks`, looping over the rest.
+inline int64_t schedule_blocks(const detail::TileOut& o, int64_t rows, int64_t tail_blocks) {
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  if (o.q_t == nullptr) return row_tiles;
+  const int64_t out_tiles = o.out_rows / kTile;
+  if (o.q == nullptr) return out_tiles;
+  return out_tiles + (row_tiles < tail_blocks ? row_tiles : tail_blocks);
+}
+
+// What a source without per-tile state or per-row experts leaves out.
+struct NoTileState {
+  static constexpr bool kRowExperts = false;
+  __device__ __forceinline__ void begin_tile() {}
+  __device__ __forceinline__ void end_tile(const detail::TileRows&, int, int) {}
+  __device__ __forceinline__ int64_t expert_of_row(int64_t) const { return 0; }
+};
+
+}  // namespace expertact::cuda::tiles
