@@ -1,30 +1,23 @@
 """expertact.fp8 (CPU): float8 e4m3fn bits against torch's own cast, scales against torchao's
-recipe written in torch here (float64 division, power-of-two floor), NaN and Inf rows, the GLU
-form against a float64 oracle, and the refusals."""
+recipe written in plain torch (support/fp8_tiles.py: float64 division, power-of-two floor), NaN
+and Inf rows, the GLU form against a float64 oracle, and the refusals."""
 
 import pytest
 import torch
 
 import expertact
 from expertact import fp8
+from support import fp8_tiles
 from support.oracle import glu64
 
 
 def _recipe(t):
     """torchao's rowwise recipe in torch: (q bits, dequantisation scale) of t [..., C]."""
-    v = t.float()
-    a = torch.where(torch.isnan(v), torch.zeros_like(v), v.abs()).amax(-1)
-    a = torch.clamp(a, min=torch.tensor(1e-12, dtype=torch.float32))
-    s = (448.0 / a.double()).float()
-    s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
-    q = torch.clamp(v * s[..., None], -448.0, 448.0).to(torch.float8_e4m3fn)
-    return _bits(q), (1.0 / s)
+    q, scale = fp8_tiles.rowwise(t)
+    return _bits(q), scale
 
 
-def _bits(q):
-    """q's bytes, NaN written 0x7f: the library does not keep a NaN's sign (fp8.h's quantize)."""
-    b = q.view(torch.uint8)
-    return torch.where(b == 0xFF, torch.full_like(b, 0x7F), b)
+_bits = fp8_tiles.bits
 
 
 def test_every_bf16_value_converts_as_torch():
@@ -207,16 +200,15 @@ def _recipe_grouped(t, ends, pad_to=1):
     qs, ss, start = [], [], 0
     for end in ends:
         blk = v[start:end]
-        a = torch.where(torch.isnan(blk), torch.zeros_like(blk), blk.abs()).amax(0) if end > start else \
-            torch.zeros(v.shape[1])
-        a = torch.clamp(a, min=torch.tensor(1e-12, dtype=torch.float32))
-        s = (448.0 / a.double()).float()
-        s = torch.where(s > 0, torch.exp2(torch.floor(torch.log2(s))), s)
-        qs.append(_bits(torch.clamp(blk * s, -448.0, 448.0).to(torch.float8_e4m3fn)))
+        if end > start:
+            q, scale = fp8_tiles.quantize_tiles(blk, None, 1)
+            qs.append(_bits(q))
+            ss.append(scale[0])
+        else:
+            ss.append(fp8_tiles.pow2_scale(torch.zeros(v.shape[1]))[1])
         if pad_to > 1:
             n = end - start
             qs.append(torch.zeros(-(-n // pad_to) * pad_to - n, v.shape[1], dtype=torch.uint8))
-        ss.append(1.0 / s)
         start = end
     if pad_to == 1:
         qs.append(torch.zeros(v.shape[0] - start, v.shape[1], dtype=torch.uint8))
