@@ -121,15 +121,11 @@ Status fp8_grouped_gemm_blockwise_body(GemmGrouping grouping, const MatrixRef& a
   EA_TRY(check_same_device("b", b.m.device, b.m.device_id, a.device, a.device_id, "a"));
   EA_TRY(check_same_device("b_scale", sb.m.device, sb.m.device_id, a.device, a.device_id, "a"));
   EA_TRY(check_same_device("d", d.m.device, d.m.device_id, a.device, a.device_id, "a"));
-  if (offsets.size < 1)
-    return fail(Status::kInvalidArgument, "offsets has ", offsets.size, " elements: there must be at least one expert");
-  if (offsets.size > kInt32Max) return fail(Status::kInvalidArgument, "offsets has ", offsets.size, " experts");
-  const int64_t E = offsets.size;
-
   // The sizes: M-grouped a [T, K], b [N, K], d [T, N]; K-grouped a [M, Tp], b [N, Tp], d [M, N].
   const int64_t N = b.m.rows;
   const int64_t T = kM ? a.rows : a.cols;  // the grouped extent: rows, or padded tokens
-  EA_TRY(check_offsets(offsets, T, a.device, a.device_id, "a"));
+  EA_TRY(check_offsets(offsets, T, a.device, a.device_id, "a"));  // E >= 1; on the CPU, the values
+  const int64_t E = offsets.size;
   if (kM) {
     const int64_t K = a.cols, KB = ceil_div(K, kTile), NB = ceil_div(N, kTile);
     if (K % 16 != 0)
