@@ -186,16 +186,15 @@ Status fp8_grouped_gemm_blockwise_body(GemmGrouping grouping, const MatrixRef& a
   for (const auto& in : ins) EA_TRY(check_no_overlap("d", ed, in.name, in.e));
   for (const auto& in : ins)
     if (in.e.begin != ews.begin) EA_TRY(check_no_overlap("workspace", ews, in.name, in.e));
+  if (a.device != DeviceType::kCUDA)
+    return fail(Status::kUnsupported, "fp8_grouped_gemm_blockwise runs on CUDA tensors (an sm_90 GPU) only; a is on "
+                "the CPU (there, dequantise, q * scale, and multiply in float32 or float64)");
   const size_t need = fp8_grouped_gemm_blockwise_workspace_bytes(E);
   if (workspace_bytes < need)
     return fail(Status::kInvalidArgument, "workspace_bytes ", workspace_bytes, " is less than the ", need,
                 " bytes a call over ", E, " experts needs (fp8_grouped_gemm_blockwise_workspace_bytes)");
   if (need > 0 && (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0))
     return fail(Status::kInvalidArgument, "workspace ", workspace, " is ", workspace ? "not 256-byte aligned" : "null");
-
-  if (a.device != DeviceType::kCUDA)
-    return fail(Status::kUnsupported, "fp8_grouped_gemm_blockwise runs on CUDA tensors (an sm_90 GPU) only; a is on "
-                "the CPU (there, dequantise, q * scale, and multiply in float32 or float64)");
 #if EXPERTACT_WITH_CUTLASS
   fp8gemm::Problem p;
   p.grouping = grouping;

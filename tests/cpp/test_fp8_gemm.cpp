@@ -348,10 +348,17 @@ TEST(Fp8GemmErrors, OutputOverlapsAnInput) {
 
 TEST(Fp8GemmErrors, Workspace) {
   if (!expertact::has_fp8_grouped_gemm()) GTEST_SKIP() << "no GEMM in this build: it takes no workspace";
+  // CUDA descriptors of host memory: refused before anything is launched or read.
+  auto on_cuda = [](MCall& m) {
+    for (MatrixRef* x : {&m.a, &m.sa, &m.b.m, &m.sb.m, &m.d.m}) x->device = DeviceType::kCUDA;
+    m.o = OffsetsRef{m.offs.data(), m.o.size, DeviceType::kCUDA, 0};
+  };
   MCall m(256, 256, 256, {256});
+  on_cuda(m);
   m.ws_size -= 1;
   EXPECT_REFUSED(m.call(), Status::kInvalidArgument, "workspace_bytes", "fp8_grouped_gemm_blockwise_workspace_bytes");
   MCall m2(256, 256, 256, {256});
+  on_cuda(m2);
   m2.ws = static_cast<char*>(m2.ws) + 16;
   EXPECT_REFUSED(m2.call(), Status::kInvalidArgument, "not 256-byte aligned");
 }
