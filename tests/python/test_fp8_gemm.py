@@ -376,3 +376,41 @@ def test_stream_and_device_of_the_operands():
         out = m_call(a, sa, b, sb, ends)
     s.synchronize()
     assert_exact(out, ref)
+
+
+# ---------------------------------------------------------------------------
+# The timing script (python -m expertact.bench --fp8-gemms): its shapes on the CPU, its run on a GPU
+# ---------------------------------------------------------------------------
+
+
+def test_bench_shapes_are_the_six_gemms():
+    from expertact.bench import fp8_gemm as bench
+
+    shapes = bench.gemm_shapes(4, 261280, 3072, 3072)
+    T = 4 * 261280
+    assert [(g, s) for _, g, s in shapes] == [
+        ("m", dict(T=T, K=3072, N=6144)), ("m", dict(T=T, K=3072, N=3072)), ("m", dict(T=T, K=3072, N=3072)),
+        ("m", dict(T=T, K=6144, N=3072)), ("k", dict(T=T, M=3072, N=3072)), ("k", dict(T=T, M=3072, N=6144))]
+    # In units of 2 T D F (D = F): 2 + 1 + 1 + 2 for the M-grouped four, 1 + 2 for the weight gradients.
+    assert sum(bench.flops(g, s) for _, g, s in shapes) == 2 * T * 3072 * 3072 * (2 + 1 + 1 + 2 + 1 + 2)
+
+
+def test_bench_cli_needs_a_gpu():
+    from expertact.bench import cli
+
+    with pytest.raises(SystemExit, match="--fp8-gemms: the FP8 GEMMs run on a CUDA device"):
+        cli.main(["--fp8-gemms", "--device", "cpu"])
+
+
+@requires_gemm
+def test_bench_runs_small(tmp_path):
+    import json
+
+    from expertact.bench import cli
+
+    out = tmp_path / "gemms.json"
+    assert cli.main(["--fp8-gemms", "--rows", "1000", "--dim", "512", "--ffn", "256", "--iters", "2", "--warmup", "1",
+                     "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = [r for r in data["results"] if r["impl"] == "expertact"]
+    assert len(rows) == 6 and all("error" not in r and r["ms"] > 0 for r in rows), rows
