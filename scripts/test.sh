@@ -27,6 +27,7 @@ fi
 missing=$($PY - <<'EOF'
 import importlib.metadata as md
 want = {"torch": "2.13.0", "pytest": None, "numpy": None, "cmake": None, "ninja": None, "scikit-build-core": None,
+        "nvidia-cutlass": "4.2.0.0",
         "deepspeed": "0.19.8", "transformers": "5.17.0", "torchtitan": "0.3.0", "spmd_types": "0.2.3",
         "tyro": "1.0.17", "docstring-parser": "0.18.0", "typeguard": "4.6.1"}
 out = []
@@ -45,6 +46,9 @@ wants() { for n in "$@"; do [[ " $missing " == *" $n "* ]] && return 0; done; re
 if wants torch pytest numpy cmake ninja scikit-build-core; then
   $PY -m pip install -q "torch==2.13.0" pytest numpy cmake ninja scikit-build-core
 fi
+# The CUTLASS headers, so that the FP8 grouped GEMMs (sm_90a) compile wherever nvcc is found; --no-deps:
+# the build reads the headers only (the package's Python generator wants cuda-python, scipy, ...).
+if wants nvidia-cutlass; then $PY -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"; fi
 # DeepSpeed, an optional test dependency: tests/python/test_deepspeed_registry.py runs expertact inside
 # its expert-activation registry and skips without it. Its PyPI release is an sdist whose setup.py
 # imports torch (hence --no-build-isolation); DS_BUILD_OPS=0 compiles none of its ops. About a
