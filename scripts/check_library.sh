@@ -112,7 +112,7 @@ if [ $want_cuda = 1 ]; then
     [ $list = 1 ] && printf '%s\n%s\n' "$elf" "$ptx"
     for a in sm_80 sm_90; do echo "$elf" | grep -q "\.$a\.cubin" || die "no $a machine code"; done
     echo "$ptx" | grep -q '\.sm_90\.ptx' || die "no compute_90 PTX"
-    # sm_90a (wgmma, TMA) only for the FP8 blockwise grouped GEMMs (src/cuda/fp8_gemm_*.cu), in a
+    # sm_90a (wgmma, TMA) only for the FP8 blockwise grouped GEMMs (src/cuda/gemm/fp8_gemm_*.cu), in a
     # build that found the CUTLASS headers: their launcher refuses any GPU but sm_90.
     extra_arch=$(echo "$elf" | grep -v -E 'fp8_gemm_[a-z0-9_]*\.sm_90a\.cubin' | grep -o 'sm_[0-9]*[a-z]*' | sort -u |
       grep -v -x -E 'sm_80|sm_90')

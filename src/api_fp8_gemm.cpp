@@ -1,6 +1,6 @@
 // The FP8 blockwise grouped GEMM's entry point (expertact.hpp, fp8_grouped_gemm_blockwise):
 // every check of its operands, once, naming the argument and its value, then the CUTLASS
-// launcher of the grouping (src/cuda/fp8_gemm_m.cu, fp8_gemm_k.cu), present when the build
+// launcher of the grouping (src/cuda/gemm/fp8_gemm_m.cu, fp8_gemm_k.cu), present when the build
 // found the CUTLASS headers (EXPERTACT_WITH_CUTLASS).
 #include <cstdint>
 #include <limits>
@@ -10,9 +10,9 @@
 #include "core/error.h"
 #include "expertact/expertact.hpp"
 #if EXPERTACT_WITH_CUTLASS
-#include "cuda/fp8_gemm.h"
+#include "cuda/gemm/fp8_gemm.h"
 #else
-#include "cuda/fp8_gemm_plan.h"
+#include "cuda/gemm/fp8_gemm_plan.h"
 #endif
 
 namespace expertact {

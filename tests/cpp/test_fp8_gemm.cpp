@@ -1,7 +1,7 @@
 // The FP8 blockwise grouped GEMM's host side: every refusal of its entry point (the C++ API and
 // the C ABI), each naming its argument and value, checked on operands described in host
 // memory (no check reads them but the CPU offsets' values); and the per-expert arithmetic of
-// its device-side builder (src/cuda/fp8_gemm_plan.h), run on the host: spans, the compaction
+// its device-side builder (src/cuda/gemm/fp8_gemm_plan.h), run on the host: spans, the compaction
 // of the experts with work into the problem list, each expert's operand offsets and the
 // output it zeroes. The kernel's values are tested on a GPU (tests/python/test_fp8_gemm.py).
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/fp8_gemm_plan.h"
+#include "cuda/gemm/fp8_gemm_plan.h"
 #include "expertact/expertact.hpp"
 #include "expertact/expertact_c.h"
 

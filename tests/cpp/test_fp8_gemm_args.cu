@@ -1,4 +1,4 @@
-// The FP8 blockwise grouped GEMM's device-side builder (src/cuda/fp8_gemm_args.cuh,
+// The FP8 blockwise grouped GEMM's device-side builder (src/cuda/gemm/fp8_gemm_args.cuh,
 // build_expert) run on the host, over the CUTLASS types the kernel reads: every slot's problem
 // shape, pointers and strides, and every scale the mainloop would load for a tile, found through
 // CuTe's own local_tile of the scale layouts the builder wrote, as the mainloop tiles them
@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cuda/fp8_gemm_args.cuh"
+#include "cuda/gemm/fp8_gemm_args.cuh"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // The K-grouped FP8 blockwise grouped GEMM: one CUTLASS instantiation (fp8_gemm_sm90.cuh),
-// compiled for sm_90a only (CMakeLists.txt).
-#include "cuda/fp8_gemm.h"
-#include "cuda/fp8_gemm_sm90.cuh"
+// compiled for sm_90a only (src/cuda/gemm/CMakeLists.txt), always optimised.
+#include "cuda/gemm/fp8_gemm.h"
+#include "cuda/gemm/fp8_gemm_sm90.cuh"
 
 namespace expertact::fp8gemm {
 

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -27,8 +28,8 @@
 
 #include "cuda/common.cuh"
 #include "cuda/device.h"
-#include "cuda/fp8_gemm_args.cuh"
-#include "cuda/fp8_gemm_plan.h"
+#include "cuda/gemm/fp8_gemm_args.cuh"
+#include "cuda/gemm/fp8_gemm_plan.h"
 
 namespace expertact::fp8gemm {
 
@@ -174,8 +175,10 @@ template <class Kernel>
 Status device_info(int device, DeviceInfo& out) {
   static DeviceInfo cache[64];
   static bool known[64] = {};
+  static std::mutex mutex;
   if (device < 0 || device >= 64)
     return ::expertact::detail::fail(Status::kUnsupported, "CUDA device ", device, " is past the 64 this build handles");
+  std::lock_guard<std::mutex> lock(mutex);
   if (!known[device]) {
     DeviceInfo info;
     int sms = 0;

@@ -12,7 +12,7 @@
 #include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/numeric_types.h"
 
-#include "cuda/fp8_gemm_plan.h"
+#include "cuda/gemm/fp8_gemm_plan.h"
 
 namespace expertact::fp8gemm {
 

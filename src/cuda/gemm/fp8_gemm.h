@@ -1,4 +1,4 @@
-// The FP8 blockwise grouped GEMM's launchers (src/cuda/fp8_gemm_m.cu, fp8_gemm_k.cu: one
+// The FP8 blockwise grouped GEMM's launchers (src/cuda/gemm/fp8_gemm_m.cu, fp8_gemm_k.cu: one
 // CUTLASS instantiation each, built for sm_90a when the CUTLASS headers are found), with no
 // CUTLASS type in sight, so that the API boundary (src/api_fp8_gemm.cpp) includes it as
 // plain C++.
@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/fp8_gemm_plan.h"
+#include "cuda/gemm/fp8_gemm_plan.h"
 #include "expertact/expertact.hpp"
 
 namespace expertact::fp8gemm {
