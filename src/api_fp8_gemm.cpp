@@ -129,7 +129,8 @@ Status fp8_grouped_gemm_blockwise_body(GemmGrouping grouping, const MatrixRef& a
   if (kM) {
     const int64_t K = a.cols, KB = ceil_div(K, kTile), NB = ceil_div(N, kTile);
     if (K % 16 != 0)
-      return fail(Status::kInvalidArgument, "K = ", K, " (a's columns) is not a multiple of 16 (TMA reads 16-byte rows)");
+      return fail(Status::kInvalidArgument, "K = ", K,
+                  " (a's columns) is not a multiple of 16 (TMA reads 16-byte rows)");
     if (T > kInt32Max) return fail(Status::kInvalidArgument, "a has ", T, " rows: more than 2^31 - 1");
     EA_TRY(check_dims("b", b.m, N, K, "b is [N, K] per expert, K as a's columns"));
     EA_TRY(check_dims("a_scale", sa, KB, T, "the 1 x 128 row tiles' scales of a [T, K] are [ceil(K / 128), T]"));

@@ -136,7 +136,8 @@ TEST(Fp8GemmErrors, CudaDescriptorsWithoutTheGemmSayHowToBuildIt) {
 }
 
 TEST(Fp8GemmErrors, WorkspaceQuery) {
-  EXPECT_EQ(expertact_fp8_grouped_gemm_blockwise_workspace_bytes(7), expertact::fp8_grouped_gemm_blockwise_workspace_bytes(7));
+  EXPECT_EQ(expertact_fp8_grouped_gemm_blockwise_workspace_bytes(7),
+            expertact::fp8_grouped_gemm_blockwise_workspace_bytes(7));
   EXPECT_EQ(expertact::fp8_grouped_gemm_blockwise_workspace_bytes(0), 0u);
   if (expertact::has_fp8_grouped_gemm()) {
     EXPECT_GT(expertact::fp8_grouped_gemm_blockwise_workspace_bytes(1), 0u);

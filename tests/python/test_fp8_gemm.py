@@ -163,7 +163,8 @@ def assert_bounded(got, ref, mag):
     if bad.any():
         i = bad.nonzero()[0].tolist()
         raise AssertionError(f"{int(bad.sum())} of {got.numel()} elements out of bound; first at {i}: got "
-                             f"{got[tuple(i)].item()!r}, want {ref[tuple(i)].item()!r}, bound {tol[tuple(i)].item():.3g}")
+                             f"{got[tuple(i)].item()!r}, want {ref[tuple(i)].item()!r}, "
+                             f"bound {tol[tuple(i)].item():.3g}")
     # And on the whole: a few bf16 ulps of the output.
     rel = (err.norm() / ref.norm().clamp(min=1e-300)).item()
     assert rel < 2.0 ** -8, rel

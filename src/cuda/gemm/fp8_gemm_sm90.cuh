@@ -177,7 +177,8 @@ Status device_info(int device, DeviceInfo& out) {
   static bool known[64] = {};
   static std::mutex mutex;
   if (device < 0 || device >= 64)
-    return ::expertact::detail::fail(Status::kUnsupported, "CUDA device ", device, " is past the 64 this build handles");
+    return ::expertact::detail::fail(Status::kUnsupported, "CUDA device ", device,
+                                     " is past the 64 this build handles");
   std::lock_guard<std::mutex> lock(mutex);
   if (!known[device]) {
     DeviceInfo info;
@@ -218,8 +219,7 @@ Status device_info(int device, DeviceInfo& out) {
   return Status::kOk;
 }
 
-template <class G>
-cutlass::KernelHardwareInfo hardware(int device, const DeviceInfo& info) {
+inline cutlass::KernelHardwareInfo hardware(int device, const DeviceInfo& info) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = info.sms;
@@ -287,7 +287,7 @@ Status run(const Problem& p, void* workspace, size_t, cudaStream_t stream) {
   prepare_groups<<<1 + info.sms, 256, 0, stream>>>(p, args);
   EA_TRY(cuda::cuda_check(cudaGetLastError(), "fp8_grouped_gemm_blockwise: the builder kernel's launch"));
 
-  const auto gemm_args = gemm_arguments<G>(p, args, hardware<G>(p.device, info));
+  const auto gemm_args = gemm_arguments<G>(p, args, hardware(p.device, info));
   typename G::Gemm gemm;
   cutlass::Status st = gemm.can_implement(gemm_args);
   if (st != cutlass::Status::kSuccess) return cutlass_failed("can_implement", st);
