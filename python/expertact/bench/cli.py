@@ -17,6 +17,8 @@ implementations), chosen by the command line.
                                                     # with expertact's activation, expertact's whole MLP (bf16, FP8)
     python -m expertact.bench --megatron            # Megatron-Core's SequentialMLP experts beside expertact's
                                                     # ExpertMLP (bf16, memory modes, FP8); Python >= 3.12
+    python -m expertact.bench --fp8-gemms           # the six FP8 GEMMs alone: expertact's blockwise grouped
+                                                    # GEMM beside torch's (expertact/bench/fp8_gemm.py)
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--experts", action="store_true",
                    help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
                         "its own options follow)")
+    p.add_argument("--fp8-gemms", action="store_true",
+                   help="the six FP8 GEMMs alone, expertact's blockwise grouped GEMM beside torch's "
+                        "(expertact.bench.fp8_gemm; its own options follow)")
     return p.parse_args(argv)
 
 
@@ -99,6 +104,10 @@ def main(argv=None) -> int:
         from . import megatron
 
         return megatron.main([x for x in argv if x != "--megatron"])
+    if "--fp8-gemms" in argv:  # the six FP8 GEMMs alone, with their own options
+        from . import fp8_gemm
+
+        return fp8_gemm.main([x for x in argv if x != "--fp8-gemms"])
     if "--experts" in argv:  # transformers' experts implementations, with their own options
         from . import experts
 
