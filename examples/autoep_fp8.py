@@ -180,7 +180,8 @@ def torchao_record(record):
 class Capture:
     """At one step, what the first MoE layer's experts (DeepSpeed's GroupedExperts module, or
     expertact's forward on it) receive and give back, in expert_mlp's terms: x [T, D] (rows
-    sorted by expert, as the experts see them), offsets int32 [E] (cumulative end rows), w13
+    sorted by expert, as the experts see them: AutoEP pads each expert's rows with zero rows to a
+    multiple of 8, and may leave rows past the last), offsets int32 [E] (cumulative end rows), w13
     [E, D, 2F] (w1 and w3 concatenated, gate first: layout "halves") and w2 [E, F, D] in x's
     dtype as the GEMMs read them, the experts' output y [T, D], and dy [T, D], its gradient, taken
     in backward. The routing weights: AutoEP's minimax_m3 preset applies the router's scores after
