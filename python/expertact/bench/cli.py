@@ -17,6 +17,7 @@ implementations), chosen by the command line.
                                                     # with expertact's activation, expertact's whole MLP (bf16, FP8)
     python -m expertact.bench --megatron            # Megatron-Core's SequentialMLP experts beside expertact's
                                                     # ExpertMLP (bf16, memory modes, FP8); Python >= 3.12
+    python -m expertact.bench --fp8-accuracy        # each FP8 GEMM of the expert MLP against float64, per recipe
 """
 from __future__ import annotations
 
@@ -99,6 +100,10 @@ def main(argv=None) -> int:
         from . import megatron
 
         return megatron.main([x for x in argv if x != "--megatron"])
+    if "--fp8-accuracy" in argv:  # each FP8 GEMM against float64, with its own options
+        from . import fp8_accuracy
+
+        return fp8_accuracy.main([x for x in argv if x != "--fp8-accuracy"])
     if "--experts" in argv:  # transformers' experts implementations, with their own options
         from . import experts
 
