@@ -205,3 +205,39 @@ def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
         assert v[name]["max_abs_loss_diff_vs_baseline"] <= LOSS_ATOL_F32, name
     _check_repeat(v, "expertact_repeat", "expertact")
     _check_outputs(tmp_path, result, variants)
+
+
+def test_gpu_session_plan_and_dry_run():
+    """scripts/gpu_session.sh --plan packs the FP8 stages, in priority order, into device calls of at
+    most CALL_S and sessions of at most SESSION_S, each session opening with preflight and build;
+    --dry-run prints each stage's command and runs nothing; the runs those commands name exist in
+    the examples they launch (autoep_train.py's impls, finetune_gpt_oss.py's variants)."""
+    import re
+    import subprocess
+    import autoep_train
+
+    script = EXAMPLES.parent / "scripts" / "gpu_session.sh"
+    env = dict(os.environ, OUT="/nonexistent/out")
+    plan = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True, env=env, check=True).stdout
+    calls = re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~\s*(\d+) s", plan)
+    totals = [int(t) for t in re.findall(r"session \d+ total ~(\d+) s", plan)]
+    cap = int(re.search(r"calls \(<= (\d+) s\)", plan).group(1))
+    session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
+    stages = [s for c, _ in calls for s in c.split()]
+    fp8 = [s for s in stages if s not in ("preflight", "build")]
+    assert fp8[:3] == ["test-fp8", "fp8-accuracy", "train-autoep-fp8"] and len(fp8) == len(set(fp8)) == 10
+    assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
+    assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
+                                                       if "build" in c.split())
+    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert not os.path.exists("/nonexistent/out")
+    for st in fp8:
+        assert re.search(rf"^{st}: ", dry, re.M), st
+    for impls in re.findall(r"--impl ([\w,-]+)", dry):
+        assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
+    for variants in re.findall(r"--variants ([\w,]+)", dry):
+        assert all(v in ft.VARIANTS for v in variants.split(",")), variants
+    assert "--capture-step 150" in dry and "--fp8-accuracy --tensors" in dry and "--corpus stdlib+packages" in dry
+    bad = subprocess.run(["bash", str(script), "--dry-run", "no-such-stage"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown stage" in bad.stdout
