@@ -71,6 +71,34 @@ def test_operands_dequantise_as_the_recipe_oracle(tmp_path):
         assert torch.equal(B.deq(e, 0, s1 - s0), qx.double() * sx.double())
 
 
+def test_blockwise_operands_dequantise_as_the_recipe_oracle(tmp_path):
+    """The blockwise operands (1 x 128 row tiles, 128 x 128 weight blocks, 128 x 1 column tiles over
+    each expert's rows) dequantise to exactly the oracle's, at sizes that are not multiples of 128."""
+    if acc.has_blockwise(torch.device("cpu")):
+        pytest.skip(acc.has_blockwise(torch.device("cpu")))
+    g = torch.Generator().manual_seed(3)
+    T, d, f = 301, 160, 96
+    p = acc.Problem(torch.randn(T, d, generator=g).bfloat16(), torch.randn(T, d, generator=g).bfloat16(),
+                    (torch.randn(3, d, 2 * f, generator=g) * 0.05).bfloat16(),
+                    (torch.randn(3, f, d, generator=g) * 0.05).bfloat16(), torch.tensor([100, 100, 301]).int(),
+                    "swiglu_oai", 1.702, 7.0, "test")
+    p.chain()
+    A, B = acc.blockwise_operands(p, "gate_up")
+    q, s = fp8_tiles.row_tiles(p.x)
+    assert torch.equal(A.deq(torch.arange(T)), q.double() * s.double().repeat_interleave(128, 1)[:, :d])
+    qb, sb = fp8_tiles.blocks(p.w13.transpose(-2, -1))  # [E, 2F, D] blocks
+    for e in range(3):
+        full = sb[e].double().repeat_interleave(128, 0)[:2 * f].repeat_interleave(128, 1)[:, :d]
+        assert torch.equal(B.deq(e), (qb[e].double() * full).t())
+    A, B = acc.blockwise_operands(p, "dw13")
+    qt, st = fp8_tiles.column_tiles(p.x, p.ends)  # [D, Tp], [Tp / 128, D]
+    deq = qt.double().t() * st.double().repeat_interleave(128, 0)
+    for e, (s0, s1) in enumerate(zip(p.starts, p.ends)):
+        if s1 > s0:
+            p0 = B.pstarts[e]
+            assert torch.equal(B.deq(e, 0, s1 - s0), deq[p0:p0 + s1 - s0])
+
+
 def test_rowwise_emulation_against_float64(tmp_path):
     """Each of the six GEMMs: a few percent from float64 on the bf16 inputs (the quantisation; a
     silent bf16 fallback would be 100x closer), its bias small; against float64 on the dequantised
