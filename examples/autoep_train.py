@@ -26,11 +26,11 @@ One process per rank, launched by torchrun:
                                  FP8 rowwise MoE training (examples/autoep_fp8.py says how; Hopper)
 
 --impl takes a comma-separated list too: the runs then follow one another in the same processes
-(the CPU test runs every memory mode so, with --record-grads). A run whose recipe or
-library this machine lacks is refused before any run starts (--skip-unavailable: left out, said
-so). Every run but eager-fused takes
---gate-up-impl (default "separate", AutoEP's default); a run on another gate_up_impl than its impl
-names gets "-<gate_up_impl>" at the end of its default tag, so that a result file says which.
+(the CPU test runs every memory mode so, with --record-grads). A run whose recipe or library this
+machine lacks is refused before any run starts (--skip-unavailable: left out, and said so). Every
+run but eager-fused takes --gate-up-impl (default "separate", AutoEP's default); a run on another
+gate_up_impl than its impl names gets "-<gate_up_impl>" at the end of its default tag, so that a
+result file says which.
 
 The model is a randomly initialised MiniMax-M3 text backbone (transformers' minimax_m3_vl_text, built
 from a config, no download), so AutoEP's minimax_m3 preset converts it and its experts compute
@@ -41,7 +41,8 @@ packages' .py sources (128 MiB: the 1,000-step run reads it about 0.5 times).
 
 --capture-step N saves, at step N, the first MoE layer's expert inputs as expert_mlp takes them
 (x sorted by expert, offsets, w13, w2) and the gradient of their output, dy, to
-OUT/<tag>.capture.pt (examples/autoep_fp8.py), for python -m expertact.bench --fp8-accuracy.
+OUT/<tag>.capture.pt (examples/autoep_fp8.py), for python -m expertact.bench --fp8-accuracy (about
+1.7 GB at config h200; that step's peak memory includes the copies).
 
 Rank 0 writes OUT/<config>-<impl>.json: per step the global mean loss, the step time (slowest rank),
 each rank's peak allocated memory and the rows each rank's experts received in each MoE layer;
