@@ -59,8 +59,9 @@
 # 3.24, Ninja and dlpack.h for the build; Python (PYTHON, default python3) with a CUDA build of
 # torch, deepspeed 0.19.8, transformers >= 5.15, torchao 0.18 and matplotlib for the AutoEP and FP8
 # stages; Python >= 3.12 (PYTHON312, default PYTHON) with a CUDA build of torch, megatron-core 0.19.2
-# and matplotlib for the Megatron stages. No network is used: wheels in .whl/ (scripts/gpu_wheels.sh
-# fetches them elsewhere) are installed into SITE (default /tmp/site) and put on PYTHONPATH first.
+# and matplotlib for the Megatron stages. No network is used: wheels in WHEELS (default .whl/;
+# scripts/gpu_wheels.sh fetches them elsewhere) are installed into SITE (default /tmp/site) and put on
+# PYTHONPATH first.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -177,12 +178,14 @@ for st in "${STAGES[@]}"; do
 done
 plan "${STAGES[@]}"
 
-# Wheels carried to a machine without network: installed once into SITE, first on PYTHONPATH.
-if [ $DRY = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
-  if [ ! -f "$SITE/.installed" ] || [ "$(ls .whl)" != "$(cat "$SITE/.installed")" ]; then
-    echo "== installing .whl/ into $SITE"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl &&
-      ls .whl > "$SITE/.installed" || { echo "the wheels of .whl/ did not install"; exit 1; }
+# Wheels carried to a machine without network (WHEELS, default .whl; empty: none): installed once
+# into SITE, first on PYTHONPATH.
+WHEELS=${WHEELS-.whl}
+if [ $DRY = 0 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  if [ ! -f "$SITE/.installed" ] || [ "$(ls "$WHEELS")" != "$(cat "$SITE/.installed")" ]; then
+    echo "== installing $WHEELS/ into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl && ls "$WHEELS" > "$SITE/.installed" || { echo "the wheels of $WHEELS/ did not install"; exit 1; }
   fi
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
