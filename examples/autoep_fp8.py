@@ -18,7 +18,8 @@ both are refused. The conversion is applied inside deepspeed.initialize, after A
 the experts and DeepSpeed has cast the model to bf16 (a cast makes new Parameters), before
 DeepSpeed builds its optimizer, so that ZeRO holds torchao's parameters; DeepSpeed's marks on
 each expert parameter (allreduce=False, its group's name, AutoEP's metadata) are copied onto the
-new ones, and ZeRO's updates are made to reach the weights torchao reads (follow_zero). Step 0 counts torchao's grouped GEMMs: 3 per MoE layer, or the run stops.
+new ones, and ZeRO's updates are made to reach the weights torchao reads (follow_zero). Step 0
+counts torchao's grouped GEMMs: 3 per MoE layer, or the run stops.
 """
 from __future__ import annotations
 

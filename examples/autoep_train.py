@@ -477,7 +477,8 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
                                      f"GEMMs, expected {autoep_fp8.GEMMS_PER_LAYER} per MoE layer")
                 captured["torchao_step0_gemms"] = tao_calls["grouped_mm"]
         if capture is not None:
-            path = os.path.join(args.out, args.tag + ".capture.pt" if rank == 0 else f"{args.tag}.capture.rank{rank}.pt")
+            name = args.tag + (".capture.pt" if rank == 0 else f".capture.rank{rank}.pt")
+            path = os.path.join(args.out, name)
             size = capture.save(path, step=step, tag=args.tag, impl=args.impl, config=args.config, rank=rank,
                                 seed=args.seed, loss=out.loss.detach().float().item())
             captured["capture"] = dict(path=path, step=step, bytes=size)

@@ -36,9 +36,10 @@ the share of ref the output gains or loses along itself), against ref64 (float64
 inputs) and against deq64 (float64 on the dequantised FP8 operands: what is left is the GEMM's own
 arithmetic, accumulation and output rounding); vs bf16(deq64): the error against deq64 rounded once
 to bf16, the GEMM's arithmetic beyond its output's rounding (an exact accumulation leaves only the
-rare rounding flips); quant = ||deq64 - ref64|| / ||ref64||, the operands' quantisation alone. The four row-split GEMMs are compared on --sample-rows rows per
-expert (every row's output depends on that row alone; the GEMM runs on all rows); the weight
-gradients on their whole output, reduced over every row in float64.
+rare rounding flips); quant = ||deq64 - ref64|| / ||ref64||, the operands' quantisation alone.
+The four row-split GEMMs are compared on --sample-rows rows per expert (every row's output
+depends on that row alone; the GEMM runs on all rows); the weight gradients on their whole
+output, reduced over every row in float64.
 """
 from __future__ import annotations
 
@@ -240,7 +241,9 @@ def has_blockwise(device) -> str:
             missing.append("grouped_gemm_blockwise")
         elif not xfp8.has_grouped_gemm():
             return "pending: this expertact build has no FP8 grouped GEMM (built without the CUTLASS headers)"
-    return f"pending: this expertact has no expertact.fp8.{', '.join(missing)} (the blockwise recipe)" if missing else ""
+    if missing:
+        return f"pending: this expertact has no expertact.fp8.{', '.join(missing)} (the blockwise recipe)"
+    return ""
 
 
 def blockwise_operands(p: Problem, gemm: str):
@@ -546,7 +549,7 @@ def main(argv=None) -> int:
         p = load_capture(a.tensors, device)
     else:
         d = BUSIEST if cuda else CPU_DEFAULT
-        E, rows, D, F = (getattr(a, k) if getattr(a, k) is not None else d[k] for k in ("experts", "rows", "dim", "ffn"))
+        E, rows, D, F = (d[k] if getattr(a, k) is None else getattr(a, k) for k in ("experts", "rows", "dim", "ffn"))
         p = synthetic(E, rows, D, F, device, a.seed, a.scales_from)
     why = _fp8.why_not(p.x, p.D, p.F)
     if why is not None:
