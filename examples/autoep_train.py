@@ -19,17 +19,30 @@ One process per rank, launched by torchrun:
                                  expert MLP (expertact.moe.expert_mlp)
 --impl mlp-recompute, mlp-inplace, mlp-recompute-inplace, mlp-fp8
                                  ... with recompute=True, inplace_backward=True, both, fp8="rowwise"
+--impl mlp-fp8-bf16-wgrad, mlp-fp8-blockwise
+                                 ... fp8="rowwise" with fp8_wgrad=False (the weight gradients in bf16),
+                                 fp8="blockwise" (examples/autoep_fp8.py: one entry per recipe)
+--impl torchao-fp8               DeepSpeed's own experts with their weights converted by torchao 0.18's
+                                 FP8 rowwise MoE training (examples/autoep_fp8.py says how; Hopper)
 
 --impl takes a comma-separated list too: the runs then follow one another in the same processes
-(the CPU test runs every memory mode so, with --record-grads). Every run but eager-fused takes
---gate-up-impl (default "separate", AutoEP's default); a run on another gate_up_impl than its impl
-names gets "-<gate_up_impl>" at the end of its default tag, so that a result file says which.
+(the CPU test runs every memory mode so, with --record-grads). A run whose recipe or library this
+machine lacks is refused before any run starts (--skip-unavailable: left out, and said so). Every
+run but eager-fused takes --gate-up-impl (default "separate", AutoEP's default); a run on another
+gate_up_impl than its impl names gets "-<gate_up_impl>" at the end of its default tag, so that a
+result file says which.
 
 The model is a randomly initialised MiniMax-M3 text backbone (transformers' minimax_m3_vl_text, built
 from a config, no download), so AutoEP's minimax_m3 preset converts it and its experts compute
 swiglu_oai (alpha 1.702, limit 7). The data are the bytes of the Python standard library's own .py
 files (vocab 256; examples/byte_corpus.py, shared with megatron_moe.py), sampled with a fixed seed:
-every run of a config sees the same batches.
+every run of a config sees the same batches. --corpus stdlib+packages adds the installed
+packages' .py sources (128 MiB: the 1,000-step run reads it about 0.5 times).
+
+--capture-step N saves, at step N, the first MoE layer's expert inputs as expert_mlp takes them
+(x sorted by expert, offsets, w13, w2) and the gradient of their output, dy, to
+OUT/<tag>.capture.pt (examples/autoep_fp8.py), for python -m expertact.bench --fp8-accuracy (about
+1.7 GB at config h200; that step's peak memory includes the copies).
 
 Rank 0 writes OUT/<config>-<impl>.json: per step the global mean loss, the step time (slowest rank),
 each rank's peak allocated memory and the rows each rank's experts received in each MoE layer;
@@ -39,6 +52,7 @@ into a table and a plot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -52,7 +66,8 @@ import typing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # byte_corpus.py, beside this file
-from byte_corpus import load_corpus, make_batch  # noqa: E402  (the same text as megatron_moe.py's)
+from byte_corpus import CORPORA, load_corpus, make_batch  # noqa: E402  (the same text as megatron_moe.py's)
+import autoep_fp8  # noqa: E402  (the FP8 diagnosis's runs and the capture)
 
 # --impl -> the arguments of expertact.deepspeed.enable() (None: DeepSpeed's own experts).
 IMPLS = {
@@ -67,6 +82,8 @@ IMPLS = {
     "mlp-recompute-inplace": dict(experts=True, recompute=True, inplace_backward=True),
     "mlp-fp8": dict(experts=True, fp8="rowwise"),
 }
+for _impl, _enabled in {**autoep_fp8.FP8_IMPLS, **dict.fromkeys(autoep_fp8.TORCHAO_IMPLS)}.items():
+    IMPLS.setdefault(_impl, _enabled)
 # The runs whose gate_up_impl is their name's; every other one takes --gate-up-impl.
 FIXED_GATE_UP = {"eager-fused": "fused"}
 # AutoEP 0.19.8's default (deepspeed/module_inject/auto_ep_config.py: gate_up_impl =
@@ -122,6 +139,11 @@ def parse_args(argv=None):
     p.add_argument("--expert-share", action="store_true", help="after the steps, time the first MoE layer's "
                    "experts alone (forward + backward at the last step's rows, CUDA) and report their share "
                    "of the step")
+    p.add_argument("--corpus", choices=CORPORA, default="stdlib", help="the training text (examples/byte_corpus.py)")
+    p.add_argument("--capture-step", type=int, default=None, metavar="N", help="save the first MoE layer's expert "
+                   "inputs and output gradient at step N to OUT/<tag>.capture.pt (examples/autoep_fp8.py)")
+    p.add_argument("--skip-unavailable", action="store_true", help="leave out the runs this machine cannot make "
+                   "(a recipe this expertact lacks, torchao missing, no Hopper GPU) instead of refusing them all")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "autoep"))
     p.add_argument("--tag", default=None, help="file name of the result (default <config>-<impl>)")
     args = p.parse_args(argv)
@@ -139,6 +161,8 @@ def parse_args(argv=None):
     args.tag = args.tag or default_tag(args, args.impls[0])
     if sizes["warmup"] >= sizes["steps"]:
         p.error(f"--warmup ({sizes['warmup']}) must be below --steps ({sizes['steps']})")
+    if args.capture_step is not None and not 0 <= args.capture_step < sizes["steps"]:
+        p.error(f"--capture-step {args.capture_step} is not one of the steps 0..{sizes['steps'] - 1}")
     return args
 
 
@@ -339,16 +363,21 @@ def build_engine(args):
     import deepspeed
 
     t = [time.perf_counter()]
-    corpus, corpus_info = load_corpus()
+    corpus, corpus_info = load_corpus(args.corpus)
     t.append(time.perf_counter())
     model, model_cfg = build_model(args.sizes, args.seed)
     n_params_before = sum(p.numel() for p in model.parameters())
     t.append(time.perf_counter())
     config = ds_config(args)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    torchao = {} if args.impl in autoep_fp8.TORCHAO_IMPLS else None
+    with autoep_fp8.torchao_during_initialize(torchao) if torchao is not None else contextlib.nullcontext():
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if torchao is not None:
+        autoep_fp8.follow_zero(engine.optimizer)
     t.append(time.perf_counter())
     setup = dict(corpus=corpus, corpus_info=corpus_info, model_cfg=model_cfg, n_params_before=n_params_before,
-                 config=config, seconds=dict(corpus=t[1] - t[0], model=t[2] - t[1], deepspeed_initialize=t[3] - t[2]))
+                 config=config, seconds=dict(corpus=t[1] - t[0], model=t[2] - t[1], deepspeed_initialize=t[3] - t[2]),
+                 torchao=torchao)
     return engine, setup
 
 
@@ -408,7 +437,7 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
     for m in moe_layers:
         m.tokens_per_expert.zero_()
     losses, times, peaks, rows = [], [], [], []
-    calls = None
+    calls, captured = None, {}
     grads, hooks = [], []
     if args.record_grads:  # each parameter's gradient as autograd hands it over, before DeepSpeed's hooks
         for name, param in engine.module.named_parameters():
@@ -419,6 +448,9 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
         ids = make_batch(corpus, step, args.seed, rank, world, s["micro_batch"], s["seq"]).to(device)
         if step == 0:
             calls, restore = count_calls(registry, ACTIVATION)
+            if args.impl in autoep_fp8.TORCHAO_IMPLS:
+                tao_calls, tao_restore = autoep_fp8.count_torchao_gemms()
+        capture = autoep_fp8.Capture(layout.first.experts) if step == args.capture_step else None
         sync()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -438,6 +470,19 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
             if calls != want:
                 raise SystemExit(f"autoep_train.py: step 0 called {calls} of registry[{ACTIVATION!r}], "
                                  f"expected {want} for --impl {args.impl}")
+            if args.impl in autoep_fp8.TORCHAO_IMPLS:
+                tao_restore()
+                if tao_calls["grouped_mm"] != autoep_fp8.GEMMS_PER_LAYER * len(moe_layers):
+                    raise SystemExit(f"autoep_train.py: step 0 ran {tao_calls['grouped_mm']} of torchao's FP8 grouped "
+                                     f"GEMMs, expected {autoep_fp8.GEMMS_PER_LAYER} per MoE layer")
+                captured["torchao_step0_gemms"] = tao_calls["grouped_mm"]
+        if capture is not None:
+            name = args.tag + (".capture.pt" if rank == 0 else f".capture.rank{rank}.pt")
+            path = os.path.join(args.out, name)
+            size = capture.save(path, step=step, tag=args.tag, impl=args.impl, config=args.config, rank=rank,
+                                seed=args.seed, loss=out.loss.detach().float().item())
+            captured["capture"] = dict(path=path, step=step, bytes=size)
+            log(f"captured the first MoE layer's expert inputs at step {step}: {path} ({size / 2**20:.1f} MiB)")
         loss = out.loss.detach().float().reshape(1)
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
@@ -451,7 +496,7 @@ def train(args, engine, corpus, layout, registry, device, rank, world, log):
                 f"busiest rank rows {busiest}")
     for h in hooks:
         h.remove()
-    return dict(losses=losses, times=times, peaks=peaks, rows=rows, calls=calls, grads=grads)
+    return dict(losses=losses, times=times, peaks=peaks, rows=rows, calls=calls, grads=grads, **captured)
 
 
 def expert_share(layout, run, device, reps=5):
@@ -525,6 +570,10 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
         params_before_autoep=setup["n_params_before"],
         params_per_rank_after_autoep=sum(p.numel() for p in engine.module.parameters()),
         tokens_per_rank_per_step=s["micro_batch"] * s["seq"], corpus=setup["corpus_info"],
+        corpus_reads=s["steps"] * world * s["micro_batch"] * s["seq"] / setup["corpus_info"]["bytes"],
+        torchao=None if setup["torchao"] is None else autoep_fp8.torchao_record(
+            dict(setup["torchao"], step0_gemms=run.get("torchao_step0_gemms"))),
+        capture=run.get("capture"),
         loss=run["losses"], step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
         peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
         peak_allocated_bytes_per_rank=peak_per_rank,
@@ -567,7 +616,7 @@ def run_one(args, registry, device, rank, world):
 
     if args.record_grads:
         os.makedirs(args.out, exist_ok=True)
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        params = {n: autoep_fp8.plain(p).float().clone() for n, p in engine.module.named_parameters()}
         torch.save(dict(loss=run["losses"], grads=run["grads"], params=params),
                    os.path.join(args.out, f"{args.tag}.rank{rank}.pt"))
     xds.disable()
@@ -605,7 +654,13 @@ def main(argv=None):
 
     device, rank, world = init_distributed(args)
     registry = ep_experts.EXPERT_ACTIVATIONS
-    for impl in args.impls:
+    why = {impl: autoep_fp8.unavailable(IMPLS[impl], impl, device, args) for impl in args.impls}
+    for impl, reason in why.items():
+        if reason is not None and not args.skip_unavailable:
+            raise SystemExit(f"autoep_train.py: --impl {impl}: {reason} (--skip-unavailable leaves such runs out)")
+        if reason is not None and rank == 0:
+            print(f"[{default_tag(args, impl)}] left out: {reason}", flush=True)
+    for impl in [i for i in args.impls if why[i] is None]:
         one = copy.copy(args)
         one.impl = impl
         one.tag = args.tag if len(args.impls) == 1 else default_tag(args, impl)

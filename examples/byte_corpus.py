@@ -1,6 +1,13 @@
-"""The training text of the examples (autoep_train.py, megatron_moe.py): the Python standard
-library's own .py files as byte tokens (vocabulary 256), windows sampled from (seed, step) alone,
-so that every run, implementation and launch of a config trains on the same batches.
+"""The training text of the examples (autoep_train.py, megatron_moe.py): Python sources as byte
+tokens (vocabulary 256), windows sampled from (seed, step) alone, so that every run,
+implementation and launch of a config trains on the same batches.
+
+Two corpora (CORPORA), each described by its files, bytes and sha256 in every result:
+  stdlib           the standard library's own .py files (about 30 MB): the 300-step runs
+  stdlib+packages  the same, then the .py files of the installed packages (site-packages), sorted,
+                   cut at the first file that reaches CAP bytes: a text large enough that 1,000
+                   steps of 65,536 tokens read it less than twice (the packages installed decide
+                   its content: compare runs by its sha256)
 
 A module beside the examples, not a copy in each: both import it from their own folder (each
 puts that folder on sys.path first), so either still runs as `torchrun examples/<name>.py` with
@@ -15,17 +22,53 @@ from pathlib import Path
 VOCAB = 256  # byte tokens
 
 
-def load_corpus():
-    """All .py files under the standard library (not site-packages), sorted by path, joined by
-    a NUL byte; returns (uint8 tensor, description: root, files, bytes, sha256 of the bytes)."""
-    import torch
-    root = Path(sysconfig.get_paths()["stdlib"])
+CORPORA = ("stdlib", "stdlib+packages")
+CAP = 128 << 20  # stdlib+packages' size: 1,000 steps x 65,536 tokens read it about 0.5 times
+
+
+def corpus_files(name="stdlib"):
+    """The corpus's files in their order: the standard library's .py files (not site-packages),
+    sorted by path; for stdlib+packages then the .py files under the package directories
+    (purelib, platlib), sorted by path, each file once."""
+    paths = sysconfig.get_paths()
+    root = Path(paths["stdlib"])
     skip = {"site-packages", "dist-packages"}
     files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    data = b"\0".join(p.read_bytes() for p in files)
+    if name == "stdlib+packages":
+        seen = set()
+        for key in ("purelib", "platlib"):
+            pkg = Path(paths[key])
+            if pkg.is_dir() and pkg not in seen:
+                seen.add(pkg)
+                files += sorted(pkg.rglob("*.py"))
+    elif name != "stdlib":
+        raise ValueError(f"byte_corpus.py: corpus {name!r} is not one of {CORPORA}")
+    return root, files
+
+
+def load_corpus(name="stdlib", cap=CAP):
+    """The corpus `name` (CORPORA) joined by a NUL byte, stdlib+packages cut after the file that
+    reaches `cap` bytes; returns (uint8 tensor, description: name, root, files, bytes, sha256 of
+    the bytes)."""
+    import torch
+    root, files = corpus_files(name)
+    parts, size, used = [], 0, 0
+    for p in files:
+        try:
+            b = p.read_bytes()
+        except OSError:  # a broken link among the packages' files
+            continue
+        parts.append(b)
+        size += len(b) + 1
+        used += 1
+        if name != "stdlib" and size >= cap:
+            break
+    data = b"\0".join(parts)
     if len(data) < 1 << 20:  # CPython's own sources are ~30 MB; a stripped install ships .pyc only
         raise SystemExit(f"byte_corpus.py: only {len(data)} bytes of .py sources under {root}")
-    info = dict(root=str(root), files=len(files), bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    info = dict(name=name, root=str(root), files=used, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    if name != "stdlib":
+        info["cap"] = cap
     return torch.frombuffer(bytearray(data), dtype=torch.uint8), info
 
 

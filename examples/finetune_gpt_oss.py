@@ -21,8 +21,10 @@ Variants (--variants, comma-separated, run in this order; the first is the basel
                      inplace_backward=True): gate_up's gradient written over gate_up
   expertact_recompute  register(..., recompute=True): h recomputed in backward (not run by default)
   expertact_repeat   "expertact" again: are two identical runs bit-identical?
-  expertact_fp8      register(..., fp8="rowwise"): the expert GEMMs in float8 e4m3 with rowwise
-                     scales (Hopper only; not run by default)
+  expertact_fp8      register(..., fp8=RECIPE): the expert GEMMs in float8 e4m3 with the recipe
+                     --fp8 names (default "rowwise"; a name of expertact.moe.FP8_RECIPES, or
+                     "default" for fp8=True; --fp8-bf16-wgrad: fp8_wgrad=False). Hopper, or the
+                     recipe's emulation on the CPU (--dtype bf16); not run by default
   grouped_mm_repeat  "grouped_mm" again (not run by default)
 
 A repeat is compared with the run it repeats, from the same command or from an earlier one into
@@ -119,6 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--fp8", default="rowwise", metavar="RECIPE",
+                   help="expertact_fp8's FP8 recipe: a name of expertact.moe.FP8_RECIPES, or default (fp8=True)")
+    p.add_argument("--fp8-bf16-wgrad", action="store_true", help="expertact_fp8 with fp8_wgrad=False")
     p.add_argument("--out", default="finetune_out")
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -132,6 +137,14 @@ def parse_args(argv=None):
         if rep is not None and rep in names and names.index(rep) > names.index(v):
             p.error(f"{v} repeats {rep}: list {rep} before it")
     args.variant_names = names
+    args.fp8_modes = None
+    if "expertact_fp8" in names:
+        from expertact.moe import fp8_recipe
+        try:  # resolved as every fp8= argument is: an unknown name is refused naming the recipes
+            recipe = fp8_recipe(True if args.fp8 == "default" else args.fp8, "finetune_gpt_oss.py --fp8")
+        except ValueError as e:
+            p.error(str(e))
+        args.fp8_modes = dict(fp8=recipe, fp8_wgrad=not args.fp8_bf16_wgrad)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     return args
@@ -224,12 +237,14 @@ def build_model(arch, s, seed, bias_std):
     return model, cfg
 
 
-def register_variants(names):
+def register_variants(names, fp8_modes=None):
     """Imports expertact.transformers (registering "expertact") and registers the memory-mode
-    variants that `names` use."""
+    variants that `names` use; expertact_fp8 with fp8_modes (its recipe, from --fp8)."""
     import expertact.transformers as xt
     for n in names:
         impl, modes, _ = VARIANTS[n]
+        if n == "expertact_fp8" and fp8_modes is not None:
+            modes = fp8_modes
         if modes is not None:
             xt.register(impl, **modes)
 
@@ -665,14 +680,14 @@ def run(argv=None, log=print):
                           args.out, argv, BASELINE, YARDSTICK)
 
     if any(VARIANTS[n][0].startswith("expertact") for n in args.variant_names):
-        register_variants(args.variant_names)
+        register_variants(args.variant_names, args.fp8_modes)
 
     def loss_fn(model, ids):
         return model(input_ids=ids, labels=ids).loss
 
     def new_record(name):
         impl, _, repeats = VARIANTS[name]
-        return dict(implementation=impl, repeats=repeats)
+        return dict(implementation=impl, repeats=repeats, **(args.fp8_modes if name == "expertact_fp8" else {}))
 
     def prepare(name, model, record):
         # An implementation that refuses this model (NotImplementedError) fails here: recorded.

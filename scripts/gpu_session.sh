@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# The measurements behind the documentation's comparisons against each stack's default, one command
-# each, on one GPU machine: every stage writes under $OUT/session/<stage>/ (OUT defaults to out/,
-# git-ignored) its results, its log, and command.txt + env.txt (the command, the commit, the
-# device, the versions). Stages run in the order given; the build folder is kept between calls.
+# The measurements behind the documentation's comparisons against each stack's default and the FP8
+# recipes' accuracy, speed and training loss, one command each, on one GPU machine: every stage writes
+# under $OUT/session/<stage>/ (OUT defaults to out/, git-ignored) its results, its log, and
+# command.txt + env.txt (the command, the commit, the device, the versions). Stages run in the order
+# given; the build folder is kept between calls, and a stage that needs the library builds it first
+# when it is missing (a fresh machine).
 #
-#   bash scripts/gpu_session.sh                     # prints the stages and their estimated device time
+#   bash scripts/gpu_session.sh                     # the stages and their estimated device time
+#   bash scripts/gpu_session.sh --plan              # the FP8 stages packed into calls and 30-minute sessions
+#   bash scripts/gpu_session.sh --dry-run STAGE...  # what these stages would run, run nothing
 #   bash scripts/gpu_session.sh build bench-autoep  # these stages, in this order
 #   bash scripts/gpu_session.sh all                 # every stage
+#   BUNDLE=DIR/r.tar.gz bash scripts/gpu_session.sh ...   # also every result (not the captured tensors)
+#                                                   # in one archive, for a machine that returns few files
 #
 # Stages (estimated time on one H200 with 16 cores, from the runs kept in bench/results):
-#   build                  the library with its CUDA path (ARCHS, default 90) in build/gpu
+#   preflight              the GPU, the versions, and every package the stages import
+#   build                  the library with its CUDA path (ARCHS, default 90) in build/gpu, and the FP8
+#                          blockwise grouped GEMMs when the CUTLASS headers are found (nvidia-cutlass)
 #   bench-autoep           python -m expertact.bench --autoep: DeepSpeed AutoEP's GroupedExperts at
 #                          the busiest rank, deepspeed = AutoEP's default (gate_up_impl separate),
 #                          deepspeed-fused, deepspeed-compile and expertact's rows, swiglu and swiglu_oai
@@ -23,15 +31,37 @@
 #   train-megatron-gpt-oss the same for GPT-OSS's form: Megatron's (unfused), the same again, its
 #                          quick_gelu uncompiled, expertact in place and FP8
 #   report-megatron        examples/megatron_report.py over both trainings: table and loss plot
-# Every stage together is estimated above 30 minutes: a session with less takes them in two parts,
-# each starting with build on a fresh machine (build bench-autoep train-autoep; build bench-megatron
-# train-megatron-swiglu train-megatron-gpt-oss report-megatron).
+# The FP8 recipes (docs/notes/fp8-recipes.md), in the order --plan takes them: the diagnosis first,
+# then the training runs that decide the default recipe:
+#   test-fp8               the GPU cases of the FP8 kernels' and GEMM's tests (those of
+#                          test_fp8_blocks.py, test_fp8_gemm.py, test_fp8_mlp.py that exist)
+#   fp8-accuracy           the first MoE layer's expert inputs captured at step 150 of the AutoEP h200
+#                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
+#                          on them and at the busiest rank's shape with their column scales
+#   train-autoep-fp8       AutoEP h200, 300 steps, in one launch: DeepSpeed's default, its two
+#                          yardsticks, and each FP8 recipe (rowwise, rowwise with bf16 weight gradients,
+#                          blockwise; a recipe this expertact lacks is left out and said so)
+#   train-autoep-torchao   the same model with torchao's FP8 rowwise MoE training, and expertact's
+#                          fastest bf16 whole MLP (mlp-inplace, the FP8 step's yardstick); then the report
+#                          of both launches
+#   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
+#   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
+#                          and torchao's composition
+#   train-autoep-1000-bf16 1,000 steps on the larger corpus (--corpus stdlib+packages): DeepSpeed's default
+#                          and its repeat
+#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-blockwise: the
+#                          run the 300-step results pick), then the report
+#   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
+#   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
+#                          the recipe FINETUNE_FP8 (default rowwise), into the same report
 #
 # Needs: one NVIDIA GPU, Hopper (sm_90) for the FP8 rows and runs; the CUDA toolkit (nvcc), CMake >=
 # 3.24, Ninja and dlpack.h for the build; Python (PYTHON, default python3) with a CUDA build of
-# torch, deepspeed 0.19.8, transformers >= 5.15 and matplotlib for the AutoEP stages; Python >= 3.12
-# (PYTHON312, default PYTHON) with a CUDA build of torch, megatron-core 0.19.2 and matplotlib for the
-# Megatron stages. No network is used.
+# torch, deepspeed 0.19.8, transformers >= 5.15, torchao 0.18 and matplotlib for the AutoEP and FP8
+# stages; Python >= 3.12 (PYTHON312, default PYTHON) with a CUDA build of torch, megatron-core 0.19.2
+# and matplotlib for the Megatron stages. No network is used: wheels in WHEELS (default .whl/;
+# scripts/gpu_wheels.sh fetches them elsewhere) are installed into SITE (default /tmp/site) and put on
+# PYTHONPATH first.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -40,17 +70,43 @@ S=$OUT/session
 PY=${PYTHON:-python3}
 PY312=${PYTHON312:-$PY}
 BUILD=${BUILD:-$ROOT/build/gpu}
-ORDER=(build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss report-megatron)
+SITE=${SITE:-/tmp/site}
+LONG_FP8=${LONG_FP8:-mlp-fp8-blockwise}
+FINETUNE_FP8=${FINETUNE_FP8:-rowwise}
+ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
+       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 train-autoep-torchao bench-fp8-gemms bench-mlp-fp8
+       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
+# The FP8 stages in priority order: the per-GEMM diagnosis, then the training runs that decide the default.
+FP8_PLAN=(test-fp8 fp8-accuracy train-autoep-fp8 train-autoep-torchao bench-fp8-gemms bench-mlp-fp8
+          train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
-# gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md); five 300-step AutoEP runs and the
-# report 393 s (docs/autoep-e2e.md), ~78 s a run, here six; the Megatron bench's two tables of six
-# rows ~130 s (megatron-notes: build, GPU tests and the bench in 257 s), here seven rows; four
-# 300-step Megatron runs 317 s (~79 s a run; the same notes), here five per launch. bench-autoep has
-# no recorded duration: two tables of eleven rows at the busiest rank's size (each row about 14
+# gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) before the FP8 grouped GEMMs, whose two
+# CUTLASS translation units are estimated at ~160 s more (no record yet); five 300-step AutoEP runs and
+# the report 393 s (docs/autoep-e2e.md), ~78 s a run, here six; the Megatron bench's two tables of six
+# rows ~130 s (megatron-notes: build, GPU tests and the bench in 257 s), here seven rows; four 300-step
+# Megatron runs 317 s (~79 s a run; the same notes), here five per launch. bench-autoep has no
+# recorded duration: two tables of eleven rows at the busiest rank's size (each row about 14
 # forward+backward passes of ~0.3-0.4 s) and one torch.compile each, estimated.
-declare -A EST=([build]=80 [bench-autoep]=300 [train-autoep]=480 [bench-megatron]=150 [train-megatron-swiglu]=400
-                [train-megatron-gpt-oss]=400 [report-megatron]=10)
+# The FP8 stages, from bench/results/autoep-e2e-h200-2026-12-03 (per 300-step h200 run: 38-60 s of
+# steps, 122-182 ms a step, plus ~16 s of model and DeepSpeed setup) and finetune-gpt-oss-fp8-h200-
+# 2026-12-02 (300 steps: grouped_mm 202 s, eager 162 s, expertact 52 s, expertact_fp8 53 s), plus ~25 s
+# of process start a launch: train-autoep-fp8 six runs ~435 s; train-autoep-torchao two ~145 s
+# (torchao's step estimated at DeepSpeed's default's); the 1,000-step runs 180 s (bf16) or ~130 s (FP8)
+# of steps each; fp8-accuracy: the capture ~75 s (151 steps and the 1.7 GB file), the analysis of it
+# ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
+# bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
+declare -A EST=([preflight]=20 [build]=240 [bench-autoep]=300 [train-autoep]=480 [bench-megatron]=150
+                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=120
+                [fp8-accuracy]=330 [train-autoep-fp8]=450 [train-autoep-torchao]=175 [bench-fp8-gemms]=120
+                [bench-mlp-fp8]=240 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
+                [finetune-fp8-yardsticks]=400 [finetune-fp8]=140)
+# A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
+# (~150 s) included: --plan fills calls up to CALL_S (a margin for the estimates) and sessions up to
+# SESSION_S.
+CALL_S=${CALL_S:-480}
+SESSION_S=${SESSION_S:-1650}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 plan() {
   local total=0 st
@@ -61,11 +117,60 @@ plan() {
   done
   printf "  %-24s ~%3d s (~%d min), plus the machine's start\n" "total" "$total" $(((total + 59) / 60))
 }
-if [ $# = 0 ]; then
-  plan "${ORDER[@]}"
-  echo "run: bash scripts/gpu_session.sh STAGE... (or all)"
-  exit 0
-fi
+
+# pack STAGE...: the stages in this order, in calls of at most CALL_S and sessions of at most
+# SESSION_S, each session opening with a call of preflight and build (a fresh machine).
+pack() {
+  local first=$((EST[preflight] + EST[build])) session=0 used=0 call=() call_s=0 st
+  flush() {
+    [ ${#call[@]} = 0 ] && return
+    printf "    call: %-58s ~%3d s\n" "bash scripts/gpu_session.sh ${call[*]}" "$call_s"
+    used=$((used + call_s))
+    call=()
+    call_s=0
+  }
+  open() {
+    [ $session -gt 0 ] && { flush; printf "  session %d total ~%d s of device time\n" $session $used; }
+    session=$((session + 1))
+    used=0
+    printf "  session %d (a fresh machine):\n" $session
+    call=(preflight build)
+    call_s=$first
+  }
+  open
+  for st in "$@"; do
+    if [ $((used + call_s + EST[$st])) -gt "$SESSION_S" ]; then
+      open
+    fi
+    if [ $((call_s + EST[$st])) -gt "$CALL_S" ]; then
+      flush
+    fi
+    call+=("$st")
+    call_s=$((call_s + EST[$st]))
+  done
+  flush
+  printf "  session %d total ~%d s of device time\n" $session $used
+  echo "  each call as one device command, with carry [\".whl\"] (scripts/gpu_wheels.sh) and its results in one file:"
+  echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
+  echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held)"
+}
+
+DRY=0
+case "${1:-}" in
+  "")
+    plan "${ORDER[@]}"
+    echo "run: bash scripts/gpu_session.sh STAGE... (or all); --plan: the FP8 stages packed into sessions"
+    exit 0 ;;
+  --plan)
+    shift
+    [ $# = 0 ] && set -- "${FP8_PLAN[@]}"
+    echo "the stages packed into device calls (<= $CALL_S s) and sessions (<= $SESSION_S s besides the start):"
+    pack "$@"
+    exit 0 ;;
+  --dry-run)
+    DRY=1
+    shift ;;
+esac
 STAGES=("$@")
 [ "$*" = all ] && STAGES=("${ORDER[@]}")
 for st in "${STAGES[@]}"; do
@@ -73,6 +178,17 @@ for st in "${STAGES[@]}"; do
 done
 plan "${STAGES[@]}"
 
+# Wheels carried to a machine without network (WHEELS, default .whl; empty: none): installed once
+# into SITE, first on PYTHONPATH.
+WHEELS=${WHEELS-.whl}
+if [ $DRY = 0 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+  if [ ! -f "$SITE/.installed" ] || [ "$(ls "$WHEELS")" != "$(cat "$SITE/.installed")" ]; then
+    echo "== installing $WHEELS/ into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl && ls "$WHEELS" > "$SITE/.installed" || { echo "the wheels of $WHEELS/ did not install"; exit 1; }
+  fi
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 export EXPERTACT_LIBRARY=$BUILD/libexpertact.so
 
@@ -92,7 +208,7 @@ import importlib, platform
 import torch
 print("python", platform.python_version(), "torch", torch.__version__, "CUDA", torch.version.cuda,
       "gpus", torch.cuda.device_count())
-for name in ("expertact", "deepspeed", "transformers", "megatron.core", "triton"):
+for name in ("expertact", "deepspeed", "transformers", "torchao", "megatron.core", "triton"):
     try:
         m = importlib.import_module(name)
     except Exception as e:  # not every stage needs every package
@@ -109,6 +225,10 @@ status=0
 run_stage() {  # run_stage NAME DIR PYTHON COMMAND...: recorded, logged to DIR/log.txt, timed
   local name=$1 dir=$2 py=$3 t=$SECONDS rc
   shift 3
+  if [ $DRY = 1 ]; then
+    echo "$name: $*"
+    return
+  fi
   record "$dir" "$py" "$@"
   echo "== $name (~${EST[$name]} s estimated): $*"
   "$@" > "$dir/log.txt" 2>&1
@@ -121,9 +241,20 @@ run_stage() {  # run_stage NAME DIR PYTHON COMMAND...: recorded, logged to DIR/l
   echo "$((SECONDS - t)) s, exit $rc" >> "$dir/command.txt"
 }
 
-for st in "${STAGES[@]}"; do
-  D=$S/$st
+TRAIN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/autoep_train.py --config h200
+       --ep-size 1)
+AUTOEP_REPORT=("$PY" examples/autoep_report.py)
+stage() {  # stage NAME: run_stage with the stage's command
+  local st=$1 D=$S/$1
   case $st in
+    preflight)
+      run_stage "$st" "$D" "$PY" bash -c "nvidia-smi; cd /tmp && '$PY' -c \"
+import torch, deepspeed, transformers, torchao, matplotlib
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0),
+      torch.cuda.get_device_capability(0), 'deepspeed', deepspeed.__version__, 'transformers',
+      transformers.__version__, 'torchao', torchao.__version__)
+from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+\"" ;;
     build)
       run_stage build "$D" "$PY" bash -c "cmake -S . -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES='${ARCHS:-90}' -DEXPERTACT_BUILD_TESTS=OFF -DEXPERTACT_BUILD_BENCH=OFF &&
@@ -148,7 +279,59 @@ for st in "${STAGES[@]}"; do
     report-megatron)
       run_stage "$st" "$D" "$PY312" "$PY312" examples/megatron_report.py --in "$S/train-megatron" \
         --md "$D/megatron-train.md" --png "$D/megatron-loss.png" ;;
+    test-fp8)
+      local tests=() t
+      for t in test_fp8_blocks test_fp8_gemm test_fp8_mlp; do
+        [ -f "tests/python/$t.py" ] && tests+=("$ROOT/tests/python/$t.py")
+      done
+      run_stage "$st" "$D" "$PY" bash -c "cd /tmp && '$PY' -m pytest -q -p no:cacheprovider -rs ${tests[*]}" ;;
+    fp8-accuracy)
+      run_stage "$st" "$D" "$PY" bash -c "set -e
+        ${TRAIN[*]} --impl eager --steps 151 --capture-step 150 --out '$D' --tag h200-eager-step150
+        '$PY' -m expertact.bench --fp8-accuracy --tensors '$D/h200-eager-step150.capture.pt' \
+          --json '$D/fp8-accuracy-capture.json' --markdown '$D/fp8-accuracy-capture.md'
+        '$PY' -m expertact.bench --fp8-accuracy --scales-from '$D/h200-eager-step150.capture.pt' \
+          --json '$D/fp8-accuracy-busiest.json' --markdown '$D/fp8-accuracy-busiest.md'" ;;
+    train-autoep-fp8)
+      run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --expert-share --skip-unavailable --out "$S/train-autoep-fp8" \
+        --impl eager,eager-repeat,eager-fused,mlp-fp8,mlp-fp8-bf16-wgrad,mlp-fp8-blockwise ;;
+    train-autoep-torchao)
+      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --expert-share --out '$S/train-autoep-fp8' \
+          --impl torchao-fp8,mlp-inplace && ${AUTOEP_REPORT[*]} --in '$S/train-autoep-fp8' \
+          --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png'" ;;
+    bench-fp8-gemms)
+      run_stage "$st" "$D" "$PY" bash -c "if '$PY' -c 'import expertact.bench.fp8_gemm' 2> /dev/null; then
+          '$PY' -m expertact.bench --fp8-gemms --json '$D/fp8-gemms.json' --markdown '$D/fp8-gemms.md'
+        else echo 'skipped: this expertact has no python -m expertact.bench --fp8-gemms'; fi" ;;
+    bench-mlp-fp8)
+      run_stage "$st" "$D" "$PY" "$PY" -m expertact.bench --mlp --fp8 --json "$D/mlp-fp8.json" \
+        --markdown "$D/mlp-fp8.md" ;;
+    train-autoep-1000-bf16)
+      run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
+        --impl eager,eager-repeat ;;
+    train-autoep-1000-fp8)
+      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --steps 1000 --corpus stdlib+packages \
+          --out '$S/train-autoep-1000' --impl eager-fused,$LONG_FP8 && ${AUTOEP_REPORT[*]} \
+          --in '$S/train-autoep-1000' --md '$D/autoep-1000.md' --png '$D/autoep-1000-loss.png'" ;;
+    finetune-fp8-yardsticks)
+      run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --variants grouped_mm,eager \
+        --out "$S/finetune-fp8" ;;
+    finetune-fp8)
+      run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --variants expertact,expertact_fp8 \
+        --fp8 "$FINETUNE_FP8" --out "$S/finetune-fp8" ;;
   esac
+}
+
+for st in "${STAGES[@]}"; do
+  if [ $DRY = 0 ] && [ "$st" != build ] && [ "$st" != preflight ] && [ ! -f "$BUILD/libexpertact.so" ]; then
+    echo "== $st needs the library, which this machine has not built: build first"
+    stage build
+  fi
+  stage "$st"
 done
+if [ $DRY = 0 ] && [ -n "${BUNDLE:-}" ]; then  # every result but the captured tensors, in one archive
+  mkdir -p "$(dirname "$BUNDLE")"
+  tar czf "$BUNDLE" -C "$OUT" --exclude='*.pt' session && echo "== bundled into $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
+fi
 echo "== done: status $status; results in $S"
 exit $status

@@ -72,7 +72,7 @@ import importlib.metadata as md
 want = {"torch": "2.13.0", "pytest": None, "numpy": None, "cmake": None, "ninja": None, "scikit-build-core": None,
         "nvidia-cutlass": "4.2.0.0",
         "deepspeed": "0.19.8", "transformers": "5.17.0", "torchtitan": "0.3.0", "spmd_types": "0.2.3",
-        "tyro": "1.0.17", "docstring-parser": "0.18.0", "typeguard": "4.6.1"}
+        "tyro": "1.0.17", "docstring-parser": "0.18.0", "typeguard": "4.6.1", "torchao": "0.18.0"}
 out = []
 for name, version in want.items():
     try:
@@ -117,6 +117,11 @@ if wants torchtitan spmd_types tyro docstring-parser typeguard; then
   optional torchtitan "the TorchTitan tests (test_torchtitan.py, test_examples.py's TorchTitan loop)" \
     $PY -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 \
     typeguard==4.6.1
+fi
+# torchao, an optional test dependency: test_autoep_example.py checks on the CPU how its FP8 MoE
+# training conversion is wired into AutoEP's experts, and skips without it; --no-deps (it imports torch).
+if wants torchao; then
+  optional torchao "the torchao wiring test (test_autoep_example.py)" $PY -m pip install -q --no-deps "torchao==0.18.0"
 fi
 if ! $PY -c "import triton" 2> /dev/null; then
   optional triton "the TorchTitan tests (test_torchtitan.py)" $PY -m pip install -q --no-deps triton==3.9.0

@@ -299,3 +299,135 @@ def test_two_rank_autoep_whole_mlp_zero2_for_loop_on_cpu(tmp_path):
         assert res["expert_gemm"] == "for-loop" and res["gate_up_impl"] == "separate" and res["zero_stage"] == 2
     for rank in (0, 1):
         _same_training(tmp_path, "tiny-eager", "tiny-mlp-inplace", rank)
+
+
+# ---------------------------------------------------------------------------
+# the FP8 diagnosis's runs, the capture and the larger corpus (examples/autoep_fp8.py)
+# ---------------------------------------------------------------------------
+
+def test_corpus_stdlib_and_packages():
+    """The larger corpus: the standard library first, then the packages' sources, cut at CAP; the
+    same bytes (sha256) on every load; large enough that 1,000 steps of 65,536 tokens read it at
+    most twice."""
+    small, info_small = train.load_corpus("stdlib")
+    big, info = train.load_corpus("stdlib+packages")
+    assert info["name"] == "stdlib+packages" and info["cap"] == 128 << 20 and info_small["name"] == "stdlib"
+    assert info["bytes"] == big.numel() >= 1000 * 65536 / 2 and info["files"] > info_small["files"]
+    assert info["bytes"] <= info["cap"] + (50 << 20)  # cut at the first file past the cap
+    assert torch.equal(big[:small.numel()], small)
+    _, again = train.load_corpus("stdlib+packages")
+    assert again == info
+    with pytest.raises(ValueError, match="not one of"):
+        train.load_corpus("everything")
+    a = train.parse_args(["--impl", "eager", "--corpus", "stdlib+packages"])
+    assert a.corpus == "stdlib+packages"
+
+
+def test_fp8_runs_refused_where_this_expertact_lacks_them():
+    """Each FP8 recipe's run is one IMPLS entry; it is refused, naming what is missing, exactly when
+    this expertact's enable() lacks an argument it passes or its recipe is not in FP8_RECIPES."""
+    import inspect
+    import expertact.deepspeed as xds
+    from expertact import moe
+    diag = train.autoep_fp8
+    args = train.parse_args(["--impl", ",".join(diag.FP8_IMPLS), "--config", "h200"])
+    takes = set(inspect.signature(xds.enable).parameters)
+    for impl, enabled in diag.FP8_IMPLS.items():
+        assert train.IMPLS[impl] == enabled and enabled["experts"] is True
+        why = diag.unavailable(enabled, impl, torch.device("cpu"), args)
+        lacks = sorted(set(enabled) - takes)
+        if lacks:
+            assert why is not None and all(k in why for k in lacks), why
+        elif enabled["fp8"] not in moe.FP8_RECIPES:
+            assert why is not None and repr(enabled["fp8"]) in why, why
+        else:
+            assert why is None
+    assert diag.unavailable(None, "eager", torch.device("cpu"), args) is None
+    assert diag.unavailable(train.IMPLS["mlp-fp8"], "mlp-fp8", torch.device("cpu"), args) is None
+
+
+def test_torchao_run_refused_off_hopper(monkeypatch):
+    """torchao's run needs torchao 0.18, a Hopper GPU, and DeepSpeed's torch._grouped_mm path with
+    gate_up separate (the GEMMs its conversion reaches); each refusal says which."""
+    diag = train.autoep_fp8
+    cpu = torch.device("cpu")
+    args = train.parse_args(["--impl", "torchao-fp8", "--config", "h200"])
+    assert train.IMPLS["torchao-fp8"] is None  # DeepSpeed's own experts: enable() is not called
+    assert train.expected_calls("torchao-fp8", "separate", 2) == train.expected_calls("eager", "separate", 2)
+    try:
+        import torchao
+    except ImportError:
+        assert "not importable" in diag.unavailable(None, "torchao-fp8", cpu, args)
+    else:
+        if not torchao.__version__.startswith(diag.TORCHAO_VERSION):
+            pytest.skip(f"torchao {torchao.__version__} is not {diag.TORCHAO_VERSION}x")
+        assert "Hopper" in diag.unavailable(None, "torchao-fp8", cpu, args)
+        fused = train.parse_args(["--impl", "torchao-fp8", "--gate-up-impl", "fused"])
+        assert "separate" in diag.unavailable(None, "torchao-fp8", cpu, fused)
+        loop = train.parse_args(["--impl", "torchao-fp8", "--expert-gemm", "for-loop"])
+        assert "grouped_mm" in diag.unavailable(None, "torchao-fp8", cpu, loop)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    assert "not importable" in diag.unavailable(None, "torchao-fp8", cpu, args)
+
+
+def test_capture_of_the_first_moe_layer_on_cpu(tmp_path):
+    """--capture-step 1: each rank's file holds its first MoE layer's expert inputs in expert_mlp's
+    form, and expert_mlp on them gives the experts' captured output; dy is the gradient of that
+    output (finite, not all zero); the record points to the file."""
+    _needs_autoep()
+    from expertact.moe import expert_mlp
+    _torchrun(tmp_path, "--impl", "eager", "--capture-step", "1")
+    res = json.loads((tmp_path / "tiny-eager.json").read_text())
+    s = res["sizes"]
+    D, F = s["hidden"], s["ffn"]
+    E = len(res["experts_per_rank"][0])
+    assert res["capture"]["step"] == 1 and res["capture"]["path"] == str(tmp_path / "tiny-eager.capture.pt")
+    for rank, name in ((0, "tiny-eager.capture.pt"), (1, "tiny-eager.capture.rank1.pt")):
+        c = torch.load(tmp_path / name)
+        assert (c["step"], c["rank"], c["impl"], c["layout"], c["weights"]) == (1, rank, "eager", "halves", None)
+        assert c["activation"] == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+        T = c["x"].shape[0]
+        assert c["x"].shape == c["y"].shape == c["dy"].shape == (T, D)
+        assert c["w13"].shape == (E, D, 2 * F) and c["w2"].shape == (E, F, D)
+        assert c["offsets"].dtype == torch.int32 and c["offsets"].shape == (E,)
+        end = int(c["offsets"][-1])
+        # the rows this rank's experts received in the first layer at step 1, each expert's padded by
+        # AutoEP to a multiple of 8 (deepspeed.moe.ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M) with zero rows
+        got = res["rows_received_per_step"][1][0][rank]
+        assert got <= end < got + 8 * E and end <= T
+        counts = torch.diff(c["offsets"], prepend=c["offsets"].new_zeros(1))
+        assert (counts % 8 == 0).all()
+        y = expert_mlp(c["x"], c["w13"], c["w2"], c["offsets"], "swiglu_oai", alpha=1.702, limit=7.0,
+                       layout="halves")
+        scale = c["y"][:end].abs().max()
+        assert scale > 0 and (y[:end] - c["y"][:end]).abs().max() <= 1e-5 * scale
+        assert torch.isfinite(c["dy"]).all() and c["dy"][:end].abs().max() > 0
+
+
+def test_torchao_wiring_on_cpu(tmp_path):
+    """torchao's conversion of AutoEP's expert weights, with its FP8 grouped GEMM replaced by the
+    same torch._grouped_mm (tests/python/support/autoep_launch_torchao.py): every expert GEMM of
+    DeepSpeed's forward goes through torchao's dispatch (3 per MoE layer and step), and the run
+    trains exactly as DeepSpeed's own: the same losses, gradients and parameters after 3 steps
+    (ZeRO's updates reach the weights torchao reads)."""
+    _needs_autoep()
+    pytest.importorskip("torchao")
+    calls = tmp_path / "calls"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
+               TORCHAO_CALLS=str(calls))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(Path(__file__).parent / "support" / "autoep_launch_torchao.py"), str(EXAMPLES / "autoep_train.py"),
+           "--config", "tiny", "--steps", "3", "--dtype", "fp32", "--device", "cpu", "--record-grads",
+           "--out", str(tmp_path), "--impl", "eager,torchao-fp8"]
+    p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    res = json.loads((tmp_path / "tiny-torchao-fp8.json").read_text())
+    layers, E = res["sizes"]["layers"], len(res["experts_per_rank"][0])
+    tao = res["torchao"]
+    assert tao["version"].startswith(train.autoep_fp8.TORCHAO_VERSION) and "Float8TrainingOpConfig" in tao["config"]
+    assert tao["converted"] == [f"model.layers.{i}.mlp.experts.{w}" for i in range(layers) for w in ("w1", "w2", "w3")]
+    assert tao["step0_gemms"] == 3 * layers and res["step0_calls"] == train.expected_calls("eager", "separate", layers)
+    for rank in (0, 1):
+        got = json.loads(Path(f"{calls}.rank{rank}.json").read_text())
+        assert len(got) == 3 * layers * 3 and all(b[0] == E for _, b in got)
+        _same_training(tmp_path, "tiny-eager", "tiny-torchao-fp8", rank)

@@ -156,6 +156,33 @@ def test_runs_merge_into_one_report(tmp_path, restore_flags):
     assert "no grouped_mm run to compare with" in (tmp_path / "results.md").read_text()
 
 
+def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
+    """--fp8 names expertact_fp8's recipe, resolved by expertact.moe.fp8_recipe (an unknown name is
+    refused naming the recipes); on the CPU, in bf16, the recipe's emulation trains (every expert
+    GEMM through the FP8 layer, counted: no silent bf16) near the bf16 baseline, and the record
+    says which recipe ran."""
+    from expertact.moe import FP8_RECIPES, _gemm
+    for bad in ("nonsense", "tensorwise"):
+        with pytest.raises(SystemExit):
+            ft.parse_args(["--variants", "expertact_fp8", "--fp8", bad])
+    assert ft.parse_args(["--variants", "grouped_mm", "--fp8", "nonsense"]).fp8_modes is None  # not asked for
+    a = ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
+    assert a.fp8_modes == dict(fp8="rowwise", fp8_wgrad=False)
+    calls = []
+    real = _gemm.scaled_gmm
+    monkeypatch.setattr(_gemm, "scaled_gmm", lambda *x, **k: calls.append(1) or real(*x, **k))
+    recipe = next(iter(FP8_RECIPES))
+    result = ft.run(_args(tmp_path, ["grouped_mm", "expertact", "expertact_fp8"], "--dtype", "bf16", "--fp8", recipe,
+                          "--steps", "3"), log=_quiet)
+    v = result["variants"]
+    assert "error" not in v["expertact_fp8"], v["expertact_fp8"].get("error")
+    assert v["expertact_fp8"]["fp8"] == recipe and v["expertact_fp8"]["fp8_wgrad"] is True
+    layers = result["setup"]["sizes"]["layers"]
+    assert len(calls) == 6 * layers * 3  # six FP8 GEMMs per MoE layer and step
+    fp8, bf16 = v["expertact_fp8"]["loss"], v["expertact"]["loss"]
+    assert all(math.isfinite(x) for x in fp8) and fp8 != bf16 and _max_diff(fp8, bf16) < 0.05
+
+
 def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
     pytest.importorskip("torchtitan.models.qwen3")
     pytest.importorskip("torchtitan.config.override")
@@ -178,3 +205,39 @@ def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
         assert v[name]["max_abs_loss_diff_vs_baseline"] <= LOSS_ATOL_F32, name
     _check_repeat(v, "expertact_repeat", "expertact")
     _check_outputs(tmp_path, result, variants)
+
+
+def test_gpu_session_plan_and_dry_run():
+    """scripts/gpu_session.sh --plan packs the FP8 stages, in priority order, into device calls of at
+    most CALL_S and sessions of at most SESSION_S, each session opening with preflight and build;
+    --dry-run prints each stage's command and runs nothing; the runs those commands name exist in
+    the examples they launch (autoep_train.py's impls, finetune_gpt_oss.py's variants)."""
+    import re
+    import subprocess
+    import autoep_train
+
+    script = EXAMPLES.parent / "scripts" / "gpu_session.sh"
+    env = dict(os.environ, OUT="/nonexistent/out")
+    plan = subprocess.run(["bash", str(script), "--plan"], capture_output=True, text=True, env=env, check=True).stdout
+    calls = re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~\s*(\d+) s", plan)
+    totals = [int(t) for t in re.findall(r"session \d+ total ~(\d+) s", plan)]
+    cap = int(re.search(r"calls \(<= (\d+) s\)", plan).group(1))
+    session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
+    stages = [s for c, _ in calls for s in c.split()]
+    fp8 = [s for s in stages if s not in ("preflight", "build")]
+    assert fp8[:3] == ["test-fp8", "fp8-accuracy", "train-autoep-fp8"] and len(fp8) == len(set(fp8)) == 10
+    assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
+    assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
+                                                       if "build" in c.split())
+    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert not os.path.exists("/nonexistent/out")
+    for st in fp8:
+        assert re.search(rf"^{st}: ", dry, re.M), st
+    for impls in re.findall(r"--impl ([\w,-]+)", dry):
+        assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
+    for variants in re.findall(r"--variants ([\w,]+)", dry):
+        assert all(v in ft.VARIANTS for v in variants.split(",")), variants
+    assert "--capture-step 150" in dry and "--fp8-accuracy --tensors" in dry and "--corpus stdlib+packages" in dry
+    bad = subprocess.run(["bash", str(script), "--dry-run", "no-such-stage"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown stage" in bad.stdout

@@ -19,6 +19,7 @@ implementations), chosen by the command line.
                                                     # ExpertMLP (bf16, memory modes, FP8); Python >= 3.12
     python -m expertact.bench --fp8-gemms           # the six FP8 GEMMs alone: expertact's blockwise grouped
                                                     # GEMM beside torch's (expertact/bench/fp8_gemm.py)
+    python -m expertact.bench --fp8-accuracy        # each FP8 GEMM of the expert MLP against float64, per recipe
 """
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8-gemms", action="store_true",
                    help="the six FP8 GEMMs alone, expertact's blockwise grouped GEMM beside torch's "
                         "(expertact.bench.fp8_gemm; its own options follow)")
+    p.add_argument("--fp8-accuracy", action="store_true",
+                   help="each FP8 GEMM of the expert MLP against float64, per recipe "
+                        "(expertact.bench.fp8_accuracy; its own options follow)")
     return p.parse_args(argv)
 
 
@@ -108,6 +112,10 @@ def main(argv=None) -> int:
         from . import fp8_gemm
 
         return fp8_gemm.main([x for x in argv if x != "--fp8-gemms"])
+    if "--fp8-accuracy" in argv:  # each FP8 GEMM against float64, with its own options
+        from . import fp8_accuracy
+
+        return fp8_accuracy.main([x for x in argv if x != "--fp8-accuracy"])
     if "--experts" in argv:  # transformers' experts implementations, with their own options
         from . import experts
 
