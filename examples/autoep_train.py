@@ -19,6 +19,7 @@ One process per rank, launched by torchrun:
                                  expert MLP (expertact.moe.expert_mlp)
 --impl mlp-recompute, mlp-inplace, mlp-recompute-inplace, mlp-fp8
                                  ... with recompute=True, inplace_backward=True, both, fp8="rowwise"
+--impl mlp-fp8-bf16-wgrad        fp8="rowwise" with the two weight-gradient GEMMs in bf16 (fp8_wgrad=False)
 
 --impl takes a comma-separated list too: the runs then follow one another in the same processes
 (the CPU test runs every memory mode so, with --record-grads). Every run but eager-fused takes
@@ -66,6 +67,7 @@ IMPLS = {
     "mlp-inplace": dict(experts=True, inplace_backward=True),
     "mlp-recompute-inplace": dict(experts=True, recompute=True, inplace_backward=True),
     "mlp-fp8": dict(experts=True, fp8="rowwise"),
+    "mlp-fp8-bf16-wgrad": dict(experts=True, fp8="rowwise", fp8_wgrad=False),
 }
 # The runs whose gate_up_impl is their name's; every other one takes --gate-up-impl.
 FIXED_GATE_UP = {"eager-fused": "fused"}
@@ -81,6 +83,9 @@ PRESET = "minimax_m3"
 # MiniMax-M3's own intermediate_size), a few x 10 GiB per rank. "h200": the one-GPU run of the whole
 # expert MLP (--ep-size 1: every expert on the one rank), sized so that the experts take most of the
 # step (hidden 1024, expert ffn 3072, top-4 of 8 experts, 64K tokens a step: 262K rows per MoE layer).
+# "cpu-diag": the FP8 diagnosis on the CPU (examples/fp8_diagnosis.py; one rank, --ep-size 1): h200's
+# routing (each token to half the experts, here top-2 of 4) at a size two CPU cores train for 300
+# steps in minutes, with a weight gradient's K (an expert's rows a step) of 2,048 on average.
 # "tiny": the CPU smoke and gradient tests.
 CONFIGS = {
     "small": dict(hidden=512, ffn=1024, shared_ffn=512, layers=4, experts=8, top_k=2, heads=8, kv_heads=2,
@@ -89,6 +94,8 @@ CONFIGS = {
                   seq=2048, micro_batch=64, steps=20, warmup=5, lr=1e-3),
     "h200": dict(hidden=1024, ffn=3072, shared_ffn=1024, layers=2, experts=8, top_k=4, heads=8, kv_heads=2,
                  seq=2048, micro_batch=32, steps=300, warmup=10, lr=1e-3),
+    "cpu-diag": dict(hidden=128, ffn=256, shared_ffn=128, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
+                     seq=256, micro_batch=16, steps=300, warmup=10, lr=1e-3),
     "tiny": dict(hidden=64, ffn=64, shared_ffn=32, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
                  seq=64, micro_batch=2, steps=3, warmup=1, lr=1e-3),
 }
