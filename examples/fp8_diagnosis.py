@@ -22,7 +22,8 @@ Mikaitis's, arXiv:2512.07004, align each product to the largest exponent inside 
 cut there, which loses more than an exact chunk sum; a kernel may split K across CTAs and add the
 splits in FP32): only measurements on the GPU settle it. The model lives here, not in the library.
 
-Run as autoep_train.py is, one rank on the CPU, with this script's arguments before ``--``:
+Run as autoep_train.py is, one rank on the CPU, with this script's arguments first (and ``--``
+before autoep_train.py's, optionally):
 
     torchrun --nproc_per_node 1 tests/python/support/autoep_launch.py examples/fp8_diagnosis.py \\
         --gemms wgrad --bits 13 -- --config cpu-diag --ep-size 1 --device cpu --impl mlp-fp8 --out OUT
@@ -202,9 +203,12 @@ def parse_args(argv=None):
                    help="which GEMMs the model computes: all six, the weight gradients only, or the other four")
     p.add_argument("--bits", type=int, default=13, help="explicit mantissa bits the accumulator keeps (default 13)")
     p.add_argument("--chunk", type=int, default=WGMMA_K, help=f"products per exact chunk sum (default {WGMMA_K})")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then examples/autoep_train.py's arguments")
-    args = p.parse_args(argv)
-    rest = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:  # this script's arguments, then autoep_train.py's
+        cut = argv.index("--")
+        args, rest = p.parse_args(argv[:cut]), argv[cut + 1:]
+    else:
+        args, rest = p.parse_known_args(argv)
     import autoep_train
     targs = autoep_train.parse_args(rest)  # its own errors first
     if len(targs.impls) != 1:
