@@ -336,6 +336,26 @@ def test_two_rank_autoep_whole_mlp_zero2_for_loop_on_cpu(tmp_path):
         _same_training(tmp_path, "tiny-eager", "tiny-mlp-inplace", rank)
 
 
+def test_enable_passes_fp8_wgrad_to_the_expert_mlp():
+    """enable(experts=True, fp8=..., fp8_wgrad=False), the mlp-fp8-bf16-wgrad run: the switch reaches
+    the installed forward (which hands it to expert_mlp); a non-bool is refused."""
+    pytest.importorskip("deepspeed")
+    from expertact import deepspeed as xds
+    try:
+        xds.enable(experts=True, fp8="rowwise", fp8_wgrad=False)
+    except RuntimeError as e:  # a DeepSpeed without AutoEP's GroupedExperts
+        pytest.skip(str(e))
+    try:
+        from deepspeed.moe import ep_experts
+        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
+        xds.enable(experts=True, fp8="rowwise")
+        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
+        with pytest.raises(TypeError, match="fp8_wgrad"):
+            xds.enable(experts=True, fp8="rowwise", fp8_wgrad=None)
+    finally:
+        xds.disable()
+
+
 def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
     """The FP8 runs of the CPU diagnosis, tiny model in bf16 (the FP8 emulation takes bf16): mlp-fp8,
     mlp-fp8-bf16-wgrad (fp8_wgrad=False through enable()) and fp8_diagnosis.py's model of fast
