@@ -364,9 +364,12 @@ def plot(runs, path):
         p = peak(run)
         return "" if not p else f", peak {max(p) / GIB:.2f} GiB"
 
+    # examples/fp8_diagnosis.py's runs share an impl: colours of their own, apart from COLORS'
+    models = [r["tag"] for r in main_runs if r.get("fp8_accumulation_model")]
+    colors = {tag: matplotlib.colormaps["tab20b"]((4 * i + i // 5) % 20) for i, tag in enumerate(models)}
     for run in main_runs:
         steps = range(len(run["loss"]))
-        color = None if run.get("fp8_accumulation_model") else COLORS.get(run["impl"])  # the model's runs: apart
+        color = colors.get(run["tag"], COLORS.get(run["impl"]))
         style = dict(color="0.6", lw=1.0, ls="--") if is_reference(run) else dict(
             color=color, lw=1.3 if is_baseline(run) else 1.0)
         ax_loss.plot(steps, run["loss"], label=label(run) + mem_label(run), **style)
@@ -376,12 +379,12 @@ def plot(runs, path):
             dmax, _ = loss_diff(run, ref)
             ax_diff.plot(range(n), d, label=f"{label(run)} (max abs {dmax:.5f})", **style)
     ax_loss.set(title=f"Training loss, config '{main_config}' (global mean)", xlabel="step", ylabel="loss")
-    ax_loss.legend(fontsize=8)
+    ax_loss.legend(fontsize=8 if len(main_runs) < 8 else 6)
     ax_loss.grid(alpha=0.3)
     ax_diff.axhline(0.0, color="black", lw=0.8)
     ax_diff.set(title="Loss minus DeepSpeed's default, same step", xlabel="step", ylabel="loss difference")
     if ax_diff.lines[1:]:
-        ax_diff.legend(fontsize=8)
+        ax_diff.legend(fontsize=8 if len(main_runs) < 8 else 6)
     ax_diff.grid(alpha=0.3)
 
     # Peak memory: per config, one bar per impl (the busiest rank), each rank's value as a dot.
@@ -401,15 +404,36 @@ def plot(runs, path):
         ax_mem.set(title="Peak allocated memory per rank", ylabel="GiB (bar: busiest rank, dots: each rank)")
         ax_mem.grid(alpha=0.3, axis="y")
     else:
-        ax_mem.text(0.5, 0.5, "no CUDA memory recorded\n(CPU run)", ha="center", va="center",
-                    transform=ax_mem.transAxes)
-        ax_mem.set_axis_off()
+        yardsticks = [r for r in main_runs if is_reference(r)]
+        if ref is not None and yardsticks:  # no memory on the CPU: the criterion's windows instead
+            windows(ax_mem, main_runs, ref, yardsticks, colors)
+        else:
+            ax_mem.text(0.5, 0.5, "no CUDA memory recorded\n(CPU run)", ha="center", va="center",
+                        transform=ax_mem.transAxes)
+            ax_mem.set_axis_off()
     v = runs[0]["versions"]
     fig.suptitle(f"DeepSpeed AutoEP, MiniMax-M3-style model, swiglu_oai experts: {runs[0]['world_size']} rank{'s' if runs[0]['world_size'] > 1 else ''} on "
                  f"{v.get('device', '?')}; torch {v['torch']}, DeepSpeed {v['deepspeed']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def windows(ax, runs, ref, yardsticks, colors):
+    """Each run's mean loss minus ref's per 50-step window, inside the criterion's band (grey)."""
+    band = criterion(ref, ref, yardsticks)["bands"]
+    mid = [i * WINDOW + WINDOW / 2 for i in range(len(band))]
+    ax.fill_between(mid, [-b for b in band], band, color="0.85", label="band: max(2 x yardstick, 0.01)")
+    for run in runs:
+        if is_deepspeed(run):
+            continue
+        color = colors.get(run["tag"], COLORS.get(run["impl"]))
+        ax.plot(mid, criterion(run, ref, yardsticks)["windows"], "o-", ms=3, lw=1.0, color=color)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set(title="Mean loss minus the default's, per 50-step window", xlabel="step (window centre)",
+           ylabel="loss difference")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def main(argv=None):

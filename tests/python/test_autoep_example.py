@@ -214,6 +214,34 @@ def test_report_loss_criterion():
     assert report.criterion_table(report.by_config([ref, inside])) == ""  # no yardstick, no criterion
 
 
+def test_report_plot_of_cpu_runs_draws_the_windows(tmp_path):
+    """Without CUDA memory (CPU runs) the third panel shows the criterion's windows and band."""
+    pytest.importorskip("matplotlib")
+    runs = [_fake_run("cpu-diag", "eager", steps=120), _fake_run("cpu-diag", "eager-repeat", steps=120, shift=0.002),
+            _fake_run("cpu-diag", "mlp-fp8", steps=120, shift=0.01)]
+    model = _fake_run("cpu-diag", "mlp-fp8", steps=120, shift=0.02, tag="cpu-diag-mlp-fp8-fastacc13-all")
+    model["fp8_accumulation_model"] = dict(bits=13, chunk=32, kinds=["mm", "wgrad"], calls={"mm": 1, "wgrad": 1})
+    runs.append(model)
+    for r in runs:
+        r["peak_allocated_bytes_per_rank"] = [None, None]
+    assert report.label(model) == "expertact MLP, FP8, fast-accumulation model 13 bits on all GEMMs"
+    import matplotlib.pyplot as plt
+    drawn = []
+    real = plt.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        drawn.append([ax.get_title() for ax in fig.axes])
+        return real(fig, *a, **k)
+
+    plt.Figure.savefig = savefig
+    try:
+        report.plot(runs, tmp_path / "cpu.png")
+    finally:
+        plt.Figure.savefig = real
+    assert (tmp_path / "cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn[0][2] == "Mean loss minus the default's, per 50-step window"
+
+
 def test_report_on_made_up_runs(tmp_path):
     pytest.importorskip("matplotlib")
     for r in _report_runs():
