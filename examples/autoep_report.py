@@ -8,7 +8,8 @@ AutoEP's default gate_up_impl "separate" (--impl eager). Two yardsticks say how 
 is: the same run again (eager-repeat, or a tag ending in -repeat: the run-to-run noise) and
 DeepSpeed with gate_up_impl "fused" (eager-fused: one grouped GEMM instead of two, the same
 function rounded in another order). Runs of older result files (impl eager on gate_up_impl
-"fused") are read as the fused yardstick.
+"fused") are read as the fused yardstick. Every other run of a config with a baseline and a
+yardstick is held to the loss criterion of docs/spec.md section 10 (PASS / FAIL per run).
 """
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ import os
 import sys
 
 IMPL_ORDER = ("eager", "eager-repeat", "eager-fused", "expertact", "expertact-inplace", "mlp", "mlp-recompute",
-              "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8")
+              "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "mlp-fp8-bf16-wgrad")
 DEEPSPEED = ("eager", "eager-repeat", "eager-fused")  # DeepSpeed's own experts
 DEFAULT_GATE_UP = "separate"  # AutoEP 0.19.8's default gate_up_impl
 LATE = 50  # the loss over the last LATE steps (or the last quarter of a shorter run)
-CONFIG_ORDER = ("small", "large", "h200", "tiny")
+CONFIG_ORDER = ("small", "large", "h200", "cpu-diag", "tiny")
+WINDOW = 50  # steps per window of the loss criterion (docs/spec.md section 10)
+LAST = 100  # the criterion's last steps
 IMPL_TEXT = {"expertact": "expertact", "expertact-inplace": "expertact, in-place backward",
              "mlp": "expertact MLP", "mlp-recompute": "expertact MLP, recompute",
              "mlp-inplace": "expertact MLP, in place", "mlp-recompute-inplace": "expertact MLP, recompute + in place",
-             "mlp-fp8": "expertact MLP, FP8"}
+             "mlp-fp8": "expertact MLP, FP8", "mlp-fp8-bf16-wgrad": "expertact MLP, FP8, bf16 weight gradients"}
 COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "mlp": "tab:purple",
           "mlp-inplace": "tab:green", "mlp-fp8": "tab:red"}
 SHORT = {"eager": "DeepSpeed", "expertact": "expertact", "expertact-inplace": "in-place", "mlp": "MLP",
@@ -76,6 +79,11 @@ def label(run):
             text += f" (gate_up {gate_up})"
     if is_repeat(run):
         text += ", repeat"
+    model = run.get("fp8_accumulation_model")  # examples/fp8_diagnosis.py's runs
+    if model:
+        gemms = {("mm", "wgrad"): "all GEMMs", ("wgrad",): "weight gradients", ("mm",): "forward + input "
+                 "gradients"}.get(tuple(model["kinds"]), "+".join(model["kinds"]))
+        text += f", fast-accumulation model {model['bits']} bits on {gemms}"
     return text + (" (yardstick)" if is_reference(run) else "")
 
 
@@ -160,6 +168,64 @@ def table(groups):
     return "\n".join(lines)
 
 
+def window_means(run, ref, size=WINDOW):
+    """Per window of `size` steps (the last one may be shorter), the run's mean loss minus ref's."""
+    n = min(len(run["loss"]), len(ref["loss"]))
+    return [(sum(run["loss"][i:min(i + size, n)]) - sum(ref["loss"][i:min(i + size, n)])) / (min(i + size, n) - i)
+            for i in range(0, n, size)]
+
+
+def criterion(run, ref, yardsticks):
+    """docs/spec.md section 10's loss criterion of `run` against the baseline `ref`, the bf16
+    yardsticks' differences from ref giving the band: in every 50-step window the mean loss within
+    max(2 x the largest yardstick difference in that window, 0.01) of ref's, and over the last 100
+    steps within max(the largest yardstick difference there, 0.5% of ref's loss). Differences
+    are signed, bands and the test on their magnitude. Returns a dict (pass: bool)."""
+    n = min([len(run["loss"]), len(ref["loss"])] + [len(y["loss"]) for y in yardsticks])
+    run, ref = dict(run, loss=run["loss"][:n]), dict(ref, loss=ref["loss"][:n])
+    ys = [dict(y, loss=y["loss"][:n]) for y in yardsticks]
+    diffs = window_means(run, ref)
+    yw = [max([abs(d) for d in col], default=0.0) for col in zip(*(window_means(y, ref) for y in ys))] if ys else [
+        0.0] * len(diffs)
+    bands = [max(2 * y, 0.01) for y in yw]
+    last = min(LAST, n)
+    ref_last = sum(ref["loss"][-last:]) / last
+    d_last = sum(run["loss"][-last:]) / last - ref_last
+    y_last = max([abs(sum(y["loss"][-last:]) / last - ref_last) for y in ys], default=0.0)
+    band_last = max(y_last, 0.005 * ref_last)
+    ok_w = [abs(d) <= b for d, b in zip(diffs, bands)]
+    ok_last = abs(d_last) <= band_last
+    return dict(steps=n, windows=diffs, yardstick_windows=yw, bands=bands, windows_pass=ok_w, last_steps=last,
+                last=d_last, yardstick_last=y_last, band_last=band_last, last_pass=ok_last,
+                passed=all(ok_w) and ok_last)
+
+
+def criterion_table(groups):
+    """Per config with a baseline and at least one yardstick, the criterion of every run that is
+    not DeepSpeed's own (markdown), or "" when no config has both."""
+    head = ("| config | run | steps | mean step (s) | mean loss diff per 50-step window | yardsticks' largest per "
+            "window | band per window | last 100: diff / band | criterion |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for config, runs in groups.items():
+        ref = baseline_of(runs)
+        ys = [r for r in runs if is_reference(r)]
+        if ref is None or not ys:
+            continue
+        for run in runs:
+            if is_deepspeed(run):
+                continue
+            c = criterion(run, ref, ys)
+            fails = [i for i, ok in enumerate(c["windows_pass"]) if not ok]
+            verdict = "PASS" if c["passed"] else "FAIL (" + ", ".join(
+                [f"window {i + 1}" for i in fails] + ([] if c["last_pass"] else ["last 100"])) + ")"
+            fmt = lambda v: ", ".join(f"{x:+.4f}" for x in v)  # noqa: E731
+            lines.append(f"| {config} | {label(run)} | {c['steps']} | {run['mean_step_time_s']:.2f} | {fmt(c['windows'])} "
+                         f"| {', '.join(f'{x:.4f}' for x in c['yardstick_windows'])} | "
+                         f"{', '.join(f'{x:.4f}' for x in c['bands'])} | {c['last']:+.4f} / {c['band_last']:.4f} | "
+                         f"{verdict} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def setup_text(groups):
     out = []
     for config, runs in groups.items():
@@ -233,6 +299,19 @@ def markdown(runs, png_name, report_cmd):
         "",
         table(groups),
         "",
+    ]
+    crit = criterion_table(groups)
+    if crit:
+        lines += [
+            "The loss criterion of docs/spec.md section 10 for every run that is not DeepSpeed's own: per 50-step "
+            "window the mean loss minus the default's, within max(2 x the largest yardstick difference in that "
+            "window, 0.01); over the last 100 steps within max(the largest yardstick difference, 0.5% of the "
+            "default's loss). Yardsticks: DeepSpeed's runs other than the default (its repeat, gate_up fused).",
+            "",
+            crit,
+            "",
+        ]
+    lines += [
         "Default: DeepSpeed's own experts on AutoEP's default `gate_up_impl` \"separate\", the same config; every "
         "\"vs default\" and the max abs loss diff (over all steps) are against it. The loss is the global mean over "
         "the ranks' tokens; the mean loss is over the last steps named (and its difference from the default's). "
@@ -259,7 +338,7 @@ def markdown(runs, png_name, report_cmd):
         f"{v['transformers']}, expertact {v['expertact']} (CUDA path: {v['expertact_cuda']})",
         f"- Environment: {', '.join(f'{k}={val}' for k, val in env.items()) or '-'}",
         f"- Date: {min(r['date'] for r in runs)} .. {max(r['date'] for r in runs)}",
-        "- Command: `bash examples/run_autoep_e2e.sh`, which runs for each config and impl:",
+        "- Commands, as each result file records them (`bash examples/run_autoep_e2e.sh` runs the GPU set):",
         "",
     ]
     lines += [f"      {r['command']}" for r in sorted(runs, key=sort_key)]
@@ -285,10 +364,14 @@ def plot(runs, path):
         p = peak(run)
         return "" if not p else f", peak {max(p) / GIB:.2f} GiB"
 
+    # examples/fp8_diagnosis.py's runs share an impl: colours of their own, apart from COLORS'
+    models = [r["tag"] for r in main_runs if r.get("fp8_accumulation_model")]
+    colors = {tag: matplotlib.colormaps["tab20b"]((4 * i + i // 5) % 20) for i, tag in enumerate(models)}
     for run in main_runs:
         steps = range(len(run["loss"]))
-        style = dict(color="0.6", lw=1.0, ls="--") if is_reference(run) else dict(color=COLORS.get(
-            run["impl"]), lw=1.3 if is_baseline(run) else 1.0)
+        color = colors.get(run["tag"], COLORS.get(run["impl"]))
+        style = dict(color="0.6", lw=1.0, ls="--") if is_reference(run) else dict(
+            color=color, lw=1.3 if is_baseline(run) else 1.0)
         ax_loss.plot(steps, run["loss"], label=label(run) + mem_label(run), **style)
         if ref is not None and run is not ref:
             n = min(len(run["loss"]), len(ref["loss"]))
@@ -296,12 +379,12 @@ def plot(runs, path):
             dmax, _ = loss_diff(run, ref)
             ax_diff.plot(range(n), d, label=f"{label(run)} (max abs {dmax:.5f})", **style)
     ax_loss.set(title=f"Training loss, config '{main_config}' (global mean)", xlabel="step", ylabel="loss")
-    ax_loss.legend(fontsize=8)
+    ax_loss.legend(fontsize=8 if len(main_runs) < 8 else 6)
     ax_loss.grid(alpha=0.3)
     ax_diff.axhline(0.0, color="black", lw=0.8)
     ax_diff.set(title="Loss minus DeepSpeed's default, same step", xlabel="step", ylabel="loss difference")
     if ax_diff.lines[1:]:
-        ax_diff.legend(fontsize=8)
+        ax_diff.legend(fontsize=8 if len(main_runs) < 8 else 6)
     ax_diff.grid(alpha=0.3)
 
     # Peak memory: per config, one bar per impl (the busiest rank), each rank's value as a dot.
@@ -321,15 +404,36 @@ def plot(runs, path):
         ax_mem.set(title="Peak allocated memory per rank", ylabel="GiB (bar: busiest rank, dots: each rank)")
         ax_mem.grid(alpha=0.3, axis="y")
     else:
-        ax_mem.text(0.5, 0.5, "no CUDA memory recorded\n(CPU run)", ha="center", va="center",
-                    transform=ax_mem.transAxes)
-        ax_mem.set_axis_off()
+        yardsticks = [r for r in main_runs if is_reference(r)]
+        if ref is not None and yardsticks:  # no memory on the CPU: the criterion's windows instead
+            windows(ax_mem, main_runs, ref, yardsticks, colors)
+        else:
+            ax_mem.text(0.5, 0.5, "no CUDA memory recorded\n(CPU run)", ha="center", va="center",
+                        transform=ax_mem.transAxes)
+            ax_mem.set_axis_off()
     v = runs[0]["versions"]
     fig.suptitle(f"DeepSpeed AutoEP, MiniMax-M3-style model, swiglu_oai experts: {runs[0]['world_size']} rank{'s' if runs[0]['world_size'] > 1 else ''} on "
                  f"{v.get('device', '?')}; torch {v['torch']}, DeepSpeed {v['deepspeed']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def windows(ax, runs, ref, yardsticks, colors):
+    """Each run's mean loss minus ref's per 50-step window, inside the criterion's band (grey)."""
+    band = criterion(ref, ref, yardsticks)["bands"]
+    mid = [i * WINDOW + WINDOW / 2 for i in range(len(band))]
+    ax.fill_between(mid, [-b for b in band], band, color="0.85", label="band: max(2 x yardstick, 0.01)")
+    for run in runs:
+        if is_deepspeed(run):
+            continue
+        color = colors.get(run["tag"], COLORS.get(run["impl"]))
+        ax.plot(mid, criterion(run, ref, yardsticks)["windows"], "o-", ms=3, lw=1.0, color=color)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set(title="Mean loss minus the default's, per 50-step window", xlabel="step (window centre)",
+           ylabel="loss difference")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
 
 
 def main(argv=None):
@@ -358,6 +462,9 @@ def main(argv=None):
         f.write(text)
     plot(runs, args.png)
     print(table(by_config(runs)))
+    crit = criterion_table(by_config(runs))
+    if crit:
+        print(crit)
     print(f"wrote {args.md} and {args.png}")
 
 

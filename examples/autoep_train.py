@@ -82,8 +82,10 @@ IMPLS = {
     "mlp-recompute-inplace": dict(experts=True, recompute=True, inplace_backward=True),
     "mlp-fp8": dict(experts=True, fp8="rowwise"),
 }
+# The FP8 diagnosis's runs (each recipe, torchao's): examples/autoep_fp8.py, the one place naming them.
 for _impl, _enabled in {**autoep_fp8.FP8_IMPLS, **dict.fromkeys(autoep_fp8.TORCHAO_IMPLS)}.items():
-    IMPLS.setdefault(_impl, _enabled)
+    assert _impl not in IMPLS, _impl
+    IMPLS[_impl] = _enabled
 # The runs whose gate_up_impl is their name's; every other one takes --gate-up-impl.
 FIXED_GATE_UP = {"eager-fused": "fused"}
 # AutoEP 0.19.8's default (deepspeed/module_inject/auto_ep_config.py: gate_up_impl =
@@ -98,6 +100,9 @@ PRESET = "minimax_m3"
 # MiniMax-M3's own intermediate_size), a few x 10 GiB per rank. "h200": the one-GPU run of the whole
 # expert MLP (--ep-size 1: every expert on the one rank), sized so that the experts take most of the
 # step (hidden 1024, expert ffn 3072, top-4 of 8 experts, 64K tokens a step: 262K rows per MoE layer).
+# "cpu-diag": the FP8 diagnosis on the CPU (examples/fp8_diagnosis.py; one rank, --ep-size 1): h200's
+# routing (each token to half the experts, here top-2 of 4) at a size two CPU cores train for 300
+# steps in minutes, with a weight gradient's K (an expert's rows a step) of 2,048 on average.
 # "tiny": the CPU smoke and gradient tests.
 CONFIGS = {
     "small": dict(hidden=512, ffn=1024, shared_ffn=512, layers=4, experts=8, top_k=2, heads=8, kv_heads=2,
@@ -106,6 +111,8 @@ CONFIGS = {
                   seq=2048, micro_batch=64, steps=20, warmup=5, lr=1e-3),
     "h200": dict(hidden=1024, ffn=3072, shared_ffn=1024, layers=2, experts=8, top_k=4, heads=8, kv_heads=2,
                  seq=2048, micro_batch=32, steps=300, warmup=10, lr=1e-3),
+    "cpu-diag": dict(hidden=128, ffn=256, shared_ffn=128, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
+                     seq=256, micro_batch=16, steps=300, warmup=10, lr=1e-3),
     "tiny": dict(hidden=64, ffn=64, shared_ffn=32, layers=2, experts=4, top_k=2, heads=4, kv_heads=2,
                  seq=64, micro_batch=2, steps=3, warmup=1, lr=1e-3),
 }

@@ -346,7 +346,7 @@ def _ds_grouped_experts():
     return cls
 
 
-def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
+def _experts_forward(ds_forward, fp8, recompute, inplace, mapped, fp8_wgrad=True):
     """GroupedExperts.forward(x, num_tokens_per_expert) computed by expertact.moe.expert_mlp on
     the module's own parameters. w1 and w3 are concatenated into gate_up's [E, 2F, D] weight,
     as DeepSpeed's gate_up_impl="fused" does (one copy of the gate/up weights a call; its
@@ -370,11 +370,12 @@ def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
         return expert_mlp(x, w13, w2, offsets, self.activation,
                           alpha=float(self.activation_alpha) if uses_alpha else None,
                           limit=float(self.activation_limit) if uses_limit else None,
-                          layout="halves", recompute=recompute, inplace_backward=inplace, fp8=fp8)
+                          layout="halves", recompute=recompute, inplace_backward=inplace, fp8=fp8,
+                          fp8_wgrad=fp8_wgrad)
 
     forward.__qualname__ = forward.__name__ = "expertact_grouped_experts_forward"
-    forward.expertact_form = dict(experts=True, fp8=fp8, recompute=recompute, inplace_backward=inplace,
-                                  activations=tuple(sorted(mapped)))
+    forward.expertact_form = dict(experts=True, fp8=fp8, fp8_wgrad=fp8_wgrad, recompute=recompute,
+                                  inplace_backward=inplace, activations=tuple(sorted(mapped)))
     return forward
 
 
@@ -432,7 +433,8 @@ def _bool_arg(name, v):
 
 
 def enable(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-           experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False) -> None:
+           experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False,
+           fp8_wgrad: bool = True) -> None:
     """Put expertact's kernels into DeepSpeed AutoEP (``deepspeed.moe.ep_experts``).
 
     ``enable()``: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn``
@@ -469,6 +471,8 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             model's dtype.
         recompute: with ``experts=True``, keep one [T, F] tensor less between forward and
             backward (h recomputed in backward; expert_mlp's ``recompute``).
+        fp8_wgrad: with an FP8 recipe, False keeps the two weight-gradient GEMMs in bf16
+            (expert_mlp's ``fp8_wgrad``).
 
     Each call configures the whole hookup afresh (names of an earlier enable() that are not
     given again go back to DeepSpeed's, and so does GroupedExperts.forward without
@@ -483,6 +487,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     _bool_arg("inplace_backward", inplace_backward)
     _bool_arg("experts", experts)
     _bool_arg("recompute", recompute)
+    _bool_arg("fp8_wgrad", fp8_wgrad)
     fp8 = fp8_recipe(fp8, "expertact.deepspeed.enable")
     if not experts and (fp8 is not None or recompute):
         given = ", ".join(f"{k}={v!r}" for k, v in (("fp8", fp8), ("recompute", recompute)) if v)
@@ -521,7 +526,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     if experts:
         cls = _ds_grouped_experts()
         ds_forward = _DS_FORWARD if _DS_FORWARD is not None else cls.forward
-        forward = _experts_forward(ds_forward, fp8, recompute, inplace_backward, mapped)
+        forward = _experts_forward(ds_forward, fp8, recompute, inplace_backward, mapped, fp8_wgrad)
         # The probe checks what the weights mean, in float32 on the CPU (where FP8 does not run).
         _probe_experts(cls, ds_forward, _experts_forward(ds_forward, None, False, False, mapped), mapped)
     # Everything is checked: only now change DeepSpeed.
@@ -532,7 +537,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         reg[name] = entry
     _install_experts(forward, ds_forward)
     _CONFIG = dict(inplace_backward=inplace_backward, register=dict(register) if register else None,
-                   experts=experts, fp8=fp8, recompute=recompute)
+                   experts=experts, fp8=fp8, recompute=recompute, fp8_wgrad=fp8_wgrad)
 
 
 def disable() -> None:

@@ -2,6 +2,7 @@
 helpers, the report on made-up runs (in a temp dir), and a 2-rank AutoEP smoke run (gloo, tiny
 model, 2 steps) when DeepSpeed >= 0.19.8 and transformers >= 5.15 are installed.
 """
+import contextlib
 import copy
 import dataclasses
 import importlib.util
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -180,6 +182,66 @@ def test_report_table_against_deepspeeds_default():
     assert len(large) == 4 and "| 40.00 / 45.00 | -25.0% |" in large[3] and "(last 5)" in large[0]
 
 
+def test_report_loss_criterion():
+    """docs/spec.md section 10: per 50-step window within max(2 x the largest yardstick difference,
+    0.01), over the last 100 steps within max(the largest yardstick difference, 0.5% of the loss)."""
+    base = [1.0] * 300  # 0.5% of the loss: 0.005
+
+    def run(impl, shifts, tag=None):
+        r = _fake_run("cpu-diag", impl, steps=300, tag=tag)
+        r["loss"] = [b + shifts.get(i // 50, 0.0) for i, b in enumerate(base)]
+        return r
+
+    ref, repeat = run("eager", {}), run("eager-repeat", {})
+    fused = run("eager-fused", {2: -0.008, 5: 0.001}, tag="cpu-diag-eager-fused")
+    fused["gate_up_impl"] = "fused"
+    inside = run("mlp", {0: 0.0099, 2: -0.0159, 4: 0.004, 5: 0.004})  # last 100: +0.004 <= 0.005
+    late = run("mlp-fp8", {4: 0.008, 5: 0.008}, tag="late")  # windows pass, the last 100 do not
+    early = run("mlp-fp8", {1: -0.0101}, tag="early")
+    c = report.criterion(inside, ref, [repeat, fused])
+    assert c["passed"] and c["bands"] == pytest.approx([0.01, 0.01, 0.016, 0.01, 0.01, 0.01])
+    assert c["windows"] == pytest.approx([0.0099, 0, -0.0159, 0, 0.004, 0.004])
+    assert c["last"] == pytest.approx(0.004) and c["band_last"] == pytest.approx(0.005)
+    c = report.criterion(late, ref, [repeat, fused])
+    assert all(c["windows_pass"]) and not c["last_pass"] and not c["passed"]
+    c = report.criterion(early, ref, [repeat, fused])
+    assert c["windows_pass"] == [True, False, True, True, True, True] and c["last_pass"] and not c["passed"]
+    # a yardstick far off widens the last 100 steps' band to its difference
+    assert report.criterion(late, ref, [run("eager-repeat", {5: 0.03}, tag="r2")])["passed"]
+    rows = report.criterion_table(report.by_config([ref, repeat, fused, inside, late, early])).splitlines()
+    assert len(rows) == 5 and rows[2].endswith("| PASS |") and "| +0.0099, +0.0000, -0.0159," in rows[2]
+    assert rows[3].endswith("| FAIL (window 2) |") and rows[4].endswith("| FAIL (last 100) |")  # by tag
+    assert report.criterion_table(report.by_config([ref, inside])) == ""  # no yardstick, no criterion
+
+
+def test_report_plot_of_cpu_runs_draws_the_windows(tmp_path):
+    """Without CUDA memory (CPU runs) the third panel shows the criterion's windows and band."""
+    pytest.importorskip("matplotlib")
+    runs = [_fake_run("cpu-diag", "eager", steps=120), _fake_run("cpu-diag", "eager-repeat", steps=120, shift=0.002),
+            _fake_run("cpu-diag", "mlp-fp8", steps=120, shift=0.01)]
+    model = _fake_run("cpu-diag", "mlp-fp8", steps=120, shift=0.02, tag="cpu-diag-mlp-fp8-fastacc13-all")
+    model["fp8_accumulation_model"] = dict(bits=13, chunk=32, kinds=["mm", "wgrad"], calls={"mm": 1, "wgrad": 1})
+    runs.append(model)
+    for r in runs:
+        r["peak_allocated_bytes_per_rank"] = [None, None]
+    assert report.label(model) == "expertact MLP, FP8, fast-accumulation model 13 bits on all GEMMs"
+    import matplotlib.pyplot as plt
+    drawn = []
+    real = plt.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        drawn.append([ax.get_title() for ax in fig.axes])
+        return real(fig, *a, **k)
+
+    plt.Figure.savefig = savefig
+    try:
+        report.plot(runs, tmp_path / "cpu.png")
+    finally:
+        plt.Figure.savefig = real
+    assert (tmp_path / "cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert drawn[0][2] == "Mean loss minus the default's, per 50-step window"
+
+
 def test_report_on_made_up_runs(tmp_path):
     pytest.importorskip("matplotlib")
     for r in _report_runs():
@@ -217,13 +279,14 @@ def _needs_autoep():
         pytest.skip("this DeepSpeed has no minimax_m3 AutoEP preset")
 
 
-def _torchrun(tmp_path, *args):
-    """examples/autoep_train.py on 2 gloo ranks, tiny model, float32 on the CPU, 3 steps."""
+def _torchrun(tmp_path, *args, script="autoep_train.py", script_args=()):
+    """examples/autoep_train.py (or `script` with its `script_args` first) on 2 gloo ranks, tiny
+    model, float32 on the CPU (a later --dtype wins), 3 steps."""
     # A CPU run on any machine: no GPU visible, and DeepSpeed told so (a DS_ACCELERATOR=cuda
     # inherited from a GPU machine's environment would make it look for cuda:0).
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(Path(__file__).parent / "support" / "autoep_launch.py"), str(EXAMPLES / "autoep_train.py"),
+           str(Path(__file__).parent / "support" / "autoep_launch.py"), str(EXAMPLES / script), *script_args,
            "--config", "tiny", "--steps", "3", "--dtype", "fp32", "--device", "cpu", "--record-grads",
            "--out", str(tmp_path), *args]
     p = subprocess.run(cmd, cwd="/tmp", env=env, capture_output=True, text=True, timeout=600)
@@ -431,3 +494,221 @@ def test_torchao_wiring_on_cpu(tmp_path):
         got = json.loads(Path(f"{calls}.rank{rank}.json").read_text())
         assert len(got) == 3 * layers * 3 and all(b[0] == E for _, b in got)
         _same_training(tmp_path, "tiny-eager", "tiny-torchao-fp8", rank)
+
+
+def test_enable_passes_fp8_wgrad_to_the_expert_mlp():
+    """enable(experts=True, fp8=..., fp8_wgrad=False), the mlp-fp8-bf16-wgrad run: the switch reaches
+    the installed forward (which hands it to expert_mlp); a non-bool is refused."""
+    pytest.importorskip("deepspeed")
+    from expertact import deepspeed as xds
+    try:
+        xds.enable(experts=True, fp8="rowwise", fp8_wgrad=False)
+    except RuntimeError as e:  # a DeepSpeed without AutoEP's GroupedExperts
+        pytest.skip(str(e))
+    try:
+        from deepspeed.moe import ep_experts
+        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
+        xds.enable(experts=True, fp8="rowwise")
+        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
+        with pytest.raises(TypeError, match="fp8_wgrad"):
+            xds.enable(experts=True, fp8="rowwise", fp8_wgrad=None)
+    finally:
+        xds.disable()
+
+
+def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
+    """The FP8 runs of the CPU diagnosis, tiny model in bf16 (the FP8 emulation takes bf16): mlp-fp8,
+    mlp-fp8-bf16-wgrad (fp8_wgrad=False through enable()) and fp8_diagnosis.py's model of fast
+    accumulation (4 bits, so that it shows in 3 steps). Step 0 starts from the same weights and
+    batch, so its gradients say which GEMMs each run changed: bf16 weight gradients change the
+    experts' gradients and nothing else; the model on every GEMM changes the others too."""
+    _needs_autoep()
+    _torchrun(tmp_path, "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad", "--dtype", "bf16")
+    _torchrun(tmp_path, "--impl", "mlp-fp8", "--dtype", "bf16", script="fp8_diagnosis.py",
+              script_args=("--bits", "4", "--gemms", "all", "--"))
+    runs = {tag: json.loads((tmp_path / f"{tag}.json").read_text())
+            for tag in ("tiny-mlp-fp8", "tiny-mlp-fp8-bf16-wgrad", "tiny-mlp-fp8-fastacc4-all")}
+    assert runs["tiny-mlp-fp8-bf16-wgrad"]["expertact_enable"] == dict(experts=True, fp8="rowwise", fp8_wgrad=False)
+    model = runs["tiny-mlp-fp8-fastacc4-all"]["fp8_accumulation_model"]
+    assert model["bits"] == 4 and model["chunk"] == 32 and model["kinds"] == ["mm", "wgrad"]
+    # rank 0's calls: 3 steps x 2 layers x (4 M-grouped, 2 weight-gradient GEMMs)
+    assert model["calls"] == {"mm": 24, "wgrad": 12}
+    assert "fp8_accumulation_model" not in runs["tiny-mlp-fp8"]
+    for res in runs.values():
+        assert len(res["loss"]) == 3 and all(4.0 < x < 7.0 for x in res["loss"])
+    for rank in (0, 1):
+        ref, bf16w, fast = (torch.load(tmp_path / f"{tag}.rank{rank}.pt")["grads"][0] for tag in runs)
+        experts = {n for n in ref if ".experts.w" in n}
+        assert len(experts) == 2 * 3
+        for name, g in ref.items():
+            assert torch.isfinite(bf16w[name]).all() and torch.isfinite(fast[name]).all()
+            assert torch.equal(bf16w[name], g) != (name in experts), name
+        assert any(not torch.equal(fast[n], ref[n]) for n in set(ref) - experts)
+
+
+# ---------------------------------------------------------------------------
+# examples/fp8_diagnosis.py: the model of fast FP8 accumulation
+# ---------------------------------------------------------------------------
+
+diag = _load("fp8_diagnosis")
+E4M3 = torch.float8_e4m3fn
+
+
+def _trunc_ref(x, bits):
+    """x (a Fraction) cut to `bits` explicit mantissa bits toward zero, in exact arithmetic."""
+    if x == 0:
+        return x
+    mag = abs(x)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()  # 2^e <= mag < 2^(e+1) after the fix-up
+    if Fraction(2) ** e > mag:
+        e -= 1
+    ulp = Fraction(2) ** (e - bits)
+    return (mag // ulp) * ulp * (1 if x > 0 else -1)
+
+
+def _fast_accum_ref(a, b, bits, chunk=32):
+    """The model on one pair of vectors, in Fractions: exact chunk sums, the running sum cut after
+    each (bits None: the exact sum)."""
+    acc = Fraction(0)
+    for c in range(0, len(a), chunk):
+        acc += sum(Fraction(p) * Fraction(q) for p, q in zip(a[c:c + chunk], b[c:c + chunk]))
+        if bits is not None:
+            acc = _trunc_ref(acc, bits)
+    return acc
+
+
+def _model_dot(a, b, bits):
+    return diag.fast_accum_matmul(torch.tensor(a, dtype=E4M3)[None], torch.tensor(b, dtype=E4M3)[:, None],
+                                  bits).item()
+
+
+def test_truncate_cuts_the_significand_toward_zero():
+    x = torch.tensor([1 + 2**-13 + 2**-14, -(1 + 2**-13 + 2**-14), 3 * 2**20 + 1, 0.0, -0.0, float("inf"),
+                      float("nan")], dtype=torch.float64)
+    got = diag.truncate(x, 13)
+    assert got[:3].tolist() == [1 + 2**-13, -(1 + 2**-13), 3 * 2**20]
+    assert got[3] == 0 and got[5] == float("inf") and math.isnan(got[6])
+    assert torch.equal(diag.truncate(x[:3], 52), x[:3])
+    assert diag.truncate(x[:1], 14).item() == x[0].item()
+    for bad in (0, 53, 13.0):
+        with pytest.raises(ValueError, match="bits="):
+            diag.truncate(x, bad)
+
+
+def test_fast_accum_on_hand_made_vectors():
+    # 32 products of 2^9 (2^14 in all), then 32 of 2^-5 (1 in all): 2^14 + 1 needs 14 bits.
+    a, b = [256.0] * 32 + [0.25] * 32, [2.0] * 32 + [0.125] * 32
+    assert _model_dot(a, b, 13) == 2**14  # the second chunk is lost: the accumulation stalls
+    assert _model_dot(a, b, 14) == _model_dot(a, b, None) == 2**14 + 1
+    assert _model_dot([-v for v in a], b, 13) == -(2**14)  # toward zero for negative sums too
+    # One chunk: 2^14 and 31 ones are summed exactly, then cut once (2^14 + 31 -> 2^14 + 30 at
+    # 13 bits), not cut product by product (which would keep 2^14).
+    a, b = [128.0] + [1.0] * 31, [128.0] + [1.0] * 31
+    assert _model_dot(a, b, 13) == 2**14 + 30 and _model_dot(a, b, 15) == 2**14 + 31
+    # The chunk size: with chunks of 1 every product is added and cut on its own.
+    one = diag.fast_accum_matmul(torch.tensor(a, dtype=E4M3)[None], torch.tensor(b, dtype=E4M3)[:, None], 13, chunk=1)
+    assert one.item() == 2**14
+
+
+@pytest.mark.parametrize("bits", [13, 5, None])
+def test_fast_accum_against_the_scalar_reference(bits):
+    """Random e4m3 operands over the whole range, K = 200 (a partial last chunk): bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    a = (torch.randn(3, 200, generator=g) * torch.exp2(torch.randint(-8, 8, (3, 200), generator=g))).to(E4M3)
+    b = (torch.randn(200, 2, generator=g) * torch.exp2(torch.randint(-8, 8, (200, 2), generator=g))).to(E4M3)
+    got = diag.fast_accum_matmul(a, b, bits)
+    for i in range(3):
+        for j in range(2):
+            want = _fast_accum_ref(a[i].float().tolist(), b[:, j].float().tolist(), bits)
+            assert Fraction(got[i, j].item()) == want, (i, j, bits)
+
+
+def _gmm_operands(small_range):
+    """Operands of both scaled_gmm forms (an expert without rows, rows past the last offset), with
+    power-of-two scales. small_range: e4m3 values in [1, 16) in magnitude and K = 64, so that every
+    sum is exact in float32 (at most 20 significant bits) and the library's emulation is exact."""
+    g = torch.Generator().manual_seed(3)
+
+    def q(*shape):
+        v = torch.randn(*shape, generator=g)
+        if small_range:
+            v = v.sign() * (1 + 14 * torch.rand(*shape, generator=g))
+        else:
+            v = v * 100
+        return v.to(E4M3)
+
+    def scales(n):
+        return torch.exp2(torch.randint(-6, 6, (n,), generator=g).float())
+
+    T, K, N, E = 40, 64, 24, 3
+    mm = (q(T, K), q(E, N, K).transpose(-2, -1), scales(T), scales(E * N).view(E, N),
+          torch.tensor([15, 15, 37], dtype=torch.int32))
+    M, Kp = 16, 96
+    wg = (q(Kp, M).t(), q(Kp, N), scales(E * M), scales(E * N), torch.tensor([32, 32, 96], dtype=torch.int32))
+    return mm, wg
+
+
+def test_fast_accum_model_equals_the_emulation_at_23_bits_and_cuts_below():
+    from expertact.moe import _gemm
+    for form in _gmm_operands(small_range=True):
+        exact = _gemm.scaled_gmm(*form)
+        got = diag.FastAccumModel(23)(*form)
+        assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+        torch.testing.assert_close(got, exact, rtol=0, atol=0, equal_nan=True)  # NaN where unwritten, too
+        # 5 bits: every partial sum cut by less than 2^-5 of its size, at most 2 chunks (K <= 64)
+        # plus the output's bf16 rounding; sum |q_a q_b| scaled bounds each partial sum.
+        cut, exact = diag.FastAccumModel(5)(*form).float(), exact.float()
+        bound = _gemm.scaled_gmm(form[0].float().abs().to(E4M3), form[1].float().abs().to(E4M3), *form[2:]).float()
+        ok = ~exact.isnan()
+        err = (cut[ok] - exact[ok]).abs()
+        assert (err <= (2 * 2**-5 + 2**-8) * bound[ok]).all() and (err > 2**-8 * bound[ok]).any()
+    for form in _gmm_operands(small_range=False):  # the whole e4m3 range: float32 rounds, 23 bits cut
+        exact, got = _gemm.scaled_gmm(*form).float(), diag.FastAccumModel(23)(*form).float()
+        ok = ~exact.isnan()
+        assert torch.equal(exact.isnan(), got.isnan())
+        assert ((got[ok] - exact[ok]).abs() <= exact[ok].abs() * 2**-8).all()  # within one bf16 rounding
+
+
+def test_fast_accum_model_in_the_fp8_node():
+    """Installed, the model computes the GEMM kinds it is given and leaves the others to the
+    emulation: the wgrad-only model leaves y and x's gradient bit-equal and changes the weights'."""
+    from expertact.moe import _gemm, expert_mlp
+    g = torch.Generator().manual_seed(5)
+    T, D, F, E = 50, 32, 48, 3
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w13 = (torch.randn(E, D, 2 * F, generator=g) / 6).bfloat16()
+    w2 = (torch.randn(E, F, D, generator=g) / 7).bfloat16()
+    offsets = torch.tensor([20, 20, 46], dtype=torch.int32)
+    dy = torch.randn(T, D, generator=g).bfloat16()
+
+    def run(model=None):
+        leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
+        with (diag.installed(model) if model is not None else contextlib.nullcontext()):
+            y = expert_mlp(*leaves, offsets, "swiglu_oai", fp8="rowwise")
+            y.backward(dy)
+        return [y.detach()] + [t.grad for t in leaves]
+
+    emulation = _gemm.scaled_gmm
+    ref = run()
+    wgrad = diag.FastAccumModel(4, ("wgrad",))
+    got = run(wgrad)
+    assert _gemm.scaled_gmm is emulation and wgrad.calls == {"mm": 0, "wgrad": 2}
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert not torch.equal(got[2], ref[2]) and not torch.equal(got[3], ref[3])
+    every = diag.FastAccumModel(13)
+    got = run(every)
+    assert every.calls == {"mm": 4, "wgrad": 2}
+    for a, b in zip(got, ref):  # 13 bits at these K: within a few bf16 roundings of the emulation
+        assert torch.isfinite(a).all() and (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+
+
+def test_fp8_diagnosis_args():
+    a = diag.parse_args(["--gemms", "wgrad", "--", "--config", "cpu-diag", "--impl", "mlp-fp8", "--ep-size", "1"])
+    assert a.gemms == "wgrad" and a.bits == 13 and a.train_args[-2:] == ["--tag", "cpu-diag-mlp-fp8-fastacc13-wgrad"]
+    a = diag.parse_args(["--bits", "9", "--config", "cpu-diag", "--impl", "mlp-fp8", "--tag", "x"])
+    assert a.train_args == ["--config", "cpu-diag", "--impl", "mlp-fp8", "--tag", "x"]
+    for bad in (["--", "--impl", "mlp"], ["--", "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad"],
+                ["--gemms", "all", "--", "--impl", "mlp-fp8-bf16-wgrad"]):
+        with pytest.raises(SystemExit):
+            diag.parse_args(bad)
+    assert diag.parse_args(["--gemms", "fwd-dgrad", "--", "--impl", "mlp-fp8-bf16-wgrad"]).gemms == "fwd-dgrad"
