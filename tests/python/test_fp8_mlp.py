@@ -522,6 +522,60 @@ def test_the_blockwise_backend_on_the_cpu():
     assert _gemm.blockwise_backend(torch.device("cpu")) == ("emulation", None)
 
 
+def _cdiv(n):
+    return -(-n // TILE)
+
+
+def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False):
+    """torch._scaled_mm as its CUDA path takes 1 x 128 / 128 x 128 scales (the checks of ATen's
+    ScaledBlas.cpp, restated: a row-major and b column-major e4m3, K and b's dims multiples of 16;
+    a's scale 1 x 128 ([M, ceil(K / 128)], outer-dim-major: strides (1, M)); b's, given for b^T
+    [N, K], 128 x 128 ([ceil(N / 128), ceil(K / 128)], row-major) or 1 x 128 ([N, ceil(K / 128)],
+    outer-dim-major); a stride is not checked along a dim of size 1), computed on the CPU on the
+    exactly dequantised operands in float32 and rounded once to bf16."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and not use_fast_accum
+    (M, K), (K2, N) = a.shape, b.shape
+    assert K == K2 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
+    assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())  # row-major @ column-major
+
+    def size_stride(s, dim, size, stride):
+        return s.shape[dim] == size and (size <= 1 or s.stride(dim) == stride)
+
+    def tiles_1x128(t, s):
+        return s.dim() == 2 and size_stride(s, 0, t.shape[0], 1) and size_stride(s, 1, _cdiv(t.shape[1]), t.shape[0])
+
+    def blocks_128(t, s):
+        return (s.dim() == 2 and size_stride(s, 0, _cdiv(t.shape[0]), _cdiv(t.shape[1]))
+                and size_stride(s, 1, _cdiv(t.shape[1]), 1))
+
+    bt, sbt = b.t(), scale_b.t()
+    assert scale_a.dtype == scale_b.dtype == torch.float32 and tiles_1x128(a, scale_a), (scale_a.shape, scale_a.stride())
+    square = blocks_128(bt, sbt)
+    assert square or tiles_1x128(bt, sbt), (scale_b.shape, scale_b.stride())
+    A = a.float() * scale_a.repeat_interleave(TILE, 1)[:, :K]
+    sbt = sbt.repeat_interleave(TILE, 0)[:N] if square else sbt
+    return (A @ (bt.float() * sbt.repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["halves", "interleaved"])
+def test_the_scaled_mm_path_on_the_cpu(monkeypatch, layout):
+    """The GPU's second blockwise backend (torch._scaled_mm per expert, where the build has no
+    grouped GEMM) as far as the CPU can take it: the node through it, with torch._scaled_mm
+    replaced by its contract's check and the same arithmetic as the emulation, gives the
+    emulation's bits (every expert's slices, scale layouts and transposed outputs right)."""
+    t, dy, ends = _problem(biases=True, **OUTLIERS)
+    want = _run(t, dy, ends, "swiglu_oai", layout, fp8="blockwise")
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or _scaled_mm_contract(*a, **k))
+    monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: ("scaled_mm", None))
+    with ScaledGemmLog() as log:
+        got = _run(t, dy, ends, "swiglu_oai", layout, fp8="blockwise")
+    _log_is(log, "blockwise")
+    assert len(calls) == 6 * 3  # the six GEMMs, each over the three experts with rows
+    for k in want:
+        assert torch.equal(got[k], want[k]), (k, rel(got[k], want[k]))
+
+
 # ---------------------------------------------------------------------------
 # On an H200
 # ---------------------------------------------------------------------------
