@@ -207,7 +207,8 @@ def targets(results):
                     f"default recipe's target >= {TARGET_VS_BF16}x)", b["ms"] >= TARGET_VS_BF16 * k["ms"]))
         if k["extra_peak_gib"] is not None:
             out.append((f"fp8-blockwise extra peak {k['extra_peak_gib']:.2f} GiB vs bf16 expert_mlp's "
-                        f"{b['extra_peak_gib']:.2f} GiB (target: at or below)", k["extra_peak_gib"] <= b["extra_peak_gib"]))
+                        f"{b['extra_peak_gib']:.2f} GiB (target: at or below)",
+                        k["extra_peak_gib"] <= b["extra_peak_gib"]))
     return out
 
 
@@ -238,7 +239,8 @@ def markdown(meta, results, checks):
                      f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
                      + " | ".join(cells) + " |")
     lines += ["", "err: ||a - ref|| / ||ref|| against float32 (torch.mm per expert, TF32 off) from the same bf16 "
-              "inputs; bias: sum((a - ref) ref) / sum(ref^2); extra peak: max allocated during forward+backward minus before; kept: allocated after "
+              "inputs; bias: sum((a - ref) ref) / sum(ref^2); extra peak: max allocated during forward+backward "
+              "minus before; kept: allocated after "
               "forward minus before, minus y. fp8-gemms: random e4m3 operands, no quantisation, no activation."]
     lines += target_lines(checks)
     return "\n".join(lines) + "\n"

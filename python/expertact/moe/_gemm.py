@@ -217,7 +217,8 @@ def blockwise_backend(device) -> tuple:
     if device.type == "cpu":
         return "emulation", None
     if device.type != "cuda":
-        return None, f"the blockwise FP8 GEMMs run on Hopper GPUs (sm90), and on the CPU as an emulation; not on {device}"
+        return None, (f"the blockwise FP8 GEMMs run on Hopper GPUs (sm90), and on the CPU as an emulation; not on "
+                      f"{device}")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return None, (f"{torch.cuda.get_device_name(device)} is sm{major}{minor}: the blockwise FP8 grouped GEMMs are "

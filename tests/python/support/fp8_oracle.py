@@ -10,10 +10,11 @@ tensor, and those it quantises from the activation's float32 values (h for the d
 projection, dgate_up where the FP8 activation backward made it) are quantised from them. The
 FP8 activation backward makes dx's operand unless b13 takes a gradient (rowwise, blockwise) or
 the weight gradients are in bf16 (blockwise), and dw13's operand too in the blockwise recipe
-(rowwise quantises it from the bf16 dgate_up that kernel writes).
-A blockwise scale is per tile of the expert's rows, the tiles starting at its first row: the
-oracle quantises each expert's block apart, which is what the node's 128-padded layout does. An implementation of the recipe then
-differs from it only where float32 accumulation moves a value across a rounding boundary, while
+(rowwise quantises it from the bf16 dgate_up that kernel writes). A blockwise weight-gradient
+scale is per tile of an expert's rows, the tiles starting at its first row: the oracle
+quantises each expert's block apart, as the node's 128-padded layout does. An implementation
+of the recipe then differs from it only where float32 accumulation moves a value across a
+rounding boundary, while
 anything else (a bf16 GEMM, another operand or scale, a wrong layout) differs by the FP8
 rounding itself, a few percent.
 """
