@@ -11,6 +11,7 @@ weights and biases, uneven and empty experts, padding rows past the last offset,
 modes and the partial gradients that take the other activation backward. On an H200 the
 GPU's GEMMs run (skipped elsewhere)."""
 import functools
+import re
 
 import pytest
 import torch
@@ -520,6 +521,26 @@ def test_the_emulated_blockwise_gemms_against_float64():
 
 def test_the_blockwise_backend_on_the_cpu():
     assert _gemm.blockwise_backend(torch.device("cpu")) == ("emulation", None)
+
+
+def test_the_blockwise_backend_choice_on_a_gpu(monkeypatch):
+    """On a GPU (its answers faked here): sm90 only; expertact's CUTLASS GEMM where the build has
+    it, else torch._scaled_mm where its probe passes, else a refusal naming both."""
+    from expertact import _capi
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    cuda = torch.device("cuda", 0)
+    for cap, cutlass, probe, want in (((8, 0), True, None, (None, r"a GPU is sm80: the blockwise FP8 grouped GEMMs "
+                                                                  r"are taken on Hopper \(sm90\) only")),
+                                      ((9, 0), True, "no", ("cutlass", None)),
+                                      ((9, 0), False, None, ("scaled_mm", None)),
+                                      ((9, 0), False, "this torch refuses them", (
+                                          None, "this expertact build has no FP8 grouped GEMM .*CUTLASS headers.*, "
+                                                "and this torch refuses them"))):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
+        monkeypatch.setattr(_capi, "has_fp8_grouped_gemm", lambda c=cutlass: c)
+        monkeypatch.setattr(_gemm, "_scaled_mm_refusal", lambda device, p=probe: p)
+        backend, why = _gemm._cuda_backend(cuda)
+        assert backend == want[0] and (why is None if want[1] is None else re.fullmatch(want[1], why)), (backend, why)
 
 
 def _cdiv(n):

@@ -219,6 +219,16 @@ def blockwise_backend(device) -> tuple:
     if device.type != "cuda":
         return None, (f"the blockwise FP8 GEMMs run on Hopper GPUs (sm90), and on the CPU as an emulation; not on "
                       f"{device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _BACKENDS:  # once per device: each of the node's six GEMMs asks
+        _BACKENDS[index] = _cuda_backend(torch.device("cuda", index))
+    return _BACKENDS[index]
+
+
+_BACKENDS = {}  # CUDA device index -> blockwise_backend's answer there
+
+
+def _cuda_backend(device) -> tuple:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         return None, (f"{torch.cuda.get_device_name(device)} is sm{major}{minor}: the blockwise FP8 grouped GEMMs are "
