@@ -50,7 +50,6 @@ a custom FP8 backward.
 """
 from __future__ import annotations
 
-import math
 import operator
 from typing import Optional, Tuple
 
@@ -422,30 +421,17 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
 # ---------------------------------------------------------------------------
 
 #: The tile edge of the blockwise operands.
-TILE = 128
-
-
-def _tiles(n: int) -> int:
-    return -(-n // TILE)
+TILE = _fp8_buffers.TILE
 
 
 def _row_tile_outputs(like, cols):
     """(q [..., cols] e4m3, scale storage [KB, T] float32, scale as the [..., KB] view)."""
-    lead = like.shape[:-1]
-    T = math.prod(lead)
-    KB = _tiles(cols)
-    q = torch.empty((*lead, cols), dtype=torch.float8_e4m3fn, device=like.device)
-    store = torch.empty((KB, T), dtype=torch.float32, device=like.device)
-    return q, store, store.view(KB, *lead).movedim(0, -1)
+    return _fp8_buffers.row_tiles(like, cols)
 
 
 def _column_tile_outputs(offsets, host, C, device, where):
     """(q_t [C, Tp] e4m3, scale [Tp / 128, C] float32, the 128-padded offsets on the device)."""
-    Tp = padded_offsets(host, TILE)[-1]
-    if Tp >= 2 ** 31:
-        raise ValueError(f"{where}: the padded row count {Tp} does not fit the int32 offsets")
-    q_t = torch.empty((C, Tp), dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((Tp // TILE, C), dtype=torch.float32, device=device)
+    q_t, scale = _fp8_buffers.column_tiles(host, C, device, where)
     return q_t, scale, padded_offsets(offsets, TILE)
 
 
@@ -504,9 +490,8 @@ def quantize_blocks(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"{where}: w must be [E, R, C] or [R, C] (got shape {tuple(w.shape)})")
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, R, C = w3.shape
-    q = torch.empty((E, R, C), dtype=torch.float8_e4m3fn, device=w.device)
-    scale = torch.empty((E, _tiles(R), _tiles(C)), dtype=torch.float32, device=w.device)
-    _ops.fp8_quantize_blocks(w3, q.view(E * R, C), scale.view(E * _tiles(R), _tiles(C)))
+    q, scale = _fp8_buffers.blocks(E, R, C, w.device)
+    _ops.fp8_quantize_blocks(w3, q.view(E * R, C), scale.view(-1, scale.shape[-1]))
     return (q, scale) if w.dim() == 3 else (q[0], scale[0])
 
 

@@ -252,30 +252,32 @@ def test_fp8_names():
     assert EP.GroupedExperts.forward is DS_FORWARD and not xds.is_enabled()
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("path", ["grouped_mm-separate", "for-loop"])
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_oai"])
-def test_fp8_reaches_expert_mlp_on_the_cpu(name, path):
-    """enable(experts=True, fp8="rowwise") on a bf16 module on the CPU runs the FP8 node (its
-    emulation there): the six GEMMs in FP8, the output and the gradients of x, w1, w2, w3 those of
-    expert_mlp(fp8="rowwise") on the module's weights bit for bit (test_fp8_mlp holds that node to
-    the recipe's oracle), and differing from enable(experts=True)'s bf16 ones as FP8 must."""
+def test_fp8_reaches_expert_mlp_on_the_cpu(name, path, recipe):
+    """enable(experts=True, fp8=recipe) on a bf16 module on the CPU runs the FP8 node (its
+    emulation there): the six GEMMs of the recipe in FP8, the output and the gradients of x, w1,
+    w2, w3 those of expert_mlp(fp8=recipe) on the module's weights bit for bit (test_fp8_mlp
+    holds that node to the recipe's oracle), and differing from enable(experts=True)'s bf16 ones
+    as FP8 must."""
     from support.fp8_oracle import ScaledGemmLog
     m = _module(name, path, dtype=torch.bfloat16)
     counts = torch.tensor(_COUNTS)
     x = torch.randn(sum(_COUNTS) + _PAD, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
     xds.enable(experts=True)
     bf16, _ = _fwd_bwd(m, x, counts)
-    xds.enable(experts=True, fp8="rowwise")
-    assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise"
+    xds.enable(experts=True, fp8=recipe)
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] == recipe
     with ScaledGemmLog() as log:
         got, _ = _fwd_bwd(m, x, counts)
-    assert log.calls == 6
+    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
 
     def by_hand(module, x, counts):
         w13 = torch.cat((module.w1, module.w3), dim=1).transpose(-2, -1)
         kw = dict(alpha=module.activation_alpha, limit=module.activation_limit) if name == "swiglu_oai" else {}
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        return expert_mlp(x, w13, module.w2.transpose(-2, -1), offsets, name, fp8="rowwise", **kw)
+        return expert_mlp(x, w13, module.w2.transpose(-2, -1), offsets, name, fp8=recipe, **kw)
 
     xds.disable()
     want, _ = _fwd_bwd(m, x, counts, forward=by_hand)

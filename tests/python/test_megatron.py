@@ -1,8 +1,8 @@
 """expertact.megatron.ExpertMLP against Megatron-Core's own SequentialMLP (megatron-core 0.19.2,
 Python >= 3.12) on the CPU, float32: the same state dict, the same inputs, the output and every
-gradient within float32 rounding. Its FP8 path (fp8="rowwise", bf16) against expert_mlp's FP8
-node on the same stacked weights, on the CPU emulation of the recipe and on an H200. Skips
-without megatron-core."""
+gradient within float32 rounding. Its FP8 path (fp8="rowwise" or "blockwise", bf16) against
+expert_mlp's FP8 node on the same stacked weights, on the CPU emulation of the recipe and on an
+H200. Skips without megatron-core."""
 import inspect
 import os
 import socket
@@ -284,18 +284,19 @@ def _by_hand(module, x, counts, probs, fp8):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU"))])
 @pytest.mark.parametrize("which", ["swiglu", "gpt-oss"])
-def test_fp8_is_expert_mlps_recipe(mpu, which, device):
-    """ExpertMLP(fp8="rowwise") with bf16 activations runs expert_mlp's FP8 node on its stacked
-    weights (test_fp8_mlp holds that node to the recipe's float64 oracle): the six GEMMs in FP8,
-    the output and the gradients of x, the probabilities and every parameter equal to
-    expert_mlp(fp8="rowwise") on the same stacked weights (the weights stacked again in
-    backward are the same values), and differing from ExpertMLP's bf16 ones as FP8 must. On the
-    CPU the recipe's emulation, on an H200 torch._scaled_grouped_mm. The layer spec's options
-    build the same module."""
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_fp8_is_expert_mlps_recipe(mpu, which, device, recipe):
+    """ExpertMLP(fp8=recipe) with bf16 activations runs expert_mlp's FP8 node on its stacked
+    weights (test_fp8_mlp holds that node to the recipe's float64 oracle): the recipe's six GEMMs
+    in FP8, the output and the gradients of x, the probabilities and every parameter equal to
+    expert_mlp(fp8=recipe) on the same stacked weights (the weights stacked again in backward
+    are the same values), and differing from ExpertMLP's bf16 ones as FP8 must. On the CPU the
+    recipe's emulation, on an H200 the recipe's GPU GEMMs. The layer spec's options build the
+    same module."""
     from expertact.megatron import gpt_layer_local_spec
     cfg = _config(**(_gpt_oss() if which == "gpt-oss" else {}))
     _, bf16 = _pair(cfg, mpu)
-    experts = gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, experts=dict(fp8="rowwise"))
+    experts = gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, experts=dict(fp8=recipe))
     ours = experts.submodules.mlp.keywords["submodules"].experts(4, cfg, pg_collection=mpu)
     ours.load_state_dict(bf16.state_dict())
     ours.to(device), bf16.to(device)
@@ -304,8 +305,8 @@ def test_fp8_is_expert_mlps_recipe(mpu, which, device):
     probs = torch.rand(48, generator=torch.Generator().manual_seed(2)).to(device)
     with ScaledGemmLog() as log:
         got = _run(ours, x, counts, probs)
-    assert log.calls == 6
-    want = _by_hand(ours, x, counts, probs, "rowwise")
+    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    want = _by_hand(ours, x, counts, probs, recipe)
     plain = _run(bf16, x, counts, probs)
     for i, what in ((0, "y"), (2, "x.grad"), (3, "probs.grad")):
         assert torch.equal(got[i], want[i]), what

@@ -794,18 +794,20 @@ def test_grouped_experts_modes_and_casting():
         moe.GroupedExperts(D, F, E, layout="separate")
 
 
-def test_grouped_experts_fp8():
-    """GroupedExperts(fp8=...) reaches expert_mlp's FP8 node (on the CPU, its emulation): the six
-    GEMMs run in FP8, the output and every gradient are expert_mlp(fp8="rowwise")'s on the same
-    packed weights bit for bit (test_fp8_mlp holds that node to the recipe's oracle), and differ
-    from the bf16 module's as FP8 must; fp8=True is refused while no default recipe is chosen."""
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_grouped_experts_fp8(recipe):
+    """GroupedExperts(fp8=recipe) reaches expert_mlp's FP8 node (on the CPU, its emulation): the six
+    GEMMs of the recipe run in FP8, the output and every gradient are expert_mlp(fp8=recipe)'s on
+    the same packed weights bit for bit (test_fp8_mlp holds that node to the recipe's oracle), and
+    differ from the bf16 module's as FP8 must; fp8=True is refused while no default recipe is
+    chosen."""
     from support.fp8_oracle import ScaledGemmLog, rel
     D, F, E = 32, 16, 3
     kw = dict(activation="swiglu_oai", layout="interleaved", init_std=0.2)
     base = moe.GroupedExperts(D, F, E, **kw)
-    m = moe.GroupedExperts(D, F, E, fp8="rowwise", **kw)
+    m = moe.GroupedExperts(D, F, E, fp8=recipe, **kw)
     m.load_state_dict(base.state_dict())
-    assert m.fp8 == "rowwise" and "fp8='rowwise'" in repr(m) and base.fp8 is None
+    assert m.fp8 == recipe and f"fp8='{recipe}'" in repr(m) and base.fp8 is None
     assert moe.GroupedExperts(D, F, E, fp8=False).fp8 is None
     counts, offsets = torch.tensor([20, 0, 27]), torch.tensor([20, 20, 47], dtype=torch.int32)
     gen = torch.Generator().manual_seed(5)
@@ -820,13 +822,13 @@ def test_grouped_experts_fp8():
 
     with ScaledGemmLog() as log:
         got = run(m)
-    assert log.calls == 6
+    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
     w1, w2, w3 = (p.detach().clone().requires_grad_() for p in (m.w1, m.w2, m.w3))
     xr = x.clone().requires_grad_()
     w13 = torch.stack((w1, w3), dim=2).flatten(1, 2)  # [E, 2F, D], gate and up interleaved
     y = moe.expert_mlp(xr, w13.to(torch.bfloat16).transpose(-2, -1),
                        w2.to(torch.bfloat16).transpose(-2, -1), offsets, "swiglu_oai",
-                       layout="interleaved", weights=w, fp8="rowwise")
+                       layout="interleaved", weights=w, fp8=recipe)
     want = (y, *torch.autograd.grad(y, [xr, w1, w2, w3], dy))
     bf16 = run(base)
     for name, g, r, b in zip(("y", "x", "w1", "w2", "w3"), got, want, bf16):

@@ -628,20 +628,21 @@ def test_gpt_oss_tensor_parallel(tmp_path):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("kind", ["w1_w3", "fused_w13", "gpt_oss"])
-def test_fp8_reaches_expert_mlp(monkeypatch, kind):
-    """A factory's fp8="rowwise" reaches expert_mlp and runs its FP8 node (test_fp8_mlp holds it
-    to the recipe's oracle): the six GEMMs in FP8 (counted), the output and the gradients differing
-    from the same module's bf16 ones as FP8 must; enable(model, fp8=...) switches it on a built
-    model; fp8=True is refused while no default recipe is chosen."""
+def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
+    """A factory's fp8=recipe reaches expert_mlp and runs its FP8 node (test_fp8_mlp holds it to
+    the recipe's oracle): the recipe's six GEMMs in FP8 (counted), the output and the gradients
+    differing from the same module's bf16 ones as FP8 must; enable(model, fp8=...) switches it on
+    a built model; fp8=True is refused while no default recipe is chosen."""
     from support.fp8_oracle import ScaledGemmLog, rel
     if kind == "gpt_oss":
         _, bf16 = _gpt_oss_pair()
-        _, ours = _gpt_oss_pair(fp8="rowwise")
+        _, ours = _gpt_oss_pair(fp8=recipe)
     else:
         _, bf16 = _pair(fused=kind == "fused_w13")
-        _, ours = _pair(fused=kind == "fused_w13", fp8="rowwise")
-    assert ours.fp8 == "rowwise" and bf16.fp8 is None and "fp8='rowwise'" in repr(ours)
+        _, ours = _pair(fused=kind == "fused_w13", fp8=recipe)
+    assert ours.fp8 == recipe and bf16.fp8 is None and f"fp8='{recipe}'" in repr(ours)
     seen = []
     real = et.expert_mlp
 
@@ -656,20 +657,20 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind):
     dy = torch.randn(x.shape, generator=gen)
     with ScaledGemmLog() as log:
         got = _run(ours, x, counts, dy)
-    assert log.calls == 6 and seen == ["rowwise"]
+    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0) and seen == [recipe]
     want = _run(bf16, x, counts, dy)
     assert rel(got[0], want[0]) > 2e-2 and rel(got[1], want[1]) > 2e-2
     for n, g in got[2].items():
         if n != "mlp2_bias_ED":  # its gradient is dy's sum, which FP8 does not touch
             assert rel(g, want[2][n]) > 2e-2, n
     model = torch.nn.ModuleDict({"a": bf16})
-    assert et.enable(model, fp8="rowwise") == ["a"] and bf16.fp8 == "rowwise"
+    assert et.enable(model, fp8=recipe) == ["a"] and bf16.fp8 == recipe
     with ScaledGemmLog() as log:
         again = _run(bf16, x, counts, dy)
     assert log.calls == 6 and torch.equal(again[0], got[0])
     with pytest.raises(ValueError, match=r"expertact.torchtitan: fp8=True .*'rowwise' \(\+0\.083"):
         et.enable(model, fp8=True)
-    assert bf16.fp8 == "rowwise"  # refused before any change
+    assert bf16.fp8 == recipe  # refused before any change
 
 
 def test_fp8_config_field():
@@ -683,6 +684,7 @@ def test_fp8_config_field():
         et.expertact_grouped_experts(cfg, fp8="e4m3")
     gpt = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=7.0)
     assert et.expertact_gpt_oss_grouped_experts(gpt, fp8="rowwise").fp8 == "rowwise"
+    assert et.expertact_grouped_experts(cfg, fp8="blockwise").fp8 == "blockwise"
 
 
 def test_other_subclasses_refused():

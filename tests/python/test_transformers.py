@@ -344,14 +344,14 @@ def test_bf16_and_routing_weights_dtype(name, weights_dtype):
 
 
 # ---------------------------------------------------------------------------
-# FP8: register(..., fp8="rowwise"), on the CPU as the recipe's emulation
+# FP8: register(..., fp8="rowwise" or "blockwise"), on the CPU as the recipe's emulation
 # ---------------------------------------------------------------------------
 
 # The experts' forms, written out: (preset, layout, alpha and limit from the module's attributes).
 _FP8_FORMS = {"qwen3_moe": ("swiglu", "halves", None, None), "gpt_oss": ("swiglu_oai", "interleaved", "alpha", "limit")}
 
 
-def _fp8_oracle(experts, x, ids, w, dy, name):
+def _fp8_oracle(experts, x, ids, w, dy, name, recipe="rowwise"):
     """The FP8 recipe's float64 oracle (support.fp8_oracle) of an experts call: the (token, k)
     pairs sorted by expert, the oracle's expert MLP over them, each token's K outputs summed and
     rounded to bf16 as transformers' implementations sum them; the gradients of x (its K copies
@@ -366,7 +366,8 @@ def _fp8_oracle(experts, x, ids, w, dy, name):
     kw = {} if alpha is None else dict(alpha=getattr(experts, alpha), limit=getattr(experts, limit))
     biases = dict(b13=experts.gate_up_proj_bias.detach(), b2=experts.down_proj_bias.detach()) if experts.has_bias else {}
     o = fp8_oracle.expert_mlp(x[tok], stored(experts.gate_up_proj.detach()), stored(experts.down_proj.detach()), ends,
-                              dy[tok], preset, layout=layout, weights=w.reshape(-1)[order].float(), **biases, **kw)
+                              dy[tok], preset, layout=layout, weights=w.reshape(-1)[order].float(), recipe=recipe,
+                              **biases, **kw)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel())
     y = o["y"][back].view(T, K, -1).sum(1).to(torch.bfloat16)
@@ -377,17 +378,18 @@ def _fp8_oracle(experts, x, ids, w, dy, name):
     return out
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("name", list(_FP8_FORMS))
-def test_fp8_gives_the_recipes_values(name):
-    """register(name, fp8="rowwise") runs the FP8 node (on the CPU its emulation): the six GEMMs
-    in FP8, the output and the gradients of x, the routing weights and the experts' parameters
+def test_fp8_gives_the_recipes_values(name, recipe):
+    """register(name, fp8=recipe) runs the FP8 node (on the CPU its emulation): the recipe's six
+    GEMMs in FP8, the output and the gradients of x, the routing weights and the experts' parameters
     (GPT-OSS's biases included) within test_fp8_mlp's bound of the recipe's float64 oracle, and
     differing from the bf16 implementation's as FP8 must. A bf16 model (FP8 takes bf16).
     Measured (CPU, transformers 5.17): every bf16 tensor equal to the oracle's, the routing
-    weights' gradient within 1e-7; the bf16 implementation 5.7e-2 or more away from each."""
+    weights' gradient within 1e-7 (rowwise); the bf16 implementation 5.7e-2 or more away from each."""
     from support.fp8_oracle import ScaledGemmLog, rel
-    et.register("expertact_test_fp8", fp8="rowwise")
-    assert _hf_moe.ALL_EXPERTS_FUNCTIONS["expertact_test_fp8"].fp8 == "rowwise"
+    et.register("expertact_test_fp8", fp8=recipe)
+    assert _hf_moe.ALL_EXPERTS_FUNCTIONS["expertact_test_fp8"].fp8 == recipe
     experts, x, ids, w = _module_case(name, T=24)
     experts.to(torch.bfloat16)
     x = x.to(torch.bfloat16)
@@ -404,8 +406,8 @@ def test_fp8_gives_the_recipes_values(name):
 
     with ScaledGemmLog() as log:
         got = call("expertact_test_fp8")
-    assert log.calls == 6
-    want = _fp8_oracle(experts, x, ids, w, dy, name)
+    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    want = _fp8_oracle(experts, x, ids, w, dy, name, recipe)
     bf16 = call("expertact")
     assert got.keys() == want.keys()
     for k in want:

@@ -28,6 +28,8 @@ Rows (--impls), each on the same module, inputs and weights:
   mlp-inplace              enable(experts=True, inplace_backward=True)
   mlp-recompute-inplace    both
   mlp-fp8                  enable(experts=True, fp8="rowwise")
+  mlp-fp8-blockwise        enable(experts=True, fp8="blockwise"): DeepSeek-V3's recipe (1 x 128 / 128 x 128
+                           scales, FP32-promoted accumulation)
   w13-copy                 torch.cat of w1 and w3 and its backward alone (fwd+bwd only): the per-call weight
                            copy that the mlp rows (and deepspeed-fused) make, for its share
 
@@ -55,7 +57,7 @@ from .common import (
 )
 
 IMPLS = ("deepspeed", "deepspeed-fused", "deepspeed-compile", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute",
-         "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "w13-copy")
+         "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "mlp-fp8-blockwise", "w13-copy")
 #: AutoEP 0.19.8's default gate_up_impl (deepspeed/module_inject/auto_ep_config.py): the
 #: configuration every row runs on unless ROWS names another.
 DEFAULT_GATE_UP = "separate"
@@ -68,6 +70,7 @@ ROWS = {
     "mlp-inplace": (DEFAULT_GATE_UP, dict(experts=True, inplace_backward=True)),
     "mlp-recompute-inplace": (DEFAULT_GATE_UP, dict(experts=True, recompute=True, inplace_backward=True)),
     "mlp-fp8": (DEFAULT_GATE_UP, dict(experts=True, fp8="rowwise")),
+    "mlp-fp8-blockwise": (DEFAULT_GATE_UP, dict(experts=True, fp8="blockwise")),
 }
 # The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows, D = F = 3,072.
 CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072)

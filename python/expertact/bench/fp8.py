@@ -1,5 +1,5 @@
-"""The FP8 expert-MLP table: expert_mlp(fp8="rowwise") beside the bf16 expert_mlp, torchao's FP8
-grouped GEMMs and the six FP8 GEMMs alone, forward + backward, in one run.
+"""The FP8 expert-MLP table: expert_mlp's FP8 recipes (fp8="rowwise", "blockwise") beside the bf16
+expert_mlp, torchao's FP8 grouped GEMMs and the six FP8 GEMMs alone, forward + backward, in one run.
 
     python -m expertact.bench --mlp --fp8            # CUDA (Hopper): 4 experts x 261,280 rows, D = F = 3,072
     python -m expertact.bench --mlp --fp8 --rows 32768 --quick
@@ -11,19 +11,27 @@ Rows (--impls):
   fp8                 expert_mlp(fp8="rowwise"): the six GEMMs as torch._scaled_grouped_mm (e4m3, rowwise
                       scales, fast accumulation), h written in e4m3 by the activation kernel
   fp8-bf16-wgrad      ... fp8_wgrad=False: the two weight-gradient GEMMs in bf16
+  fp8-blockwise       expert_mlp(fp8="blockwise"): DeepSeek-V3's recipe, 1 x 128 tiles for x, h, dy and
+                      dgate_up, 128 x 128 blocks for the weights, 128 x 1 tiles for the weight gradients'
+                      operands, written by expertact's kernels; the six GEMMs as expertact's CUTLASS grouped
+                      GEMM (FP32-promoted accumulation), or torch._scaled_mm per expert where the build lacks it
   torchao             torchao's _to_fp8_rowwise_then_scaled_grouped_mm for both GEMMs (its Triton
                       quantisation kernels, the same recipe) around expertact's bf16 activation, under
                       autograd: the composition a torchao user writes today
   fp8-gemms           the six FP8 GEMMs alone on operands quantised beforehand (the floor): forward = the
                       two forward GEMMs, backward = the other four
 
-Columns: fwd / bwd / fwd+bwd medians (CUDA events), the FP8 GEMM floor's share of the time, extra
-peak and kept memory (as --mlp measures them), and ||a - ref|| / ||ref|| of y, dx, dw13 and dw2
-against a float32 reference (torch.mm per expert, TF32 off, the same bf16 inputs).
+Columns: fwd / bwd / fwd+bwd medians (CUDA events), the FP8 GEMM floor's share of the time (the
+floor: the rowwise recipe's six GEMMs), extra peak and kept memory (as --mlp measures them), and
+the per-call accuracy of y, dx, dw13 and dw2 against a float32 reference (torch.mm per expert,
+TF32 off, the same bf16 inputs): err = ||a - ref|| / ||ref|| and the signed bias
+sum((a - ref) ref) / sum(ref^2) (the share of ref the result gains or loses along itself).
 
 Targets (PASS / FAIL below the table): fp8 fwd+bwd at most TARGET_MS and at least
 TARGET_VS_TORCHAO times faster than torchao's composition; its extra peak at or below the bf16
-expert_mlp's; each of its errors within ERROR_VS_TORCHAO times torchao's.
+expert_mlp's; each of its errors within ERROR_VS_TORCHAO times torchao's. fp8-blockwise: at least
+TARGET_VS_BF16 times faster than the bf16 expert_mlp (the default recipe's target), its extra peak
+at or below the bf16 expert_mlp's.
 """
 from __future__ import annotations
 
@@ -43,8 +51,11 @@ from .common import (
     preset_kwargs, rel_error, resolve_device, target_lines, write_outputs,
 )
 
-IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "torchao", "fp8-gemms")
+IMPLS = ("expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "fp8-blockwise", "torchao", "fp8-gemms")
+RECIPE = {"fp8": "rowwise", "fp8-bf16-wgrad": "rowwise", "fp8-blockwise": "blockwise", "fp8-gemms": "rowwise",
+          "torchao": "rowwise"}  # the FP8 recipe each row needs (torchao's: rowwise, on the same GPUs)
 TARGET_MS = 200.0
+TARGET_VS_BF16 = 1.25
 TARGET_VS_TORCHAO = 1.25
 ERROR_VS_TORCHAO = 1.25
 GRADS = ("x", "w13", "w2")
@@ -62,7 +73,7 @@ def make_fn(impl, a, offsets, F):
     """fn(x, w13, w2) -> y; the weights are [E, N, K] leaves read through .transpose(-2, -1)."""
     kw = preset_kwargs(a.preset, a.alpha, a.limit)
     modes = {"expertact": {}, "expertact-recompute": dict(recompute=True), "fp8": dict(fp8="rowwise"),
-             "fp8-bf16-wgrad": dict(fp8="rowwise", fp8_wgrad=False)}
+             "fp8-bf16-wgrad": dict(fp8="rowwise", fp8_wgrad=False), "fp8-blockwise": dict(fp8="blockwise")}
     if impl in modes:
         def run(x, w13, w2):
             return moe.expert_mlp(x, w13.transpose(-2, -1), w2.transpose(-2, -1), offsets, a.preset,
@@ -138,17 +149,27 @@ def reference32(inp, a):
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
+def signed_bias(a, ref) -> float:
+    """sum((a - ref) * ref) / sum(ref^2), in float64: the share of ref that a gains (> 0) or
+    loses (< 0) along ref's own direction."""
+    a, ref = a.double(), ref.double()
+    return float(((a - ref) * ref).sum() / (ref * ref).sum().clamp_min(1e-300))
+
+
 def errors(fn, inp, ref):
+    """({name: err}, {name: signed bias}) of y, dx, dw13 and dw2 against the float32 reference."""
     inp.clear()
     y = fn(*inp.args)
     y.backward(inp.grad)
     out = {"y": rel_error(y.detach(), ref["y"])}
+    bias = {"y": signed_bias(y.detach(), ref["y"])}
     del y
     for n in GRADS:
         g = getattr(inp, n).grad
         out["d" + n] = None if g is None else rel_error(g, ref[n])
+        bias["d" + n] = None if g is None else signed_bias(g, ref[n])
     inp.clear()
-    return out
+    return out, bias
 
 
 def parse_args(argv=None):
@@ -180,6 +201,14 @@ def targets(results):
         worst = max(f["err"][k] / max(t["err"][k], 1e-30) for k in f["err"] if f["err"][k] is not None)
         out.append((f"fp8 errors within {worst:.2f}x of torchao's (y, dx, dw13, dw2; target <= {ERROR_VS_TORCHAO}x)",
                     worst <= ERROR_VS_TORCHAO))
+    k = by.get("fp8-blockwise")
+    if k and b:
+        out.append((f"fp8-blockwise {b['ms'] / k['ms']:.2f}x faster than the bf16 expert_mlp ({b['ms']:.1f} ms; the "
+                    f"default recipe's target >= {TARGET_VS_BF16}x)", b["ms"] >= TARGET_VS_BF16 * k["ms"]))
+        if k["extra_peak_gib"] is not None:
+            out.append((f"fp8-blockwise extra peak {k['extra_peak_gib']:.2f} GiB vs bf16 expert_mlp's "
+                        f"{b['extra_peak_gib']:.2f} GiB (target: at or below)",
+                        k["extra_peak_gib"] <= b["extra_peak_gib"]))
     return out
 
 
@@ -196,20 +225,22 @@ def markdown(meta, results, checks):
              f"Python {meta['python']}",
              f"- command: `{meta['command']}`", "",
              "| implementation | fwd ms | bwd ms | fwd+bwd ms | FP8 GEMM floor / time | extra peak GiB | kept GiB | "
-             "y err | dx err | dw13 err | dw2 err |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "y err | y bias | dx err | dx bias | dw13 err | dw13 bias | dw2 err | dw2 bias |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 9)
+            lines.append(f"| {r['impl']} | {r['error']} |" + " |" * 13)
             continue
         share = f"{floor / r['ms']:.0%}" if floor else "n/a"
-        e = r.get("err") or {}
-        cells = [("n/a" if e.get(k) is None else f"{e[k]:.2e}") for k in ("y", "dx", "dw13", "dw2")]
+        e, sb = r.get("err") or {}, r.get("bias") or {}
+        cells = [c for k in ("y", "dx", "dw13", "dw2") for c in (
+            "n/a" if e.get(k) is None else f"{e[k]:.2e}", "n/a" if sb.get(k) is None else f"{sb[k]:+.2e}")]
         lines.append(f"| {r['impl']} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['ms']:.2f} | {share} | "
                      f"{fmt_mem(r.get('extra_peak_gib'), unit)} | {fmt_mem(r.get('kept_gib'), unit)} | "
                      + " | ".join(cells) + " |")
     lines += ["", "err: ||a - ref|| / ||ref|| against float32 (torch.mm per expert, TF32 off) from the same bf16 "
-              "inputs; extra peak: max allocated during forward+backward minus before; kept: allocated after "
+              "inputs; bias: sum((a - ref) ref) / sum(ref^2); extra peak: max allocated during forward+backward "
+              "minus before; kept: allocated after "
               "forward minus before, minus y. fp8-gemms: random e4m3 operands, no quantisation, no activation."]
     lines += target_lines(checks)
     return "\n".join(lines) + "\n"
@@ -241,12 +272,12 @@ def main(argv=None) -> int:
         log(f"float32 reference in {time.time() - t0:.1f} s")
     clock, memory = clock_and_memory(device)
     results = []
-    why = _fp8.why_not(inp.x, D, F)
+    why = {recipe: _fp8.why_not(inp.x, D, F, recipe) for recipe in moe.FP8_RECIPES}
     for impl in impls:
         r = dict(impl=impl)
         try:
-            if (impl.startswith("fp8") or impl == "torchao") and why is not None:
-                raise ImportError(why)  # torchao's FP8 grouped GEMM needs the same GPU
+            if impl in RECIPE and why[RECIPE[impl]] is not None:
+                raise ImportError(why[RECIPE[impl]])  # torchao's FP8 grouped GEMM needs the same GPU
             if impl == "fp8-gemms":
                 f, b = gemm_floor(inp, s, iters, warmup)
                 r.update(fwd_ms=f, bwd_ms=b, ms=f + b, extra_peak_gib=None, kept_gib=None)
@@ -255,7 +286,7 @@ def main(argv=None) -> int:
                 fn = make_fn(impl, a, inp.offsets, F)
                 r.update(measure(fn, inp, clock, memory, iters, warmup, refresh=False))
                 if ref is not None:
-                    r["err"] = errors(fn, inp, ref)
+                    r["err"], r["bias"] = errors(fn, inp, ref)
         except OOM:
             r["error"] = "OOM"
         except ImportError as e:

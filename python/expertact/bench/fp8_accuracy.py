@@ -27,9 +27,11 @@ Recipes (rows):
                              the CPU emulation's arithmetic on the GPU (CUDA; on the CPU = rowwise)
   rowwise-bf16-wgrad         fp8_wgrad=False: dw2 and dw13 as expert_mlp's bf16 GEMMs (the other
                              four GEMMs are rowwise's and are not repeated)
-  blockwise                  DeepSeek-V3's 1x128 / 128x128 operands (expertact.fp8's tile quantisers),
-                             expertact's grouped GEMM with FP32-promoted accumulation on Hopper, its
-                             emulation on the CPU; reported as pending where this expertact lacks them
+  blockwise                  DeepSeek-V3's 1x128 / 128x128 operands (expertact.fp8's tile quantisers) and
+                             GEMMs as expert_mlp(fp8="blockwise") runs them: expertact's grouped GEMM with
+                             FP32-promoted accumulation on Hopper (torch._scaled_mm per expert with the
+                             same scales where the build lacks it), its emulation on the CPU; where
+                             neither runs, the reason is the row's
 
 Columns per GEMM: err = ||y - ref|| / ||ref||, bias = sum((y - ref) * ref) / sum(ref^2) (signed:
 the share of ref the output gains or loses along itself), against ref64 (float64 on the bf16
@@ -233,17 +235,10 @@ def rowwise_operands(p: Problem, gemm: str):
 
 
 def has_blockwise(device) -> str:
-    """Why the blockwise recipe's row cannot run here, or '' when it can."""
-    missing = [n for n in ("quantize_row_tiles", "quantize_column_tiles_grouped", "quantize_blocks", "glu_row_tiles",
-                           "glu_column_tiles_grouped", "glu_backward_tiles") if not hasattr(xfp8, n)]
-    if device.type == "cuda":
-        if not hasattr(xfp8, "grouped_gemm_blockwise"):
-            missing.append("grouped_gemm_blockwise")
-        elif not xfp8.has_grouped_gemm():
-            return "pending: this expertact build has no FP8 grouped GEMM (built without the CUTLASS headers)"
-    if missing:
-        return f"pending: this expertact has no expertact.fp8.{', '.join(missing)} (the blockwise recipe)"
-    return ""
+    """Why the blockwise recipe's row cannot run here, or '' when it can (the GEMM layer expert_mlp
+    uses says which of its GEMMs runs on this device, or why none)."""
+    backend, why = _gemm.blockwise_backend(device)
+    return "" if backend is not None else f"n/a: {why}"
 
 
 def blockwise_operands(p: Problem, gemm: str):
@@ -302,13 +297,12 @@ def run_gemm(recipe, p, gemm, A, B):
     if recipe == "rowwise-bf16-wgrad":  # expert_mlp's bf16 weight gradient, held-transposed order
         a, b = (p.dy, p.h) if gemm == "dw2" else (p.dg, p.x)
         return _gemm.gmm_wgrad(a, b, p.offsets, p.plan)
-    if recipe == "blockwise":
-        if not cuda:
-            return _emulated_wgrad(p, A, B) if wgrad else _emulated_rows(p, A, B)
+    if recipe == "blockwise":  # expert_mlp(fp8="blockwise")'s GEMM layer, on this device
         if wgrad:
-            poffs = xfp8.padded_offsets(p.offsets, TILE)
-            return xfp8.grouped_gemm_blockwise(A.q.t(), A.scale, B.q.t(), B.scale, poffs, mode="k")
-        return xfp8.grouped_gemm_blockwise(A.q, A.scale, B.q, B.scale, p.offsets, mode="m")
+            pends = xfp8.padded_offsets(p.ends, TILE)
+            return _gemm.blockwise_gmm(A.q.t(), A.scale, B.q.t(), B.scale, xfp8.padded_offsets(p.offsets, TILE),
+                                       pends, "k")
+        return _gemm.blockwise_gmm(A.q, A.scale, B.q, B.scale, p.offsets, p.ends, "m")
     if not cuda or recipe == "rowwise-emulated":
         if cuda:
             tf32 = torch.backends.cuda.matmul.allow_tf32

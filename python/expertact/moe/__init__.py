@@ -50,6 +50,7 @@ def _err(msg: str) -> str:
 FP8_RECIPES = {
     "rowwise": "+0.083 loss over the last 50 steps of the 300-step AutoEP training on one H200, "
                "1.1588 against DeepSpeed's bf16 default's 1.0763",
+    "blockwise": "not yet measured in training",
 }
 
 #: The recipe ``fp8=True`` selects: the first recipe whose training loss stays inside the bf16
@@ -242,17 +243,26 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
             were slower than this path; docs/fused-gemm.md). ``fused=True`` warns and
             runs this path; the argument goes in the next release.
         fp8: the FP8 recipe of the six grouped GEMMs, resolved by :func:`fp8_recipe`: None or
-            False for the GEMMs in x's dtype; ``"rowwise"`` for float8 e4m3fn with float32
-            power-of-two scales (torchao's rowwise recipe: rowwise for the token-major operands,
-            per expert and column for the weights and for the weight-gradient operands; the
-            activation writes h in e4m3 with its scales from its float32 values); True for the
-            default recipe, which is not chosen yet (True raises, naming the recipes and their
-            loss cost). bf16, D and F multiples of 16. On Hopper (sm90) the GEMMs are
-            ``torch._scaled_grouped_mm``; on the CPU the same node runs with the GEMMs emulated
-            (the operands made by the same kernels, dequantised exactly and multiplied in
-            float32): an emulation for tests and studies of the recipe, not a speed path. The
-            node keeps what ``recompute=True`` keeps (h is recomputed in backward) and runs
-            backward once. Other GPUs and dtypes raise NotImplementedError naming what is missing.
+            False for the GEMMs in x's dtype; True for the default recipe, which is not chosen
+            yet (True raises, naming the recipes and their loss cost); or a name of
+            :data:`FP8_RECIPES`, float8 e4m3fn operands with float32 power-of-two scales:
+
+            - ``"rowwise"``: torchao's rowwise recipe (one scale per row for the token-major
+              operands, per expert and column for the weights and the weight-gradient
+              operands), the GEMMs ``torch._scaled_grouped_mm`` with fast accumulation on
+              Hopper;
+            - ``"blockwise"``: DeepSeek-V3's recipe (1 x 128 tiles along K for x, h, dy and
+              dgate_up, 128 x 128 blocks for the weights, 128 x 1 tiles along the tokens for
+              the weight gradients' operands), the GEMMs expertact's CUTLASS grouped GEMM with
+              the accumulation promoted to float32 every 128 of K on Hopper (torch._scaled_mm
+              per expert with the same scales where the library was built without it).
+
+            The activation kernel writes h in e4m3 from its float32 values. bf16, D and F
+            multiples of 16. On the CPU the same node runs with the GEMMs emulated (the
+            operands made by the same kernels, dequantised exactly and multiplied in float32):
+            an emulation for tests and studies of the recipe, not a speed path. The node keeps
+            what ``recompute=True`` keeps (h is recomputed in backward) and runs backward once.
+            Other GPUs and dtypes raise NotImplementedError naming what is missing.
         fp8_wgrad: with an FP8 recipe, False keeps the two weight-gradient GEMMs in bf16.
         remake_weights: for weights made on each call from separate parameters (expertact.megatron
             stacks its experts' weights per call): a callable returning (w13, w2) as given here,
@@ -281,7 +291,7 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w13, w2, weights, b13, b2))
     if recipe is not None:
-        reason = _fp8.why_not(x, D, F)
+        reason = _fp8.why_not(x, D, F, recipe)
         if reason is not None:
             raise NotImplementedError(_err(f"fp8={recipe!r} cannot run here: {reason}"))
         plan = Plan(ends, grouped, glu, True, bool(inplace_backward), layout, biased, remake_weights, recipe,
@@ -339,8 +349,9 @@ class GroupedExperts(nn.Module):
     - ``fused_w13=True``: ``w13`` [E, 2F, D], gate and up along dim 1 in ``layout``, and
       ``w2`` [E, D, F]: no per-call copy.
 
-    ``fp8``: the FP8 recipe of expert_mlp's GEMMs (``"rowwise"``; None or False: the model's
-    dtype; resolved by :func:`fp8_recipe` at construction), for bf16 activations.
+    ``fp8``: the FP8 recipe of expert_mlp's GEMMs (a name of :data:`FP8_RECIPES`: ``"rowwise"``,
+    ``"blockwise"``; None or False: the model's dtype; resolved by :func:`fp8_recipe` at
+    construction), for bf16 activations.
 
     ``bias=True`` adds expert biases (GPT-OSS's): ``b13`` [E, 2F], gate and up biases in
     ``layout`` (the column order of w13's gate/up axis), and ``b2`` [E, D], zero at

@@ -1,15 +1,19 @@
 """The grouped GEMMs of the expert MLP, shared by its bf16 and FP8 nodes: torch._grouped_mm on
 CUDA where it has a grouped kernel, a per-expert torch.matmul loop elsewhere, and the layout
-rules of their operands and weight gradients; and the one layer under the FP8 node's GEMMs,
-torch._scaled_grouped_mm on Hopper and its emulation on the CPU (scaled_gmm)."""
+rules of their operands and weight gradients; and the one layer under the FP8 node's GEMMs:
+the rowwise recipe's (scaled_gmm: torch._scaled_grouped_mm on Hopper, its emulation on the CPU)
+and the blockwise recipe's (blockwise_gmm: expertact's CUTLASS grouped GEMM on Hopper, else
+torch._scaled_mm per expert, its emulation on the CPU)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
 
+from .. import _capi, _ops
+
 __all__ = ["Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed", "zero_empty_groups",
-           "scaled_gmm"]
+           "scaled_gmm", "blockwise_gmm", "blockwise_backend"]
 
 
 class Plan(NamedTuple):
@@ -165,3 +169,164 @@ def scaled_gmm(a, b, scale_a, scale_b, offs):
             out[e] = torch.matmul(a[:, start:end].float() * sa[e][:, None], b[start:end].float() * sb[e][None, :])
         start = end
     return out
+
+
+# ---------------------------------------------------------------------------
+# The blockwise recipe's FP8 GEMMs (docs/notes/fp8-recipes.md, "The six GEMMs")
+# ---------------------------------------------------------------------------
+
+TILE = 128
+_E4M3 = torch.float8_e4m3fn
+_SCALED_MM = {}  # device index -> None (torch._scaled_mm takes the blockwise scales there) or why not
+
+
+def _scaled_mm_refusal(device) -> Optional[str]:
+    """Why this torch's torch._scaled_mm does not take 1 x 128 / 128 x 128 scales on this GPU,
+    or None: probed once per device with one tiny call of each form the node makes (the
+    M-grouped 1 x 128 x 128 x 128 and the K-grouped 1 x 128 x 1 x 128), then cached."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _SCALED_MM:
+        return _SCALED_MM[index]
+    why = None
+    if not hasattr(torch, "_scaled_mm"):
+        why = f"this torch ({torch.__version__}) has no torch._scaled_mm"
+    else:
+        dev = torch.device("cuda", index)
+        try:
+            a = torch.zeros((16, 256), dtype=_E4M3, device=dev)
+            b = torch.zeros((16, 256), dtype=_E4M3, device=dev).t()       # [K, N] column-major
+            sa = torch.ones((2, 16), device=dev).t()                        # [M, KB], strides (1, M)
+            for sb in (torch.ones((1, 2), device=dev).t(),                  # 128 x 128: [KB, NB], strides (1, KB)
+                       torch.ones((2, 16), device=dev)):                    # 1 x 128 along K: [KB, N]
+                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=False)
+            torch.cuda.synchronize(dev)
+        except Exception as e:  # noqa: BLE001 - any refusal is the answer
+            why = (f"this torch ({torch.__version__}) does not take 1 x 128 / 128 x 128 scales in "
+                   f"torch._scaled_mm on {torch.cuda.get_device_name(dev)} ({type(e).__name__}: "
+                   f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})")
+    _SCALED_MM[index] = why
+    return why
+
+
+def blockwise_backend(device) -> tuple:
+    """(backend, why): which implementation of the blockwise GEMMs runs on ``device``:
+    "cutlass" (expertact's grouped GEMM: a build with it, an sm90 GPU), "scaled_mm"
+    (torch._scaled_mm per expert with the same scales, where this torch takes them on that GPU),
+    "emulation" (the CPU), or None with the reason, naming what is missing."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "emulation", None
+    if device.type != "cuda":
+        return None, (f"the blockwise FP8 GEMMs run on Hopper GPUs (sm90), and on the CPU as an emulation; not on "
+                      f"{device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _BACKENDS:  # once per device: each of the node's six GEMMs asks
+        _BACKENDS[index] = _cuda_backend(torch.device("cuda", index))
+    return _BACKENDS[index]
+
+
+_BACKENDS = {}  # CUDA device index -> blockwise_backend's answer there
+
+
+def _cuda_backend(device) -> tuple:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return None, (f"{torch.cuda.get_device_name(device)} is sm{major}{minor}: the blockwise FP8 grouped GEMMs are "
+                      "taken on Hopper (sm90) only")
+    if _capi.has_fp8_grouped_gemm():
+        return "cutlass", None
+    why = _scaled_mm_refusal(device)
+    if why is None:
+        return "scaled_mm", None
+    return None, ("this expertact build has no FP8 grouped GEMM (its CUDA path is built with the CUTLASS headers: pip "
+                  "install nvidia-cutlass==4.2.0.0 before building), and " + why)
+
+
+def blockwise_gmm(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
+    """The blockwise recipe's FP8 grouped GEMM as the node calls it: e4m3 operands with float32
+    dequantisation scales (value = q * scale) per tile of 128, every 128-deep K tile accumulated
+    and added into float32 (the promotion), the sum rounded once to bf16. ``ends``: offs'
+    values as host ints.
+
+    ``grouping="m"`` (forward and input gradients): a [T, K] row-major, scale_a [T, ceil(K / 128)]
+    (1 x 128 row tiles; the view of [KB, T] storage, strides (1, T)), b [E, N, K] with K
+    contiguous, scale_b [E, ceil(N / 128), ceil(K / 128)] (128 x 128 blocks), offs the experts'
+    end rows -> [T, N], rows past the last offset 0.
+
+    ``grouping="k"`` (weight gradients): a [M, Tp] and b [N, Tp] with the tokens contiguous
+    (each expert's tokens padded to a multiple of 128), scale_a [Tp / 128, M] and scale_b
+    [Tp / 128, N] (128 x 1 column tiles), offs the padded end tokens -> [E, M, N], 0 for an
+    expert without tokens; ``out_transposed``: the same values with out[e] column-major (the
+    [E, N, M] storage transposed: the gradient of a weight held as its transpose).
+
+    On Hopper expertact's CUTLASS grouped GEMM where the library has it, else torch._scaled_mm
+    per expert with the same scales (without fast accumulation: cuBLAS's promoted blockwise
+    GEMM). On the CPU its emulation, for tests and studies of the recipe (slow, not a speed
+    path): each operand dequantised exactly per its tiles (the scales are powers of two), a
+    float32 matmul per expert, rounded once to bf16."""
+    backend, why = blockwise_backend(a.device)
+    if backend is None:
+        raise NotImplementedError(f"expertact.moe: the blockwise FP8 GEMMs cannot run here: {why}")
+    if backend == "cutlass":
+        m = grouping == "m"
+        code = _capi.GEMM_M_GROUPED if m else _capi.GEMM_K_GROUPED
+        return _ops.fp8_grouped_gemm_blockwise(a, scale_a.t() if m else scale_a, b, scale_b, offs, code,
+                                               out_transposed)
+    if backend == "scaled_mm":
+        return _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed)
+    return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
+
+
+def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed):
+    """blockwise_gmm by torch._scaled_mm per expert (its scale layouts: 1 x 128 outer-dim-major,
+    128 x 128 row-major, given for B transposed)."""
+    mm = torch._scaled_mm
+    kw = dict(out_dtype=torch.bfloat16, use_fast_accum=False)
+    start = 0
+    if grouping == "m":
+        out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+        for e, end in enumerate(ends):
+            if end > start:  # an expert's [M_e, KB] scales as their own outer-dim-major block
+                sa = scale_a[start:end].t().contiguous().t()
+                out[start:end] = mm(a[start:end], b[e].t(), scale_a=sa, scale_b=scale_b[e].t(), **kw)
+            start = end
+        return out
+    if out_transposed:  # out[e]^T = b_e a_e^T: the operands swapped
+        return _blockwise_per_expert(b, scale_b, a, scale_a, ends, grouping, False).transpose(-2, -1)
+    out = torch.zeros((len(ends), a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
+    for e, end in enumerate(ends):
+        if end > start:
+            t0, t1 = start // TILE, end // TILE
+            out[e] = mm(a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1], **kw)
+        start = end
+    return out
+
+
+def _dequantised_rows(q, scale):
+    """q [R, C] with one scale per row and 128-column tile ([R, ceil(C / 128)]) -> float32, exactly."""
+    return q.float() * scale.float().repeat_interleave(TILE, 1)[:, :q.shape[1]]
+
+
+def _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed):
+    """blockwise_gmm on the CPU: operands dequantised exactly, float32 matmul per expert."""
+    start = 0
+    if grouping == "m":
+        N = b.shape[1]
+        out = torch.zeros((a.shape[0], N), dtype=torch.bfloat16, device=a.device)
+        for e, end in enumerate(ends):
+            if end > start:
+                w = _dequantised_rows(b[e], scale_b[e].repeat_interleave(TILE, 0)[:N])
+                out[start:end] = torch.matmul(_dequantised_rows(a[start:end], scale_a[start:end]), w.t())
+            start = end
+        return out
+    M, N = a.shape[0], b.shape[0]
+    out = torch.zeros((len(ends), N, M) if out_transposed else (len(ends), M, N), dtype=torch.bfloat16,
+                      device=a.device)
+    for e, end in enumerate(ends):
+        if end > start:
+            t0, t1 = start // TILE, end // TILE
+            ae = _dequantised_rows(a[:, start:end], scale_a[t0:t1].t())
+            be = _dequantised_rows(b[:, start:end], scale_b[t0:t1].t())
+            out[e] = torch.matmul(be, ae.t()) if out_transposed else torch.matmul(ae, be.t())
+        start = end
+    return out.transpose(-2, -1) if out_transposed else out

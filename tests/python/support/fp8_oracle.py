@@ -5,16 +5,22 @@ and the activation and its gradient in float64 (oracle.glu64 and autograd).
 
 It is the recipe's arithmetic with exact accumulation, so it also rounds where the recipe
 stores a value: each GEMM writes bf16, the operands the recipe quantises from a bf16 tensor
-(x, dy, h for w2's gradient, dgate_up for w13's, and for dx's where b13 takes a gradient) are
-that bf16 tensor, and those it quantises from the activation's float32 values (h for the down
-projection, dgate_up for dx's) are quantised from them. An implementation of the recipe then
-differs from it only where float32 accumulation moves a value across a rounding boundary, while
+(x, dy, h for w2's gradient, dgate_up where the bf16 activation backward made it) are that bf16
+tensor, and those it quantises from the activation's float32 values (h for the down
+projection, dgate_up where the FP8 activation backward made it) are quantised from them. The
+FP8 activation backward makes dx's operand unless b13 takes a gradient (rowwise, blockwise) or
+the weight gradients are in bf16 (blockwise), and dw13's operand too in the blockwise recipe
+(rowwise quantises it from the bf16 dgate_up that kernel writes). A blockwise weight-gradient
+scale is per tile of an expert's rows, the tiles starting at its first row: the oracle
+quantises each expert's block apart, as the node's 128-padded layout does. An implementation
+of the recipe then differs from it only where float32 accumulation moves a value across a
+rounding boundary, while
 anything else (a bf16 GEMM, another operand or scale, a wrong layout) differs by the FP8
 rounding itself, a few percent.
 """
 import torch
 
-from .fp8_tiles import dequantize, quantize_tiles
+from .fp8_tiles import TILE, dequantize, quantize_tiles
 from .oracle import glu64
 
 # Each recipe's tiles (rows, cols; None: the whole dim), for the three kinds of operand:
@@ -23,6 +29,7 @@ from .oracle import glu64
 #   cols     one expert's operand of a weight-gradient GEMM, [its rows, C], K its rows
 RECIPES = {
     "rowwise": dict(rows=(1, None), weights=(None, 1), cols=(None, 1)),
+    "blockwise": dict(rows=(1, TILE), weights=(TILE, TILE), cols=(TILE, 1)),
 }
 
 
@@ -46,9 +53,12 @@ def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", al
     x [T, D], w13 [E, D, 2F], w2 [E, F, D], dy [T, D], b13 [E, 2F], b2 [E, D] as the node gets
     them (bf16), weights float32 [T]; ends: the experts' cumulative end rows (host ints); rows
     past ends[-1] give zero. wgrad=False: the weight-gradient GEMMs in bf16 (fp8_wgrad=False).
-    b13_grad: whether b13 wants its gradient (then the recipe quantises dx's operand from the
-    bf16 dgate_up of the biased backward, else from the activation backward's float32 values)."""
+    b13_grad: whether b13 wants its gradient (then the recipe quantises dgate_up's operands
+    from the bf16 dgate_up of the biased backward, else from the activation backward's float32
+    values: module docstring)."""
     tiles = RECIPES[recipe]
+    # dgate_up's FP8 operands from the bf16 activation backward's output (else from float32)
+    bf16_dg = (b13_grad and b13 is not None) or (recipe == "blockwise" and not wgrad)
     T, D = x.shape
     E, F = w13.shape[0], w2.shape[1]
     X, DY = x.double(), dy.double()
@@ -81,11 +91,11 @@ def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", al
         dh = _bf16(dyq[r] @ _q(w2[e].t(), tiles["weights"]))
         (dz,) = torch.autograd.grad(h, z, dh)
         dgate_up = _bf16(dz)
-        out["x"][r] = _bf16(_q(dgate_up if b13_grad and b13 is not None else dz, tiles["rows"])
-                            @ _q(w13[e].t(), tiles["weights"]))
+        out["x"][r] = _bf16(_q(dgate_up if bf16_dg else dz, tiles["rows"]) @ _q(w13[e].t(), tiles["weights"]))
         hb = _bf16(h.detach())  # h as the bf16 forward writes it
         if wgrad:
-            out["w13"][e] = _bf16(_q(x[r], tiles["cols"]).t() @ _q(dgate_up, tiles["cols"]))
+            dg = dgate_up if bf16_dg or recipe == "rowwise" else dz
+            out["w13"][e] = _bf16(_q(x[r], tiles["cols"]).t() @ _q(dg, tiles["cols"]))
             out["w2"][e] = _bf16(_q(hb, tiles["cols"]).t() @ _q(dy[r], tiles["cols"]))
         else:
             out["w13"][e] = _bf16(X[r].t() @ dgate_up)
@@ -135,27 +145,68 @@ def check_sm90_contract(a, b, scale_a, scale_b, offs):
     return "wgrad"
 
 
+def check_blockwise_contract(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed):
+    """The operand contract of the blockwise recipe's grouped GEMM (expertact.fp8's
+    grouped_gemm_blockwise, and torch._scaled_mm per expert with the same scales), as the FP8
+    node must meet it on every device: e4m3 operands with contiguous rows, float32 scales in the
+    tile layouts, int32 offsets whose host copy ``ends`` is given, K and N multiples of 16; the
+    M-grouped form with 1 x 128 row tiles ([T, KB], the view of [KB, T] storage) and 128 x 128
+    weight blocks, the K-grouped form with 128 x 1 column tiles over 128-padded experts."""
+    assert a.dtype == F8 and b.dtype == F8, (a.dtype, b.dtype)
+    assert scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32
+    assert offs.dtype == torch.int32 and offs.dim() == 1 and offs.tolist() == list(ends), (offs, ends)
+    kb = lambda n: -(-n // TILE)  # noqa: E731
+    if grouping == "m":
+        (T, K), (E, N, Kb) = a.shape, b.shape
+        assert K == Kb and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
+        assert a.is_contiguous() and b.stride(-1) == 1 and b.stride(-2) >= K, (a.stride(), b.stride())
+        assert tuple(scale_a.shape) == (T, kb(K)) and scale_a.t().is_contiguous(), (scale_a.shape, scale_a.stride())
+        assert tuple(scale_b.shape) == (E, kb(N), kb(K)) and scale_b.is_contiguous(), scale_b.shape
+        assert len(ends) == E and (not ends or ends[-1] <= T) and not out_transposed
+        return "mm"
+    assert grouping == "k", grouping
+    (M, Tp), (N, Tpb) = a.shape, b.shape
+    assert Tp == Tpb and Tp % TILE == 0 and M % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
+    assert a.is_contiguous() and b.is_contiguous()
+    assert tuple(scale_a.shape) == (Tp // TILE, M) and tuple(scale_b.shape) == (Tp // TILE, N)
+    assert scale_a.is_contiguous() and scale_b.is_contiguous()
+    prev = 0
+    for e, end in enumerate(ends):
+        assert end % TILE == 0 and end >= prev, f"expert {e}'s tokens end at {end} (after {prev})"
+        prev = end
+    assert prev == Tp, (ends, Tp)
+    return "wgrad"
+
+
 class ScaledGemmLog:
     """``with ScaledGemmLog() as log: ...``: counts the FP8 GEMMs that run through
-    expertact.moe._gemm.scaled_gmm (the one layer under the FP8 node's GEMMs: the operator on
-    Hopper, its emulation on the CPU), checking each call against check_sm90_contract. log.mm:
-    the M-grouped calls (forward and input gradients), log.wgrad: the weight-gradient ones."""
+    expertact.moe._gemm's scaled_gmm and blockwise_gmm (the one layer under the FP8 node's GEMMs:
+    the GPU's GEMMs on Hopper, their emulation on the CPU), checking each call against its
+    contract (check_sm90_contract, check_blockwise_contract). log.mm: the M-grouped calls
+    (forward and input gradients), log.wgrad: the weight-gradient ones; log.blockwise: how many
+    of them were the blockwise recipe's."""
 
     def __enter__(self):
         from expertact.moe import _gemm
-        self._gemm, self._real = _gemm, _gemm.scaled_gmm
-        self.mm = self.wgrad = 0
+        self._gemm, self._real, self._real_blockwise = _gemm, _gemm.scaled_gmm, _gemm.blockwise_gmm
+        self.mm = self.wgrad = self.blockwise = 0
 
         def logged(a, b, scale_a, scale_b, offs):
             form = check_sm90_contract(a, b, scale_a, scale_b, offs)
             setattr(self, form, getattr(self, form) + 1)
             return self._real(a, b, scale_a, scale_b, offs)
 
-        _gemm.scaled_gmm = logged
+        def logged_blockwise(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
+            form = check_blockwise_contract(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed)
+            setattr(self, form, getattr(self, form) + 1)
+            self.blockwise += 1
+            return self._real_blockwise(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed)
+
+        _gemm.scaled_gmm, _gemm.blockwise_gmm = logged, logged_blockwise
         return self
 
     def __exit__(self, *exc):
-        self._gemm.scaled_gmm = self._real
+        self._gemm.scaled_gmm, self._gemm.blockwise_gmm = self._real, self._real_blockwise
 
     @property
     def calls(self):
