@@ -465,9 +465,9 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             A name of the four may be given too, to map it differently.
         experts: run GroupedExperts' whole forward as expertact's expert MLP (above).
         fp8: with ``experts=True``, an FP8 recipe of the six grouped GEMMs, expert_mlp's ``fp8``
-            (resolved by :func:`expertact.moe.fp8_recipe`): ``"rowwise"`` (Hopper, bf16, D and F
-            multiples of 16; on the CPU the emulation of the recipe; elsewhere the forward
-            raises NotImplementedError naming what is missing). None or False: the GEMMs in the
+            (resolved by :func:`expertact.moe.fp8_recipe`): ``"rowwise"`` or ``"blockwise"``
+            (Hopper, bf16, D and F multiples of 16; on the CPU the emulation of the recipe;
+            elsewhere the forward raises NotImplementedError naming what is missing). None or False: the GEMMs in the
             model's dtype.
         recompute: with ``experts=True``, keep one [T, F] tensor less between forward and
             backward (h recomputed in backward; expert_mlp's ``recompute``).

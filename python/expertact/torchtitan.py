@@ -36,7 +36,7 @@ factories and changes nothing else. The first two replace every ``GroupedExperts
 
 All forwards go through :func:`expertact.moe.expert_mlp`, one autograd node for the whole MLP
 whose memory modes (``recompute``, ``inplace_backward``) decide what is kept for backward, and
-whose ``fp8`` (an FP8 recipe of ``expertact.moe.FP8_RECIPES``, e.g. ``"rowwise"``, resolved by
+whose ``fp8`` (an FP8 recipe of ``expertact.moe.FP8_RECIPES``, ``"rowwise"`` or ``"blockwise"``, resolved by
 ``expertact.moe.fp8_recipe``; None, the default, keeps the GEMMs in the compute dtype) runs its
 six grouped GEMMs in float8: bf16 compute dtype, on Hopper, or on the CPU as an emulation of the
 recipe.

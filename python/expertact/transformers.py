@@ -326,7 +326,7 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
     is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8: a
     recipe of expertact.moe.FP8_RECIPES, resolved here by expertact.moe.fp8_recipe, e.g.
-    "rowwise": bf16 models on Hopper, and on the CPU as an emulation of the recipe;
+    "rowwise" or "blockwise": bf16 models on Hopper, and on the CPU as an emulation of the recipe;
     fp8_wgrad=False keeps the weight gradients in bf16). Returns the registered function.
     Re-registering a name this module registered replaces it; transformers' own names ("eager",
     "grouped_mm", ...) are refused."""

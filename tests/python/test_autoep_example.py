@@ -518,12 +518,15 @@ def test_enable_passes_fp8_wgrad_to_the_expert_mlp():
 
 def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
     """The FP8 runs of the CPU diagnosis, tiny model in bf16 (the FP8 emulation takes bf16): mlp-fp8,
-    mlp-fp8-bf16-wgrad (fp8_wgrad=False through enable()) and fp8_diagnosis.py's model of fast
+    mlp-fp8-bf16-wgrad (fp8_wgrad=False through enable()), mlp-fp8-blockwise and fp8_diagnosis.py's model of fast
     accumulation (4 bits, so that it shows in 3 steps). Step 0 starts from the same weights and
     batch, so its gradients say which GEMMs each run changed: bf16 weight gradients change the
     experts' gradients and nothing else; the model on every GEMM changes the others too."""
     _needs_autoep()
-    _torchrun(tmp_path, "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad", "--dtype", "bf16")
+    _torchrun(tmp_path, "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad,mlp-fp8-blockwise", "--dtype", "bf16")
+    blockwise = json.loads((tmp_path / "tiny-mlp-fp8-blockwise.json").read_text())
+    assert blockwise["expertact_enable"]["fp8"] == "blockwise"
+    assert len(blockwise["loss"]) == 3 and all(4.0 < x < 7.0 for x in blockwise["loss"])
     _torchrun(tmp_path, "--impl", "mlp-fp8", "--dtype", "bf16", script="fp8_diagnosis.py",
               script_args=("--bits", "4", "--gemms", "all", "--"))
     runs = {tag: json.loads((tmp_path / f"{tag}.json").read_text())
