@@ -7,7 +7,7 @@
 # when it is missing (a fresh machine).
 #
 #   bash scripts/gpu_session.sh                     # the stages and their estimated device time
-#   bash scripts/gpu_session.sh --plan              # the FP8 stages packed into calls and 30-minute sessions
+#   bash scripts/gpu_session.sh --plan              # every measurement in priority order, packed into calls and sessions
 #   bash scripts/gpu_session.sh --dry-run STAGE...  # what these stages would run, run nothing
 #   bash scripts/gpu_session.sh build bench-autoep  # these stages, in this order
 #   bash scripts/gpu_session.sh all                 # every stage
@@ -38,12 +38,10 @@
 #   fp8-accuracy           the first MoE layer's expert inputs captured at step 150 of the AutoEP h200
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
-#   train-autoep-fp8       AutoEP h200, 300 steps, in one launch: DeepSpeed's default, its two
-#                          yardsticks, and each FP8 recipe (rowwise, rowwise with bf16 weight gradients,
-#                          blockwise; a recipe this expertact lacks is left out and said so)
-#   train-autoep-torchao   the same model with torchao's FP8 rowwise MoE training, and expertact's
-#                          fastest bf16 whole MLP (mlp-inplace, the FP8 step's yardstick); then the report
-#                          of both launches
+#   train-autoep-fp8       beside train-autoep's runs on the same machine (its folder): AutoEP h200, 300
+#                          steps, the FP8 recipes train-autoep does not run (rowwise with bf16 weight
+#                          gradients, blockwise; a recipe this expertact lacks is left out and said so)
+#                          and torchao's FP8 rowwise MoE training; then one report of every run
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
@@ -74,11 +72,14 @@ SITE=${SITE:-/tmp/site}
 LONG_FP8=${LONG_FP8:-mlp-fp8-blockwise}
 FINETUNE_FP8=${FINETUNE_FP8:-rowwise}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
-       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 train-autoep-torchao bench-fp8-gemms bench-mlp-fp8
+       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
-# The FP8 stages in priority order: the per-GEMM diagnosis, then the training runs that decide the default.
-FP8_PLAN=(test-fp8 fp8-accuracy train-autoep-fp8 train-autoep-torchao bench-fp8-gemms bench-mlp-fp8
-          train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
+# Priority order: the FP8 per-GEMM diagnosis, then the AutoEP trainings (the comparison against DeepSpeed's
+# default and every FP8 recipe, on one machine), the module benchmarks beside Megatron's trainings (both forms
+# on one machine), the FP8 benchmarks, the longer runs.
+PLAN=(test-fp8 fp8-accuracy train-autoep train-autoep-fp8 bench-autoep bench-megatron train-megatron-swiglu
+      train-megatron-gpt-oss report-megatron bench-mlp-fp8 bench-fp8-gemms train-autoep-1000-bf16
+      train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) before the FP8 grouped GEMMs, whose two
 # CUTLASS translation units are estimated at ~160 s more (no record yet); five 300-step AutoEP runs and
@@ -90,14 +91,14 @@ FP8_PLAN=(test-fp8 fp8-accuracy train-autoep-fp8 train-autoep-torchao bench-fp8-
 # The FP8 stages, from bench/results/autoep-e2e-h200-2026-12-03 (per 300-step h200 run: 38-60 s of
 # steps, 122-182 ms a step, plus ~16 s of model and DeepSpeed setup) and finetune-gpt-oss-fp8-h200-
 # 2026-12-02 (300 steps: grouped_mm 202 s, eager 162 s, expertact 52 s, expertact_fp8 53 s), plus ~25 s
-# of process start a launch: train-autoep-fp8 six runs ~435 s; train-autoep-torchao two ~145 s
+# of process start a launch: train-autoep-fp8 three runs ~270 s
 # (torchao's step estimated at DeepSpeed's default's); the 1,000-step runs 180 s (bf16) or ~130 s (FP8)
 # of steps each; fp8-accuracy: the capture ~75 s (151 steps and the 1.7 GB file), the analysis of it
 # ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
 # bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
 declare -A EST=([preflight]=20 [build]=240 [bench-autoep]=300 [train-autoep]=480 [bench-megatron]=150
                 [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=120
-                [fp8-accuracy]=330 [train-autoep-fp8]=450 [train-autoep-torchao]=175 [bench-fp8-gemms]=120
+                [fp8-accuracy]=330 [train-autoep-fp8]=270 [bench-fp8-gemms]=120
                 [bench-mlp-fp8]=240 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
@@ -150,7 +151,8 @@ pack() {
   done
   flush
   printf "  session %d total ~%d s of device time\n" $session $used
-  echo "  each call as one device command, with carry [\".whl\"] (scripts/gpu_wheels.sh) and its results in one file:"
+  echo "  each call as one command on the GPU machine (where it has no network, with scripts/gpu_wheels.sh's .whl/"
+  echo "  beside the tree), its results in one file:"
   echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
   echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held)"
 }
@@ -159,11 +161,11 @@ DRY=0
 case "${1:-}" in
   "")
     plan "${ORDER[@]}"
-    echo "run: bash scripts/gpu_session.sh STAGE... (or all); --plan: the FP8 stages packed into sessions"
+    echo "run: bash scripts/gpu_session.sh STAGE... (or all); --plan: every stage packed into sessions"
     exit 0 ;;
   --plan)
     shift
-    [ $# = 0 ] && set -- "${FP8_PLAN[@]}"
+    [ $# = 0 ] && set -- "${PLAN[@]}"
     echo "the stages packed into device calls (<= $CALL_S s) and sessions (<= $SESSION_S s besides the start):"
     pack "$@"
     exit 0 ;;
@@ -292,13 +294,10 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --json '$D/fp8-accuracy-capture.json' --markdown '$D/fp8-accuracy-capture.md'
         '$PY' -m expertact.bench --fp8-accuracy --scales-from '$D/h200-eager-step150.capture.pt' \
           --json '$D/fp8-accuracy-busiest.json' --markdown '$D/fp8-accuracy-busiest.md'" ;;
-    train-autoep-fp8)
-      run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --expert-share --skip-unavailable --out "$S/train-autoep-fp8" \
-        --impl eager,eager-repeat,eager-fused,mlp-fp8,mlp-fp8-bf16-wgrad,mlp-fp8-blockwise ;;
-    train-autoep-torchao)
-      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --expert-share --out '$S/train-autoep-fp8' \
-          --impl torchao-fp8,mlp-inplace && ${AUTOEP_REPORT[*]} --in '$S/train-autoep-fp8' \
-          --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png'" ;;
+    train-autoep-fp8)  # beside train-autoep's runs (same machine, same folder), then one report of all
+      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --expert-share --skip-unavailable \
+          --out '$S/train-autoep/autoep' --impl mlp-fp8-bf16-wgrad,mlp-fp8-blockwise,torchao-fp8 && \
+          ${AUTOEP_REPORT[*]} --in '$S/train-autoep/autoep' --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png'" ;;
     bench-fp8-gemms)
       run_stage "$st" "$D" "$PY" bash -c "if '$PY' -c 'import expertact.bench.fp8_gemm' 2> /dev/null; then
           '$PY' -m expertact.bench --fp8-gemms --json '$D/fp8-gemms.json' --markdown '$D/fp8-gemms.md'

@@ -208,7 +208,7 @@ def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
 
 
 def test_gpu_session_plan_and_dry_run():
-    """scripts/gpu_session.sh --plan packs the FP8 stages, in priority order, into device calls of at
+    """scripts/gpu_session.sh --plan packs every stage, in priority order, into device calls of at
     most CALL_S and sessions of at most SESSION_S, each session opening with preflight and build;
     --dry-run prints each stage's command and runs nothing; the runs those commands name exist in
     the examples they launch (autoep_train.py's impls, finetune_gpt_oss.py's variants)."""
@@ -225,7 +225,15 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:3] == ["test-fp8", "fp8-accuracy", "train-autoep-fp8"] and len(fp8) == len(set(fp8)) == 10
+    assert fp8[:4] == ["test-fp8", "fp8-accuracy", "train-autoep", "train-autoep-fp8"]
+    assert len(fp8) == len(set(fp8)) == 15
+    # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
+    session_of = {}
+    for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
+        for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
+            session_of.update(dict.fromkeys(c.split(), n))
+    assert session_of["train-autoep"] == session_of["train-autoep-fp8"]
+    assert session_of["train-megatron-swiglu"] == session_of["train-megatron-gpt-oss"] == session_of["report-megatron"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
@@ -234,8 +242,16 @@ def test_gpu_session_plan_and_dry_run():
     assert not os.path.exists("/nonexistent/out")
     for st in fp8:
         assert re.search(rf"^{st}: ", dry, re.M), st
-    for impls in re.findall(r"--impl ([\w,-]+)", dry):
+    for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
+    # megatron_moe.py imports megatron-core (Python >= 3.12): its IMPLS read from its source
+    import ast
+    tree = ast.parse((EXAMPLES / "megatron_moe.py").read_text())
+    megatron_impls = next({k.value for k in n.value.keys} for n in tree.body
+                          if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "IMPLS")
+    assert "megatron-unfused" in megatron_impls
+    for impls in re.findall(r"megatron_moe.py .*--impl ([\w,-]+)", dry):
+        assert set(impls.split(",")) <= megatron_impls, impls
     for variants in re.findall(r"--variants ([\w,]+)", dry):
         assert all(v in ft.VARIANTS for v in variants.split(",")), variants
     assert "--capture-step 150" in dry and "--fp8-accuracy --tensors" in dry and "--corpus stdlib+packages" in dry
