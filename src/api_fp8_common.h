@@ -1,6 +1,7 @@
 // The checks and helpers that the FP8 entry points share (src/api_fp8.cpp, rowwise;
-// src/api_fp8_tiles.cpp, blockwise): the quantised input's dtype, the float8 and scale outputs,
-// overlap checks over named operands, the bias split into its gate and up parts.
+// src/api_fp8_tiles.cpp, blockwise; src/api_fp8_gemm.cpp, the grouped GEMM): the quantised
+// input's dtype, the float8 and scale outputs, overlap checks over named operands, the bias
+// split into its gate and up parts.
 #pragma once
 
 #include <cstdint>
