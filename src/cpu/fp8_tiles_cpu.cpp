@@ -240,7 +240,7 @@ Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const 
 // Each tile's rows: the float32 gradient in gate_up's column layout into the tile's buffer (the
 // weights' gradient summed in column order, as cpu_fp8_glu_backward_rowwise sums it), the
 // optional rounded copy and the row tiles; then the tile's column tiles from the buffer.
-Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o) {
+Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const PackedBwdIO& d, const TileOut& o) {
   const std::vector<TileRows> tiles = schedule(o, p.rows, true);
   const int64_t C = 2 * p.F;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
