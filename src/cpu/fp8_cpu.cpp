@@ -14,6 +14,7 @@
 #include "core/fp8.h"
 #include "core/math.h"
 #include "cpu/fp8_cpu.h"
+#include "cpu/fp8_rows_cpu.h"
 #include "cpu/host_dtype.h"
 #include "cpu/parallel.h"
 
@@ -258,21 +259,10 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
         int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
-          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
           if (bias) while (e < bias->er.experts && bias->er.offsets[e] <= r) ++e;
-          if (bias && e < bias->er.experts) {
-            // x + bias[e] in float32, as the biased activation (src/cpu/bias_cpu.cpp) adds it
-            const T* bg = static_cast<const T*>(bias->bg) + e * bias->b_stride;
-            const T* bu = static_cast<const T*>(bias->bu) + e * bias->b_stride;
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]) + Cv<T>::ld(bg[j * p.step]),
-                                      Cv<T>::ld(u[j * p.step]) + Cv<T>::ld(bu[j * p.step]), w, c);
-          } else {
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
-          }
+          const T *bg, *bu;
+          bias_rows<T>(bias, e, bg, bu);  // x + bias[e] in float32, as src/cpu/bias_cpu.cpp adds it
+          glu_row<A>(p, c, r, bg, bu, h.data());
           if (run.at(r)) {
             if (bias) {
               for (int64_t j = 0; j < p.F; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(h[j])));
@@ -312,37 +302,10 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
         int64_t eb = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
-          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-          const T* dy = static_cast<const T*>(o.dy) + r * o.dy_stride;
-          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
-          const T* bg = nullptr;
-          const T* bu = nullptr;
-          if (bias) {
-            while (eb < bias->er.experts && bias->er.offsets[eb] <= r) ++eb;
-            if (eb < bias->er.experts) {
-              bg = static_cast<const T*>(bias->bg) + eb * bias->b_stride;
-              bu = static_cast<const T*>(bias->bu) + eb * bias->b_stride;
-            }
-          }
-          float dw = 0.0f;
-          for (int64_t j = 0; j < p.F; ++j) {
-            float gv = Cv<T>::ld(g[j * p.step]), uv = Cv<T>::ld(u[j * p.step]);
-            if (bg) {
-              gv += Cv<T>::ld(bg[j * p.step]);
-              uv += Cv<T>::ld(bu[j * p.step]);
-            }
-            float dg, du, term;
-            math::glu_bwd<A>(gv, uv, Cv<T>::ld(dy[j]), w, c, dg, du, term);
-            buf[o.q_g + j * p.step] = dg;
-            buf[o.q_u + j * p.step] = du;
-            dw += term;
-          }
-          if (o.dw) o.dw[r * o.dw_stride] = dw;
-          if (o.dgu) {
-            T* d = static_cast<T*>(o.dgu) + r * o.dgu_stride;
-            for (int64_t j = 0; j < C; ++j) d[j] = Cv<T>::st(buf[j]);
-          }
+          if (bias) while (eb < bias->er.experts && bias->er.offsets[eb] <= r) ++eb;
+          const T *bg, *bu;
+          bias_rows<T>(bias, eb, bg, bu);
+          glu_grad_row<A>(p, c, o, r, bg, bu, buf.data());
           if (run.at(r))  // of the gradient as rounded to T (what dgu gets)
             for (int64_t j = 0; j < C; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(buf[j])));
           quantize_row(buf.data(), C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);
