@@ -140,6 +140,27 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
   });
 }
 
+Status cpu_forward_run(const GluProblem& p, const GluBias* bias, int64_t r0, int64_t n, void* h, int32_t* offsets) {
+  const int64_t es = dtype_size(p.dtype);
+  GluProblem sub = p;
+  sub.rows = n;
+  sub.g = static_cast<const char*>(p.g) + r0 * p.g_stride * es;
+  sub.u = static_cast<const char*>(p.u) + r0 * p.u_stride * es;
+  if (p.w) sub.w = p.w + r0 * p.w_stride;
+  const FwdOutput out{h, p.F};
+  if (!bias) return cpu_forward(sub, out);
+  GluBias rb = *bias;
+  for (int64_t k = 0; k < bias->er.experts; ++k)
+    offsets[k] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - r0, 0), n));
+  rb.er.offsets = offsets;
+  rb.er.chunk = bias_chunk_rows(n);
+  return cpu_glu_bias_forward(sub, rb, out);
+}
+
+int64_t forward_run_elements() {
+  return std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17), int64_t{1} << 22);
+}
+
 // h in row tiles: each tile is written in the problem's dtype by the activation's own CPU
 // forward (cpu_forward, or cpu_glu_bias_forward with a bias: the same kernels, so the same
 // bits, as glu_forward / glu_forward_bias write, whichever instruction set they run on) into a
@@ -178,12 +199,8 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
   const int64_t covered = E > 0 ? c.offsets[E - 1] : 0;
   if (covered <= 0) return Status::kOk;
 
-  // Tiles of about max(2^18, threads x 2^17) elements (the forward's threads each get at least
-  // 2^17), at most 2^22.
-  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17),
-                                         int64_t{1} << 22);
-  const int64_t R = std::min<int64_t>(covered, std::max<int64_t>(1, want / F));
-  const int64_t es = dtype_size(p.dtype);
+  // Tiles of forward_run_elements() elements.
+  const int64_t R = std::min<int64_t>(covered, std::max<int64_t>(1, forward_run_elements() / F));
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) -> Status {
     using T = decltype(t);
     std::vector<T> h(static_cast<size_t>(R * F));
@@ -192,23 +209,7 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
     int64_t e = 0, start = 0, pstart = 0;  // the current row's expert, that expert's first row and q_t column
     for (int64_t r0 = 0; r0 < covered; r0 += R) {
       const int64_t n = std::min<int64_t>(R, covered - r0);
-      GluProblem sub = p;
-      sub.rows = n;
-      sub.g = static_cast<const char*>(p.g) + r0 * p.g_stride * es;
-      sub.u = static_cast<const char*>(p.u) + r0 * p.u_stride * es;
-      if (p.w) sub.w = p.w + r0 * p.w_stride;
-      const FwdOutput out{h.data(), F};
-      if (bias) {
-        GluBias tb = *bias;
-        for (int64_t k = 0; k < E; ++k)
-          tile_offsets[static_cast<size_t>(k)] =
-              static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - r0, 0), n));
-        tb.er.offsets = tile_offsets.data();
-        tb.er.chunk = bias_chunk_rows(n);
-        EA_TRY(cpu_glu_bias_forward(sub, tb, out));
-      } else {
-        EA_TRY(cpu_forward(sub, out));
-      }
+      EA_TRY(cpu_forward_run(p, bias, r0, n, h.data(), tile_offsets.data()));
       // Each row's expert and q_t column.
       for (int64_t r = r0; r < r0 + n; ++r) {
         while (c.offsets[e] <= r) {  // r < covered = offsets[E - 1]: stops at e < E

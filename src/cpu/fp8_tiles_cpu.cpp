@@ -158,11 +158,10 @@ Status cpu_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const Til
 // math::glu_fwd here) into a buffer, then threads over the run's tiles quantise its columns.
 Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o) {
   const std::vector<TileRows> tiles = schedule(o, p.rows, false);
-  const int64_t F = p.F, E = o.experts, es = dtype_size(p.dtype);
-  // Runs of about max(2^18, threads x 2^17) elements (as cpu_fp8_glu_colwise_grouped's), whole
-  // tiles, at least one.
-  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17),
-                                         int64_t{1} << 22);
+  const int64_t F = p.F, E = o.experts;
+  // Runs of forward_run_elements() elements (as cpu_fp8_glu_colwise_grouped's), whole tiles, at
+  // least one.
+  const int64_t want = forward_run_elements();
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) -> Status {
     using T = decltype(t);
     std::vector<T> h;
@@ -179,23 +178,7 @@ Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const 
       }
       if (rows > 0) {
         h.resize(static_cast<size_t>(rows * F));
-        GluProblem sub = p;
-        sub.rows = rows;
-        sub.g = static_cast<const char*>(p.g) + a * p.g_stride * es;
-        sub.u = static_cast<const char*>(p.u) + a * p.u_stride * es;
-        if (p.w) sub.w = p.w + a * p.w_stride;
-        const FwdOutput out{h.data(), F};
-        if (bias) {
-          GluBias rb = *bias;
-          for (int64_t k = 0; k < E; ++k)
-            run_offsets[static_cast<size_t>(k)] =
-                static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - a, 0), rows));
-          rb.er.offsets = run_offsets.data();
-          rb.er.chunk = bias_chunk_rows(rows);
-          EA_TRY(cpu_glu_bias_forward(sub, rb, out));
-        } else {
-          EA_TRY(cpu_forward(sub, out));
-        }
+        EA_TRY(cpu_forward_run(p, bias, a, rows, h.data(), run_offsets.data()));
       }
       cpu::parallel_for(t1 - t0, 3 * kT * F, [&](int64_t i0, int64_t i1) {
         std::vector<float> buf(static_cast<size_t>(kT * kT));
