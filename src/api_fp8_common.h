@@ -138,14 +138,7 @@ inline void split_bias(Layout layout, const GluProblem& p, const MatrixRef& bias
                        GluBias& b) {
   b.er.offsets = offsets.data;
   b.er.experts = offsets.size;
-  const char* base = static_cast<const char*>(bias.data);
-  const int64_t half = p.F * dtype_size(p.dtype), one = dtype_size(p.dtype);
-  switch (layout) {
-    case Layout::kSeparate:
-    case Layout::kHalves: b.bg = base; b.bu = base + half; break;
-    case Layout::kHalvesUpFirst: b.bg = base + half; b.bu = base; break;
-    case Layout::kInterleaved: b.bg = base; b.bu = base + one; break;
-  }
+  bias_pointers(layout, p, bias.data, b.bg, b.bu);
   b.b_stride = bias.row_stride;
 }
 
