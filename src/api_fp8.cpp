@@ -22,13 +22,7 @@ namespace {
 // the host (the kernels keep every access in bounds whatever the values).
 Status check_padded_offsets(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows,
                             DeviceType dev, int32_t dev_id, const char* ref_name = "x") {
-  if (pad.size != offsets.size)
-    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
-                offsets.size, " (one padded end row per expert)");
-  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
-  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
-    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
+  EA_TRY(check_padded_described(pad, offsets, dev, dev_id, ref_name));
   if (dev != DeviceType::kCPU) return Status::kOk;
   int64_t prev = 0, prev_end = 0;
   for (int64_t e = 0; e < pad.size; ++e) {

@@ -62,6 +62,20 @@ inline Status check_operand(const char* name, const MatrixRef& m, int64_t rows, 
   return check_same_device(name, m.device, m.device_id, dev, dev_id, in_name);
 }
 
+// padded_offsets' description: one int32 per expert (as offsets), non-null and aligned, on the
+// device (the callers check its values against their padding on the CPU).
+inline Status check_padded_described(const OffsetsRef& pad, const OffsetsRef& offsets, DeviceType dev,
+                                     int32_t dev_id, const char* ref_name) {
+  if (pad.size != offsets.size)
+    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
+                offsets.size, " (one padded end row per expert)");
+  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
+  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
+    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
+  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
+  return Status::kOk;
+}
+
 // The GLU forms' bias: [E, 2F] of the input's dtype (as glu_forward_bias checks it).
 inline Status check_glu_bias(const MatrixRef& bias, int64_t E, const GluProblem& p, const char* xname) {
   return check_operand("bias", bias, E, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype", p.device,

@@ -37,13 +37,7 @@ Status check_row_tiles(const char* qname, const MatrixRef& q, const char* sname,
 // the experts' blocks padded to multiples of 128, the last within q_t's Tp columns.
 Status check_tile_padding(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows, DeviceType dev,
                           int32_t dev_id, const char* ref_name) {
-  if (pad.size != offsets.size)
-    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
-                offsets.size, " (one padded end row per expert)");
-  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
-  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
-    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
+  EA_TRY(check_padded_described(pad, offsets, dev, dev_id, ref_name));
   if (dev != DeviceType::kCPU) return Status::kOk;
   int64_t pend = 0, end = 0;
   for (int64_t e = 0; e < pad.size; ++e) {
