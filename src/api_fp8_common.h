@@ -1,7 +1,9 @@
 // The checks and helpers that the FP8 entry points share (src/api_fp8.cpp, rowwise;
 // src/api_fp8_tiles.cpp, blockwise; src/api_fp8_gemm.cpp, the grouped GEMM): the quantised
-// input's dtype, the float8 and scale outputs, overlap checks over named operands, the bias
-// split into its gate and up parts.
+// input's dtype, the float8 and scale outputs, the argument checks more than one entry makes
+// (arguments given together, operands, padded_offsets, the bias, the activation backwards'
+// gradients), overlap checks over named operands, the bias split into its gate and up parts
+// and the backwards' operands.
 #pragma once
 
 #include <cstdint>
@@ -72,8 +74,7 @@ inline Status check_padded_described(const OffsetsRef& pad, const OffsetsRef& of
   if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
   if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
     return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
-  return Status::kOk;
+  return check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name);
 }
 
 // The GLU forms' bias: [E, 2F] of the input's dtype (as glu_forward_bias checks it).
