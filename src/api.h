@@ -44,6 +44,9 @@ Status no_cuda_path(Layout layout);
 // argument's name in the messages.
 Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t dev_id,
                      const char* ref_name, const char* name = "offsets");
+// The bias's gate and up parts in the problem's layout (as build_problem splits x).
+void bias_pointers(Layout layout, const GluProblem& p, const void* base, const void*& g,
+                   const void*& u);
 Status glu_forward_bias_body(const GluParams& params, Layout layout, const MatrixRef& x,
                              const MatrixRef* up, const VectorRef* weights, const MatrixRef& bias,
                              const OffsetsRef& offsets, const MatrixRef& out, void* stream);

@@ -48,6 +48,18 @@ Status check_offsets(const OffsetsRef& o, int64_t rows, DeviceType dev, int32_t 
   return Status::kOk;
 }
 
+void bias_pointers(Layout layout, const GluProblem& p, const void* base, const void*& g,
+                   const void*& u) {
+  const char* b = static_cast<const char*>(base);
+  const int64_t es = dtype_size(p.dtype);
+  switch (layout) {
+    case Layout::kSeparate:
+    case Layout::kHalves: g = b; u = b + p.F * es; break;
+    case Layout::kHalvesUpFirst: g = b + p.F * es; u = b; break;
+    case Layout::kInterleaved: g = b; u = b + es; break;
+  }
+}
+
 namespace {
 
 // A bias (or its gradient): [E, cols] of x's dtype and device.
@@ -75,19 +87,6 @@ ExpertRows expert_rows(const OffsetsRef& o, int64_t rows) {
   er.experts = o.size;
   er.chunk = bias_chunk_rows(rows);
   return er;
-}
-
-// The bias's gate and up parts in the problem's layout (as build_problem splits x).
-void bias_pointers(Layout layout, const GluProblem& p, const void* base, const void*& g,
-                   const void*& u) {
-  const char* b = static_cast<const char*>(base);
-  const int64_t es = dtype_size(p.dtype);
-  switch (layout) {
-    case Layout::kSeparate:
-    case Layout::kHalves: g = b; u = b + p.F * es; break;
-    case Layout::kHalvesUpFirst: g = b + p.F * es; u = b; break;
-    case Layout::kInterleaved: g = b; u = b + es; break;
-  }
 }
 
 const char* x_name(Layout layout) { return layout == Layout::kSeparate ? "gate" : "gate_up"; }

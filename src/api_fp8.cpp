@@ -22,13 +22,7 @@ namespace {
 // the host (the kernels keep every access in bounds whatever the values).
 Status check_padded_offsets(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows,
                             DeviceType dev, int32_t dev_id, const char* ref_name = "x") {
-  if (pad.size != offsets.size)
-    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
-                offsets.size, " (one padded end row per expert)");
-  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
-  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
-    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
+  EA_TRY(check_padded_described(pad, offsets, dev, dev_id, ref_name));
   if (dev != DeviceType::kCPU) return Status::kOk;
   int64_t prev = 0, prev_end = 0;
   for (int64_t e = 0; e < pad.size; ++e) {
@@ -54,9 +48,7 @@ Status fp8_quantize_rowwise_body(const MatrixRef& x, const MatrixRef& q, const V
   EA_TRY(check_matrix("x", x));
   EA_TRY(check_fp8_input("x", x.dtype));
   EA_TRY(check_fp8_outputs(q, scale, x.rows, x.cols, x.device, x.device_id, "x", extent_of(x)));
-  if ((col_amax_offsets == nullptr) != (col_amax == nullptr))
-    return fail(Status::kInvalidArgument, "col_amax_offsets and col_amax go together (got only ",
-                col_amax ? "col_amax" : "col_amax_offsets", ")");
+  EA_TRY(check_together(col_amax_offsets, "col_amax_offsets", col_amax, "col_amax"));
   if (col_amax) {
     EA_TRY(check_offsets(*col_amax_offsets, x.rows, x.device, x.device_id, "x", "col_amax_offsets"));
     EA_TRY(check_fp8_output("col_amax", *col_amax, col_amax_offsets->size, x.cols, DType::kFloat32,
@@ -123,10 +115,9 @@ Status fp8_quantize_colwise_grouped_body(const MatrixRef& x, const OffsetsRef& o
   }
   if (amax) {
     // An input: read only; it may alias nothing the call writes.
-    EA_TRY(check_matrix("amax", *amax));
-    EA_TRY(check_shape("amax", *amax, offsets.size, x.cols, DType::kFloat32,
-                       "the per expert and column amax, as quantize_rowwise's col_amax"));
-    EA_TRY(check_same_device("amax", amax->device, amax->device_id, x.device, x.device_id, "x"));
+    EA_TRY(check_operand("amax", *amax, offsets.size, x.cols, DType::kFloat32,
+                         "the per expert and column amax, as quantize_rowwise's col_amax", x.device, x.device_id,
+                         "x"));
     const Extent ea = extent_of(*amax);
     EA_TRY(check_no_overlap("q_t", eq, "amax", ea));
     EA_TRY(check_no_overlap("scale", es, "amax", ea));
@@ -182,9 +173,7 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
   if (bias) {
     // As glu_forward_bias (src/api_bias.cpp) checks and splits its bias.
     EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, xname));
-    EA_TRY(check_matrix("bias", *bias));
-    EA_TRY(check_shape("bias", *bias, offsets->size, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype"));
-    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, xname));
+    EA_TRY(check_glu_bias(*bias, offsets->size, p, xname));
     const Extent eb = extent_of(*bias), eo = offsets_extent(*offsets);
     EA_TRY(check_no_overlap("q", eq, "bias", eb));
     EA_TRY(check_no_overlap("scale", es, "bias", eb));
@@ -192,9 +181,7 @@ Status fp8_glu_rowwise_body(const GluParams& params, Layout layout, const Matrix
     EA_TRY(check_no_overlap("scale", es, "offsets", eo));
     split_bias(layout, p, *bias, *offsets, b);
   }
-  if ((col_amax_offsets == nullptr) != (col_amax == nullptr))
-    return fail(Status::kInvalidArgument, "col_amax_offsets and col_amax go together (got only ",
-                col_amax ? "col_amax" : "col_amax_offsets", ")");
+  EA_TRY(check_together(col_amax_offsets, "col_amax_offsets", col_amax, "col_amax"));
   Fp8ColAmax am;
   if (col_amax) {
     // The biased form's rows take their experts from offsets: the column amax's must be those.
@@ -257,17 +244,11 @@ Status fp8_glu_colwise_grouped_body(const GluParams& params, Layout layout, cons
   if (padded) EA_TRY(check_padded_offsets(*padded, offsets, out_rows, p.device, p.device_id, xname));
   EA_TRY(check_fp8_output("scale", scale, E, p.F, DType::kFloat32, "one scale per expert and column", p.device,
                           p.device_id, xname, ex));
-  EA_TRY(check_matrix("amax", amax));
-  EA_TRY(check_shape("amax", amax, E, p.F, DType::kFloat32,
-                     "the per expert and column max |h| of the activation, as fp8_quantize_rowwise's col_amax "
-                     "of it"));
-  EA_TRY(check_same_device("amax", amax.device, amax.device_id, p.device, p.device_id, xname));
-  if (bias) {
-    // As glu_forward_bias (src/api_bias.cpp) checks its bias.
-    EA_TRY(check_matrix("bias", *bias));
-    EA_TRY(check_shape("bias", *bias, E, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype"));
-    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, xname));
-  }
+  EA_TRY(check_operand("amax", amax, E, p.F, DType::kFloat32,
+                       "the per expert and column max |h| of the activation, as fp8_quantize_rowwise's col_amax of "
+                       "it",
+                       p.device, p.device_id, xname));
+  if (bias) EA_TRY(check_glu_bias(*bias, E, p, xname));
   // No output may share a byte with an input or the other output.
   const Named outs[] = {{"q_t", extent_of(q_t)}, {"scale", extent_of(scale)}};
   const Named ins[] = {{xname, ex},
@@ -313,44 +294,24 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
                                      const OffsetsRef* offsets, const MatrixRef& q, const VectorRef& scale,
                                      const VectorRef* grad_weights, const MatrixRef* col_amax,
                                      const MatrixRef* grad_gate_up, void* stream) {
-  if (layout == Layout::kSeparate)
-    return fail(Status::kInvalidArgument,
-                "layout 0 (separate) is not taken by fp8_glu_backward_rowwise: gate_up is one packed "
-                "[rows, 2F] tensor (halves, halves_up_first or interleaved)");
+  EA_TRY(check_packed_layout(layout, "fp8_glu_backward_rowwise"));
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, nullptr, weights, p));
   EA_TRY(check_fp8_input("gate_up", p.dtype));
   const int64_t C = 2 * p.F;
-  EA_TRY(check_matrix("grad_out", grad_out));
-  EA_TRY(check_shape("grad_out", grad_out, p.rows, p.F, p.dtype, "grad_out is [rows, F] of gate_up's dtype"));
-  EA_TRY(check_same_device("grad_out", grad_out.device, grad_out.device_id, p.device, p.device_id, "gate_up"));
+  EA_TRY(check_grad_out(grad_out, p));
   EA_TRY(check_fp8_outputs(q, scale, p.rows, C, p.device, p.device_id, "gate_up", extent_of(x)));
-  if ((bias != nullptr || col_amax != nullptr) && offsets == nullptr)
-    return fail(Status::kInvalidArgument, "offsets is missing: ", bias ? "bias" : "col_amax",
-                " is per expert (offsets: the experts' cumulative end rows)");
+  EA_TRY(check_offsets_given(offsets, bias ? "bias" : col_amax ? "col_amax" : nullptr));
   if (offsets) EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, "gate_up"));
-  if (grad_weights) {
-    if (weights == nullptr)
-      return fail(Status::kInvalidArgument, "grad_weights is given but weights is null");
-    EA_TRY(check_vector("grad_weights", *grad_weights, p.rows));
-    EA_TRY(check_same_device("grad_weights", grad_weights->device, grad_weights->device_id, p.device, p.device_id,
-                             "gate_up"));
-  }
-  if (bias) {
-    EA_TRY(check_matrix("bias", *bias));
-    EA_TRY(check_shape("bias", *bias, offsets->size, C, p.dtype, "a bias is [E, 2F] of gate_up's dtype"));
-    EA_TRY(check_same_device("bias", bias->device, bias->device_id, p.device, p.device_id, "gate_up"));
-  }
+  EA_TRY(check_grad_weights(grad_weights, weights, p));
+  if (bias)
+    EA_TRY(check_operand("bias", *bias, offsets->size, C, p.dtype, "a bias is [E, 2F] of gate_up's dtype", p.device,
+                         p.device_id, "gate_up"));
   if (col_amax)
     EA_TRY(check_fp8_output("col_amax", *col_amax, offsets->size, C, DType::kFloat32,
                             "one amax per expert (offsets) and column of gate_up", p.device, p.device_id, "gate_up",
                             extent_of(x)));
-  if (grad_gate_up) {
-    EA_TRY(check_matrix("grad_gate_up", *grad_gate_up));
-    EA_TRY(check_shape("grad_gate_up", *grad_gate_up, p.rows, C, p.dtype, "a gradient matches its input"));
-    EA_TRY(check_same_device("grad_gate_up", grad_gate_up->device, grad_gate_up->device_id, p.device, p.device_id,
-                             "gate_up"));
-  }
+  EA_TRY(check_grad_gate_up(grad_gate_up, p));
   // No output may share a byte with an input or another output.
   const Named outs[] = {{"q", extent_of(q)},
                         {"scale", extent_of(scale)},
@@ -379,26 +340,12 @@ Status fp8_glu_backward_rowwise_body(const GluParams& params, Layout layout, con
   o.q_stride = q.row_stride;
   o.scale = scale.data;
   o.scale_stride = scale.stride;
-  o.dy = grad_out.data;
-  o.dy_stride = grad_out.row_stride;
-  switch (layout) {
-    case Layout::kHalvesUpFirst: o.q_g = p.F; o.q_u = 0; break;
-    case Layout::kInterleaved: o.q_g = 0; o.q_u = 1; break;
-    default: o.q_g = 0; o.q_u = p.F; break;
-  }
-  if (grad_weights) {
-    o.dw = grad_weights->data;
-    o.dw_stride = grad_weights->stride;
-  }
+  set_packed_bwd(layout, p, grad_out, grad_weights, grad_gate_up, o);
   if (col_amax) {
     o.offsets = offsets->data;
     o.experts = offsets->size;
     o.col_amax = static_cast<float*>(col_amax->data);
     o.col_amax_stride = col_amax->row_stride;
-  }
-  if (grad_gate_up) {
-    o.dgu = grad_gate_up->data;
-    o.dgu_stride = grad_gate_up->row_stride;
   }
   if (p.rows == 0 && !col_amax) return Status::kOk;
   if (p.device == DeviceType::kCPU) return cpu_fp8_glu_backward_rowwise(p, o, bias ? &b : nullptr);

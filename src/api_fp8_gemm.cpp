@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "api.h"
+#include "api_fp8_common.h"
 #include "core/checks.h"
 #include "core/error.h"
 #include "expertact/expertact.hpp"
@@ -85,16 +86,6 @@ Extent extent_of(const ExpertsRef& x, int64_t E) {
   e.end += static_cast<uintptr_t>((E - 1) * x.expert_stride * dtype_size(x.m.dtype));
   e.stride = 0;
   e.row_bytes = static_cast<int64_t>(e.end - e.begin);
-  return e;
-}
-
-Extent offsets_extent(const OffsetsRef& o) {
-  Extent e;
-  if (o.size == 0 || o.data == nullptr) return e;
-  e.begin = reinterpret_cast<uintptr_t>(o.data);
-  e.end = e.begin + static_cast<uintptr_t>(o.size * 4);
-  e.row_bytes = o.size * 4;
-  e.empty = false;
   return e;
 }
 
@@ -179,13 +170,11 @@ Status fp8_grouped_gemm_blockwise_body(GemmGrouping grouping, const MatrixRef& a
                                                          reinterpret_cast<uintptr_t>(workspace) + workspace_bytes, 0,
                                                          static_cast<int64_t>(workspace_bytes), false}
                                                 : Extent{};
-  const struct {
-    const char* name;
-    Extent e;
-  } ins[] = {{"a", detail::extent_of(a)},         {"a_scale", detail::extent_of(sa)}, {"b", extent_of(b, E)},
-             {"b_scale", extent_of(sb, E)},       {"offsets", offsets_extent(offsets)}, {"workspace", ews}};
-  for (const auto& in : ins) EA_TRY(check_no_overlap("d", ed, in.name, in.e));
-  for (const auto& in : ins)
+  const Named outs[] = {{"d", ed}};
+  const Named ins[] = {{"a", detail::extent_of(a)},   {"a_scale", detail::extent_of(sa)},   {"b", extent_of(b, E)},
+                       {"b_scale", extent_of(sb, E)}, {"offsets", offsets_extent(offsets)}, {"workspace", ews}};
+  EA_TRY(check_apart(outs, ins));
+  for (const Named& in : ins)
     if (in.e.begin != ews.begin) EA_TRY(check_no_overlap("workspace", ews, in.name, in.e));
   if (a.device != DeviceType::kCUDA)
     return fail(Status::kUnsupported, "fp8_grouped_gemm_blockwise runs on CUDA tensors (an sm_90 GPU) only; a is on "

@@ -37,13 +37,7 @@ Status check_row_tiles(const char* qname, const MatrixRef& q, const char* sname,
 // the experts' blocks padded to multiples of 128, the last within q_t's Tp columns.
 Status check_tile_padding(const OffsetsRef& pad, const OffsetsRef& offsets, int64_t out_rows, DeviceType dev,
                           int32_t dev_id, const char* ref_name) {
-  if (pad.size != offsets.size)
-    return fail(Status::kInvalidArgument, "padded_offsets has ", pad.size, " elements; offsets has ",
-                offsets.size, " (one padded end row per expert)");
-  if (pad.data == nullptr) return fail(Status::kInvalidArgument, "padded_offsets.data is null");
-  if (reinterpret_cast<uintptr_t>(pad.data) % 4 != 0)
-    return fail(Status::kInvalidArgument, "padded_offsets.data is not aligned to its 4-byte int32 element");
-  EA_TRY(check_same_device("padded_offsets", pad.device, pad.device_id, dev, dev_id, ref_name));
+  EA_TRY(check_padded_described(pad, offsets, dev, dev_id, ref_name));
   if (dev != DeviceType::kCPU) return Status::kOk;
   int64_t pend = 0, end = 0;
   for (int64_t e = 0; e < pad.size; ++e) {
@@ -151,13 +145,6 @@ Status check_tensor3(const char* name, const Tensor3Ref& t) {
   return Status::kOk;
 }
 
-// The GLU forms' bias: [E, 2F] of the input's dtype (as glu_forward_bias checks it).
-Status check_glu_bias(const MatrixRef& bias, int64_t E, const GluProblem& p, const char* xname) {
-  EA_TRY(check_matrix("bias", bias));
-  EA_TRY(check_shape("bias", bias, E, 2 * p.F, p.dtype, "a bias is [E, 2F] of the input's dtype"));
-  return check_same_device("bias", bias.device, bias.device_id, p.device, p.device_id, xname);
-}
-
 }  // namespace
 
 Status fp8_quantize_row_tiles_body(const MatrixRef& x, const MatrixRef& q, const MatrixRef& scale, void* stream) {
@@ -187,8 +174,7 @@ Status fp8_quantize_column_tiles_grouped_body(const MatrixRef& x, const OffsetsR
   int64_t out_rows = 0;
   EA_TRY(check_column_tiles(offsets, padded_offsets, q_t, "scale", scale, x.rows, x.cols, x.device, x.device_id,
                             "x", ex, out_rows));
-  if ((q == nullptr) != (row_scale == nullptr))
-    return fail(Status::kInvalidArgument, "q and row_scale go together (got only ", q ? "q" : "row_scale", ")");
+  EA_TRY(check_together(q, "q", row_scale, "row_scale"));
   if (q) {
     EA_TRY(check_row_tiles("q", *q, "row_scale", *row_scale, x.rows, x.cols, x.device, x.device_id, "x", ex));
     const Named rows_out[] = {{"q", extent_of(*q)}, {"row_scale", extent_of(*row_scale)}};
@@ -254,8 +240,7 @@ Status fp8_glu_row_tiles_body(const GluParams& params, Layout layout, const Matr
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, up, weights, p));
   EA_TRY(check_fp8_input(xname, p.dtype));
-  if ((bias == nullptr) != (offsets == nullptr))
-    return fail(Status::kInvalidArgument, "bias and offsets go together (got only ", bias ? "bias" : "offsets", ")");
+  EA_TRY(check_together(bias, "bias", offsets, "offsets"));
   if (bias) {
     EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, xname));
     EA_TRY(check_glu_bias(*bias, offsets->size, p, xname));
@@ -317,24 +302,16 @@ Status fp8_glu_backward_tiles_body(const GluParams& params, Layout layout, const
                                    const OffsetsRef* offsets, const OffsetsRef* padded, const MatrixRef& q,
                                    const MatrixRef& scale, const MatrixRef* q_t, const MatrixRef* col_scale,
                                    const VectorRef* grad_weights, const MatrixRef* grad_gate_up, void* stream) {
-  if (layout == Layout::kSeparate)
-    return fail(Status::kInvalidArgument,
-                "layout 0 (separate) is not taken by fp8_glu_backward_tiles: gate_up is one packed "
-                "[rows, 2F] tensor (halves, halves_up_first or interleaved)");
+  EA_TRY(check_packed_layout(layout, "fp8_glu_backward_tiles"));
   GluProblem p;
   EA_TRY(prepare_inputs(params, layout, x, nullptr, weights, p));
   EA_TRY(check_fp8_input("gate_up", p.dtype));
   const int64_t C = 2 * p.F;
   const Extent ex = extent_of(x);
-  EA_TRY(check_matrix("grad_out", grad_out));
-  EA_TRY(check_shape("grad_out", grad_out, p.rows, p.F, p.dtype, "grad_out is [rows, F] of gate_up's dtype"));
-  EA_TRY(check_same_device("grad_out", grad_out.device, grad_out.device_id, p.device, p.device_id, "gate_up"));
+  EA_TRY(check_grad_out(grad_out, p));
   EA_TRY(check_row_tiles("q", q, "scale", scale, p.rows, C, p.device, p.device_id, "gate_up", ex));
-  if ((q_t == nullptr) != (col_scale == nullptr))
-    return fail(Status::kInvalidArgument, "q_t and col_scale go together (got only ", q_t ? "q_t" : "col_scale", ")");
-  if ((bias != nullptr || q_t != nullptr) && offsets == nullptr)
-    return fail(Status::kInvalidArgument, "offsets is missing: ", bias ? "bias" : "q_t",
-                " is per expert (offsets: the experts' cumulative end rows)");
+  EA_TRY(check_together(q_t, "q_t", col_scale, "col_scale"));
+  EA_TRY(check_offsets_given(offsets, bias ? "bias" : q_t ? "q_t" : nullptr));
   if (q_t && padded == nullptr)
     return fail(Status::kInvalidArgument,
                 "padded_offsets is missing: q_t's column tiles start each expert at its 128-padded offset");
@@ -346,18 +323,8 @@ Status fp8_glu_backward_tiles_body(const GluParams& params, Layout layout, const
     EA_TRY(check_offsets(*offsets, p.rows, p.device, p.device_id, "gate_up"));
   }
   if (bias) EA_TRY(check_glu_bias(*bias, offsets->size, p, "gate_up"));
-  if (grad_weights) {
-    if (weights == nullptr) return fail(Status::kInvalidArgument, "grad_weights is given but weights is null");
-    EA_TRY(check_vector("grad_weights", *grad_weights, p.rows));
-    EA_TRY(check_same_device("grad_weights", grad_weights->device, grad_weights->device_id, p.device, p.device_id,
-                             "gate_up"));
-  }
-  if (grad_gate_up) {
-    EA_TRY(check_matrix("grad_gate_up", *grad_gate_up));
-    EA_TRY(check_shape("grad_gate_up", *grad_gate_up, p.rows, C, p.dtype, "a gradient matches its input"));
-    EA_TRY(check_same_device("grad_gate_up", grad_gate_up->device, grad_gate_up->device_id, p.device, p.device_id,
-                             "gate_up"));
-  }
+  EA_TRY(check_grad_weights(grad_weights, weights, p));
+  EA_TRY(check_grad_gate_up(grad_gate_up, p));
   // No output may share a byte with an input or another output (not even grad_gate_up with
   // gate_up: an up column's gradient reads its gate value after the gate column's is written).
   const Named outs[] = {{"q", extent_of(q)},
@@ -378,22 +345,8 @@ Status fp8_glu_backward_tiles_body(const GluParams& params, Layout layout, const
   if (p.F == 0 && !grad_weights) return Status::kOk;
   GluBias b;
   if (bias) split_bias(layout, p, *bias, *offsets, b);
-  TileBwd d;
-  d.dy = grad_out.data;
-  d.dy_stride = grad_out.row_stride;
-  switch (layout) {
-    case Layout::kHalvesUpFirst: d.q_g = p.F; d.q_u = 0; break;
-    case Layout::kInterleaved: d.q_g = 0; d.q_u = 1; break;
-    default: d.q_g = 0; d.q_u = p.F; break;
-  }
-  if (grad_weights) {
-    d.dw = grad_weights->data;
-    d.dw_stride = grad_weights->stride;
-  }
-  if (grad_gate_up) {
-    d.dgu = grad_gate_up->data;
-    d.dgu_stride = grad_gate_up->row_stride;
-  }
+  PackedBwdIO d;
+  set_packed_bwd(layout, p, grad_out, grad_weights, grad_gate_up, d);
   TileOut o;
   set_row_tiles(q, scale, o);
   if (q_t) set_column_tiles(*q_t, *col_scale, *offsets, *padded, out_rows, o);

@@ -268,6 +268,17 @@ def expert_bias_backward(grad_out, bias, offsets, weights, weights_grad, bias_gr
 # ---------------------------------------------------------------------------
 
 
+def _glu_inputs(x, up, weights, bias, layout):
+    """The activation's inputs in slots 0 (x), 1 (up), 2 (weights) and 3 (bias), all but x
+    optional: (the tensors described, which the caller keeps alive over the call; the slots'
+    byrefs, None for an absent one)."""
+    x, rx = _put(0, x, _name(layout))
+    up, ru = (None, None) if up is None else _put(1, up, "up")
+    weights, rw = (None, None) if weights is None else _vec(2, weights)
+    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    return (x, up, weights, bias), (rx, ru, rw, rb)
+
+
 def fp8_quantize_rowwise(t, q, scale, col_amax_offsets=None, col_amax=None):
     """q [..., C] and scale [...] of t; with col_amax_offsets, also col_amax [E, C]."""
     t, rx = _put(0, t, "t")
@@ -311,10 +322,7 @@ def fp8_glu_colwise_grouped(x, up, weights, bias, offsets, padded_offsets, q_t, 
                             limit, beta):
     """q_t [F, T or Tp] and scale [E, F] of the activation, per expert and column, from its amax."""
     p = _params(act, alpha, limit, beta)
-    x, rx = _put(0, x, _name(layout))
-    up, ru = (None, None) if up is None else _put(1, up, "up")
-    weights, rw = (None, None) if weights is None else _vec(2, weights)
-    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    kept, (rx, ru, rw, rb) = _glu_inputs(x, up, weights, bias, layout)
     offsets, ro = _vec(4, offsets)
     rp = None if padded_offsets is None else _vec(5, padded_offsets)[1]
     _, rq = _put(6, q_t, "q_t")
@@ -381,10 +389,7 @@ def fp8_quantize_blocks(w, q, scale):
 def fp8_glu_row_tiles(x, up, weights, bias, offsets, q, scale, layout, act, alpha, limit, beta):
     """q [..., F] and scale [KB, T] of the activation (bias[e] added when given, with offsets)."""
     p = _params(act, alpha, limit, beta)
-    x, rx = _put(0, x, _name(layout))
-    up, ru = (None, None) if up is None else _put(1, up, "up")
-    weights, rw = (None, None) if weights is None else _vec(2, weights)
-    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    kept, (rx, ru, rw, rb) = _glu_inputs(x, up, weights, bias, layout)
     offsets, ro = (None, None) if offsets is None else _vec(4, offsets)
     _, rq = _put(5, q, "q")
     _, rs = _put(6, scale, "scale")
@@ -395,10 +400,7 @@ def fp8_glu_column_tiles_grouped(x, up, weights, bias, offsets, padded_offsets, 
                                  limit, beta):
     """q_t [F, Tp] and scale [Tp / 128, F] of the activation rounded to x's dtype."""
     p = _params(act, alpha, limit, beta)
-    x, rx = _put(0, x, _name(layout))
-    up, ru = (None, None) if up is None else _put(1, up, "up")
-    weights, rw = (None, None) if weights is None else _vec(2, weights)
-    bias, rb = (None, None) if bias is None else _put(3, bias, "bias")
+    kept, (rx, ru, rw, rb) = _glu_inputs(x, up, weights, bias, layout)
     offsets, ro = _vec(4, offsets)
     padded_offsets, rp = _vec(5, padded_offsets)
     _, rqt = _put(6, q_t, "q_t")

@@ -216,6 +216,26 @@ def quantize_colwise_grouped(t: torch.Tensor, offsets: torch.Tensor, *, pad_to: 
     return q_t.t(), scale
 
 
+def _glu_tensors(gate_up, up, weights, bias):
+    """The activation forms' tensor arguments (TypeError naming one that is not a tensor)."""
+    tensor_arg("gate_up" if up is None else "gate", gate_up)
+    tensor_arg("up", up, optional=True)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+
+
+def _glu_2d(gate_up, up, where):
+    """(the input's name, T, F) of a per expert form's 2-D input: gate_up [T, 2F], or gate [T, F]
+    with up."""
+    xname = "gate_up" if up is None else "gate"
+    if gate_up.dim() != 2:
+        raise ValueError(f"{where}: {xname} must be 2-D [T, {'2F' if up is None else 'F'}] "
+                         f"(got shape {tuple(gate_up.shape)})")
+    T = gate_up.shape[0]
+    F = gate_up.shape[1] if up is not None else gate_up.shape[1] // 2
+    return xname, T, F
+
+
 def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Optional[torch.Tensor] = None,
                 alpha: Optional[float] = None, limit: Optional[float] = None, layout: Optional[str] = None,
                 weights: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -243,10 +263,7 @@ def glu_rowwise(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Option
     offsets'). ``ends``: the offsets' (or col_amax_offsets') values as host ints (see
     :func:`quantize_colwise_grouped`)."""
     where = "expertact.fp8.glu_rowwise"
-    tensor_arg("gate_up" if up is None else "gate", gate_up)
-    tensor_arg("up", up, optional=True)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
+    _glu_tensors(gate_up, up, weights, bias)
     if (bias is None) != (offsets is None):
         raise ValueError(f"{where}: bias and offsets go together (got only {'bias' if offsets is None else 'offsets'})")
     if ends is not None and offsets is None and col_amax_offsets is None:
@@ -308,19 +325,11 @@ def glu_colwise_grouped(gate_up: torch.Tensor, activation: str, offsets: torch.T
     twice): the same result. CPU and CUDA write the same bytes for the same h; h itself may
     differ in its last bit between them as the activation's forward does."""
     where = "expertact.fp8.glu_colwise_grouped"
-    tensor_arg("gate_up" if up is None else "gate", gate_up)
-    tensor_arg("up", up, optional=True)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
+    _glu_tensors(gate_up, up, weights, bias)
     act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
     code = layout_code(layout, up is None)
     P = _pad_arg(pad_to, where)
-    xname = "gate_up" if up is None else "gate"
-    if gate_up.dim() != 2:
-        raise ValueError(f"{where}: {xname} must be 2-D [T, {'2F' if up is None else 'F'}] "
-                         f"(got shape {tuple(gate_up.shape)})")
-    T = gate_up.shape[0]
-    F = gate_up.shape[1] if up is not None else gate_up.shape[1] // 2
+    xname, T, F = _glu_2d(gate_up, up, where)
     offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
     E = offsets.numel()
     if amax is None:
@@ -345,6 +354,30 @@ def _dgate_up_out_arg(dgate_up_out, gate_up, where):
         raise ValueError(f"{where}: dgate_up_out must have gate_up's shape {tuple(gate_up.shape)} and rows it can "
                          f"be written through (got shape {tuple(dgate_up_out.shape)}, strides "
                          f"{dgate_up_out.stride()})")
+
+
+def _backward_args(dh, gate_up, activation, alpha, limit, layout, weights, weights_grad, bias, offsets, ends,
+                   dgate_up_out, per_expert, per_expert_wanted, where):
+    """The activation backwards' argument checks: (act, alpha, limit, beta, layout code).
+    ``per_expert``: the name of the flag whose output needs offsets (its value: per_expert_wanted)."""
+    tensor_arg("dh", dh)
+    tensor_arg("gate_up", gate_up)
+    tensor_arg("weights", weights, optional=True)
+    tensor_arg("bias", bias, optional=True)
+    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
+    if weights_grad and weights is None:
+        raise ValueError(f"{where}: weights_grad=True needs weights")
+    if bias is not None and offsets is None:
+        raise ValueError(f"{where}: bias goes with offsets (got bias alone)")
+    if per_expert_wanted and offsets is None:
+        raise ValueError(f"{where}: {per_expert}=True needs offsets")
+    if ends is not None and offsets is None:
+        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
+    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
+    code = layout_code(layout, True)
+    if gate_up.dim() < 1:
+        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    return act, a, lim, beta, code
 
 
 def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: str = "swiglu", *,
@@ -376,23 +409,8 @@ def glu_backward_rowwise(dh: torch.Tensor, gate_up: torch.Tensor, activation: st
     differs in its last bits between them as the activation's backward does (the GPU's exp and
     division are approximate forms), and the weights' gradient by its float32 sum's order."""
     where = "expertact.fp8.glu_backward_rowwise"
-    tensor_arg("dh", dh)
-    tensor_arg("gate_up", gate_up)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
-    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
-    if weights_grad and weights is None:
-        raise ValueError(f"{where}: weights_grad=True needs weights")
-    if bias is not None and offsets is None:
-        raise ValueError(f"{where}: bias goes with offsets (got bias alone)")
-    if col_amax and offsets is None:
-        raise ValueError(f"{where}: col_amax=True needs offsets")
-    if ends is not None and offsets is None:
-        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
-    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
-    code = layout_code(layout, True)
-    if gate_up.dim() < 1:
-        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    act, a, lim, beta, code = _backward_args(dh, gate_up, activation, alpha, limit, layout, weights, weights_grad,
+                                             bias, offsets, ends, dgate_up_out, "col_amax", col_amax, where)
     q, scale = _fp8_buffers.rowwise(gate_up, gate_up.shape[-1])
     dw = None
     if weights_grad:
@@ -505,10 +523,7 @@ def glu_row_tiles(gate_up: torch.Tensor, activation: str = "swiglu", *, up: Opti
     [..., ceil(F / 128)] (strides (1, T) for 2-D gate_up). The arguments as in
     :func:`glu_rowwise` (``bias`` [E, 2F] with ``offsets``)."""
     where = "expertact.fp8.glu_row_tiles"
-    tensor_arg("gate_up" if up is None else "gate", gate_up)
-    tensor_arg("up", up, optional=True)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
+    _glu_tensors(gate_up, up, weights, bias)
     if (bias is None) != (offsets is None):
         raise ValueError(f"{where}: bias and offsets go together (got only {'bias' if offsets is None else 'offsets'})")
     if ends is not None and offsets is None:
@@ -539,18 +554,10 @@ def glu_column_tiles_grouped(gate_up: torch.Tensor, activation: str, offsets: to
     the bias's. CPU and CUDA write the same bytes for the same h; h itself may differ in its last
     bit between them as the activation's forward does."""
     where = "expertact.fp8.glu_column_tiles_grouped"
-    tensor_arg("gate_up" if up is None else "gate", gate_up)
-    tensor_arg("up", up, optional=True)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
+    _glu_tensors(gate_up, up, weights, bias)
     act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
     code = layout_code(layout, up is None)
-    xname = "gate_up" if up is None else "gate"
-    if gate_up.dim() != 2:
-        raise ValueError(f"{where}: {xname} must be 2-D [T, {'2F' if up is None else 'F'}] "
-                         f"(got shape {tuple(gate_up.shape)})")
-    T = gate_up.shape[0]
-    F = gate_up.shape[1] if up is not None else gate_up.shape[1] // 2
+    _, T, F = _glu_2d(gate_up, up, where)
     offsets, host = _grouped_offsets(offsets, T, gate_up.device, ends, where)
     q_t, scale, pads = _column_tile_outputs(offsets, host, F, gate_up.device, where)
     _ops.fp8_glu_column_tiles_grouped(gate_up, up, weights, bias, offsets, pads, q_t, scale, code, act, a, lim, beta)
@@ -581,23 +588,8 @@ def glu_backward_tiles(dh: torch.Tensor, gate_up: torch.Tensor, activation: str 
     the float32 gradient differs in its last bits between them as the activation's backward
     does, and the weights' gradient by its sum's order."""
     where = "expertact.fp8.glu_backward_tiles"
-    tensor_arg("dh", dh)
-    tensor_arg("gate_up", gate_up)
-    tensor_arg("weights", weights, optional=True)
-    tensor_arg("bias", bias, optional=True)
-    tensor_arg("dgate_up_out", dgate_up_out, optional=True)
-    if weights_grad and weights is None:
-        raise ValueError(f"{where}: weights_grad=True needs weights")
-    if bias is not None and offsets is None:
-        raise ValueError(f"{where}: bias goes with offsets (got bias alone)")
-    if column_tiles and offsets is None:
-        raise ValueError(f"{where}: column_tiles=True needs offsets")
-    if ends is not None and offsets is None:
-        raise ValueError(f"{where}: ends goes with offsets (got ends alone)")
-    act, a, lim, beta = preset_coeffs(activation, alpha, limit, where)
-    code = layout_code(layout, True)
-    if gate_up.dim() < 1:
-        raise ValueError(f"{where}: gate_up must have at least one dimension")
+    act, a, lim, beta, code = _backward_args(dh, gate_up, activation, alpha, limit, layout, weights, weights_grad,
+                                             bias, offsets, ends, dgate_up_out, "column_tiles", column_tiles, where)
     C = gate_up.shape[-1]
     q, store, scale = _row_tile_outputs(gate_up, C)
     T = store.shape[1]

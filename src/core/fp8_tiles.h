@@ -62,21 +62,6 @@ struct BlockProblem {
   int64_t scale_stride = 0;
 };
 
-// The activation backward's operands beyond the problem: dy [rows, F] (the problem's dtype, row
-// stride dy_stride); the packed layout (gate's column j of gate_up at q_g + j * step, up's at
-// q_u + j * step: the columns of q, q_t and dgu); optional dw (float32 [rows], the routing
-// weights' gradient: the row's sum of dy * act * (up + beta)) and dgu ([rows, 2F] of the
-// problem's dtype: the gradient rounded to it).
-struct TileBwd {
-  const void* dy = nullptr;
-  int64_t dy_stride = 0;
-  int64_t q_g = 0, q_u = 0;
-  float* dw = nullptr;
-  int64_t dw_stride = 1;
-  void* dgu = nullptr;
-  int64_t dgu_stride = 0;
-};
-
 // One tile of up to 128 rows: rows [r0, r0 + n) of the input; ct >= 0: its column tiles go to
 // q_t's columns 128 ct .. 128 ct + 127 (padding rows, n .. 127, are 0x00 there), ct < 0: none;
 // e: the expert of all its rows (E: none, so no bias), or -1 when its rows may belong to
@@ -136,14 +121,15 @@ Status cpu_fp8_blocks(const BlockProblem& b);
 Status cpu_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o);
 Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o);
 // The activation's backward (the gradient of gate_up, float32, one rounding): row tiles along
-// the packed 2F columns and / or column tiles, with d's optional outputs (bias: o's offsets).
-Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o);
+// the packed 2F columns and / or column tiles, with d's optional outputs (d: src/core/problem.h;
+// bias: o's offsets).
+Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const PackedBwdIO& d, const TileOut& o);
 #if EXPERTACT_WITH_CUDA
 Status cuda_fp8_tiles(const TileSrc& s, const TileOut& o, void* stream);
 Status cuda_fp8_blocks(const BlockProblem& b, void* stream);
 Status cuda_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o, void* stream);
 Status cuda_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o, void* stream);
-Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o,
+Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const PackedBwdIO& d, const TileOut& o,
                                    void* stream);
 #endif
 

@@ -47,6 +47,23 @@ struct BwdIO {
   int64_t dw_stride = 1;
 };
 
+// The fused FP8 activation backwards' operands beyond the problem (rowwise: Fp8BwdOut,
+// src/cpu/fp8_cpu.h; blockwise: src/core/fp8_tiles.h), packed layouts only: dy [rows, F] (the
+// problem's dtype, row stride dy_stride); the packed layout (gate's column j of gate_up at q_g +
+// j * step, up's at q_u + j * step: the columns of the quantised outputs and of dgu); optional
+// dw (float32 [rows], the routing weights' gradient: the row's float32 sum of dy * act * (up +
+// beta)) and dgu ([rows, 2F] of the problem's dtype: the gradient rounded to that dtype, as
+// glu_backward writes it).
+struct PackedBwdIO {
+  const void* dy = nullptr;
+  int64_t dy_stride = 0;
+  int64_t q_g = 0, q_u = 0;
+  float* dw = nullptr;  // nullptr: weight gradient not wanted
+  int64_t dw_stride = 1;
+  void* dgu = nullptr;  // nullptr: not wanted
+  int64_t dgu_stride = 0;
+};
+
 // Launchers: called only with validated problems with rows > 0. The forward's have
 // F > 0; a backward's may have F == 0 with a weight gradient wanted (io.dw): it then only
 // zeroes that gradient (each row's sum is over no columns).

@@ -14,6 +14,7 @@
 #include "core/fp8.h"
 #include "core/math.h"
 #include "cpu/fp8_cpu.h"
+#include "cpu/fp8_rows_cpu.h"
 #include "cpu/host_dtype.h"
 #include "cpu/parallel.h"
 
@@ -139,6 +140,27 @@ Status cpu_fp8_quantize_colwise_grouped(const Fp8Cols& p) {
   });
 }
 
+Status cpu_forward_run(const GluProblem& p, const GluBias* bias, int64_t r0, int64_t n, void* h, int32_t* offsets) {
+  const int64_t es = dtype_size(p.dtype);
+  GluProblem sub = p;
+  sub.rows = n;
+  sub.g = static_cast<const char*>(p.g) + r0 * p.g_stride * es;
+  sub.u = static_cast<const char*>(p.u) + r0 * p.u_stride * es;
+  if (p.w) sub.w = p.w + r0 * p.w_stride;
+  const FwdOutput out{h, p.F};
+  if (!bias) return cpu_forward(sub, out);
+  GluBias rb = *bias;
+  for (int64_t k = 0; k < bias->er.experts; ++k)
+    offsets[k] = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - r0, 0), n));
+  rb.er.offsets = offsets;
+  rb.er.chunk = bias_chunk_rows(n);
+  return cpu_glu_bias_forward(sub, rb, out);
+}
+
+int64_t forward_run_elements() {
+  return std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17), int64_t{1} << 22);
+}
+
 // h in row tiles: each tile is written in the problem's dtype by the activation's own CPU
 // forward (cpu_forward, or cpu_glu_bias_forward with a bias: the same kernels, so the same
 // bits, as glu_forward / glu_forward_bias write, whichever instruction set they run on) into a
@@ -177,12 +199,8 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
   const int64_t covered = E > 0 ? c.offsets[E - 1] : 0;
   if (covered <= 0) return Status::kOk;
 
-  // Tiles of about max(2^18, threads x 2^17) elements (the forward's threads each get at least
-  // 2^17), at most 2^22.
-  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17),
-                                         int64_t{1} << 22);
-  const int64_t R = std::min<int64_t>(covered, std::max<int64_t>(1, want / F));
-  const int64_t es = dtype_size(p.dtype);
+  // Tiles of forward_run_elements() elements.
+  const int64_t R = std::min<int64_t>(covered, std::max<int64_t>(1, forward_run_elements() / F));
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) -> Status {
     using T = decltype(t);
     std::vector<T> h(static_cast<size_t>(R * F));
@@ -191,23 +209,7 @@ Status cpu_fp8_glu_colwise_grouped(const GluProblem& p, const GluBias* bias, con
     int64_t e = 0, start = 0, pstart = 0;  // the current row's expert, that expert's first row and q_t column
     for (int64_t r0 = 0; r0 < covered; r0 += R) {
       const int64_t n = std::min<int64_t>(R, covered - r0);
-      GluProblem sub = p;
-      sub.rows = n;
-      sub.g = static_cast<const char*>(p.g) + r0 * p.g_stride * es;
-      sub.u = static_cast<const char*>(p.u) + r0 * p.u_stride * es;
-      if (p.w) sub.w = p.w + r0 * p.w_stride;
-      const FwdOutput out{h.data(), F};
-      if (bias) {
-        GluBias tb = *bias;
-        for (int64_t k = 0; k < E; ++k)
-          tile_offsets[static_cast<size_t>(k)] =
-              static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - r0, 0), n));
-        tb.er.offsets = tile_offsets.data();
-        tb.er.chunk = bias_chunk_rows(n);
-        EA_TRY(cpu_glu_bias_forward(sub, tb, out));
-      } else {
-        EA_TRY(cpu_forward(sub, out));
-      }
+      EA_TRY(cpu_forward_run(p, bias, r0, n, h.data(), tile_offsets.data()));
       // Each row's expert and q_t column.
       for (int64_t r = r0; r < r0 + n; ++r) {
         while (c.offsets[e] <= r) {  // r < covered = offsets[E - 1]: stops at e < E
@@ -258,21 +260,10 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
         int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
-          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
           if (bias) while (e < bias->er.experts && bias->er.offsets[e] <= r) ++e;
-          if (bias && e < bias->er.experts) {
-            // x + bias[e] in float32, as the biased activation (src/cpu/bias_cpu.cpp) adds it
-            const T* bg = static_cast<const T*>(bias->bg) + e * bias->b_stride;
-            const T* bu = static_cast<const T*>(bias->bu) + e * bias->b_stride;
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]) + Cv<T>::ld(bg[j * p.step]),
-                                      Cv<T>::ld(u[j * p.step]) + Cv<T>::ld(bu[j * p.step]), w, c);
-          } else {
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
-          }
+          const T *bg, *bu;
+          bias_rows<T>(bias, e, bg, bu);  // x + bias[e] in float32, as src/cpu/bias_cpu.cpp adds it
+          glu_row<A>(p, c, r, bg, bu, h.data());
           if (run.at(r)) {
             if (bias) {
               for (int64_t j = 0; j < p.F; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(h[j])));
@@ -312,37 +303,10 @@ Status cpu_fp8_glu_backward_rowwise(const GluProblem& p, const Fp8BwdOut& o, con
         int64_t eb = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         ColAmax::Run run(ca, r0);
         for (int64_t r = r0; r < r1; ++r) {
-          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-          const T* dy = static_cast<const T*>(o.dy) + r * o.dy_stride;
-          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
-          const T* bg = nullptr;
-          const T* bu = nullptr;
-          if (bias) {
-            while (eb < bias->er.experts && bias->er.offsets[eb] <= r) ++eb;
-            if (eb < bias->er.experts) {
-              bg = static_cast<const T*>(bias->bg) + eb * bias->b_stride;
-              bu = static_cast<const T*>(bias->bu) + eb * bias->b_stride;
-            }
-          }
-          float dw = 0.0f;
-          for (int64_t j = 0; j < p.F; ++j) {
-            float gv = Cv<T>::ld(g[j * p.step]), uv = Cv<T>::ld(u[j * p.step]);
-            if (bg) {
-              gv += Cv<T>::ld(bg[j * p.step]);
-              uv += Cv<T>::ld(bu[j * p.step]);
-            }
-            float dg, du, term;
-            math::glu_bwd<A>(gv, uv, Cv<T>::ld(dy[j]), w, c, dg, du, term);
-            buf[o.q_g + j * p.step] = dg;
-            buf[o.q_u + j * p.step] = du;
-            dw += term;
-          }
-          if (o.dw) o.dw[r * o.dw_stride] = dw;
-          if (o.dgu) {
-            T* d = static_cast<T*>(o.dgu) + r * o.dgu_stride;
-            for (int64_t j = 0; j < C; ++j) d[j] = Cv<T>::st(buf[j]);
-          }
+          if (bias) while (eb < bias->er.experts && bias->er.offsets[eb] <= r) ++eb;
+          const T *bg, *bu;
+          bias_rows<T>(bias, eb, bg, bu);
+          glu_grad_row<A>(p, c, o, r, bg, bu, buf.data());
           if (run.at(r))  // of the gradient as rounded to T (what dgu gets)
             for (int64_t j = 0; j < C; ++j) run.add(j, Cv<T>::ld(Cv<T>::st(buf[j])));
           quantize_row(buf.data(), C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r * o.scale_stride);

@@ -92,28 +92,28 @@ Status cpu_fp8_glu_rowwise(const GluProblem& p, const Fp8Out& o, const GluBias* 
 // in their last bit from the scalar math's, which FMA contraction leaves alone).
 Status cpu_forward_rows(const GluProblem& p, const FwdOutput& o, int64_t r0, int64_t r1);
 
+// The activation's forward of rows [r0, r0 + n) of p into h ([n, F] contiguous, p's dtype) by
+// its own CPU kernels, threaded (cpu_forward, or cpu_glu_bias_forward with a bias, whose
+// offsets are shifted to the rows in `offsets`, E int32): the bytes glu_forward /
+// glu_forward_bias write, whichever instruction set they run on. The column forms of h
+// (cpu_fp8_glu_colwise_grouped, cpu_fp8_glu_column_tiles) quantise those bytes run by run.
+Status cpu_forward_run(const GluProblem& p, const GluBias* bias, int64_t r0, int64_t n, void* h, int32_t* offsets);
+// The elements of such a run: about max(2^18, threads x 2^17) (each of the forward's threads
+// gets at least 2^17), at most 2^22.
+int64_t forward_run_elements();
+
 // The fused FP8 activation backward (fp8_glu_backward_rowwise): the gradient of gate_up,
-// computed in float32 from dy [rows, F] (the problem's dtype, row stride dy_stride) and
-// gate_up, written only as e4m3fn rowwise q [rows, 2F] in gate_up's column layout (gate's
-// column j at q_g + j * step of the row, up's at q_u + j * step; the same columns in dgu and
-// col_amax) with the scale of each row. Optional: dw (the routing weights' gradient, the
-// row's float32 sum of dy * act * (up + beta)); col_amax [E, 2F] (float32, row stride
-// col_amax_stride), the max |dgate_up| (NaN ignored) of each column over each expert's rows
-// (offsets, experts; rows past the last offset count for none; overwritten); dgu [rows, 2F]
-// (the problem's dtype, row stride dgu_stride): the gradient rounded to that dtype, as
-// glu_backward writes it.
-struct Fp8BwdOut : Fp8Out {
-  const void* dy = nullptr;
-  int64_t dy_stride = 0;
-  int64_t q_g = 0, q_u = 0;
-  float* dw = nullptr;
-  int64_t dw_stride = 1;
+// computed in float32 from dy and gate_up (PackedBwdIO, src/core/problem.h: dy, the packed
+// columns, the optional dw and dgu), written only as e4m3fn rowwise q [rows, 2F] in gate_up's
+// column layout (the packed columns; the same in dgu and col_amax) with the scale of each row.
+// Optional: col_amax [E, 2F] (float32, row stride col_amax_stride), the max |dgate_up| (NaN
+// ignored) of each column over each expert's rows (offsets, experts; rows past the last offset
+// count for none; overwritten).
+struct Fp8BwdOut : Fp8Out, PackedBwdIO {
   const int32_t* offsets = nullptr;
   int64_t experts = 0;
   float* col_amax = nullptr;
   int64_t col_amax_stride = 0;
-  void* dgu = nullptr;
-  int64_t dgu_stride = 0;
 };
 // bias (or nullptr): the per-expert bias added to gate and up before the activation, as in
 // cpu_fp8_glu_rowwise.

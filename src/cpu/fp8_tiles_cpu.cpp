@@ -15,6 +15,7 @@
 #include "core/fp8_tiles.h"
 #include "core/math.h"
 #include "cpu/fp8_cpu.h"
+#include "cpu/fp8_rows_cpu.h"
 #include "cpu/host_dtype.h"
 #include "cpu/parallel.h"
 
@@ -62,17 +63,6 @@ std::vector<TileRows> schedule(const TileOut& o, int64_t rows, bool tail) {
   std::vector<TileRows> tiles(static_cast<size_t>(n));
   for (int64_t b = 0; b < n; ++b) tiles[static_cast<size_t>(b)] = tile_rows(b, out_tiles, rows, o.offsets, o.pends, E, tail0);
   return tiles;
-}
-
-// Gate's and up's bias rows of expert e (null when the row has none: no bias, or past the last
-// offset).
-template <typename T>
-void bias_rows(const GluBias* bias, int64_t e, const T*& bg, const T*& bu) {
-  bg = bu = nullptr;
-  if (bias && e >= 0 && e < bias->er.experts) {
-    bg = static_cast<const T*>(bias->bg) + e * bias->b_stride;
-    bu = static_cast<const T*>(bias->bu) + e * bias->b_stride;
-  }
 }
 
 }  // namespace
@@ -149,21 +139,11 @@ Status cpu_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const Til
         std::vector<float> h(static_cast<size_t>(p.F));
         int64_t e = bias ? expert_of(bias->er.offsets, bias->er.experts, r0) : 0;
         for (int64_t r = r0; r < r1; ++r) {
-          const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-          const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-          const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
           if (bias)
             while (e < bias->er.experts && bias->er.offsets[e] <= r) ++e;
           const T *bg, *bu;
           bias_rows<T>(bias, e, bg, bu);
-          if (bg) {
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]) + Cv<T>::ld(bg[j * p.step]),
-                                      Cv<T>::ld(u[j * p.step]) + Cv<T>::ld(bu[j * p.step]), w, c);
-          } else {
-            for (int64_t j = 0; j < p.F; ++j)
-              h[j] = math::glu_fwd<A>(Cv<T>::ld(g[j * p.step]), Cv<T>::ld(u[j * p.step]), w, c);
-          }
+          glu_row<A>(p, c, r, bg, bu, h.data());
           row_tiles(h.data(), p.F, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r, o.scale_stride);
         }
       });
@@ -178,11 +158,10 @@ Status cpu_fp8_glu_row_tiles(const GluProblem& p, const GluBias* bias, const Til
 // math::glu_fwd here) into a buffer, then threads over the run's tiles quantise its columns.
 Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const TileOut& o) {
   const std::vector<TileRows> tiles = schedule(o, p.rows, false);
-  const int64_t F = p.F, E = o.experts, es = dtype_size(p.dtype);
-  // Runs of about max(2^18, threads x 2^17) elements (as cpu_fp8_glu_colwise_grouped's), whole
-  // tiles, at least one.
-  const int64_t want = std::min<int64_t>(std::max<int64_t>(int64_t{1} << 18, int64_t{cpu::threads()} << 17),
-                                         int64_t{1} << 22);
+  const int64_t F = p.F, E = o.experts;
+  // Runs of forward_run_elements() elements (as cpu_fp8_glu_colwise_grouped's), whole tiles, at
+  // least one.
+  const int64_t want = forward_run_elements();
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) -> Status {
     using T = decltype(t);
     std::vector<T> h;
@@ -199,23 +178,7 @@ Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const 
       }
       if (rows > 0) {
         h.resize(static_cast<size_t>(rows * F));
-        GluProblem sub = p;
-        sub.rows = rows;
-        sub.g = static_cast<const char*>(p.g) + a * p.g_stride * es;
-        sub.u = static_cast<const char*>(p.u) + a * p.u_stride * es;
-        if (p.w) sub.w = p.w + a * p.w_stride;
-        const FwdOutput out{h.data(), F};
-        if (bias) {
-          GluBias rb = *bias;
-          for (int64_t k = 0; k < E; ++k)
-            run_offsets[static_cast<size_t>(k)] =
-                static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(bias->er.offsets[k] - a, 0), rows));
-          rb.er.offsets = run_offsets.data();
-          rb.er.chunk = bias_chunk_rows(rows);
-          EA_TRY(cpu_glu_bias_forward(sub, rb, out));
-        } else {
-          EA_TRY(cpu_forward(sub, out));
-        }
+        EA_TRY(cpu_forward_run(p, bias, a, rows, h.data(), run_offsets.data()));
       }
       cpu::parallel_for(t1 - t0, 3 * kT * F, [&](int64_t i0, int64_t i1) {
         std::vector<float> buf(static_cast<size_t>(kT * kT));
@@ -240,7 +203,7 @@ Status cpu_fp8_glu_column_tiles(const GluProblem& p, const GluBias* bias, const 
 // Each tile's rows: the float32 gradient in gate_up's column layout into the tile's buffer (the
 // weights' gradient summed in column order, as cpu_fp8_glu_backward_rowwise sums it), the
 // optional rounded copy and the row tiles; then the tile's column tiles from the buffer.
-Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o) {
+Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const PackedBwdIO& d, const TileOut& o) {
   const std::vector<TileRows> tiles = schedule(o, p.rows, true);
   const int64_t C = 2 * p.F;
   return dispatch_host_dtype<false>(p.dtype, "fp8", [&](auto t) {
@@ -254,32 +217,11 @@ Status cpu_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, cons
           const TileRows& tr = tiles[static_cast<size_t>(ti)];
           for (int64_t i = 0; i < tr.n; ++i) {
             const int64_t r = tr.r0 + i;
-            const T* g = static_cast<const T*>(p.g) + r * p.g_stride;
-            const T* u = static_cast<const T*>(p.u) + r * p.u_stride;
-            const T* dy = static_cast<const T*>(d.dy) + r * d.dy_stride;
-            const float w = p.w ? p.w[r * p.w_stride] : 1.0f;
             const T *bg, *bu;
             bias_rows<T>(bias, tr.e >= 0 ? tr.e : (bias ? expert_of(bias->er.offsets, bias->er.experts, r) : -1), bg,
                          bu);
             float* row = buf.data() + i * C;
-            float dw = 0.0f;
-            for (int64_t j = 0; j < p.F; ++j) {
-              float gv = Cv<T>::ld(g[j * p.step]), uv = Cv<T>::ld(u[j * p.step]);
-              if (bg) {
-                gv += Cv<T>::ld(bg[j * p.step]);
-                uv += Cv<T>::ld(bu[j * p.step]);
-              }
-              float dg, du, term;
-              math::glu_bwd<A>(gv, uv, Cv<T>::ld(dy[j]), w, c, dg, du, term);
-              row[d.q_g + j * p.step] = dg;
-              row[d.q_u + j * p.step] = du;
-              dw += term;
-            }
-            if (d.dw) d.dw[r * d.dw_stride] = dw;
-            if (d.dgu) {
-              T* dst = static_cast<T*>(d.dgu) + r * d.dgu_stride;
-              for (int64_t j = 0; j < C; ++j) dst[j] = Cv<T>::st(row[j]);
-            }
+            glu_grad_row<A>(p, c, d, r, bg, bu, row);
             row_tiles(row, C, static_cast<uint8_t*>(o.q) + r * o.q_stride, o.scale + r, o.scale_stride);
           }
           if (!o.q_t || tr.ct < 0) continue;

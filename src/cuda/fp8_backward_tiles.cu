@@ -120,7 +120,7 @@ namespace expertact::detail {
 // Blocks for the rows past the last offset, at most this many an SM (they loop over the rest).
 constexpr int64_t kBwdTailBlocksPerSm = 4;
 
-Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const TileBwd& d, const TileOut& o,
+Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, const PackedBwdIO& d, const TileOut& o,
                                    void* stream) {
   cuda::DeviceGuard guard(p.device_id);
   EA_TRY(enter_operands(p.device_id, guard,

@@ -14,21 +14,11 @@
 #include <vector>
 
 #include "expertact/expertact_c.h"
+#include "support/buffers.h"
 #include "support/harness.h"
 
 namespace eat {
 namespace {
-
-DLDataType dl_dtype(DType d) {
-  switch (d) {
-    case DType::kFloat32: return DLDataType{kDLFloat, 32, 1};
-    case DType::kFloat16: return DLDataType{kDLFloat, 16, 1};
-    case DType::kBFloat16: return DLDataType{kDLBfloat, 16, 1};
-    case DType::kFloat64: return DLDataType{kDLFloat, 64, 1};
-    default: break;
-  }
-  return DLDataType{kDLFloat, 32, 1};
-}
 
 // One operand: a backend buffer described by an N-D DLTensor whose leading
 // dimensions collapse to a [rows, cols] view with row_stride (elements).
@@ -59,7 +49,7 @@ struct Operand {
     t.data = buf->data();
     t.device = be.dl_device();
     t.ndim = static_cast<int32_t>(shape.size());
-    t.dtype = dl_dtype(d);
+    t.dtype = dl_of(d);
     t.shape = shape.data();
     t.strides = strides.empty() ? nullptr : strides.data();
     t.byte_offset = off;

@@ -9,78 +9,18 @@
 
 #include <cmath>
 #include <cstring>
-#include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "expertact/expertact.hpp"
 #include "expertact/expertact_c.h"
 #include "support/backend.h"
+#include "support/buffers.h"
 #include "support/harness.h"
 #include "support/numeric.h"
 
 namespace eat {
 namespace {
-
-DLDataType dl_of(DType d) {
-  switch (d) {
-    case DType::kFloat16: return DLDataType{kDLFloat, 16, 1};
-    case DType::kBFloat16: return DLDataType{kDLBfloat, 16, 1};
-    case DType::kFloat8E4M3: return DLDataType{EXPERTACT_DL_FLOAT8_E4M3FN, 8, 1};
-    default: return DLDataType{kDLFloat, 32, 1};
-  }
-}
-int64_t size_of(DType d) { return d == DType::kFloat8E4M3 ? 1 : dtype_size(d); }
-
-// A compact [rows, cols] matrix of one dtype on a backend, filled with a byte or with values.
-struct Mat {
-  std::unique_ptr<DeviceBuffer> d;
-  DType dtype;
-  int64_t rows, cols;
-  Mat(Backend& be, DType t, int64_t r, int64_t c, uint8_t fill) : dtype(t), rows(r), cols(c) {
-    d = std::make_unique<DeviceBuffer>(be, std::max<int64_t>(r * c * size_of(t), 1));
-    std::memset(d->image.data(), fill, d->size());
-    d->upload();
-  }
-  Mat(Backend& be, DType t, int64_t r, int64_t c, const std::vector<float>& v) : Mat(be, t, r, c, uint8_t{0}) {
-    for (int64_t i = 0; i < r * c; ++i) store_elem(t, &d->image[i * size_of(t)], v[i]);
-    d->upload();
-  }
-  expertact_tensor c_ref(Backend& be) const { return expertact_tensor{d->data(), rows, cols, cols, dl_of(dtype), be.dl_device()}; }
-  expertact::MatrixRef ref(Backend& be) const {
-    return expertact::MatrixRef{d->data(), rows, cols, cols, dtype, be.device(), be.device_id()};
-  }
-  std::vector<uint8_t> bytes() {
-    d->download();
-    return d->image;
-  }
-};
-
-struct Ints {
-  std::unique_ptr<DeviceBuffer> d;
-  int64_t n;
-  Ints(Backend& be, const std::vector<int32_t>& v) : n(static_cast<int64_t>(v.size())) {
-    d = std::make_unique<DeviceBuffer>(be, v.size() * 4);
-    std::memcpy(d->image.data(), v.data(), v.size() * 4);
-    d->upload();
-  }
-  expertact_tensor c_ref(Backend& be) const {
-    return expertact_tensor{d->data(), n, 1, 1, DLDataType{kDLInt, 32, 1}, be.dl_device()};
-  }
-  expertact::OffsetsRef ref(Backend& be) const {
-    return expertact::OffsetsRef{static_cast<const int32_t*>(static_cast<void*>(d->data())), n, be.device(),
-                                 be.device_id()};
-  }
-};
-
-std::vector<float> randn(size_t n, unsigned seed, float scale) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
 
 class Fp8GluColwise : public ::testing::TestWithParam<BackendKind> {};
 

@@ -5,7 +5,6 @@ model, 2 steps) when DeepSpeed >= 0.19.8 and transformers >= 5.15 are installed.
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -19,19 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
+from support.examples import EXAMPLES, load
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-train = _load("autoep_train")
-report = _load("autoep_report")
+train = load("autoep_train")
+report = load("autoep_report")
 
 
 # ---------------------------------------------------------------------------
@@ -553,7 +543,7 @@ def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
 # examples/fp8_diagnosis.py: the model of fast FP8 accumulation
 # ---------------------------------------------------------------------------
 
-diag = _load("fp8_diagnosis")
+diag = load("fp8_diagnosis")
 E4M3 = torch.float8_e4m3fn
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from expertact import fp8
+from support.fp8_cases import backward_case
 from support.oracle import glu64
 from test_fp8 import _bits, _recipe, _torch_col_amax
 
@@ -17,12 +18,7 @@ ENDS = [20, 20, 61, 90]  # an empty expert, and 7 rows past the last offset (no 
 
 
 def _case(T, F, dtype, seed, E=len(ENDS)):
-    g = torch.Generator().manual_seed(seed)
-    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
-    dh = torch.randn(T, F, generator=g).to(dtype)
-    b = (torch.randn(E, 2 * F, generator=g) * 2).to(dtype)
-    w = torch.rand(T, generator=g)
-    return z, dh, b, w
+    return backward_case(T, F, dtype, seed, E)
 
 
 def _bias_rows(b, ends, T):

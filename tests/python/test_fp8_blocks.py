@@ -12,6 +12,7 @@ import torch
 import expertact
 from expertact import fp8, functional
 from support import fp8_tiles as ft
+from support.fp8_cases import backward_case, glu_case, split
 from support.oracle import glu64
 from test_fp8_backward import _bias_rows, _oracle, _steps
 
@@ -187,19 +188,7 @@ def q_of(w):
 
 
 def _glu_case(T, F, dtype, seed, E=len(ENDS)):
-    g = torch.Generator().manual_seed(seed)
-    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
-    z[9, 3] = float("nan")
-    b = (torch.randn(E, 2 * F, generator=g) * 2).to(dtype)
-    w = torch.rand(T, generator=g)
-    return z, b, w
-
-
-def _operands(z, layout):
-    if layout == "separate":
-        F = z.shape[1] // 2
-        return z[:, :F].contiguous(), z[:, F:].contiguous(), None
-    return z, None, layout
+    return glu_case(T, F, dtype, seed, E, nan_at=[(9, 3)])
 
 
 def _h64(z, layout, activation, w, b, ends):
@@ -251,7 +240,7 @@ def test_glu_row_tiles_against_float64(activation, layout, dtype, biased):
     T, F = T_ROWS, 200
     z, b, w = _glu_case(T, F, dtype, 7)
     offs = torch.tensor(ENDS, dtype=torch.int32)
-    x, up, lay = _operands(z, layout)
+    x, up, lay = split(z, layout)
     kw = {"bias": b, "offsets": offs} if biased else {}
     q, scale = fp8.glu_row_tiles(x, activation, up=up, layout=lay, weights=w, **kw)
     rq, rs = ft.row_tiles(_h64(z, layout, activation, w, b if biased else None, ENDS).float())
@@ -265,7 +254,7 @@ def test_glu_row_tiles_are_the_rowwise_h(layout):
     """The same float32 h as glu_rowwise's: where a row's amax equals its first tile's, its
     first tile's bytes and scale are glu_rowwise's."""
     z, b, w = _glu_case(64, 100, torch.bfloat16, 8)
-    x, up, lay = _operands(z, layout)
+    x, up, lay = split(z, layout)
     q, scale = fp8.glu_row_tiles(x, "swiglu_oai", up=up, layout=lay, weights=w)
     rq, rs = fp8.glu_rowwise(x, "swiglu_oai", up=up, layout=lay, weights=w)
     _same_bytes(q, rq)  # F = 100: one tile a row
@@ -282,7 +271,7 @@ def test_glu_column_tiles_are_the_forward_h(activation, layout, dtype, biased):
     T, F = T_ROWS, 130
     z, b, w = _glu_case(T, F, dtype, 9)
     offs = torch.tensor(ENDS, dtype=torch.int32)
-    x, up, lay = _operands(z, layout)
+    x, up, lay = split(z, layout)
     act, a, lim, beta = PRESET[activation]
     kw = {"bias": b} if biased else {}
     h = functional.glu(x, up, layout=lay, activation=act, alpha=a, limit=lim, beta=beta, weights=w,
@@ -301,12 +290,7 @@ def test_glu_column_tiles_are_the_forward_h(activation, layout, dtype, biased):
 
 
 def _bwd_case(T, F, dtype, seed, E=len(ENDS)):
-    g = torch.Generator().manual_seed(seed)
-    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
-    dh = torch.randn(T, F, generator=g).to(dtype)
-    b = (torch.randn(E, 2 * F, generator=g) * 2).to(dtype)
-    w = torch.rand(T, generator=g)
-    return z, dh, b, w
+    return backward_case(T, F, dtype, seed, E)
 
 
 @pytest.mark.parametrize("activation", list(PRESET))
@@ -475,7 +459,7 @@ def test_cuda_glu_tiles(activation, layout, biased, F):
     act, a, lim, beta = PRESET[activation]
     for dtype in (torch.float32, torch.bfloat16):
         z, b, w = (v.cuda() for v in _glu_case(T_ROWS, F, dtype, 16))
-        x, up, lay = _operands(z, layout)
+        x, up, lay = split(z, layout)
         kw = {"bias": b} if biased else {}
         h = functional.glu(x, up, layout=lay, activation=act, alpha=a, limit=lim, beta=beta, weights=w,
                            offsets=offs if biased else None, **kw)

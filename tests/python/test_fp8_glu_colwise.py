@@ -10,6 +10,7 @@ import torch
 
 import expertact
 from expertact import fp8, functional
+from support.fp8_cases import glu_case, split
 from support.oracle import glu64
 from test_fp8 import _bits
 
@@ -28,21 +29,7 @@ PRESET = {"swiglu": ("silu", 1.0, None, 0.0), "swiglu_clamped": ("silu", 1.0, 7.
 
 
 def _case(T, F, dtype, seed, E=len(ENDS), nan_rows=()):
-    g = torch.Generator().manual_seed(seed)
-    z = (torch.randn(T, 2 * F, generator=g) * 3).to(dtype)
-    for r in nan_rows:
-        z[r, r % (2 * F)] = float("nan")
-    b = (torch.randn(E, 2 * F, generator=g) * 2).to(dtype)
-    w = torch.rand(T, generator=g)
-    return z, b, w
-
-
-def _operands(z, layout):
-    """(gate_up or gate, up or None, layout name for the calls)."""
-    if layout == "separate":
-        F = z.shape[1] // 2
-        return z[:, :F].contiguous(), z[:, F:].contiguous(), None
-    return z, None, layout
+    return glu_case(T, F, dtype, seed, E, [(r, r % (2 * F)) for r in nan_rows])
 
 
 def _forward(x, up, layout, activation, weights=None, bias=None, offsets=None, alpha=None, limit=None):
@@ -77,7 +64,7 @@ def test_matches_forward_then_colwise(device, activation, layout, weighted, bias
     z, b, w = _case(T, F, torch.bfloat16, seed=10 * ACTS.index(activation) + LAYOUTS.index(layout), nan_rows=(3, 40))
     z, b, w = z.to(device), b.to(device), w.to(device)
     offs = torch.tensor(ENDS, dtype=torch.int32, device=device)
-    x, up, lay = _operands(z, layout)
+    x, up, lay = split(z, layout)
     kw = {"weights": w if weighted else None, "bias": b if biased else None}
     h = _forward(x, up, lay, activation, offsets=offs if biased else None, **kw)
     rq, rs, amax = _reference(h, offs, pad_to)
@@ -168,7 +155,7 @@ def test_fallback_without_amax(device, layout, biased):
     z, b, w = _case(T, F, torch.bfloat16, seed=3, nan_rows=(60,))
     z, b, w = z.to(device), b.to(device), w.to(device)
     offs = torch.tensor(ENDS, dtype=torch.int32, device=device)
-    x, up, lay = _operands(z, layout)
+    x, up, lay = split(z, layout)
     bias = b if biased else None
     for pad_to in (1, 16):
         q0, s0 = fp8.glu_colwise_grouped(x, "geglu_tanh", offs, up=up, layout=lay, weights=w, bias=bias,

@@ -5,28 +5,18 @@ baseline and yardsticks. The report's tests need no megatron-core; the rest skip
 (Python >= 3.12). Megatron-Core's training step itself needs CUDA (its RoPE, token dispatcher,
 schedule and DDP buffers allocate on the current CUDA device): scripts/gpu_session.sh runs it.
 """
-import importlib.util
 import json
 import math
 import os
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+from support.examples import load
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-report = _load("megatron_report")
+report = load("megatron_report")
 
 
 # ---------------------------------------------------------------------------
@@ -86,7 +76,7 @@ def test_report_baseline_is_megatrons_default():
 @pytest.fixture(scope="module")
 def example():
     pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 (Python >= 3.12) is not installed")
-    return _load("megatron_moe")
+    return load("megatron_moe")
 
 
 def test_impls_and_fusion(example):

@@ -157,13 +157,23 @@ def _pads(offs, plan):
     return _fp8_buffers.padded_offsets(offs, pad), _fp8_buffers.padded_offsets(plan.ends, pad)
 
 
+def _tiles(t: Tensor, offs, pads, plan, rows: bool):
+    """Blockwise: (t's row tiles, dx's or dh's A operand, when ``rows``, else None; its column
+    tiles, a weight gradient's operand), both from one read of t."""
+    q_t, scale = _fp8_buffers.column_tiles(plan.ends, t.shape[1], t.device)
+    if not rows:
+        _ops.fp8_quantize_column_tiles_grouped(t, offs, pads[0], q_t, scale)
+        return None, (q_t, scale)
+    q, store, row_scale = _fp8_buffers.row_tiles(t, t.shape[1])
+    _ops.fp8_quantize_column_tiles_grouped(t, offs, pads[0], q_t, scale, q, store)
+    return (q, row_scale, None), (q_t, scale)
+
+
 def _cols(t: Tensor, offs, pads, plan, amax=None):
     """t [T, C]'s operand of a weight-gradient GEMM (rows sorted by expert, each expert padded).
     Rowwise amax: t's per expert and column amax when a rowwise pass took it (t read once)."""
     if _blocks(plan):
-        q_t, scale = _fp8_buffers.column_tiles(plan.ends, t.shape[1], t.device)
-        _ops.fp8_quantize_column_tiles_grouped(t, offs, pads[0], q_t, scale)
-        return q_t, scale
+        return _tiles(t, offs, pads, plan, False)[1]
     q_t, scale = _fp8_buffers.colwise(t.shape[0], plan.ends, t.shape[1], ROW_PAD, t.device)
     _ops.fp8_quantize_colwise_grouped(t, offs, pads[0], q_t, scale, amax)
     return q_t.t(), scale
@@ -175,13 +185,7 @@ def _dy(dy: Tensor, offs, pads, plan, need):
     if _blocks(plan):
         if not wgrad:
             return (_tokens(dy, plan) if need.dh else None), None
-        q_t, scale = _fp8_buffers.column_tiles(plan.ends, dy.shape[1], dy.device)
-        if not need.dh:
-            _ops.fp8_quantize_column_tiles_grouped(dy, offs, pads[0], q_t, scale)
-            return None, (q_t, scale)
-        q, store, row_scale = _fp8_buffers.row_tiles(dy, dy.shape[1])
-        _ops.fp8_quantize_column_tiles_grouped(dy, offs, pads[0], q_t, scale, q, store)
-        return (q, row_scale, None), (q_t, scale)
+        return _tiles(dy, offs, pads, plan, need.dh)
     dya = _tokens(dy, plan, offs if wgrad else None) if need.dh else None
     return dya, (_cols(dy, offs, pads, plan, dya[2] if need.dh else None) if wgrad else None)
 
@@ -258,13 +262,7 @@ def _dg(dgate_up: Tensor, offs, pads, plan, need):
     dgate_up. Rowwise makes dw13's later, from dgate_up and the amax of dx's operand."""
     wgrad = plan.fp8_wgrad and need.w13
     if _blocks(plan) and wgrad:
-        q_t, scale = _fp8_buffers.column_tiles(plan.ends, dgate_up.shape[1], dgate_up.device)
-        if not need.x:
-            _ops.fp8_quantize_column_tiles_grouped(dgate_up, offs, pads[0], q_t, scale)
-            return None, (q_t, scale)
-        q, store, row_scale = _fp8_buffers.row_tiles(dgate_up, dgate_up.shape[1])
-        _ops.fp8_quantize_column_tiles_grouped(dgate_up, offs, pads[0], q_t, scale, q, store)
-        return (q, row_scale, None), (q_t, scale)
+        return _tiles(dgate_up, offs, pads, plan, need.x)
     if not need.x:
         return None, None
     return _tokens(dgate_up, plan, offs if wgrad else None), None
