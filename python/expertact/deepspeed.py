@@ -561,11 +561,12 @@ def experts_enabled() -> bool:
 
 @contextlib.contextmanager
 def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-                  experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False):
+                  experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False,
+                  fp8_wgrad: bool = True):
     """``with expertact.deepspeed.enabled_scope(): ...``: :func:`enable` for the block, then back to
     what was in force before it (DeepSpeed's entries, or an outer enable()'s)."""
     before = _CONFIG
-    enable(inplace_backward, register, experts=experts, fp8=fp8, recompute=recompute)
+    enable(inplace_backward, register, experts=experts, fp8=fp8, recompute=recompute, fp8_wgrad=fp8_wgrad)
     try:
         yield
     finally:

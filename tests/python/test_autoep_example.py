@@ -500,6 +500,9 @@ def test_enable_passes_fp8_wgrad_to_the_expert_mlp():
         assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
         xds.enable(experts=True, fp8="rowwise")
         assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
+        with xds.enabled_scope(experts=True, fp8="rowwise", fp8_wgrad=False):  # the same switch for a block
+            assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
+        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
         with pytest.raises(TypeError, match="fp8_wgrad"):
             xds.enable(experts=True, fp8="rowwise", fp8_wgrad=None)
     finally:
