@@ -20,7 +20,8 @@ import os
 import sys
 
 IMPL_ORDER = ("eager", "eager-repeat", "eager-fused", "expertact", "expertact-inplace", "mlp", "mlp-recompute",
-              "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "mlp-fp8-bf16-wgrad")
+              "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "mlp-fp8-bf16-wgrad", "mlp-fp8-promoted-wgrad",
+              "mlp-fp8-blockwise", "torchao-fp8")
 DEEPSPEED = ("eager", "eager-repeat", "eager-fused")  # DeepSpeed's own experts
 DEFAULT_GATE_UP = "separate"  # AutoEP 0.19.8's default gate_up_impl
 LATE = 50  # the loss over the last LATE steps (or the last quarter of a shorter run)
@@ -30,11 +31,15 @@ LAST = 100  # the criterion's last steps
 IMPL_TEXT = {"expertact": "expertact", "expertact-inplace": "expertact, in-place backward",
              "mlp": "expertact MLP", "mlp-recompute": "expertact MLP, recompute",
              "mlp-inplace": "expertact MLP, in place", "mlp-recompute-inplace": "expertact MLP, recompute + in place",
-             "mlp-fp8": "expertact MLP, FP8", "mlp-fp8-bf16-wgrad": "expertact MLP, FP8, bf16 weight gradients"}
+             "mlp-fp8": "expertact MLP, FP8 rowwise", "mlp-fp8-bf16-wgrad": "expertact MLP, FP8 rowwise-bf16-wgrad",
+             "mlp-fp8-promoted-wgrad": "expertact MLP, FP8 rowwise-promoted-wgrad",
+             "mlp-fp8-blockwise": "expertact MLP, FP8 blockwise", "torchao-fp8": "torchao FP8 rowwise (AutoEP's experts)"}
 COLORS = {"eager": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "mlp": "tab:purple",
-          "mlp-inplace": "tab:green", "mlp-fp8": "tab:red"}
+          "mlp-inplace": "tab:green", "mlp-fp8": "tab:red", "mlp-fp8-bf16-wgrad": "tab:olive",
+          "mlp-fp8-promoted-wgrad": "tab:cyan", "mlp-fp8-blockwise": "tab:brown", "torchao-fp8": "tab:pink"}
 SHORT = {"eager": "DeepSpeed", "expertact": "expertact", "expertact-inplace": "in-place", "mlp": "MLP",
-         "mlp-inplace": "MLP in place", "mlp-fp8": "MLP FP8"}
+         "mlp-inplace": "MLP in place", "mlp-fp8": "FP8 rowwise", "mlp-fp8-bf16-wgrad": "FP8 bf16-wgrad",
+         "mlp-fp8-promoted-wgrad": "FP8 promoted-wgrad", "mlp-fp8-blockwise": "FP8 blockwise", "torchao-fp8": "torchao FP8"}
 GIB = 2**30
 
 
