@@ -161,6 +161,22 @@ def test_blocks(dtype, shape):
         assert torch.equal(scale, rs)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 0), (2, 0, 300), (0, 3, 5), (2, 0, 0), (0, 0, 0)])
+def test_blocks_empty(shape):
+    """An empty w (no columns, no rows or no experts; 3-D and 2-D, and a view whose columns are
+    sliced away) gives empty q and scale of the documented shapes, and is still checked."""
+    E, R, C = shape
+    want_scale = (E, -(-R // ft.TILE), -(-C // ft.TILE))
+    for w in (torch.zeros(shape), torch.ones(E, R, C + 1, dtype=torch.bfloat16)[:, :, 1:]):  # and a view
+        q, scale = fp8.quantize_blocks(w)
+        assert q.shape == shape and q.dtype == torch.float8_e4m3fn and scale.shape == want_scale
+        if E:
+            q2, scale2 = fp8.quantize_blocks(w[0])
+            assert q2.shape == shape[1:] and scale2.shape == want_scale[1:]
+    with pytest.raises(TypeError, match="w.dtype"):
+        fp8.quantize_blocks(torch.zeros(shape, dtype=torch.float64))
+
+
 def test_blocks_any_strides_and_2d():
     base = _values(3 * 260, 300, torch.bfloat16, 6).reshape(3, 260, 300)
     view = base[:, ::2, 1:]  # row stride 600, an odd first column
