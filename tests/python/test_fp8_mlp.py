@@ -648,6 +648,14 @@ def _blockwise_backends():
     return out + ([] if _gemm._scaled_mm_refusal(torch.device("cuda")) else ["scaled_mm"])
 
 
+def _force_backend(monkeypatch, backend):
+    """The blockwise GEMMs through ``backend`` on CUDA devices; the CPU keeps its own answer (the
+    emulation), so that the same test can run the node on the CPU too."""
+    real = _gemm.blockwise_backend
+    monkeypatch.setattr(_gemm, "blockwise_backend",
+                        lambda device: (backend, None) if torch.device(device).type == "cuda" else real(device))
+
+
 # The GPU's blockwise node against the emulation: both GEMMs accumulate each 128-deep K tile and
 # add it into float32, but the tensor cores keep about 14 bits inside a tile
 # (docs/notes/fp8-gemm.md), so a GEMM's bf16 output flips a rounding here and there (2^-8 of a
@@ -671,7 +679,7 @@ def test_cuda_blockwise_against_its_oracle_and_the_emulation(monkeypatch, backen
     bf16 and the rowwise nodes are (a silent fallback fails both)."""
     if backend not in _blockwise_backends():
         pytest.skip(f"no {backend} backend here")
-    monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: (backend, None))
+    _force_backend(monkeypatch, backend)
     t, dy, ends = _problem(T=1100, D=272, F=400, ends=(0, 17, 300, 301, 700, 1085), biases=biases, device="cuda",
                            outliers=True)
     with ScaledGemmLog() as log:
@@ -697,7 +705,7 @@ def test_cuda_blockwise_backends_agree(monkeypatch):
     t, dy, ends = _problem(T=1100, D=256, F=384, ends=(0, 17, 300, 301, 700, 1085), biases=True, device="cuda")
     runs = {}
     for backend in ("cutlass", "scaled_mm"):
-        monkeypatch.setattr(_gemm, "blockwise_backend", lambda device, b=backend: (b, None))
+        _force_backend(monkeypatch, backend)
         runs[backend] = _run(t, dy, ends, "swiglu_oai", "interleaved", fp8="blockwise")
     for k in runs["cutlass"]:
         assert rel(runs["cutlass"][k], runs["scaled_mm"][k]) < CUDA_VS_EMULATION, k
