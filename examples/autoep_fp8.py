@@ -25,7 +25,8 @@ Each expert's token group is padded to a multiple of 16 rows for torchao's GEMMs
 (align_token_groups): torch._scaled_grouped_mm's weight-gradient form reads the FP8 operands with
 the tokens contiguous, and ATen asserts on the device that a group's byte size along them is a
 multiple of 16 (prepare_grouped_gemm_data: 1 byte a value, so 16 rows); AutoEP pads the groups to
-multiples of 8 rows (bf16's 16 bytes), which stopped the first run on an H200 in its backward.
+multiples of 8 rows (bf16's 16 bytes): a group of an odd multiple of 8 rows stops the run at that
+assert in its first backward.
 torchao 0.18's own padding (Float8TrainingOpConfig's pad_token_groups_for_grouped_mm) is refused
 by its FP8 rowwise GEMM ("not yet supported"); TorchTitan pads its FP8 experts' groups to 16 in
 its token dispatcher. AutoEP takes the multiple from deepspeed.moe.ep_kernels'
