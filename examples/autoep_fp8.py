@@ -20,6 +20,20 @@ DeepSpeed builds its optimizer, so that ZeRO holds torchao's parameters; DeepSpe
 each expert parameter (allreduce=False, its group's name, AutoEP's metadata) are copied onto the
 new ones, and ZeRO's updates are made to reach the weights torchao reads (follow_zero). Step 0
 counts torchao's grouped GEMMs: 3 per MoE layer, or the run stops.
+
+Each expert's token group is padded to a multiple of 16 rows for torchao's GEMMs
+(align_token_groups): torch._scaled_grouped_mm's weight-gradient form reads the FP8 operands with
+the tokens contiguous, and ATen asserts on the device that a group's byte size along them is a
+multiple of 16 (prepare_grouped_gemm_data: 1 byte a value, so 16 rows); AutoEP pads the groups to
+multiples of 8 rows (bf16's 16 bytes): a group of an odd multiple of 8 rows stops the run at that
+assert in its first backward.
+torchao 0.18's own padding (Float8TrainingOpConfig's pad_token_groups_for_grouped_mm) is refused
+by its FP8 rowwise GEMM ("not yet supported"); TorchTitan pads its FP8 experts' groups to 16 in
+its token dispatcher. AutoEP takes the multiple from deepspeed.moe.ep_kernels'
+TOKEN_GROUP_ALIGN_SIZE_M (TorchTitan's setting, ported; its note says 16 for FP8), read at each
+MoE layer's forward: this run sets it to 16 around its own MoE layers' forwards only, so that the
+other runs of the same process keep DeepSpeed's 8. The padding rows are zero rows, dropped after
+the experts: the real rows' values are the same.
 """
 from __future__ import annotations
 
@@ -36,6 +50,7 @@ FP8_IMPLS = {
 TORCHAO_IMPLS = ("torchao-fp8", )
 TORCHAO_VERSION = "0.18."  # the release whose conversion this wiring was written against
 GEMMS_PER_LAYER = 3  # gate, up, down: torch._grouped_mm calls of gate_up_impl "separate"
+TOKEN_GROUP_ROWS = 16  # torchao's FP8 grouped GEMMs: each expert's rows a multiple of this (16 bytes of e4m3)
 
 
 def unavailable(enabled, impl, device, args):
@@ -100,6 +115,35 @@ def convert_experts_torchao(model):
     return names
 
 
+def align_token_groups(model, rows=TOKEN_GROUP_ROWS):
+    """Pads each expert's token group to a multiple of ``rows`` (the module docstring says why)
+    in the MoE layers of ``model`` (those holding a GroupedExperts as .experts): AutoEP's
+    alignment, deepspeed.moe.ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M, made a multiple of ``rows``
+    while each such layer's forward runs (AutoEP reads it there to permute the tokens; the
+    backward replays the permutation it saved). Returns the number of layers."""
+    import math
+    from deepspeed.moe import ep_kernels
+    if not isinstance(getattr(ep_kernels, "TOKEN_GROUP_ALIGN_SIZE_M", None), int):
+        raise SystemExit("autoep_fp8.py: this DeepSpeed has no deepspeed.moe.ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M, "
+                         "the padding of AutoEP's token groups that torchao's FP8 grouped GEMMs need")
+    cls = _experts_class()
+    layers = [m for m in model.modules() if isinstance(getattr(m, "experts", None), cls)]
+
+    def aligned(forward):
+        def run(*args, **kwargs):
+            saved = ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M
+            ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = math.lcm(saved, rows)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                ep_kernels.TOKEN_GROUP_ALIGN_SIZE_M = saved
+        return run
+
+    for layer in layers:
+        layer.forward = aligned(layer.forward)
+    return len(layers)
+
+
 def follow_zero(optimizer):
     """ZeRO 1 and 2 point each parameter's .data at its slice of their flat buffer, at the start
     and after every step (_update_model_bit16_weights); a torchao weight reads its values from its
@@ -130,13 +174,17 @@ def follow_zero(optimizer):
 def torchao_during_initialize(record):
     """Inside deepspeed.initialize: torchao's conversion right after DeepSpeed's
     _configure_distributed_model (AutoEP's experts built, the model cast and placed), before the
-    optimizer is built. record["converted"] gets the converted parameters' names."""
+    optimizer is built, and the token groups' padding (align_token_groups). record["converted"]
+    gets the converted parameters' names, record["token_group_rows"] the groups' multiple."""
     from deepspeed.runtime.engine import DeepSpeedEngine
     original = DeepSpeedEngine._configure_distributed_model
 
     def configure(self, model, *a, **k):
         out = original(self, model, *a, **k)
         record["converted"] = convert_experts_torchao(model)
+        if not align_token_groups(model):
+            raise SystemExit("autoep_fp8.py: no MoE layer holds the GroupedExperts torchao converted")
+        record["token_group_rows"] = TOKEN_GROUP_ROWS
         return out
 
     DeepSpeedEngine._configure_distributed_model = configure

@@ -54,12 +54,13 @@
 #                          the recipe FINETUNE_FP8 (default rowwise), into the same report
 #
 # Needs: one NVIDIA GPU, Hopper (sm_90) for the FP8 rows and runs; the CUDA toolkit (nvcc), CMake >=
-# 3.24, Ninja and dlpack.h for the build; Python (PYTHON, default python3) with a CUDA build of
-# torch, deepspeed 0.19.8, transformers >= 5.15, torchao 0.18 and matplotlib for the AutoEP and FP8
-# stages; Python >= 3.12 (PYTHON312, default PYTHON) with a CUDA build of torch, megatron-core 0.19.2
-# and matplotlib for the Megatron stages. No network is used: wheels in WHEELS (default .whl/;
-# scripts/gpu_wheels.sh fetches them elsewhere) are installed into SITE (default /tmp/site) and put on
-# PYTHONPATH first.
+# 3.24, Ninja and dlpack.h for the build (the system's, or .deps/include/dlpack/dlpack.h); Python
+# (PYTHON, default python3) with a CUDA build of torch, deepspeed 0.19.8, transformers >= 5.15,
+# torchao 0.18 and matplotlib for the AutoEP and FP8 stages; Python >= 3.12 (PYTHON312, default
+# PYTHON) with a CUDA build of torch, megatron-core 0.19.2 and matplotlib for the Megatron stages. No
+# network is used: scripts/gpu_wheels.sh, run elsewhere, puts the wheels into WHEELS (default .whl/),
+# installed here into SITE (default /tmp/site) and put on PYTHONPATH first, and dlpack.h into
+# .deps/include/dlpack/; a device call carries both folders: [".whl", ".deps"].
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -152,7 +153,7 @@ pack() {
   flush
   printf "  session %d total ~%d s of device time\n" $session $used
   echo "  each call as one command on the GPU machine (where it has no network, with scripts/gpu_wheels.sh's .whl/"
-  echo "  beside the tree), its results in one file:"
+  echo "  and .deps/ beside the tree: the call carries [\".whl\", \".deps\"]), its results in one file:"
   echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
   echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held)"
 }

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The Python packages scripts/gpu_session.sh's stages import that a GPU machine without network
 # access may lack, fetched as wheels into .whl/ (git-ignored) on a machine that reaches PyPI, for the
-# GPU machine's Python (PYVER, default 3.12; x86-64 Linux). The folder then travels with the
-# working tree, and on the GPU machine, from the repository root:
+# GPU machine's Python (PYVER, default 3.12; x86-64 Linux), and the build's dlpack.h into
+# .deps/include/dlpack/ (git-ignored; CMakeLists.txt searches .deps/include): this machine's
+# /usr/include/dlpack/dlpack.h, else Debian's libdlpack-dev fetched with apt-get download and
+# unpacked. Both folders then travel with the working tree (the device call carries [".whl",
+# ".deps"]), and on the GPU machine, from the repository root:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -31,13 +34,27 @@ W=.whl
 BINARY=(hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
         torchao==0.18.0 nvidia-cutlass==4.2.0.0 megatron-core==0.19.2)
 SDIST=(deepspeed==0.19.8)
+DLPACK=.deps/include/dlpack
 if [ "${1:-}" = --list ]; then
-  printf '%s\n' "${SDIST[@]}" "${BINARY[@]}"
+  printf '%s\n' "${SDIST[@]}" "${BINARY[@]}" "$DLPACK/dlpack.h"
   exit 0
 fi
-mkdir -p "$W"
-# .whl/ is in .gitignore; a checkout whose .gitignore lacks it gets it in the local exclude file.
-git check-ignore -q "$W/x.whl" 2> /dev/null || echo "/$W/" >> "$(git rev-parse --git-path info/exclude)"
+mkdir -p "$W" "$DLPACK"
+# .whl/ and .deps/ are in .gitignore; a checkout whose .gitignore lacks one gets it in the local exclude file.
+for d in "$W" .deps; do
+  git check-ignore -q "$d/x" 2> /dev/null || echo "/$d/" >> "$(git rev-parse --git-path info/exclude)"
+done
+# dlpack.h: the header only (the library includes dlpack/dlpack.h and links nothing of it).
+if [ -f /usr/include/dlpack/dlpack.h ]; then
+  cp /usr/include/dlpack/dlpack.h "$DLPACK/"
+else
+  deb=$(mktemp -d)
+  (cd "$deb" && apt-get download libdlpack-dev > /dev/null) && dpkg -x "$deb"/libdlpack-dev_*.deb "$deb/x" \
+    && cp "$deb/x/usr/include/dlpack/dlpack.h" "$DLPACK/"
+  rm -rf "$deb"
+fi
+[ -f "$DLPACK/dlpack.h" ] || { echo "gpu_wheels.sh: no dlpack.h (neither /usr/include/dlpack/dlpack.h nor" \
+  "apt-get download libdlpack-dev)" >&2; exit 1; }
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
          manylinux1_x86_64; do
@@ -55,6 +72,7 @@ for spec in "${SDIST[@]}" "${BINARY[@]}"; do
   done
   ls "$W"/"$stem-$version-"*.whl > /dev/null 2>&1 || { echo "gpu_wheels.sh: no wheel of $spec in $W" >&2; exit 1; }
 done
-du -ch "$W"/*.whl
-echo "carry: [\".whl\"]; on the GPU machine, first: python3 -m pip install -q --no-index --no-deps --no-compile" \
-  "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site"
+du -ch "$W"/*.whl "$DLPACK/dlpack.h"
+echo "carry: [\".whl\", \".deps\"] (the wheels and dlpack.h); on the GPU machine, first: python3 -m pip install -q" \
+  "--no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&" \
+  "export PYTHONPATH=/tmp/site"

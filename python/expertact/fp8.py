@@ -509,7 +509,9 @@ def quantize_blocks(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     E, R, C = w3.shape
     q, scale = _fp8_buffers.blocks(E, R, C, w.device)
-    _ops.fp8_quantize_blocks(w3, q.view(E * R, C), scale.view(-1, scale.shape[-1]))
+    # The 2-D views by their sizes, never -1: with C = 0 both are empty and -1 is ambiguous.
+    # The library checks an empty w like any other and launches nothing for it.
+    _ops.fp8_quantize_blocks(w3, q.view(E * R, C), scale.view(E * scale.shape[1], scale.shape[2]))
     return (q, scale) if w.dim() == 3 else (q[0], scale[0])
 
 

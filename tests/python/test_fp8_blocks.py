@@ -161,6 +161,22 @@ def test_blocks(dtype, shape):
         assert torch.equal(scale, rs)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 0), (2, 0, 300), (0, 3, 5), (2, 0, 0), (0, 0, 0)])
+def test_blocks_empty(shape):
+    """An empty w (no columns, no rows or no experts; 3-D and 2-D, and a view whose columns are
+    sliced away) gives empty q and scale of the documented shapes, and is still checked."""
+    E, R, C = shape
+    want_scale = (E, -(-R // ft.TILE), -(-C // ft.TILE))
+    for w in (torch.zeros(shape), torch.ones(E, R, C + 1, dtype=torch.bfloat16)[:, :, 1:]):  # and a view
+        q, scale = fp8.quantize_blocks(w)
+        assert q.shape == shape and q.dtype == torch.float8_e4m3fn and scale.shape == want_scale
+        if E:
+            q2, scale2 = fp8.quantize_blocks(w[0])
+            assert q2.shape == shape[1:] and scale2.shape == want_scale[1:]
+    with pytest.raises(TypeError, match="w.dtype"):
+        fp8.quantize_blocks(torch.zeros(shape, dtype=torch.float64))
+
+
 def test_blocks_any_strides_and_2d():
     base = _values(3 * 260, 300, torch.bfloat16, 6).reshape(3, 260, 300)
     view = base[:, ::2, 1:]  # row stride 600, an odd first column
@@ -481,24 +497,45 @@ def test_cuda_glu_tiles(activation, layout, biased, F):
 @pytest.mark.parametrize("biased", [False, True])
 def test_cuda_backward_tiles(activation, layout, F, biased):
     """float32 with dgate_up_out (the GPU's own float32 gradient): the row and column tiles are
-    fp8_tiles' of it byte for byte; the weights' gradient within float32's error of float64's and
-    the same bits twice; without column tiles the same row tiles (a bias's experts per row)."""
+    fp8_tiles' of it byte for byte; the weights' gradient NaN where float64's is (the NaN gate_up
+    value's row), elsewhere within float32's error of it, and the same bits when the call is made
+    again (the kernel's promise: a fixed order); without column tiles (another schedule of the
+    same rows) the same row tiles (a bias's experts per row) and the weights' gradient within
+    float32's error of the first form's."""
     z, dh, b, w = _bwd_case(T_ROWS, F, torch.float32, 17)
     z[9, 3] = float("nan")
     offs = torch.tensor(ENDS, dtype=torch.int32)
     kw = {"bias": b.cuda()} if biased else {}
-    d32 = torch.full_like(z, 12345.0).cuda()
     args = (dh.cuda(), z.cuda(), activation)
-    q, scale, cq, cscale, dw = fp8.glu_backward_tiles(*args, layout=layout, weights=w.cuda(), weights_grad=True,
-                                                      offsets=offs.cuda(), ends=ENDS, column_tiles=True,
-                                                      dgate_up_out=d32, **kw)
+
+    def call(d32=None, column_tiles=True):
+        return fp8.glu_backward_tiles(*args, layout=layout, weights=w.cuda(), weights_grad=True, offsets=offs.cuda(),
+                                      ends=ENDS, column_tiles=column_tiles, dgate_up_out=d32, **kw)
+
+    d32 = torch.full_like(z, 12345.0).cuda()
+    q, scale, cq, cscale, dw = call(d32)
     d32 = d32.cpu()
     _row_checks(q.cpu(), scale.cpu(), d32)
     _column_checks(cq.cpu(), cscale.cpu(), d32, ENDS)
     d64, dw64 = _oracle(z, dh, activation, layout, w, b if biased else None, ENDS)
     fin = torch.isfinite(dw64)
-    torch.testing.assert_close(dw.cpu().double()[fin], dw64[fin], rtol=1e-5, atol=1e-5 * dw64[fin].abs().max().item())
-    again = fp8.glu_backward_tiles(*args, layout=layout, weights=w.cuda(), weights_grad=True, offsets=offs.cuda(),
-                                   ends=ENDS, **kw)
-    assert torch.equal(again[4], dw)
-    assert torch.equal(ft.bits(again[0]), ft.bits(q)) and torch.equal(again[1], scale)
+    assert fin[:9].all() and not fin[9]  # the NaN value's row, and only it
+    assert torch.equal(torch.isnan(dw.cpu()), ~fin)
+    atol = 1e-5 * dw64[fin].abs().max().item()
+    torch.testing.assert_close(dw.cpu().double()[fin], dw64[fin], rtol=1e-5, atol=atol)
+    same = call(torch.full_like(z, 12345.0).cuda())
+    assert _same_float_bits(same[4], dw)
+    assert torch.equal(ft.bits(same[0]), ft.bits(q)) and torch.equal(same[1], scale)
+    rows_only = call(column_tiles=False)
+    assert rows_only[2] is None and rows_only[3] is None
+    assert torch.equal(ft.bits(rows_only[0]), ft.bits(q)) and torch.equal(rows_only[1], scale)
+    assert torch.equal(torch.isnan(rows_only[4]), torch.isnan(dw))
+    torch.testing.assert_close(rows_only[4].double()[fin.cuda()], dw.double()[fin.cuda()], rtol=1e-5, atol=atol)
+
+
+def _same_float_bits(a, b):
+    """a and b hold the same float32 bits (every NaN counted as one value: torch.equal finds a
+    NaN unequal to itself)."""
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a.masked_fill(nan, 0).view(torch.int32),
+                                                            b.masked_fill(nan, 0).view(torch.int32))

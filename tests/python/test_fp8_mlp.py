@@ -547,13 +547,16 @@ def _cdiv(n):
     return -(-n // TILE)
 
 
-def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False):
+def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False, acc=torch.float32):
     """torch._scaled_mm as its CUDA path takes 1 x 128 / 128 x 128 scales (the checks of ATen's
     ScaledBlas.cpp, restated: a row-major and b column-major e4m3, K and b's dims multiples of 16;
     a's scale 1 x 128 ([M, ceil(K / 128)], outer-dim-major: strides (1, M)); b's, given for b^T
     [N, K], 128 x 128 ([ceil(N / 128), ceil(K / 128)], row-major) or 1 x 128 ([N, ceil(K / 128)],
-    outer-dim-major); a stride is not checked along a dim of size 1), computed on the CPU on the
-    exactly dequantised operands in float32 and rounded once to bf16."""
+    outer-dim-major); a stride is not checked along a dim of size 1) and as cuBLAS runs them on
+    an H200 (an outer-dim-major scale's leading dimension a multiple of 4: M = 17 is refused; a
+    128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
+    where that changes nothing), computed on the CPU on the exactly dequantised operands in
+    ``acc`` and rounded once to bf16."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and not use_fast_accum
     (M, K), (K2, N) = a.shape, b.shape
     assert K == K2 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
@@ -572,11 +575,21 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     bt, sbt = b.t(), scale_b.t()
     assert scale_a.dtype == scale_b.dtype == torch.float32
     assert tiles_1x128(a, scale_a), (scale_a.shape, scale_a.stride())
+    assert M % 4 == 0, f"cuBLAS refuses an outer-dim-major scale of {M} rows"
     square = blocks_128(bt, sbt)
     assert square or tiles_1x128(bt, sbt), (scale_b.shape, scale_b.stride())
-    A = a.float() * scale_a.repeat_interleave(TILE, 1)[:, :K]
+    assert not square or _cdiv(K) % 4 == 0 or _cdiv(N) == 1, "cuBLAS reads these 128 x 128 scales misaligned"
+    A = a.to(acc) * scale_a.to(acc).repeat_interleave(TILE, 1)[:, :K]
     sbt = sbt.repeat_interleave(TILE, 0)[:N] if square else sbt
-    return (A @ (bt.float() * sbt.repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
+    return (A @ (bt.to(acc) * sbt.to(acc).repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
+
+
+def _scaled_mm_calls(ends, mm=4, wgrad=2):
+    """torch._scaled_mm's calls in one step of the node through the per-expert backend: each
+    M-grouped GEMM one for an expert's first rows in fours and one for its last 1 to 3 rows; each
+    weight-gradient GEMM one for each expert with rows."""
+    sizes = [e - s for s, e in zip([0] + list(ends[:-1]), ends) if e > s]
+    return mm * sum((n >= 4) + (n % 4 > 0) for n in sizes) + wgrad * len(sizes)
 
 
 @pytest.mark.parametrize("layout", ["halves", "interleaved"])
@@ -584,7 +597,8 @@ def test_the_scaled_mm_path_on_the_cpu(monkeypatch, layout):
     """The GPU's second blockwise backend (torch._scaled_mm per expert, where the build has no
     grouped GEMM) as far as the CPU can take it: the node through it, with torch._scaled_mm
     replaced by its contract's check and the same arithmetic as the emulation, gives the
-    emulation's bits (every expert's slices, scale layouts and transposed outputs right)."""
+    emulation's bits (every expert's slices, scale layouts, padded rows and transposed outputs
+    right)."""
     t, dy, ends = _problem(biases=True, **OUTLIERS)
     want = _run(t, dy, ends, "swiglu_oai", layout, fp8="blockwise")
     calls = []
@@ -593,9 +607,75 @@ def test_the_scaled_mm_path_on_the_cpu(monkeypatch, layout):
     with ScaledGemmLog() as log:
         got = _run(t, dy, ends, "swiglu_oai", layout, fp8="blockwise")
     _log_is(log, "blockwise")
-    assert len(calls) == 6 * 3  # the six GEMMs, each over the three experts with rows
+    assert len(calls) == _scaled_mm_calls(ends) == 26  # experts of 160, 10 and 130 rows
     for k in want:
         assert torch.equal(got[k], want[k]), (k, rel(got[k], want[k]))
+
+
+def test_the_scaled_mm_path_pads_and_expands(monkeypatch):
+    """The per-expert backend's GEMMs alone, against the float64 product of their dequantised
+    operands, with torch._scaled_mm replaced by its contract computed in float64: experts of 0 to
+    5, 17 and 130 rows (1 to 3 rows past a multiple of 4 run as 4 zero-padded rows, the rest of
+    the output untouched); three K tiles, the last partial (a 128 x 128 scale cuBLAS would read
+    misaligned: B's go in as 1 x 128); the weight-gradient form, also transposed; and its refusal
+    of weight dims that are no multiple of 4."""
+    monkeypatch.setattr(torch, "_scaled_mm", functools.partial(_scaled_mm_contract, acc=torch.float64))
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 2, 3, 4, 5, 17, 130]
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+    T, K, N, E = ends[-1] + 3, 272, 144, len(sizes)
+    x = torch.randn(T, K, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, T, dtype=torch.float64)[:, None]
+    w = torch.randn(E, N, K, generator=g, dtype=torch.float64)
+    w[:, TILE:] *= 64  # the blocks' scales differ along N and K
+    w[:, :, 2 * TILE:] /= 32
+    q, s = row_tiles(x)
+    wq, ws = blocks(w)
+    got = _gemm._blockwise_per_expert(q, s.t().contiguous().t(), wq, ws, ends, "m", False)
+    xd = dequantize(q, s, 1, TILE)
+    want = torch.zeros(T, N, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        want[lo:hi] = xd[lo:hi] @ dequantize(wq[e], ws[e], TILE, TILE).t()
+    assert torch.equal(got, want.to(torch.bfloat16))  # rows past the last offset 0, as want's
+
+    # the weight gradients: out[e] = a[:, tokens of e] b[:, tokens of e]^T over 128-padded tokens
+    M = 48
+    a, b = (torch.randn(n, T, generator=g, dtype=torch.float64).t() for n in (M, N))  # token-major
+    aq, sa = column_tiles(a, ends)
+    bq, sb = column_tiles(b, ends)
+    pads = padded_ends(ends)
+    want = torch.stack([dequantize(aq[:, lo:hi], sa[lo // TILE:hi // TILE].t(), 1, TILE)
+                        @ dequantize(bq[:, lo:hi], sb[lo // TILE:hi // TILE].t(), 1, TILE).t()
+                        for lo, hi in zip([0] + pads[:-1], pads)])
+    got = _gemm._blockwise_per_expert(aq, sa, bq, sb, pads, "k", False)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    got = _gemm._blockwise_per_expert(bq, sb, aq, sa, pads, "k", True)
+    assert got.shape == (E, N, M) and got.stride(-2) == 1 and torch.equal(got, want.transpose(1, 2).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight's dims \(here 46 and 144\), are multiples of 4"):
+        _gemm._blockwise_per_expert(aq[:46], sa[:, :46], bq, sb, pads, "k", False)
+
+
+def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
+    """The probe that admits torch._scaled_mm on a GPU, run on the CPU: its forms keep the
+    contract and pass it; a torch._scaled_mm that reads one K tile's scales for all, or refuses
+    a form, is named."""
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_contract)
+    assert _gemm._scaled_mm_probe(torch.device("cpu")) is None
+
+    def first_tile_scales(a, b, scale_a=None, scale_b=None, **kw):
+        sa = scale_a[:, :1].expand_as(scale_a).t().contiguous().t()  # the layouts kept
+        return _scaled_mm_contract(a, b, sa, scale_b[:1].expand_as(scale_b).contiguous(), **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", first_tile_scales)
+    why = _gemm._scaled_mm_probe(torch.device("cpu"))
+    assert re.fullmatch(r"this torch \(.*\) gives wrong values in torch._scaled_mm with 1 x 128 scales on cpu "
+                        r"\(M = 4, K = 272, N = 32: relative error .*\)", why), why
+
+    def refuses(*a, **kw):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuses)
+    with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):  # _scaled_mm_refusal names it
+        _gemm._scaled_mm_probe(torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------
@@ -648,6 +728,14 @@ def _blockwise_backends():
     return out + ([] if _gemm._scaled_mm_refusal(torch.device("cuda")) else ["scaled_mm"])
 
 
+def _force_backend(monkeypatch, backend):
+    """The blockwise GEMMs through ``backend`` on CUDA devices; the CPU keeps its own answer (the
+    emulation), so that the same test can run the node on the CPU too."""
+    real = _gemm.blockwise_backend
+    monkeypatch.setattr(_gemm, "blockwise_backend",
+                        lambda device: (backend, None) if torch.device(device).type == "cuda" else real(device))
+
+
 # The GPU's blockwise node against the emulation: both GEMMs accumulate each 128-deep K tile and
 # add it into float32, but the tensor cores keep about 14 bits inside a tile
 # (docs/notes/fp8-gemm.md), so a GEMM's bf16 output flips a rounding here and there (2^-8 of a
@@ -671,7 +759,7 @@ def test_cuda_blockwise_against_its_oracle_and_the_emulation(monkeypatch, backen
     bf16 and the rowwise nodes are (a silent fallback fails both)."""
     if backend not in _blockwise_backends():
         pytest.skip(f"no {backend} backend here")
-    monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: (backend, None))
+    _force_backend(monkeypatch, backend)
     t, dy, ends = _problem(T=1100, D=272, F=400, ends=(0, 17, 300, 301, 700, 1085), biases=biases, device="cuda",
                            outliers=True)
     with ScaledGemmLog() as log:
@@ -697,7 +785,7 @@ def test_cuda_blockwise_backends_agree(monkeypatch):
     t, dy, ends = _problem(T=1100, D=256, F=384, ends=(0, 17, 300, 301, 700, 1085), biases=True, device="cuda")
     runs = {}
     for backend in ("cutlass", "scaled_mm"):
-        monkeypatch.setattr(_gemm, "blockwise_backend", lambda device, b=backend: (b, None))
+        _force_backend(monkeypatch, backend)
         runs[backend] = _run(t, dy, ends, "swiglu_oai", "interleaved", fp8="blockwise")
     for k in runs["cutlass"]:
         assert rel(runs["cutlass"][k], runs["scaled_mm"][k]) < CUDA_VS_EMULATION, k

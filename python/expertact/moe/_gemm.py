@@ -179,33 +179,65 @@ TILE = 128
 _E4M3 = torch.float8_e4m3fn
 _SCALED_MM = {}  # device index -> None (torch._scaled_mm takes the blockwise scales there) or why not
 
+# torch._scaled_mm's blockwise GEMMs as cuBLAS runs them on sm90, and the form
+# _blockwise_per_expert gives them. An outer-dim-major 1 x 128 scale ([M, KB], strides (1, M))
+# needs M % 4 == 0, each of its columns 16-byte aligned (torch 2.11, CUDA 13.0, H200: M = 17 and
+# 283 are refused with CUBLAS_STATUS_NOT_SUPPORTED, M = 20, 24, 32, 40, 48, 272, 384 run): an
+# expert's last M % 4 rows run as 4 rows, zero-padded. cuBLAS reads a 128 x 128 scale with each
+# row of K blocks padded to a multiple of 4, which torch._scaled_mm's check of the scale's
+# strides does not ask for in every version (pytorch/pytorch#166752): with a K block count not a
+# multiple of 4 such a scale is refused or read misaligned. So B's 128 x 128 scales go in as
+# 1 x 128 scales, each block's scale repeated on its 128 rows: the same values, a scale [N, KB]
+# whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B).
+_SCALE_ROWS = 4
+
 
 def _scaled_mm_refusal(device) -> Optional[str]:
-    """Why this torch's torch._scaled_mm does not take 1 x 128 / 128 x 128 scales on this GPU,
-    or None: probed once per device with one tiny call of each form the node makes (the
-    M-grouped 1 x 128 x 128 x 128 and the K-grouped 1 x 128 x 1 x 128), then cached."""
+    """Why this torch's torch._scaled_mm does not take the blockwise GEMMs on this GPU, or None:
+    probed once per device (_scaled_mm_probe), then cached."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _SCALED_MM:
         return _SCALED_MM[index]
-    why = None
     if not hasattr(torch, "_scaled_mm"):
         why = f"this torch ({torch.__version__}) has no torch._scaled_mm"
     else:
         dev = torch.device("cuda", index)
         try:
-            a = torch.zeros((16, 256), dtype=_E4M3, device=dev)
-            b = torch.zeros((16, 256), dtype=_E4M3, device=dev).t()       # [K, N] column-major
-            sa = torch.ones((2, 16), device=dev).t()                        # [M, KB], strides (1, M)
-            for sb in (torch.ones((1, 2), device=dev).t(),                  # 128 x 128: [KB, NB], strides (1, KB)
-                       torch.ones((2, 16), device=dev)):                    # 1 x 128 along K: [KB, N]
-                torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=False)
+            why = _scaled_mm_probe(dev)
             torch.cuda.synchronize(dev)
         except Exception as e:  # noqa: BLE001 - any refusal is the answer
-            why = (f"this torch ({torch.__version__}) does not take 1 x 128 / 128 x 128 scales in "
-                   f"torch._scaled_mm on {torch.cuda.get_device_name(dev)} ({type(e).__name__}: "
+            why = (f"this torch ({torch.__version__}) does not take 1 x 128 scales in torch._scaled_mm on "
+                   f"{torch.cuda.get_device_name(dev)} ({type(e).__name__}: "
                    f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})")
     _SCALED_MM[index] = why
     return why
+
+
+# The probe's (M, K, N): the M-grouped form on a padded tail (4 rows) and on 20 rows, with three
+# K tiles, the last partial; the K-grouped form (M and N weight dims, 256 tokens).
+_PROBES = ((4, 272, 32), (20, 272, 32), (16, 256, 16))
+
+
+def _scaled_mm_probe(device) -> Optional[str]:
+    """Each form _blockwise_per_expert sends torch._scaled_mm, on ``device``, on values whose
+    product is exact in float32 (small integers, power-of-two scales that differ per tile):
+    None if every result is that product rounded to bf16, else what differs (a scale read from
+    the wrong place is off by a power of two). Raises what torch._scaled_mm raises."""
+    for M, K, N in _PROBES:
+        KB = -(-K // TILE)
+        a = (torch.arange(M * K, device=device).view(M, K) % 7 - 3).float()
+        b = (torch.arange(N * K, device=device).view(N, K) % 5 - 2).float()
+        sa = 2.0 ** ((torch.arange(KB, device=device)[:, None] * 2 + torch.arange(M, device=device)) % 5 - 2)
+        sb = 2.0 ** ((torch.arange(KB, device=device)[:, None] + torch.arange(N, device=device) * 3) % 4 - 1)
+        got = torch._scaled_mm(a.to(_E4M3), b.to(_E4M3).t(), scale_a=sa.t(), scale_b=sb, out_dtype=torch.bfloat16,
+                               use_fast_accum=False)
+        want = (a * sa.t().repeat_interleave(TILE, 1)[:, :K]) @ (b * sb.t().repeat_interleave(TILE, 1)[:, :K]).t()
+        err = ((got.float() - want).abs() / want.abs().clamp_min(1.0)).max().item()
+        if not err <= 2.0 ** -8:  # bf16's rounding; NaN fails too
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+            return (f"this torch ({torch.__version__}) gives wrong values in torch._scaled_mm with 1 x 128 scales "
+                    f"on {name} (M = {M}, K = {K}, N = {N}: relative error {err:.3g})")
+    return None
 
 
 def blockwise_backend(device) -> tuple:
@@ -278,22 +310,40 @@ def blockwise_gmm(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transpos
 
 
 def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed):
-    """blockwise_gmm by torch._scaled_mm per expert (its scale layouts: 1 x 128 outer-dim-major,
-    128 x 128 row-major, given for B transposed)."""
+    """blockwise_gmm by torch._scaled_mm per expert, in the form its probe checks (the notes
+    above _SCALE_ROWS): both operands' scales 1 x 128 along K, outer-dim-major ([rows, KB] with
+    strides (1, rows), rows a multiple of 4), B given transposed (column-major)."""
     mm = torch._scaled_mm
     kw = dict(out_dtype=torch.bfloat16, use_fast_accum=False)
     start = 0
     if grouping == "m":
-        out = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+        (T, K), N = a.shape, b.shape[1]
+        out = torch.zeros((T, N), dtype=torch.bfloat16, device=a.device)
         for e, end in enumerate(ends):
-            if end > start:  # an expert's [M_e, KB] scales as their own outer-dim-major block
-                sa = scale_a[start:end].t().contiguous().t()
-                out[start:end] = mm(a[start:end], b[e].t(), scale_a=sa, scale_b=scale_b[e].t(), **kw)
+            n = end - start
+            if n > 0:
+                sb = scale_b[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()  # [KB, N]: b[e]'s rows' 1 x 128
+                body, tail = n - n % _SCALE_ROWS, n % _SCALE_ROWS
+                if body:  # an expert's [body, KB] scales as their own outer-dim-major block
+                    rows = slice(start, start + body)
+                    sa = scale_a[rows].t().contiguous().t()
+                    out[rows] = mm(a[rows], b[e].t(), scale_a=sa, scale_b=sb, **kw)
+                if tail:  # its last 1 to 3 rows as 4: zero rows of scale 1, their products dropped
+                    rows = slice(start + body, end)
+                    pa = torch.zeros((_SCALE_ROWS, K), dtype=torch.uint8, device=a.device).view(_E4M3)
+                    pa[:tail] = a[rows]
+                    sa = torch.ones((scale_a.shape[1], _SCALE_ROWS), dtype=torch.float32, device=a.device)
+                    sa[:, :tail] = scale_a[rows].t()
+                    out[rows] = mm(pa, b[e].t(), scale_a=sa.t(), scale_b=sb, **kw)[:tail]
             start = end
         return out
     if out_transposed:  # out[e]^T = b_e a_e^T: the operands swapped
         return _blockwise_per_expert(b, scale_b, a, scale_a, ends, grouping, False).transpose(-2, -1)
-    out = torch.zeros((len(ends), a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
+    M, N = a.shape[0], b.shape[0]
+    if M % _SCALE_ROWS or N % _SCALE_ROWS:  # the weight's dims: expert_mlp takes multiples of 16
+        raise ValueError(f"expertact.moe: torch._scaled_mm's weight-gradient GEMM takes 1 x 128 scales whose leading "
+                         f"dimensions, the weight's dims (here {M} and {N}), are multiples of {_SCALE_ROWS}")
+    out = torch.zeros((len(ends), M, N), dtype=torch.bfloat16, device=a.device)
     for e, end in enumerate(ends):
         if end > start:
             t0, t1 = start // TILE, end // TILE
