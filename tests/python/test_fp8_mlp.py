@@ -28,10 +28,7 @@ _ACT_KW = {"swiglu": {}, "swiglu_oai": {"alpha": 1.702, "limit": 2.0}, "geglu_ta
            "swiglu_clamped": {"limit": 2.0}}
 LAYOUTS = ["halves", "up_first", "interleaved"]
 RECIPES = ["rowwise", "blockwise"]  # the two operand families, each with all six GEMMs in FP8
-# Every recipe by name and what its GEMMs show: (its FP8 weight-gradient GEMMs run, with fast
-# accumulation off, through the blockwise layer).
-NAMED = {"rowwise": (True, False, False), "rowwise-bf16-wgrad": (False, False, False),
-         "rowwise-promoted-wgrad": (True, True, False), "blockwise": (True, False, True)}
+NAMED = list(fp8_oracle.RECIPES)  # every recipe by name
 # Experts of 16, 0, 17, 17 and 14 rows (one empty) and 6 padding rows past the last offset.
 ENDS = (16, 16, 33, 50, 64)
 # A problem on which the two recipes give different values: experts of 160, 0, 10 and 130 rows
@@ -134,14 +131,9 @@ def _zero_where_nothing_flows(got, ends):
 
 
 def _log_is(log, recipe, mm=4, wgrad=2):
-    """The FP8 GEMMs that ran: mm M-grouped and wgrad K-grouped calls (none of the latter where
-    the recipe's weight gradients are bf16), all of the recipe's layer, the weight gradients'
-    with fast accumulation off where the recipe says so and every other call with it on."""
-    wgrad_fp8, promoted, blockwise = NAMED[recipe]
-    wgrad = wgrad if wgrad_fp8 else 0
-    assert (log.mm, log.wgrad) == (mm, wgrad), (log.mm, log.wgrad)
-    assert log.blockwise == (mm + wgrad if blockwise else 0), log.blockwise
-    assert log.promoted == {"mm": 0, "wgrad": wgrad if promoted else 0}, log.promoted
+    """The FP8 GEMMs that ran: mm M-grouped and wgrad K-grouped calls, as the recipe makes them
+    (ScaledGemmLog.check)."""
+    log.check(recipe, mm, wgrad)
 
 
 @functools.lru_cache(maxsize=None)
@@ -454,7 +446,7 @@ def test_recipe_names():
     resolves to itself (and has a form in the GEMM layer: the one table of what each does);
     True selects the default, "rowwise-bf16-wgrad"; None and False are bf16; anything else
     raises naming all four with their costs and the default."""
-    assert list(moe.FP8_RECIPES) == list(NAMED) and set(_gemm.FP8_FORMS) == set(NAMED)
+    assert list(moe.FP8_RECIPES) == NAMED and set(_gemm.FP8_FORMS) == set(NAMED)
     costs = {"rowwise": r"\+0\.071 loss .*1\.1517 against DeepSpeed's bf16 default's 1\.0810.*fast accumulation.*",
              "rowwise-bf16-wgrad": r"-0\.003 \(1\.0778 against 1\.0810\), inside the bf16 yardstick",
              "rowwise-promoted-wgrad": r"not yet measured in training; per GEMM as accurate as bf16 weight gradients",

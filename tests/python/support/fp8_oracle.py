@@ -34,13 +34,14 @@ TILES = {
     "blockwise": dict(rows=(1, TILE), weights=(TILE, TILE), cols=(TILE, 1)),
 }
 # Each recipe of expertact.moe.FP8_RECIPES, as docs/spec.md section 10 describes it: (its
-# operand family, whether its two weight-gradient GEMMs are FP8 GEMMs: else bf16 GEMMs on the
-# bf16 tensors).
+# operand family, whether its two weight-gradient GEMMs are FP8 GEMMs (else bf16 GEMMs on the
+# bf16 tensors), whether those take the GPU's fast accumulation (rowwise; the oracle's
+# accumulation is exact either way)).
 RECIPES = {
-    "rowwise": ("rowwise", True),
-    "rowwise-bf16-wgrad": ("rowwise", False),
-    "rowwise-promoted-wgrad": ("rowwise", True),
-    "blockwise": ("blockwise", True),
+    "rowwise": ("rowwise", True, True),
+    "rowwise-bf16-wgrad": ("rowwise", False, False),
+    "rowwise-promoted-wgrad": ("rowwise", True, False),
+    "blockwise": ("blockwise", True, False),
 }
 
 
@@ -66,7 +67,7 @@ def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", al
     past ends[-1] give zero. recipe: a name of RECIPES. b13_grad: whether b13 wants its gradient (then the recipe quantises dgate_up's operands
     from the bf16 dgate_up of the biased backward, else from the activation backward's float32
     values: module docstring)."""
-    family, wgrad = RECIPES[recipe]
+    family, wgrad, _ = RECIPES[recipe]
     tiles = TILES[family]
     # dgate_up's FP8 operands from the bf16 activation backward's output (else from float32)
     bf16_dg = (b13_grad and b13 is not None) or (family == "blockwise" and not wgrad)
@@ -226,6 +227,18 @@ class ScaledGemmLog:
     @property
     def calls(self):
         return self.mm + self.wgrad
+
+    def check(self, recipe, mm=4, wgrad=2):
+        """The FP8 GEMMs logged are the recipe's (RECIPES): mm M-grouped and wgrad K-grouped calls
+        (no K-grouped one where its weight gradients are bf16), all through the recipe's layer,
+        its rowwise weight gradients' with fast accumulation off where it says so and every
+        other rowwise call with it on."""
+        family, fp8_weight_grads, fast = RECIPES[recipe]
+        wgrad = wgrad if fp8_weight_grads else 0
+        assert (self.mm, self.wgrad) == (mm, wgrad), (recipe, self.mm, self.wgrad)
+        assert self.blockwise == (mm + wgrad if family == "blockwise" else 0), (recipe, self.blockwise)
+        promoted = wgrad if family == "rowwise" and not fast else 0
+        assert self.promoted == {"mm": 0, "wgrad": promoted}, (recipe, self.promoted)
 
 
 def rel(a, b):
