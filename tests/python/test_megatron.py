@@ -547,11 +547,14 @@ def test_bench_table_on_the_cpu(mpu, tmp_path):
     """python -m expertact.bench --megatron on the CPU: every row, errors at float32 rounding, FP8
     skipped with its reason."""
     import json
+    from expertact import moe
     from expertact.bench import megatron as bm
     assert bm.main(["--device", "cpu", "--quick", "--json", str(tmp_path / "m.json")]) == 0
     rows = {r["impl"]: r for r in json.loads((tmp_path / "m.json").read_text())["tables"]["4x3072"]["results"]}
     assert set(rows) == set(bm.IMPLS)
-    assert rows["expertact-fp8"].get("skipped") and "cpu" in rows["expertact-fp8"]["error"]
+    assert [bm.OPTIONS[row]["fp8"] for row in bm.FP8_ROWS] == list(moe.FP8_RECIPES)
+    for row in ("expertact-fp8", "expertact-fp8-bf16-wgrad", "expertact-fp8-promoted-wgrad", "expertact-fp8-blockwise"):
+        assert rows[row].get("skipped") and "cpu" in rows[row]["error"], rows[row]
     for impl in ("megatron", "expertact", "expertact-recompute", "expertact-inplace"):
         assert max(rows[impl]["err"].values()) < 1e-5, rows[impl]
 

@@ -64,9 +64,9 @@ def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", al
 
     x [T, D], w13 [E, D, 2F], w2 [E, F, D], dy [T, D], b13 [E, 2F], b2 [E, D] as the node gets
     them (bf16), weights float32 [T]; ends: the experts' cumulative end rows (host ints); rows
-    past ends[-1] give zero. recipe: a name of RECIPES. b13_grad: whether b13 wants its gradient (then the recipe quantises dgate_up's operands
-    from the bf16 dgate_up of the biased backward, else from the activation backward's float32
-    values: module docstring)."""
+    past ends[-1] give zero. recipe: a name of RECIPES. b13_grad: whether b13 wants its
+    gradient (then the recipe quantises dgate_up's operands from the bf16 dgate_up of the biased
+    backward, else from the activation backward's float32 values: module docstring)."""
     family, wgrad, _ = RECIPES[recipe]
     tiles = TILES[family]
     # dgate_up's FP8 operands from the bf16 activation backward's output (else from float32)
