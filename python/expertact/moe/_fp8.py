@@ -20,18 +20,17 @@ gradients, whether they take Hopper's fast accumulation or the FP32-promoted one
 Rowwise: torchao's recipe, torch._scaled_grouped_mm with fast accumulation (in the weight
 gradients too with "rowwise", promoted to FP32 there with "rowwise-promoted-wgrad", the weight
 gradients in bf16 with "rowwise-bf16-wgrad"); x's and h's per expert and column amax are taken
-in the forward's passes, so that backward reads x once and
-makes h's column operand from gate_up in one pass. Blockwise: DeepSeek-V3's recipe, each
-128-deep K tile promoted to float32; its column tiles need no amax ahead (a tile's scale is
-its own), so backward makes h's column tiles from gate_up (b13 inside), dy's row and column
-tiles from one read, and dgate_up's row and column tiles (with the routing weights' gradient)
-in the activation's backward, with no bf16 dgate_up. Where a bf16 dgate_up is needed (b13's
-gradient, which the FP8 activation backwards do not compute; bf16 weight gradients) the bf16
-activation backward runs in the node's memory mode and the
-operands are quantised from its output. The node keeps what ``recompute=True`` keeps (x, the
-weights, gate_up; no h) and drops gate_up after the activation's backward, so the graph runs
-backward once. The kernels are _ops' (expertact.fp8 is their checked public form), their
-outputs allocated by _fp8_buffers.
+in the forward's passes, so that backward reads x once and makes h's column operand from
+gate_up in one pass. Blockwise: DeepSeek-V3's recipe, each 128-deep K tile promoted to float32;
+its column tiles need no amax ahead (a tile's scale is its own), so backward makes h's column
+tiles from gate_up (b13 inside), dy's row and column tiles from one read, and dgate_up's row and
+column tiles (with the routing weights' gradient) in the activation's backward, with no bf16
+dgate_up. Where a bf16 dgate_up is needed (b13's gradient, which the FP8 activation backwards
+do not compute; bf16 weight gradients) the bf16 activation backward runs in the node's memory
+mode and the operands are quantised from its output. The node keeps what ``recompute=True``
+keeps (x, the weights, gate_up; no h) and drops gate_up after the activation's backward, so the
+graph runs backward once. The kernels are _ops' (expertact.fp8 is their checked public form),
+their outputs allocated by _fp8_buffers.
 """
 from __future__ import annotations
 
