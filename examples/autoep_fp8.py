@@ -40,10 +40,12 @@ from __future__ import annotations
 import contextlib
 import os
 
-# The FP8 recipes' runs: --impl name -> expertact.deepspeed.enable()'s arguments (one entry per
-# recipe). A recipe or an argument this expertact lacks is refused before any run starts.
+# The FP8 recipes' runs besides mlp-fp8 (fp8="rowwise"): --impl name -> expertact.deepspeed.enable()'s
+# arguments (one entry per recipe of expertact.moe.FP8_RECIPES). A recipe or an argument this
+# expertact lacks is refused before any run starts.
 FP8_IMPLS = {
-    "mlp-fp8-bf16-wgrad": dict(experts=True, fp8="rowwise", fp8_wgrad=False),
+    "mlp-fp8-bf16-wgrad": dict(experts=True, fp8="rowwise-bf16-wgrad"),
+    "mlp-fp8-promoted-wgrad": dict(experts=True, fp8="rowwise-promoted-wgrad"),
     "mlp-fp8-blockwise": dict(experts=True, fp8="blockwise"),
 }
 # torchao's FP8 rowwise MoE training on DeepSpeed's own experts (enable() not called).

@@ -22,8 +22,8 @@ Variants (--variants, comma-separated, run in this order; the first is the basel
   expertact_recompute  register(..., recompute=True): h recomputed in backward (not run by default)
   expertact_repeat   "expertact" again: are two identical runs bit-identical?
   expertact_fp8      register(..., fp8=RECIPE): the expert GEMMs in float8 e4m3 with the recipe
-                     --fp8 names (default "rowwise"; a name of expertact.moe.FP8_RECIPES, or
-                     "default" for fp8=True; --fp8-bf16-wgrad: fp8_wgrad=False). Hopper, or the
+                     --fp8 names (a name of expertact.moe.FP8_RECIPES, or "default", the
+                     default, for fp8=True: expertact.moe.DEFAULT_FP8_RECIPE). Hopper, or the
                      recipe's emulation on the CPU (--dtype bf16); not run by default
   grouped_mm_repeat  "grouped_mm" again (not run by default)
 
@@ -92,7 +92,7 @@ VARIANTS = {
     "expertact_inplace": ("expertact_inplace", dict(inplace_backward=True), None),
     "expertact_recompute": ("expertact_recompute", dict(recompute=True), None),
     "expertact_repeat": ("expertact", None, "expertact"),
-    "expertact_fp8": ("expertact_fp8", dict(fp8="rowwise"), None),
+    "expertact_fp8": ("expertact_fp8", dict(fp8=True), None),
     "grouped_mm_repeat": ("grouped_mm", None, "grouped_mm"),
 }
 DEFAULT_VARIANTS = ("grouped_mm", "eager", "expertact", "expertact_inplace", "expertact_repeat")
@@ -121,9 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--fp8", default="rowwise", metavar="RECIPE",
-                   help="expertact_fp8's FP8 recipe: a name of expertact.moe.FP8_RECIPES, or default (fp8=True)")
-    p.add_argument("--fp8-bf16-wgrad", action="store_true", help="expertact_fp8 with fp8_wgrad=False")
+    p.add_argument("--fp8", default="default", metavar="RECIPE",
+                   help="expertact_fp8's FP8 recipe: a name of expertact.moe.FP8_RECIPES, or default (fp8=True, "
+                        "expertact.moe.DEFAULT_FP8_RECIPE; the default)")
     p.add_argument("--out", default="finetune_out")
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -144,7 +144,7 @@ def parse_args(argv=None):
             recipe = fp8_recipe(True if args.fp8 == "default" else args.fp8, "finetune_gpt_oss.py --fp8")
         except ValueError as e:
             p.error(str(e))
-        args.fp8_modes = dict(fp8=recipe, fp8_wgrad=not args.fp8_bf16_wgrad)
+        args.fp8_modes = dict(fp8=recipe)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     return args

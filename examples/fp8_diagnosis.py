@@ -132,8 +132,9 @@ def _epilogue(acc, sa, sb):
 class FastAccumModel:
     """A drop-in for expertact.moe._gemm.scaled_gmm (same arguments and result forms) that computes
     the GEMM kinds in `kinds` ("mm": the four M-grouped GEMMs, "wgrad": the two weight-gradient
-    ones) with the modelled accumulation on CPU tensors, and hands every other call to `exact`
-    (the library's emulation). calls counts the modelled calls of each kind."""
+    ones) with the modelled accumulation on CPU tensors where the call asks for fast accumulation,
+    and hands every other call to `exact` (the library's emulation). calls counts the modelled
+    calls of each kind."""
 
     def __init__(self, bits, kinds=("mm", "wgrad"), chunk: int = WGMMA_K, exact=None):
         unknown = set(kinds) - {"mm", "wgrad"}
@@ -149,10 +150,10 @@ class FastAccumModel:
         self.calls = dict.fromkeys(("mm", "wgrad"), 0)
         self.scratch = Scratch()
 
-    def __call__(self, a, b, scale_a, scale_b, offs):
+    def __call__(self, a, b, scale_a, scale_b, offs, fast_accum=True):
         kind = "mm" if b.dim() == 3 else "wgrad"
-        if a.is_cuda or kind not in self.kinds:
-            return self.exact(a, b, scale_a, scale_b, offs)
+        if a.is_cuda or kind not in self.kinds or not fast_accum:
+            return self.exact(a, b, scale_a, scale_b, offs, fast_accum)
         self.calls[kind] += 1
         ends = offs.tolist()
         start = 0
@@ -213,12 +214,18 @@ def parse_args(argv=None):
     targs = autoep_train.parse_args(rest)  # its own errors first
     if len(targs.impls) != 1:
         p.error(f"one --impl a run (got {targs.impl!r})")
-    form = autoep_train.IMPLS[targs.impls[0]] or {}
+    impl = targs.impls[0]
+    form = autoep_train.IMPLS[impl] or {}
     if form.get("fp8") is None:
-        p.error(f"--impl {targs.impls[0]} runs no FP8 GEMMs: the model replaces the FP8 emulation (an mlp-fp8 impl)")
-    if "wgrad" in GEMMS[args.gemms] and form.get("fp8_wgrad") is False:
-        p.error(f"--gemms {args.gemms} asks for the weight-gradient GEMMs in FP8, which --impl {targs.impls[0]} "
-                "keeps in bf16")
+        p.error(f"--impl {impl} runs no FP8 GEMMs: the model replaces the FP8 emulation (an mlp-fp8 impl)")
+    from expertact.moe import _gemm, fp8_recipe
+    recipe = _gemm.FP8_FORMS[fp8_recipe(form["fp8"])]
+    if recipe.blockwise:
+        p.error(f"--impl {impl} runs the blockwise recipe: the model replaces the rowwise GEMMs (scaled_gmm)")
+    if "wgrad" in GEMMS[args.gemms] and not (recipe.wgrad_fp8 and recipe.wgrad_fast_accum):
+        how = "in bf16" if not recipe.wgrad_fp8 else "without fast accumulation"
+        p.error(f"--gemms {args.gemms} models fast accumulation in the weight-gradient GEMMs, which --impl {impl} "
+                f"computes {how}")
     if "--tag" not in rest and not any(a.startswith("--tag=") for a in rest):
         rest = rest + ["--tag", f"{targs.tag}-fastacc{args.bits}-{args.gemms}"]
     args.train_args = rest

@@ -70,8 +70,8 @@ PY=${PYTHON:-python3}
 PY312=${PYTHON312:-$PY}
 BUILD=${BUILD:-$ROOT/build/gpu}
 SITE=${SITE:-/tmp/site}
-LONG_FP8=${LONG_FP8:-mlp-fp8-blockwise}
-FINETUNE_FP8=${FINETUNE_FP8:-rowwise}
+LONG_FP8=${LONG_FP8:-mlp-fp8-bf16-wgrad}
+FINETUNE_FP8=${FINETUNE_FP8:-rowwise-bf16-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
@@ -297,7 +297,7 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --json '$D/fp8-accuracy-busiest.json' --markdown '$D/fp8-accuracy-busiest.md'" ;;
     train-autoep-fp8)  # beside train-autoep's runs (same machine, same folder), then one report of all
       run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --expert-share --skip-unavailable \
-          --out '$S/train-autoep/autoep' --impl mlp-fp8-bf16-wgrad,mlp-fp8-blockwise,torchao-fp8 && \
+          --out '$S/train-autoep/autoep' --impl mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad,mlp-fp8-blockwise,torchao-fp8 && \
           ${AUTOEP_REPORT[*]} --in '$S/train-autoep/autoep' --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png'" ;;
     bench-fp8-gemms)
       run_stage "$st" "$D" "$PY" bash -c "if '$PY' -c 'import expertact.bench.fp8_gemm' 2> /dev/null; then

@@ -11,7 +11,7 @@ Packed means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[...,
     from expertact import deepspeed as ds
     h = ds.apply_packed_expert_activation(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)
     ds.enable()          # DeepSpeed's GroupedExperts now runs expertact's activation (docs/python.md)
-    ds.enable(experts=True, fp8="rowwise")   # ... or its whole expert MLP
+    ds.enable(experts=True, fp8=True)   # ... or its whole expert MLP, FP8 (the default recipe)
     with ds.enabled_scope(inplace_backward=True):
         ...              # enabled for this block, then back to what was in force
 
@@ -346,7 +346,7 @@ def _ds_grouped_experts():
     return cls
 
 
-def _experts_forward(ds_forward, fp8, recompute, inplace, mapped, fp8_wgrad=True):
+def _experts_forward(ds_forward, fp8, recompute, inplace, mapped):
     """GroupedExperts.forward(x, num_tokens_per_expert) computed by expertact.moe.expert_mlp on
     the module's own parameters. w1 and w3 are concatenated into gate_up's [E, 2F, D] weight,
     as DeepSpeed's gate_up_impl="fused" does (one copy of the gate/up weights a call; its
@@ -370,12 +370,11 @@ def _experts_forward(ds_forward, fp8, recompute, inplace, mapped, fp8_wgrad=True
         return expert_mlp(x, w13, w2, offsets, self.activation,
                           alpha=float(self.activation_alpha) if uses_alpha else None,
                           limit=float(self.activation_limit) if uses_limit else None,
-                          layout="halves", recompute=recompute, inplace_backward=inplace, fp8=fp8,
-                          fp8_wgrad=fp8_wgrad)
+                          layout="halves", recompute=recompute, inplace_backward=inplace, fp8=fp8)
 
     forward.__qualname__ = forward.__name__ = "expertact_grouped_experts_forward"
-    forward.expertact_form = dict(experts=True, fp8=fp8, fp8_wgrad=fp8_wgrad, recompute=recompute,
-                                  inplace_backward=inplace, activations=tuple(sorted(mapped)))
+    forward.expertact_form = dict(experts=True, fp8=fp8, recompute=recompute, inplace_backward=inplace,
+                                  activations=tuple(sorted(mapped)))
     return forward
 
 
@@ -433,8 +432,7 @@ def _bool_arg(name, v):
 
 
 def enable(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-           experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False,
-           fp8_wgrad: bool = True) -> None:
+           experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False) -> None:
     """Put expertact's kernels into DeepSpeed AutoEP (``deepspeed.moe.ep_experts``).
 
     ``enable()``: expertact's activation kernels become the ``fused_fn`` and ``packed_fused_fn``
@@ -464,15 +462,16 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             must match the entry's uses_alpha/uses_limit; otherwise they default to 1 and no clamp.
             A name of the four may be given too, to map it differently.
         experts: run GroupedExperts' whole forward as expertact's expert MLP (above).
-        fp8: with ``experts=True``, an FP8 recipe of the six grouped GEMMs, expert_mlp's ``fp8``
-            (resolved by :func:`expertact.moe.fp8_recipe`): ``"rowwise"`` or ``"blockwise"``
-            (Hopper, bf16, D and F multiples of 16; on the CPU the emulation of the recipe;
-            elsewhere the forward raises NotImplementedError naming what is missing). None or False: the GEMMs in the
+        fp8: with ``experts=True``, the FP8 recipe of the grouped GEMMs, expert_mlp's ``fp8``
+            (resolved by :func:`expertact.moe.fp8_recipe`): a name of
+            :data:`expertact.moe.FP8_RECIPES` (``"rowwise"``, ``"rowwise-bf16-wgrad"``,
+            ``"rowwise-promoted-wgrad"``, ``"blockwise"``), or True for the default,
+            :data:`expertact.moe.DEFAULT_FP8_RECIPE` (Hopper, bf16, D and F multiples of 16; on
+            the CPU the emulation of the recipe; elsewhere the forward raises
+            NotImplementedError naming what is missing). None or False: the GEMMs in the
             model's dtype.
         recompute: with ``experts=True``, keep one [T, F] tensor less between forward and
             backward (h recomputed in backward; expert_mlp's ``recompute``).
-        fp8_wgrad: with an FP8 recipe, False keeps the two weight-gradient GEMMs in bf16
-            (expert_mlp's ``fp8_wgrad``).
 
     Each call configures the whole hookup afresh (names of an earlier enable() that are not
     given again go back to DeepSpeed's, and so does GroupedExperts.forward without
@@ -487,7 +486,6 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     _bool_arg("inplace_backward", inplace_backward)
     _bool_arg("experts", experts)
     _bool_arg("recompute", recompute)
-    _bool_arg("fp8_wgrad", fp8_wgrad)
     fp8 = fp8_recipe(fp8, "expertact.deepspeed.enable")
     if not experts and (fp8 is not None or recompute):
         given = ", ".join(f"{k}={v!r}" for k, v in (("fp8", fp8), ("recompute", recompute)) if v)
@@ -526,7 +524,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
     if experts:
         cls = _ds_grouped_experts()
         ds_forward = _DS_FORWARD if _DS_FORWARD is not None else cls.forward
-        forward = _experts_forward(ds_forward, fp8, recompute, inplace_backward, mapped, fp8_wgrad)
+        forward = _experts_forward(ds_forward, fp8, recompute, inplace_backward, mapped)
         # The probe checks what the weights mean, in float32 on the CPU (where FP8 does not run).
         _probe_experts(cls, ds_forward, _experts_forward(ds_forward, None, False, False, mapped), mapped)
     # Everything is checked: only now change DeepSpeed.
@@ -537,7 +535,7 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
         reg[name] = entry
     _install_experts(forward, ds_forward)
     _CONFIG = dict(inplace_backward=inplace_backward, register=dict(register) if register else None,
-                   experts=experts, fp8=fp8, recompute=recompute, fp8_wgrad=fp8_wgrad)
+                   experts=experts, fp8=fp8, recompute=recompute)
 
 
 def disable() -> None:
@@ -561,12 +559,11 @@ def experts_enabled() -> bool:
 
 @contextlib.contextmanager
 def enabled_scope(inplace_backward: bool = False, register: Optional[Mapping[str, object]] = None, *,
-                  experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False,
-                  fp8_wgrad: bool = True):
+                  experts: bool = False, fp8: Union[str, bool, None] = None, recompute: bool = False):
     """``with expertact.deepspeed.enabled_scope(): ...``: :func:`enable` for the block, then back to
     what was in force before it (DeepSpeed's entries, or an outer enable()'s)."""
     before = _CONFIG
-    enable(inplace_backward, register, experts=experts, fp8=fp8, recompute=recompute, fp8_wgrad=fp8_wgrad)
+    enable(inplace_backward, register, experts=experts, fp8=fp8, recompute=recompute)
     try:
         yield
     finally:

@@ -110,8 +110,8 @@ def _check_config(config):
     for field in ("fp8", "fp4"):
         if getattr(config, field, None):
             raise ValueError(f"expertact.megatron: config.{field}={getattr(config, field)!r} is TransformerEngine's "
-                             "low precision; ExpertMLP's FP8 is its own switch (fp8='rowwise' or 'blockwise'), with config.fp8 "
-                             "unset")
+                             "low precision; ExpertMLP's FP8 is its own switch (fp8=True or a recipe's name), with "
+                             "config.fp8 unset")
     for field in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
         if getattr(config, field, False):
             raise ValueError(f"expertact.megatron: config.{field}=True: ExpertMLP computes its weight gradients "

@@ -10,7 +10,7 @@ no whole-module form: list a factory, not just this module. Three are provided::
     --override.imports expertact.torchtitan.expertact_gpt_oss_grouped_experts
     # with expert_mlp's memory modes or an FP8 recipe (one shell token, JSON kwargs):
     --override.imports 'expertact.torchtitan.expertact_grouped_experts={"recompute": true}'
-    --override.imports 'expertact.torchtitan.expertact_grouped_experts={"fp8": "rowwise"}'
+    --override.imports 'expertact.torchtitan.expertact_grouped_experts={"fp8": true}'   # the default recipe
 
 TorchTitan imports this module while resolving the target; importing it only registers the
 factories and changes nothing else. The first two replace every ``GroupedExperts.Config`` (the
@@ -36,10 +36,10 @@ factories and changes nothing else. The first two replace every ``GroupedExperts
 
 All forwards go through :func:`expertact.moe.expert_mlp`, one autograd node for the whole MLP
 whose memory modes (``recompute``, ``inplace_backward``) decide what is kept for backward, and
-whose ``fp8`` (an FP8 recipe of ``expertact.moe.FP8_RECIPES``, ``"rowwise"`` or ``"blockwise"``, resolved by
-``expertact.moe.fp8_recipe``; None, the default, keeps the GEMMs in the compute dtype) runs its
-six grouped GEMMs in float8: bf16 compute dtype, on Hopper, or on the CPU as an emulation of the
-recipe.
+whose ``fp8`` (a name of ``expertact.moe.FP8_RECIPES``, or True for the default recipe, resolved
+by ``expertact.moe.fp8_recipe``; None, the default, keeps the GEMMs in the compute dtype) runs its
+grouped GEMMs in float8 as the recipe says: bf16 compute dtype, on Hopper, or on the CPU as an
+emulation of the recipe.
 
 For a model built in Python rather than by the trainer, :func:`enable` switches the
 ``GroupedExperts`` / ``FusedGroupedExperts`` / ``GptOssGroupedExperts`` modules of a built model to expertact's forward and
@@ -322,8 +322,8 @@ class ExpertactGroupedExperts(_Modes, GroupedExperts):
     """TorchTitan's ``GroupedExperts`` (same parameters, same state dict keys) whose forward is
     :func:`experts_forward`. Config fields beyond GroupedExperts.Config: ``recompute`` and
     ``inplace_backward`` (expert_mlp's memory modes), ``compute_dtype`` (bf16 as TorchTitan's
-    module; None computes in the activations' dtype), ``fp8`` (expert_mlp's FP8 recipe, e.g.
-    "rowwise"; None: none)."""
+    module; None computes in the activations' dtype), ``fp8`` (expert_mlp's FP8 recipe by name,
+    e.g. "rowwise-bf16-wgrad"; None: none)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
@@ -346,8 +346,9 @@ def expertact_grouped_experts(cfg: GroupedExperts.Config, *, recompute: bool = F
     """TorchTitan override factory: ``GroupedExperts.Config`` -> ``ExpertactGroupedExperts.Config``
     (every other field copied). Keyword arguments come from the ``--override.imports`` entry's
     JSON: ``recompute``, ``inplace_backward`` (bools), ``compute_dtype`` ("bfloat16", "float32",
-    or null for the activations' dtype), ``fp8`` (an FP8 recipe, e.g. "rowwise", or null). A ``GptOssGroupedExperts.Config`` becomes
-    ``ExpertactGptOssGroupedExperts.Config``; other subclasses raise NotImplementedError."""
+    or null for the activations' dtype), ``fp8`` (true for the default FP8 recipe, a recipe's name,
+    or null). A ``GptOssGroupedExperts.Config`` becomes ``ExpertactGptOssGroupedExperts.Config``;
+    other subclasses raise NotImplementedError."""
     modes = _modes(recompute, inplace_backward, compute_dtype, fp8)
     if _is_gpt_oss(cfg):
         return _gpt_oss_config(cfg, modes)
@@ -462,8 +463,8 @@ def enable(model: nn.Module, *, recompute: bool = False, inplace_backward: bool 
     ``GptOssGroupedExperts``) module of a built ``model`` to expertact's forward: its class
     becomes :class:`ExpertactGroupedExperts` (:class:`ExpertactFusedGroupedExperts`,
     :class:`ExpertactGptOssGroupedExperts`); parameters, buffers and hooks are the same objects.
-    Modules already switched take the new modes. ``fp8``: expert_mlp's FP8 recipe (e.g.
-    "rowwise"; None keeps the GEMMs in the compute dtype). Nothing changes when a module is refused
+    Modules already switched take the new modes. ``fp8``: expert_mlp's FP8 recipe (a name of
+    expertact.moe.FP8_RECIPES, True for the default; None keeps the GEMMs in the compute dtype). Nothing changes when a module is refused
     (other subclasses: NotImplementedError). Returns the qualified names of the modules
     switched or updated."""
     dt, recipe = _dtype(compute_dtype), _fp8(fp8)

@@ -266,14 +266,15 @@ class _Gather(torch.autograd.Function):
 
 
 def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *,
-                    recompute: bool = False, inplace_backward: bool = False, fp8: Union[str, bool, None] = None,
-                    fp8_wgrad: bool = True) -> Tensor:
+                    recompute: bool = False, inplace_backward: bool = False,
+                    fp8: Union[str, bool, None] = None) -> Tensor:
     """The experts of a transformers MoE block (the class's ``forward`` arguments) through
     :func:`expertact.moe.expert_mlp`: hidden_states [T, D], top_k_index [T, K] (expert ids;
     ids >= E contribute nothing), top_k_weights [T, K] -> [T, D] in hidden_states' dtype.
     With expert biases (has_bias=True), each pair gives (act(x W13 + b13) W2 + b2) * weight.
-    recompute / inplace_backward: expert_mlp's memory modes; fp8 / fp8_wgrad: its FP8 GEMMs
-    (an FP8 recipe, e.g. fp8="rowwise": bf16 on Hopper; on the CPU the emulation of the recipe)."""
+    recompute / inplace_backward: expert_mlp's memory modes; fp8: its FP8 recipe (a name of
+    expertact.moe.FP8_RECIPES, or True for the default: bf16 on Hopper; on the CPU the emulation
+    of the recipe)."""
     gate = _gate_of(module)
     name = type(module).__name__
     if hidden_states.dim() != 2:
@@ -311,7 +312,7 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     ws = _Gather.apply(flat_w, perm, inverse, 1).to(torch.float32)
     ys = expert_mlp(xs, w13, w2, offsets, gate.activation, alpha=gate.alpha, limit=gate.limit, layout=gate.layout,
                     weights=ws, recompute=recompute, inplace_backward=inplace_backward, b13=b13, b2=b2,
-                    fp8=fp8, fp8_wgrad=fp8_wgrad)
+                    fp8=fp8)
     # Back to (token, k) order, then the K contributions of each token summed in float32.
     y = _Gather.apply(ys, inverse, perm, 1).view(T, K, D).sum(1, dtype=torch.float32)
     return y.to(hidden_states.dtype)
@@ -321,13 +322,13 @@ _REGISTERED: Dict[str, Callable] = {}
 
 
 def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward: bool = False,
-             fp8: Union[str, bool, None] = None, fp8_wgrad: bool = True) -> Callable:
+             fp8: Union[str, bool, None] = None) -> Callable:
     """Registers expertact under ``name`` in transformers' experts registry, with expert_mlp's
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
     is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8: a
-    recipe of expertact.moe.FP8_RECIPES, resolved here by expertact.moe.fp8_recipe, e.g.
-    "rowwise" or "blockwise": bf16 models on Hopper, and on the CPU as an emulation of the recipe;
-    fp8_wgrad=False keeps the weight gradients in bf16). Returns the registered function.
+    recipe of expertact.moe.FP8_RECIPES, e.g. "rowwise-bf16-wgrad" or "blockwise", or True for
+    the default recipe, resolved here by expertact.moe.fp8_recipe: bf16 models on Hopper, and on
+    the CPU as an emulation of the recipe). Returns the registered function.
     Re-registering a name this module registered replaces it; transformers' own names ("eager",
     "grouped_mm", ...) are refused."""
     if not isinstance(name, str) or not name:
@@ -343,11 +344,11 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return experts_forward(self, hidden_states, top_k_index, top_k_weights, recompute=recompute,
-                               inplace_backward=inplace_backward, fp8=fp8, fp8_wgrad=fp8_wgrad)
+                               inplace_backward=inplace_backward, fp8=fp8)
 
     forward.__name__ = forward.__qualname__ = "expertact_experts_forward"
     forward.__doc__ = (f"expertact's experts implementation {name!r} (recompute={recompute}, "
-                       f"inplace_backward={inplace_backward}, fp8={fp8!r}, fp8_wgrad={fp8_wgrad}): see "
+                       f"inplace_backward={inplace_backward}, fp8={fp8!r}): see "
                        "expertact.transformers.experts_forward.")
     forward.recompute, forward.inplace_backward, forward.fp8 = recompute, inplace_backward, fp8
     _hf_moe.ALL_EXPERTS_FUNCTIONS.register(name, forward)

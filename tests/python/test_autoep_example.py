@@ -490,37 +490,38 @@ def test_torchao_wiring_on_cpu(tmp_path):
         _same_training(tmp_path, "tiny-eager", "tiny-torchao-fp8", rank)
 
 
-def test_enable_passes_fp8_wgrad_to_the_expert_mlp():
-    """enable(experts=True, fp8=..., fp8_wgrad=False), the mlp-fp8-bf16-wgrad run: the switch reaches
-    the installed forward (which hands it to expert_mlp); a non-bool is refused."""
+def test_enable_passes_each_runs_recipe_to_the_expert_mlp():
+    """Each FP8 run's enable() arguments (mlp-fp8 and autoep_fp8.FP8_IMPLS: one run per recipe of
+    FP8_RECIPES) install a forward that hands that recipe to expert_mlp."""
     pytest.importorskip("deepspeed")
     from expertact import deepspeed as xds
+    from expertact import moe
+    runs = {"mlp-fp8": train.IMPLS["mlp-fp8"], **train.autoep_fp8.FP8_IMPLS}
+    assert sorted(r["fp8"] for r in runs.values()) == sorted(moe.FP8_RECIPES)
     try:
-        xds.enable(experts=True, fp8="rowwise", fp8_wgrad=False)
+        xds.enable(experts=True)
     except RuntimeError as e:  # a DeepSpeed without AutoEP's GroupedExperts
         pytest.skip(str(e))
     try:
         from deepspeed.moe import ep_experts
-        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
-        xds.enable(experts=True, fp8="rowwise")
-        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
-        with xds.enabled_scope(experts=True, fp8="rowwise", fp8_wgrad=False):  # the same switch for a block
-            assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is False
-        assert ep_experts.GroupedExperts.forward.expertact_form["fp8_wgrad"] is True
-        with pytest.raises(TypeError, match="fp8_wgrad"):
-            xds.enable(experts=True, fp8="rowwise", fp8_wgrad=None)
+        for impl, enabled in runs.items():
+            xds.enable(**enabled)
+            assert ep_experts.GroupedExperts.forward.expertact_form["fp8"] == enabled["fp8"], impl
     finally:
         xds.disable()
 
 
 def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
     """The FP8 runs of the CPU diagnosis, tiny model in bf16 (the FP8 emulation takes bf16): mlp-fp8,
-    mlp-fp8-bf16-wgrad (fp8_wgrad=False through enable()), mlp-fp8-blockwise and fp8_diagnosis.py's model of fast
-    accumulation (4 bits, so that it shows in 3 steps). Step 0 starts from the same weights and
-    batch, so its gradients say which GEMMs each run changed: bf16 weight gradients change the
-    experts' gradients and nothing else; the model on every GEMM changes the others too."""
+    mlp-fp8-bf16-wgrad, mlp-fp8-promoted-wgrad, mlp-fp8-blockwise and fp8_diagnosis.py's model of
+    fast accumulation (4 bits, so that it shows in 3 steps). Step 0 starts from the same weights
+    and batch, so its gradients say which GEMMs each run changed: bf16 weight gradients change
+    the experts' gradients and nothing else; the promoted weight gradients nothing on the CPU
+    (the emulation accumulates in float32 either way); the model on every GEMM changes the
+    others too."""
     _needs_autoep()
-    _torchrun(tmp_path, "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad,mlp-fp8-blockwise", "--dtype", "bf16")
+    _torchrun(tmp_path, "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad,mlp-fp8-blockwise", "--dtype",
+              "bf16")
     blockwise = json.loads((tmp_path / "tiny-mlp-fp8-blockwise.json").read_text())
     assert blockwise["expertact_enable"]["fp8"] == "blockwise"
     assert len(blockwise["loss"]) == 3 and all(4.0 < x < 7.0 for x in blockwise["loss"])
@@ -528,7 +529,10 @@ def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
               script_args=("--bits", "4", "--gemms", "all", "--"))
     runs = {tag: json.loads((tmp_path / f"{tag}.json").read_text())
             for tag in ("tiny-mlp-fp8", "tiny-mlp-fp8-bf16-wgrad", "tiny-mlp-fp8-fastacc4-all")}
-    assert runs["tiny-mlp-fp8-bf16-wgrad"]["expertact_enable"] == dict(experts=True, fp8="rowwise", fp8_wgrad=False)
+    assert runs["tiny-mlp-fp8-bf16-wgrad"]["expertact_enable"] == dict(experts=True, fp8="rowwise-bf16-wgrad")
+    promoted = json.loads((tmp_path / "tiny-mlp-fp8-promoted-wgrad.json").read_text())
+    assert promoted["expertact_enable"] == dict(experts=True, fp8="rowwise-promoted-wgrad")
+    assert promoted["loss"] == runs["tiny-mlp-fp8"]["loss"]
     model = runs["tiny-mlp-fp8-fastacc4-all"]["fp8_accumulation_model"]
     assert model["bits"] == 4 and model["chunk"] == 32 and model["kinds"] == ["mm", "wgrad"]
     # rank 0's calls: 3 steps x 2 layers x (4 M-grouped, 2 weight-gradient GEMMs)
@@ -538,11 +542,13 @@ def test_two_rank_autoep_fp8_runs_of_the_diagnosis_on_cpu(tmp_path):
         assert len(res["loss"]) == 3 and all(4.0 < x < 7.0 for x in res["loss"])
     for rank in (0, 1):
         ref, bf16w, fast = (torch.load(tmp_path / f"{tag}.rank{rank}.pt")["grads"][0] for tag in runs)
+        promoted = torch.load(tmp_path / f"tiny-mlp-fp8-promoted-wgrad.rank{rank}.pt")["grads"][0]
         experts = {n for n in ref if ".experts.w" in n}
         assert len(experts) == 2 * 3
         for name, g in ref.items():
             assert torch.isfinite(bf16w[name]).all() and torch.isfinite(fast[name]).all()
             assert torch.equal(bf16w[name], g) != (name in experts), name
+            assert torch.equal(promoted[name], g), name
         assert any(not torch.equal(fast[n], ref[n]) for n in set(ref) - experts)
 
 
@@ -670,8 +676,9 @@ def test_fast_accum_model_equals_the_emulation_at_23_bits_and_cuts_below():
 
 
 def test_fast_accum_model_in_the_fp8_node():
-    """Installed, the model computes the GEMM kinds it is given and leaves the others to the
-    emulation: the wgrad-only model leaves y and x's gradient bit-equal and changes the weights'."""
+    """Installed, the model computes the GEMM kinds it is given, where the call takes fast
+    accumulation, and leaves the others to the emulation: the wgrad-only model leaves y and x's
+    gradient bit-equal and changes the weights', and computes nothing of rowwise-promoted-wgrad."""
     from expertact.moe import _gemm, expert_mlp
     g = torch.Generator().manual_seed(5)
     T, D, F, E = 50, 32, 48, 3
@@ -681,10 +688,10 @@ def test_fast_accum_model_in_the_fp8_node():
     offsets = torch.tensor([20, 20, 46], dtype=torch.int32)
     dy = torch.randn(T, D, generator=g).bfloat16()
 
-    def run(model=None):
+    def run(model=None, recipe="rowwise"):
         leaves = [t.clone().requires_grad_() for t in (x, w13, w2)]
         with (diag.installed(model) if model is not None else contextlib.nullcontext()):
-            y = expert_mlp(*leaves, offsets, "swiglu_oai", fp8="rowwise")
+            y = expert_mlp(*leaves, offsets, "swiglu_oai", fp8=recipe)
             y.backward(dy)
         return [y.detach()] + [t.grad for t in leaves]
 
@@ -695,6 +702,9 @@ def test_fast_accum_model_in_the_fp8_node():
     assert _gemm.scaled_gmm is emulation and wgrad.calls == {"mm": 0, "wgrad": 2}
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert not torch.equal(got[2], ref[2]) and not torch.equal(got[3], ref[3])
+    promoted = diag.FastAccumModel(4, ("wgrad",))  # a recipe whose weight gradients take no fast accumulation
+    got = run(promoted, "rowwise-promoted-wgrad")
+    assert promoted.calls == {"mm": 0, "wgrad": 0} and all(torch.equal(a, b) for a, b in zip(got, ref))
     every = diag.FastAccumModel(13)
     got = run(every)
     assert every.calls == {"mm": 4, "wgrad": 2}
@@ -708,7 +718,10 @@ def test_fp8_diagnosis_args():
     a = diag.parse_args(["--bits", "9", "--config", "cpu-diag", "--impl", "mlp-fp8", "--tag", "x"])
     assert a.train_args == ["--config", "cpu-diag", "--impl", "mlp-fp8", "--tag", "x"]
     for bad in (["--", "--impl", "mlp"], ["--", "--impl", "mlp-fp8,mlp-fp8-bf16-wgrad"],
-                ["--gemms", "all", "--", "--impl", "mlp-fp8-bf16-wgrad"]):
+                ["--gemms", "all", "--", "--impl", "mlp-fp8-bf16-wgrad"],
+                ["--gemms", "wgrad", "--", "--impl", "mlp-fp8-promoted-wgrad"],
+                ["--gemms", "fwd-dgrad", "--", "--impl", "mlp-fp8-blockwise"]):
         with pytest.raises(SystemExit):
             diag.parse_args(bad)
-    assert diag.parse_args(["--gemms", "fwd-dgrad", "--", "--impl", "mlp-fp8-bf16-wgrad"]).gemms == "fwd-dgrad"
+    for impl in ("mlp-fp8-bf16-wgrad", "mlp-fp8-promoted-wgrad"):
+        assert diag.parse_args(["--gemms", "fwd-dgrad", "--", "--impl", impl]).gemms == "fwd-dgrad"

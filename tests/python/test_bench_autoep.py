@@ -35,7 +35,8 @@ def test_bench_autoep_cpu_table(tmp_path):
     assert ep_experts.GroupedExperts.forward is forward
     data = json.loads(js.read_text())
     assert data["meta"]["command"].startswith("python -m expertact.bench --autoep --device cpu")
-    skipped = {"mlp-fp8": "cannot run here", "mlp-fp8-blockwise": "cannot run here",
+    skipped = {"mlp-fp8": "cannot run here", "mlp-fp8-bf16-wgrad": "cannot run here",
+               "mlp-fp8-promoted-wgrad": "cannot run here", "mlp-fp8-blockwise": "cannot run here",
                "deepspeed-compile": "bf16 operands only"}
     for act in ("geglu_tanh", "swiglu_oai"):
         res = {r["impl"]: r for r in data["tables"][act]["results"]}
@@ -75,7 +76,13 @@ def test_compile_row_in_bf16_on_the_cpu():
         assert r["err"][k] < max(3 * ds["err"][k], 2e-2), (k, r["err"], ds["err"])
 
 
-@pytest.mark.parametrize("impl", ["mlp-fp8", "mlp-fp8-blockwise"])
+def test_one_fp8_row_per_recipe():
+    from expertact import moe
+    assert [autoep.ROWS[row][1] for row in autoep.FP8_ROWS] == [dict(experts=True, fp8=r) for r in moe.FP8_RECIPES]
+    assert list(autoep.FP8_ROWS) == ["mlp-fp8", "mlp-fp8-bf16-wgrad", "mlp-fp8-promoted-wgrad", "mlp-fp8-blockwise"]
+
+
+@pytest.mark.parametrize("impl", ["mlp-fp8", "mlp-fp8-bf16-wgrad", "mlp-fp8-promoted-wgrad", "mlp-fp8-blockwise"])
 def test_fp8_rows_in_bf16_on_the_cpu(impl):
     """The FP8 rows (skipped in the float32 CPU table) in bf16 on the CPU, where expert_mlp runs the
     recipe's emulation: each error against the float32 copy is FP8's rounding (measured 7.0e-2 to

@@ -102,7 +102,8 @@ def test_rowwise_emulation_against_float64(tmp_path):
     """Each of the six GEMMs: a few percent from float64 on the bf16 inputs (the quantisation; a
     silent bf16 fallback would be 100x closer), its bias small; against float64 on the dequantised
     operands only the output's bf16 rounding (exact float32 accumulation: within 1e-4 of that value
-    rounded once); the bf16 weight gradients of fp8_wgrad=False at bf16 precision."""
+    rounded once); the bf16 weight gradients of rowwise-bf16-wgrad at bf16 precision; those of
+    rowwise-promoted-wgrad the emulation's, rowwise's values on the CPU."""
     out = tmp_path / "acc.json"
     assert cli.main(["--fp8-accuracy", "--device", "cpu", "--tensors", str(_capture(tmp_path / "c.pt")),
                      "--json", str(out), "--markdown", str(tmp_path / "acc.md")]) == 0
@@ -119,10 +120,12 @@ def test_rowwise_emulation_against_float64(tmp_path):
         for cuda_only in acc.CUDA_ONLY:
             assert "n/a on CPU" in rows[(cuda_only, g)]["na"] or "= rowwise" in rows[(cuda_only, g)]["na"]
         bf = rows[("rowwise-bf16-wgrad", g)]
+        promoted = rows[("rowwise-promoted-wgrad", g)]
         if g in acc.WGRADS:
             assert bf["ref64"]["err"] < 3e-3 and bf["deq64"] is None, (g, bf)
+            assert {k: promoted[k] for k in r if k != "recipe"} == {k: r[k] for k in r if k != "recipe"}, (g, promoted)
         else:
-            assert bf["na"] == "as rowwise"
+            assert bf["na"] == promoted["na"] == "as rowwise"
         blk = rows[("blockwise", g)]  # expert_mlp's emulation of the recipe's GEMMs
         assert 0.005 < blk["ref64"]["err"] < 0.08 and blk["beyond_rounding"] < 1e-4, (g, blk)
     md = (tmp_path / "acc.md").read_text()
@@ -146,3 +149,28 @@ def test_synthetic_inputs_and_scales_from(tmp_path, capsys):
         acc.parse_args(["--tensors", str(cap), "--dim", "64"])
     with pytest.raises(SystemExit, match="multiples of 16"):
         acc.main(["--device", "cpu", "--dim", "40", "--ffn", "32", "--experts", "1", "--rows", "8"])
+
+
+def test_promoted_rows_share_the_no_fast_accum_output(tmp_path, monkeypatch):
+    """rowwise-promoted-wgrad's weight gradients are the call rowwise-no-fast-accum makes: where
+    both rows run, the GEMM runs once and both rows get its numbers; alone, it makes the call
+    itself. (rowwise-no-fast-accum is CUDA's; let through on the CPU here, where both are the
+    emulation.)"""
+    monkeypatch.setattr(acc, "CUDA_ONLY", set())
+    calls = []
+    real = acc.run_gemm
+    monkeypatch.setattr(acc, "run_gemm", lambda recipe, p, gemm, A, B: calls.append((recipe, gemm)) or
+                        real(recipe, p, gemm, A, B))
+    p = acc.load_capture(_capture(tmp_path / "c.pt"), torch.device("cpu"))
+    p.chain()
+    both = _rows(acc.measure(p, ["rowwise-no-fast-accum", "rowwise-promoted-wgrad"], 1000, torch.device("cpu")))
+    assert sorted(calls) == sorted([("rowwise-no-fast-accum", g) for g in acc.GEMMS])
+    for g in acc.WGRADS:
+        a, b = both[("rowwise-no-fast-accum", g)], both[("rowwise-promoted-wgrad", g)]
+        assert a["ref64"]["err"] is not None
+        assert {k: a[k] for k in a if k != "recipe"} == {k: b[k] for k in b if k != "recipe"}
+    calls.clear()
+    alone = _rows(acc.measure(p, ["rowwise-promoted-wgrad"], 1000, torch.device("cpu")))
+    assert sorted(calls) == sorted([("rowwise-promoted-wgrad", g) for g in acc.WGRADS])
+    for g in acc.WGRADS:
+        assert alone[("rowwise-promoted-wgrad", g)]["ref64"] == both[("rowwise-promoted-wgrad", g)]["ref64"]

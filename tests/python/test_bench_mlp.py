@@ -151,17 +151,31 @@ def test_bench_mlp_fp8_table_on_the_cpu(tmp_path):
     assert rc == 0
     data = json.loads(js.read_text())
     by = {r["impl"]: r for r in data["results"]}
-    assert set(by) == {"expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "fp8-blockwise", "torchao",
-                       "fp8-gemms"}
+    assert list(by) == ["expertact", "expertact-recompute", "fp8", "fp8-bf16-wgrad", "fp8-promoted-wgrad",
+                        "fp8-blockwise", "torchao", "fp8-gemms"]
     for name in ("expertact", "expertact-recompute"):
         assert "error" not in by[name] and by[name]["ms"] > 0
         assert all(v is not None and v < 1e-5 for v in by[name]["err"].values())  # float32 against float32
         assert all(abs(v) < 1e-5 for v in by[name]["bias"].values())
-    for name in ("fp8", "fp8-bf16-wgrad", "fp8-blockwise", "fp8-gemms", "torchao"):
+    for name in ("fp8", "fp8-bf16-wgrad", "fp8-promoted-wgrad", "fp8-blockwise", "fp8-gemms", "torchao"):
         assert by[name].get("skipped") and "x is on cpu" in by[name]["error"]
 
 
-@pytest.mark.parametrize("impl", ["fp8", "fp8-bf16-wgrad", "fp8-blockwise"])
+def test_bench_fp8_rows_are_the_recipes():
+    """One FP8 row per recipe of FP8_RECIPES, each running its recipe; the default recipe's row
+    carries the speed target."""
+    from expertact import moe
+    from expertact.bench import fp8 as bench
+    assert bench.FP8_ROWS == {"fp8": "rowwise", "fp8-bf16-wgrad": "rowwise-bf16-wgrad",
+                              "fp8-promoted-wgrad": "rowwise-promoted-wgrad", "fp8-blockwise": "blockwise"}
+    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW == "fp8-bf16-wgrad"
+    rows = [dict(impl="expertact", ms=300.0, extra_peak_gib=10.0),
+            dict(impl="fp8-bf16-wgrad", ms=200.0, extra_peak_gib=9.0)]
+    (text, ok), (peak, peak_ok) = bench.targets(rows)
+    assert ok and peak_ok and text.startswith("fp8-bf16-wgrad (the default recipe) 1.50x faster"), text
+
+
+@pytest.mark.parametrize("impl", ["fp8", "fp8-bf16-wgrad", "fp8-promoted-wgrad", "fp8-blockwise"])
 def test_bench_fp8_rows_on_the_cpu_emulation(impl):
     """The FP8 rows' code (--mlp --fp8 skips them on the CPU, whose table is float32) on bf16
     inputs, where expert_mlp runs the recipe's emulation: each row's y, dx, dw13, dw2 against the

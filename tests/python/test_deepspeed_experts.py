@@ -242,25 +242,32 @@ def test_fp8_where_it_cannot_run_says_why():
 
 
 def test_fp8_names():
-    """fp8 resolves through expertact.moe.fp8_recipe: False is bf16, True is refused while no
-    default recipe is chosen (naming the recipes and their loss cost), nothing changes then."""
+    """fp8 resolves through expertact.moe.fp8_recipe: False is bf16, True the default recipe
+    ("rowwise-bf16-wgrad"), a name that recipe (in enable() and in enabled_scope()); an unknown
+    name is refused naming the recipes and their loss cost, and nothing changes then."""
     xds.enable(experts=True, fp8=False)
     assert EP.GroupedExperts.forward.expertact_form["fp8"] is None
+    xds.enable(experts=True, fp8=True)
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise-bf16-wgrad"
+    with xds.enabled_scope(experts=True, fp8="rowwise-promoted-wgrad"):
+        assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise-promoted-wgrad"
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise-bf16-wgrad"
     xds.disable()
-    with pytest.raises(ValueError, match=r"expertact.deepspeed.enable: fp8=True .*'rowwise' \(\+0\.083"):
-        xds.enable(experts=True, fp8=True)
+    with pytest.raises(ValueError, match=r"expertact.deepspeed.enable: fp8='rowwise-fast' is not an FP8 recipe: "
+                                         r"the recipes are 'rowwise' \(\+0\.071.*'rowwise-bf16-wgrad' \(-0\.003"):
+        xds.enable(experts=True, fp8="rowwise-fast")
     assert EP.GroupedExperts.forward is DS_FORWARD and not xds.is_enabled()
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise"])
 @pytest.mark.parametrize("path", ["grouped_mm-separate", "for-loop"])
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_oai"])
 def test_fp8_reaches_expert_mlp_on_the_cpu(name, path, recipe):
     """enable(experts=True, fp8=recipe) on a bf16 module on the CPU runs the FP8 node (its
-    emulation there): the six GEMMs of the recipe in FP8, the output and the gradients of x, w1,
-    w2, w3 those of expert_mlp(fp8=recipe) on the module's weights bit for bit (test_fp8_mlp
-    holds that node to the recipe's oracle), and differing from enable(experts=True)'s bf16 ones
-    as FP8 must."""
+    emulation there): the recipe's FP8 GEMMs (ScaledGemmLog.check), the output and the gradients
+    of x, w1, w2, w3 those of expert_mlp(fp8=recipe) on the module's weights bit for bit
+    (test_fp8_mlp holds that node to the recipe's oracle), and differing from
+    enable(experts=True)'s bf16 ones as FP8 must."""
     from support.fp8_oracle import ScaledGemmLog
     m = _module(name, path, dtype=torch.bfloat16)
     counts = torch.tensor(_COUNTS)
@@ -271,7 +278,7 @@ def test_fp8_reaches_expert_mlp_on_the_cpu(name, path, recipe):
     assert EP.GroupedExperts.forward.expertact_form["fp8"] == recipe
     with ScaledGemmLog() as log:
         got, _ = _fwd_bwd(m, x, counts)
-    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    log.check(recipe)
 
     def by_hand(module, x, counts):
         w13 = torch.cat((module.w1, module.w3), dim=1).transpose(-2, -1)

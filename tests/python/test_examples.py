@@ -158,16 +158,20 @@ def test_runs_merge_into_one_report(tmp_path, restore_flags):
 
 def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     """--fp8 names expertact_fp8's recipe, resolved by expertact.moe.fp8_recipe (an unknown name is
-    refused naming the recipes); on the CPU, in bf16, the recipe's emulation trains (every expert
-    GEMM through the FP8 layer, counted: no silent bf16) near the bf16 baseline, and the record
-    says which recipe ran."""
+    refused naming the recipes; "default", the default, is fp8=True's recipe); on the CPU, in bf16,
+    the recipe's emulation trains (every expert GEMM through the FP8 layer, counted: no silent
+    bf16) near the bf16 baseline, and the record says which recipe ran."""
     from expertact.moe import FP8_RECIPES, _gemm
     for bad in ("nonsense", "tensorwise"):
         with pytest.raises(SystemExit):
             ft.parse_args(["--variants", "expertact_fp8", "--fp8", bad])
     assert ft.parse_args(["--variants", "grouped_mm", "--fp8", "nonsense"]).fp8_modes is None  # not asked for
-    a = ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
-    assert a.fp8_modes == dict(fp8="rowwise", fp8_wgrad=False)
+    with pytest.raises(SystemExit):  # folded into the recipe names
+        ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
+    for given in ([], ["--fp8", "default"], ["--fp8", "rowwise-bf16-wgrad"]):
+        assert ft.parse_args(["--variants", "expertact_fp8", *given]).fp8_modes == dict(fp8="rowwise-bf16-wgrad")
+    for name in FP8_RECIPES:
+        assert ft.parse_args(["--variants", "expertact_fp8", "--fp8", name]).fp8_modes == dict(fp8=name)
     calls = []
     real = _gemm.scaled_gmm
     monkeypatch.setattr(_gemm, "scaled_gmm", lambda *x, **k: calls.append(1) or real(*x, **k))
@@ -176,7 +180,7 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
                           "--steps", "3"), log=_quiet)
     v = result["variants"]
     assert "error" not in v["expertact_fp8"], v["expertact_fp8"].get("error")
-    assert v["expertact_fp8"]["fp8"] == recipe and v["expertact_fp8"]["fp8_wgrad"] is True
+    assert v["expertact_fp8"]["fp8"] == recipe
     layers = result["setup"]["sizes"]["layers"]
     assert len(calls) == 6 * layers * 3  # six FP8 GEMMs per MoE layer and step
     fp8, bf16 = v["expertact_fp8"]["loss"], v["expertact"]["loss"]

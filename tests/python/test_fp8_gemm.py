@@ -396,6 +396,22 @@ def test_bench_shapes_are_the_six_gemms():
     assert sum(bench.flops(g, s) for _, g, s in shapes) == 2 * T * 3072 * 3072 * (2 + 1 + 1 + 2 + 1 + 2)
 
 
+def test_bench_totals_per_row_and_per_recipe():
+    """The totals: each row's GEMMs, and each rowwise recipe's GEMMs as expert_mlp runs them (the
+    promoted recipe: torch-rowwise's M-grouped GEMMs, torch-rowwise-promoted's weight gradients);
+    a row with an error has no total."""
+    from expertact.bench import fp8_gemm as bench
+
+    shapes = bench.gemm_shapes(2, 256, 128, 128)
+    ms = {"torch-rowwise": 1.0, "torch-rowwise-promoted": 3.0}
+    results = [dict(impl=impl, grouping=g, ms=ms[impl]) for impl in ms for _, g, _ in shapes]
+    results.append(dict(impl="expertact", grouping="m", error="OOM"))
+    got = bench.totals(results, ["expertact", *ms], shapes)
+    assert got["expertact"] is None and got["torch-rowwise"]["ms"] == 6.0 and got["torch-rowwise-promoted"]["ms"] == 18.0
+    assert got["recipe rowwise"]["ms"] == 6.0 and got["recipe rowwise-promoted-wgrad"]["ms"] == 4 * 1.0 + 2 * 3.0
+    assert "recipe rowwise" not in bench.totals(results, ["expertact"], shapes)
+
+
 def test_bench_cli_needs_a_gpu():
     from expertact.bench import cli
 

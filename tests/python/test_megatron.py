@@ -149,8 +149,10 @@ def test_refused_configs_name_the_field(mpu):
         ExpertMLP(4, _config(moe_apply_probs_on_input=True, moe_router_topk=2), pg_collection=mpu)
     with pytest.raises(ValueError, match="expertact.megatron: fp8='e4m3' is not an FP8 recipe"):
         ExpertMLP(4, _config(), pg_collection=mpu, fp8="e4m3")
-    with pytest.raises(ValueError, match=r"expertact.megatron: fp8=True .*'rowwise' \(\+0\.083"):
-        ExpertMLP(4, _config(), pg_collection=mpu, fp8=True)
+    with pytest.raises(ValueError, match=r"expertact.megatron: fp8='rowwise_bf16' is not an FP8 recipe: the recipes "
+                                         r"are 'rowwise' \(\+0\.071"):
+        ExpertMLP(4, _config(), pg_collection=mpu, fp8="rowwise_bf16")
+    assert ExpertMLP(4, _config(), pg_collection=mpu, fp8=True).expertact_options["fp8"] == "rowwise-bf16-wgrad"
 
 
 def test_probs_on_input_matches_sequential_mlp(mpu):
@@ -202,10 +204,11 @@ def test_enable_switches_a_built_model(mpu):
     assert em.enable(model, fp8="rowwise") == 2 and ref.expertact_options["fp8"] == "rowwise"
     with ScaledGemmLog() as log:  # the FP8 node runs (the CPU emulation; bf16 activations)
         ref(x.bfloat16().requires_grad_(), counts, probs)[0].float().sum().backward()
-    assert log.calls == 6
-    with pytest.raises(ValueError, match="fp8=True"):
-        em.enable(model, fp8=True)
+    log.check("rowwise")
+    with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
+        em.enable(model, fp8="e4m3")
     assert ref.expertact_options["fp8"] == "rowwise"  # refused before any change
+    assert em.enable(model, fp8=True) == 2 and ref.expertact_options["fp8"] == "rowwise-bf16-wgrad"
     assert em.disable(model) == 2 and type(ref) is SequentialMLP and not hasattr(ref, "expertact_options")
     bad, _ = _pair(_config(), mpu)
     bad.config = _config(activation_func=F.gelu)
@@ -284,11 +287,11 @@ def _by_hand(module, x, counts, probs, fp8):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9), reason="needs a Hopper GPU"))])
 @pytest.mark.parametrize("which", ["swiglu", "gpt-oss"])
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise"])
 def test_fp8_is_expert_mlps_recipe(mpu, which, device, recipe):
     """ExpertMLP(fp8=recipe) with bf16 activations runs expert_mlp's FP8 node on its stacked
-    weights (test_fp8_mlp holds that node to the recipe's float64 oracle): the recipe's six GEMMs
-    in FP8, the output and the gradients of x, the probabilities and every parameter equal to
+    weights (test_fp8_mlp holds that node to the recipe's float64 oracle): the recipe's FP8 GEMMs
+    (ScaledGemmLog.check), the output and the gradients of x, the probabilities and every parameter equal to
     expert_mlp(fp8=recipe) on the same stacked weights (the weights stacked again in backward
     are the same values), and differing from ExpertMLP's bf16 ones as FP8 must. On the CPU the
     recipe's emulation, on an H200 the recipe's GPU GEMMs. The layer spec's options build the
@@ -305,7 +308,7 @@ def test_fp8_is_expert_mlps_recipe(mpu, which, device, recipe):
     probs = torch.rand(48, generator=torch.Generator().manual_seed(2)).to(device)
     with ScaledGemmLog() as log:
         got = _run(ours, x, counts, probs)
-    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    log.check(recipe)
     want = _by_hand(ours, x, counts, probs, recipe)
     plain = _run(bf16, x, counts, probs)
     for i, what in ((0, "y"), (2, "x.grad"), (3, "probs.grad")):
@@ -332,8 +335,8 @@ def test_layer_spec_takes_expert_mlp():
     assert fp8.submodules.mlp.keywords["submodules"].experts.keywords["fp8"] == "rowwise"
     with pytest.raises(ValueError, match="fp8='e5m2'"):
         swap_experts(spec, fp8="e5m2")
-    with pytest.raises(ValueError, match="fp8=True"):
-        swap_experts(spec, fp8=True)
+    assert swap_experts(spec, fp8=True)[0].submodules.mlp.keywords["submodules"].experts.keywords["fp8"] == \
+        "rowwise-bf16-wgrad"
     assert swap_experts(spec, fp8=False)[0].submodules.mlp.keywords["submodules"].experts.keywords["fp8"] is None
     theirs = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     swapped, n = swap_experts(theirs)
@@ -544,11 +547,14 @@ def test_bench_table_on_the_cpu(mpu, tmp_path):
     """python -m expertact.bench --megatron on the CPU: every row, errors at float32 rounding, FP8
     skipped with its reason."""
     import json
+    from expertact import moe
     from expertact.bench import megatron as bm
     assert bm.main(["--device", "cpu", "--quick", "--json", str(tmp_path / "m.json")]) == 0
     rows = {r["impl"]: r for r in json.loads((tmp_path / "m.json").read_text())["tables"]["4x3072"]["results"]}
     assert set(rows) == set(bm.IMPLS)
-    assert rows["expertact-fp8"].get("skipped") and "cpu" in rows["expertact-fp8"]["error"]
+    assert [bm.OPTIONS[row]["fp8"] for row in bm.FP8_ROWS] == list(moe.FP8_RECIPES)
+    for row in ("expertact-fp8", "expertact-fp8-bf16-wgrad", "expertact-fp8-promoted-wgrad", "expertact-fp8-blockwise"):
+        assert rows[row].get("skipped") and "cpu" in rows[row]["error"], rows[row]
     for impl in ("megatron", "expertact", "expertact-recompute", "expertact-inplace"):
         assert max(rows[impl]["err"].values()) < 1e-5, rows[impl]
 

@@ -794,13 +794,13 @@ def test_grouped_experts_modes_and_casting():
         moe.GroupedExperts(D, F, E, layout="separate")
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise"])
 def test_grouped_experts_fp8(recipe):
-    """GroupedExperts(fp8=recipe) reaches expert_mlp's FP8 node (on the CPU, its emulation): the six
-    GEMMs of the recipe run in FP8, the output and every gradient are expert_mlp(fp8=recipe)'s on
-    the same packed weights bit for bit (test_fp8_mlp holds that node to the recipe's oracle), and
-    differ from the bf16 module's as FP8 must; fp8=True is refused while no default recipe is
-    chosen."""
+    """GroupedExperts(fp8=recipe) reaches expert_mlp's FP8 node (on the CPU, its emulation): the
+    recipe's FP8 GEMMs run (ScaledGemmLog.check), the output and every gradient are
+    expert_mlp(fp8=recipe)'s on the same packed weights bit for bit (test_fp8_mlp holds that node
+    to the recipe's oracle), and differ from the bf16 module's as FP8 must; fp8=True selects the
+    default recipe, an unknown name is refused."""
     from support.fp8_oracle import ScaledGemmLog, rel
     D, F, E = 32, 16, 3
     kw = dict(activation="swiglu_oai", layout="interleaved", init_std=0.2)
@@ -822,7 +822,7 @@ def test_grouped_experts_fp8(recipe):
 
     with ScaledGemmLog() as log:
         got = run(m)
-    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    log.check(recipe)
     w1, w2, w3 = (p.detach().clone().requires_grad_() for p in (m.w1, m.w2, m.w3))
     xr = x.clone().requires_grad_()
     w13 = torch.stack((w1, w3), dim=2).flatten(1, 2)  # [E, 2F, D], gate and up interleaved
@@ -834,9 +834,8 @@ def test_grouped_experts_fp8(recipe):
     for name, g, r, b in zip(("y", "x", "w1", "w2", "w3"), got, want, bf16):
         assert torch.equal(g, r), name
         assert rel(g, b) > 2e-2, (name, rel(g, b))
-    with pytest.raises(ValueError, match="expertact.moe.GroupedExperts: fp8=True .*'rowwise' \\(\\+0.083"):
-        moe.GroupedExperts(D, F, E, fp8=True)
-    with pytest.raises(ValueError, match="fp8='e5m2' is not an FP8 recipe"):
+    assert moe.GroupedExperts(D, F, E, fp8=True).fp8 == "rowwise-bf16-wgrad"
+    with pytest.raises(ValueError, match="expertact.moe.GroupedExperts: fp8='e5m2' is not an FP8 recipe"):
         moe.GroupedExperts(D, F, E, fp8="e5m2")
 
 

@@ -628,13 +628,14 @@ def test_gpt_oss_tensor_parallel(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise"])
 @pytest.mark.parametrize("kind", ["w1_w3", "fused_w13", "gpt_oss"])
 def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
     """A factory's fp8=recipe reaches expert_mlp and runs its FP8 node (test_fp8_mlp holds it to
-    the recipe's oracle): the recipe's six GEMMs in FP8 (counted), the output and the gradients
-    differing from the same module's bf16 ones as FP8 must; enable(model, fp8=...) switches it on
-    a built model; fp8=True is refused while no default recipe is chosen."""
+    the recipe's oracle): the recipe's FP8 GEMMs (ScaledGemmLog.check), the output and the
+    gradients differing from the same module's bf16 ones as FP8 must; enable(model, fp8=...)
+    switches it on a built model, fp8=True to the default recipe; an unknown name is refused
+    before any change."""
     from support.fp8_oracle import ScaledGemmLog, rel
     if kind == "gpt_oss":
         _, bf16 = _gpt_oss_pair()
@@ -657,7 +658,8 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
     dy = torch.randn(x.shape, generator=gen)
     with ScaledGemmLog() as log:
         got = _run(ours, x, counts, dy)
-    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0) and seen == [recipe]
+    log.check(recipe)
+    assert seen == [recipe]
     want = _run(bf16, x, counts, dy)
     assert rel(got[0], want[0]) > 2e-2 and rel(got[1], want[1]) > 2e-2
     for n, g in got[2].items():
@@ -667,10 +669,13 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
     assert et.enable(model, fp8=recipe) == ["a"] and bf16.fp8 == recipe
     with ScaledGemmLog() as log:
         again = _run(bf16, x, counts, dy)
-    assert log.calls == 6 and torch.equal(again[0], got[0])
-    with pytest.raises(ValueError, match=r"expertact.torchtitan: fp8=True .*'rowwise' \(\+0\.083"):
-        et.enable(model, fp8=True)
+    log.check(recipe)
+    assert torch.equal(again[0], got[0])
+    with pytest.raises(ValueError, match=r"expertact.torchtitan: fp8='e4m3' is not an FP8 recipe: the recipes are "
+                                         r"'rowwise' \(\+0\.071"):
+        et.enable(model, fp8="e4m3")
     assert bf16.fp8 == recipe  # refused before any change
+    assert et.enable(model, fp8=True) == ["a"] and bf16.fp8 == "rowwise-bf16-wgrad"
 
 
 def test_fp8_config_field():
@@ -678,13 +683,13 @@ def test_fp8_config_field():
     assert et.expertact_grouped_experts(cfg).fp8 is None
     assert et.expertact_grouped_experts(cfg, fp8="rowwise").fp8 == "rowwise"
     assert et.expertact_grouped_experts(cfg, fp8=False).fp8 is None
-    with pytest.raises(ValueError, match="fp8=True"):
-        et.expertact_grouped_experts(cfg, fp8=True)
+    assert et.expertact_grouped_experts(cfg, fp8=True).fp8 == "rowwise-bf16-wgrad"
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
         et.expertact_grouped_experts(cfg, fp8="e4m3")
     gpt = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=7.0)
     assert et.expertact_gpt_oss_grouped_experts(gpt, fp8="rowwise").fp8 == "rowwise"
     assert et.expertact_grouped_experts(cfg, fp8="blockwise").fp8 == "blockwise"
+    assert et.expertact_grouped_experts(cfg, fp8="rowwise-promoted-wgrad").fp8 == "rowwise-promoted-wgrad"
 
 
 def test_other_subclasses_refused():

@@ -344,7 +344,7 @@ def test_bf16_and_routing_weights_dtype(name, weights_dtype):
 
 
 # ---------------------------------------------------------------------------
-# FP8: register(..., fp8="rowwise" or "blockwise"), on the CPU as the recipe's emulation
+# FP8: register(..., fp8=a recipe's name or True), on the CPU as the recipe's emulation
 # ---------------------------------------------------------------------------
 
 # The experts' forms, written out: (preset, layout, alpha and limit from the module's attributes).
@@ -378,11 +378,11 @@ def _fp8_oracle(experts, x, ids, w, dy, name, recipe="rowwise"):
     return out
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise"])
 @pytest.mark.parametrize("name", list(_FP8_FORMS))
 def test_fp8_gives_the_recipes_values(name, recipe):
-    """register(name, fp8=recipe) runs the FP8 node (on the CPU its emulation): the recipe's six
-    GEMMs in FP8, the output and the gradients of x, the routing weights and the experts' parameters
+    """register(name, fp8=recipe) runs the FP8 node (on the CPU its emulation): the recipe's FP8
+    GEMMs (ScaledGemmLog.check), the output and the gradients of x, the routing weights and the experts' parameters
     (GPT-OSS's biases included) within test_fp8_mlp's bound of the recipe's float64 oracle, and
     differing from the bf16 implementation's as FP8 must. A bf16 model (FP8 takes bf16).
     Measured (CPU, transformers 5.17): every bf16 tensor equal to the oracle's, the routing
@@ -406,7 +406,7 @@ def test_fp8_gives_the_recipes_values(name, recipe):
 
     with ScaledGemmLog() as log:
         got = call("expertact_test_fp8")
-    assert log.calls == 6 and log.blockwise == (6 if recipe == "blockwise" else 0)
+    log.check(recipe)
     want = _fp8_oracle(experts, x, ids, w, dy, name, recipe)
     bf16 = call("expertact")
     assert got.keys() == want.keys()
@@ -418,11 +418,13 @@ def test_fp8_gives_the_recipes_values(name, recipe):
 
 
 def test_fp8_names():
-    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True .*'rowwise' \(\+0\.083"):
-        et.register("expertact_test_fp8_true", fp8=True)
-    assert "expertact_test_fp8_true" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
-    with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
-        et.register("expertact_test_fp8_true", fp8="e4m3")
+    """fp8=True registers the default recipe; an unknown name is refused (nothing registered), naming
+    the recipes and their cost."""
+    assert et.register("expertact_test_fp8_true", fp8=True).fp8 == "rowwise-bf16-wgrad"
+    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8='e4m3' is not an FP8 recipe: the "
+                                         r"recipes are 'rowwise' \(\+0\.071"):
+        et.register("expertact_test_fp8_bad", fp8="e4m3")
+    assert "expertact_test_fp8_bad" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
     assert et.register("expertact_test_fp8_off", fp8=False).fp8 is None
 
 

@@ -28,8 +28,14 @@ Rows (--impls), each on the same module, inputs and weights:
   mlp-inplace              enable(experts=True, inplace_backward=True)
   mlp-recompute-inplace    both
   mlp-fp8                  enable(experts=True, fp8="rowwise")
+  mlp-fp8-bf16-wgrad       enable(experts=True, fp8="rowwise-bf16-wgrad"), the default recipe: the two
+                           weight-gradient GEMMs in bf16
+  mlp-fp8-promoted-wgrad   enable(experts=True, fp8="rowwise-promoted-wgrad"): the two weight-gradient GEMMs
+                           with FP32-promoted accumulation
   mlp-fp8-blockwise        enable(experts=True, fp8="blockwise"): DeepSeek-V3's recipe (1 x 128 / 128 x 128
                            scales, FP32-promoted accumulation)
+  (the mlp-fp8 rows: one per recipe of expertact.moe.FP8_RECIPES, bench.common.fp8_rows; skipped
+  where the recipe cannot run, as in the float32 CPU table)
   w13-copy                 torch.cat of w1 and w3 and its backward alone (fwd+bwd only): the per-call weight
                            copy that the mlp rows (and deepspeed-fused) make, for its share
 
@@ -52,12 +58,13 @@ import torch
 
 
 from .common import (
-    add_mlp_args, clock_and_memory, log, measure, median_ms, method, mlp_settings, parse_list,
+    add_mlp_args, clock_and_memory, fp8_rows, log, measure, median_ms, method, mlp_settings, parse_list,
     errors_against, finish, measured_rows, resolve_device, timing_error_table, versions,
 )
 
+FP8_ROWS = fp8_rows("mlp-")  # "mlp-fp8": "rowwise", "mlp-fp8-bf16-wgrad": "rowwise-bf16-wgrad", ...
 IMPLS = ("deepspeed", "deepspeed-fused", "deepspeed-compile", "ds+act", "ds+act-inplace", "mlp", "mlp-recompute",
-         "mlp-inplace", "mlp-recompute-inplace", "mlp-fp8", "mlp-fp8-blockwise", "w13-copy")
+         "mlp-inplace", "mlp-recompute-inplace", *FP8_ROWS, "w13-copy")
 #: AutoEP 0.19.8's default gate_up_impl (deepspeed/module_inject/auto_ep_config.py): the
 #: configuration every row runs on unless ROWS names another.
 DEFAULT_GATE_UP = "separate"
@@ -69,8 +76,7 @@ ROWS = {
     "mlp": (DEFAULT_GATE_UP, dict(experts=True)), "mlp-recompute": (DEFAULT_GATE_UP, dict(experts=True, recompute=True)),
     "mlp-inplace": (DEFAULT_GATE_UP, dict(experts=True, inplace_backward=True)),
     "mlp-recompute-inplace": (DEFAULT_GATE_UP, dict(experts=True, recompute=True, inplace_backward=True)),
-    "mlp-fp8": (DEFAULT_GATE_UP, dict(experts=True, fp8="rowwise")),
-    "mlp-fp8-blockwise": (DEFAULT_GATE_UP, dict(experts=True, fp8="blockwise")),
+    **{row: (DEFAULT_GATE_UP, dict(experts=True, fp8=recipe)) for row, recipe in FP8_ROWS.items()},
 }
 # The seed's busiest expert-parallel rank: 4 local experts x 261,280 rows, D = F = 3,072.
 CUDA_DEFAULT = dict(experts=4, rows=261_280, dim=3072, ffn=3072)

@@ -445,6 +445,17 @@ def write_outputs(json_path, md_path, data, md, *, quiet=False):
             log(f"wrote {md_path}")
 
 
+def fp8_rows(prefix: str) -> dict:
+    """{row name: FP8 recipe}, one row for each recipe of expertact.moe.FP8_RECIPES, as the FP8
+    tables name them: prefix + "fp8" for "rowwise" (the name that row always had), prefix +
+    "fp8-" + the name less its "rowwise-" for the others ("mlp-fp8-bf16-wgrad",
+    "mlp-fp8-promoted-wgrad", "mlp-fp8-blockwise"). A recipe that cannot run on a table's device
+    makes a skipped row (expert_mlp's NotImplementedError, naming what is missing)."""
+    from expertact.moe import FP8_RECIPES
+    return {prefix + ("fp8" if name == "rowwise" else "fp8-" + name.removeprefix("rowwise-")): name
+            for name in FP8_RECIPES}
+
+
 def run_row(row: dict, thunk, skip=(NotImplementedError, )) -> dict:
     """row updated with thunk()'s measurements, or with what ended them: "OOM"; "skipped: ..."
     (row["skipped"]) for the exceptions in skip, what cannot run on this machine; else the

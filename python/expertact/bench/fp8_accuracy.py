@@ -25,8 +25,13 @@ Recipes (rows):
   rowwise-mm-no-fast-accum   ... use_fast_accum=False (CUDA)
   rowwise-emulated           the same operands dequantised, float32 matmul on the device (TF32 off):
                              the CPU emulation's arithmetic on the GPU (CUDA; on the CPU = rowwise)
-  rowwise-bf16-wgrad         fp8_wgrad=False: dw2 and dw13 as expert_mlp's bf16 GEMMs (the other
-                             four GEMMs are rowwise's and are not repeated)
+  rowwise-bf16-wgrad         expert_mlp(fp8="rowwise-bf16-wgrad"), the default recipe: dw2 and dw13
+                             as expert_mlp's bf16 GEMMs (the other four GEMMs are rowwise's and are
+                             not repeated)
+  rowwise-promoted-wgrad     expert_mlp(fp8="rowwise-promoted-wgrad"): dw2 and dw13 through the node's
+                             GEMM layer with fast accumulation off (on CUDA the call of
+                             rowwise-no-fast-accum, whose output it shares when both rows run; on
+                             the CPU the emulation, = rowwise); the other four are rowwise's
   blockwise                  DeepSeek-V3's 1x128 / 128x128 operands (expertact.fp8's tile quantisers) and
                              GEMMs as expert_mlp(fp8="blockwise") runs them: expertact's grouped GEMM with
                              FP32-promoted accumulation on Hopper (torch._scaled_mm per expert with the
@@ -61,7 +66,8 @@ BUSIEST = dict(experts=4, rows=261_280, dim=3072, ffn=3072)
 CPU_DEFAULT = dict(experts=3, rows=256, dim=128, ffn=128)
 GEMMS = ("gate_up", "y", "dh", "dx", "dw2", "dw13")
 RECIPES = ("rowwise", "rowwise-no-fast-accum", "rowwise-mm-fast-accum", "rowwise-mm-no-fast-accum",
-           "rowwise-emulated", "rowwise-bf16-wgrad", "blockwise")
+           "rowwise-emulated", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad", "blockwise")
+WGRAD_ONLY = ("rowwise-bf16-wgrad", "rowwise-promoted-wgrad")  # their other four GEMMs are rowwise's
 CUDA_ONLY = {"rowwise-no-fast-accum", "rowwise-mm-fast-accum", "rowwise-mm-no-fast-accum", "rowwise-emulated"}
 WGRADS = ("dw2", "dw13")
 TILE = 128
@@ -297,6 +303,9 @@ def run_gemm(recipe, p, gemm, A, B):
     if recipe == "rowwise-bf16-wgrad":  # expert_mlp's bf16 weight gradient, held-transposed order
         a, b = (p.dy, p.h) if gemm == "dw2" else (p.dg, p.x)
         return _gemm.gmm_wgrad(a, b, p.offsets, p.plan)
+    if recipe == "rowwise-promoted-wgrad":  # the node's call of its weight gradients, on this device
+        poffs = xfp8.padded_offsets(p.offsets, _fp8.ROW_PAD)
+        return _gemm.scaled_gmm(A.q.t(), B.q, A.scale.reshape(-1), B.scale.reshape(-1), poffs, fast_accum=False)
     if recipe == "blockwise":  # expert_mlp(fp8="blockwise")'s GEMM layer, on this device
         if wgrad:
             pends = xfp8.padded_offsets(p.ends, TILE)
@@ -434,7 +443,7 @@ def measure(p, recipes, sample_n, device):
             row = rows[(r, g)]
             if r in CUDA_ONLY and device.type != "cuda":
                 row["na"] = "= rowwise on the CPU (the emulation)" if r == "rowwise-emulated" else "n/a on CPU"
-            elif r == "rowwise-bf16-wgrad" and g not in WGRADS:
+            elif r in WGRAD_ONLY and g not in WGRADS:
                 row["na"] = "as rowwise"
             elif r == "blockwise" and blockwise_why:
                 row["na"] = blockwise_why
@@ -454,6 +463,9 @@ def measure(p, recipes, sample_n, device):
                 continue
             outputs = {}
             for n in names:
+                if n == "rowwise-promoted-wgrad" and "rowwise-no-fast-accum" in outputs:
+                    outputs[n] = outputs["rowwise-no-fast-accum"]  # the same call on the same operands
+                    continue
                 try:
                     out = run_gemm(n, p, g, A, B)
                     outputs[n] = out if g in WGRADS else out[flat]  # the sampled rows only

@@ -17,13 +17,18 @@ Rows (--impls):
   expertact        expertact.fp8.grouped_gemm_blockwise: the blockwise recipe, promoted accumulation
   torch-rowwise    torch._scaled_grouped_mm with rowwise scales and use_fast_accum=True: the rowwise
                    recipe's GEMMs as expert_mlp(fp8="rowwise") and torchao call them (no promotion)
+  torch-rowwise-promoted  the same with use_fast_accum=False (FP32-promoted accumulation): the weight
+                   gradients of expert_mlp(fp8="rowwise-promoted-wgrad"); the M-grouped four too, for
+                   what promotion costs there
   torch-blockwise  torch._scaled_mm per expert (a Python loop) with the same 1 x 128 / 128 x 128
                    scales as expertact's, use_fast_accum=False (cuBLAS's promoted blockwise GEMM):
                    what a torch user without a grouped blockwise GEMM has on Hopper
 
 Columns: the median of --iters calls after --warmup (CUDA events around each call, operands made
 beforehand), TFLOP/s (2 x M x N x K of the real rows, not the padding) and its share of the H200's
-1,979 TFLOP/s dense FP8. The operands are random e4m3 with power-of-two scales: the time does not
+1,979 TFLOP/s dense FP8. Totals: each row's six GEMMs, and the rowwise recipes' GEMMs as
+expert_mlp runs them ("rowwise-promoted-wgrad": torch-rowwise's four M-grouped GEMMs with
+torch-rowwise-promoted's two weight gradients). The operands are random e4m3 with power-of-two scales: the time does not
 depend on the values. A row that cannot run (no GEMM in this build, a torch without the operator
 or the scale form) says why.
 """
@@ -36,7 +41,10 @@ import torch
 
 from .common import OOM, device_name, log, median_ms, parse_list, resolve_device, run_row, versions, write_outputs
 
-IMPLS = ("expertact", "torch-rowwise", "torch-blockwise")
+IMPLS = ("expertact", "torch-rowwise", "torch-rowwise-promoted", "torch-blockwise")
+# A recipe's GEMMs as rows of this table: (the M-grouped four's row, the K-grouped two's row).
+RECIPE_ROWS = {"rowwise": ("torch-rowwise", "torch-rowwise"),
+               "rowwise-promoted-wgrad": ("torch-rowwise", "torch-rowwise-promoted")}
 PEAK_TFLOPS = 1979.0  # H200 SXM, dense FP8
 TILE = 128
 
@@ -107,22 +115,23 @@ def make_call(impl: str, grouping: str, ops, experts: int):
         if not fp8.has_grouped_gemm():
             raise NotImplementedError("this expertact build has no FP8 grouped GEMM (built with the CUTLASS headers)")
         return lambda: fp8.grouped_gemm_blockwise(*ops, mode=grouping)
-    if impl == "torch-rowwise":
+    if impl in ("torch-rowwise", "torch-rowwise-promoted"):
         if not hasattr(torch, "_scaled_grouped_mm"):
             raise NotImplementedError(f"torch {torch.__version__} has no torch._scaled_grouped_mm")
+        fast = impl == "torch-rowwise"
         if grouping == "m":
             a, _, b, _, offs = ops
             sa = torch.ones(a.shape[0], device=a.device)
             sb = torch.ones(b.shape[0], b.shape[1], device=a.device)
             bt = b.transpose(-2, -1)  # [E, K, N] column-major
             return lambda: torch._scaled_grouped_mm(a, bt, sa, sb, offs=offs, out_dtype=torch.bfloat16,
-                                                    use_fast_accum=True)
+                                                    use_fast_accum=fast)
         a_t, _, b_t, _, poffs = ops
         sa = torch.ones(experts * a_t.shape[0], device=a_t.device)
         sb = torch.ones(experts * b_t.shape[0], device=a_t.device)
         bt = b_t.t()  # [Tp, N] column-major
         return lambda: torch._scaled_grouped_mm(a_t, bt, sa, sb, offs=poffs, out_dtype=torch.bfloat16,
-                                                use_fast_accum=True)
+                                                use_fast_accum=fast)
     if impl == "torch-blockwise":
         ends = ops[4].tolist()
         calls = []
@@ -202,16 +211,19 @@ def markdown(data) -> str:
 
 
 def totals(results, impls, shapes):
-    """Per impl, the six (or the chosen) GEMMs' summed time and the throughput over it."""
+    """Per impl, the six (or the chosen) GEMMs' summed time and the throughput over it; then per
+    recipe of RECIPE_ROWS whose rows ran, the same over its GEMMs (keyed "recipe <name>")."""
     out = {}
-    for impl in impls:
-        rows = [r for r in results if r["impl"] == impl]
+    picks = {impl: (impl, impl) for impl in impls}
+    picks.update({f"recipe {name}": rows for name, rows in RECIPE_ROWS.items() if set(rows) <= set(impls)})
+    for key, (m_impl, k_impl) in picks.items():
+        rows = [r for r in results if r["impl"] == (m_impl if r["grouping"] == "m" else k_impl)]
         if len(rows) != len(shapes) or any("error" in r for r in rows):
-            out[impl] = None
+            out[key] = None
             continue
         ms = sum(r["ms"] for r in rows)
         tf = sum(flops(g, s) for _, g, s in shapes) / ms / 1e9
-        out[impl] = dict(ms=ms, tflops=tf, peak_pct=100.0 * tf / PEAK_TFLOPS)
+        out[key] = dict(ms=ms, tflops=tf, peak_pct=100.0 * tf / PEAK_TFLOPS)
     return out
 
 

@@ -36,7 +36,9 @@ Rows (--impls), each on the same module, inputs and weights (enable() / disable(
   expertact           expertact.megatron.enable(module): ExpertMLP, bf16
   expertact-recompute enable(module, recompute=True)
   expertact-inplace   enable(module, inplace_backward=True)
-  expertact-fp8       enable(module, fp8="rowwise")
+  expertact-fp8       enable(module, fp8="rowwise"); expertact-fp8-bf16-wgrad, expertact-fp8-promoted-wgrad,
+                      expertact-fp8-blockwise: the other recipes of expertact.moe.FP8_RECIPES, one row
+                      each (bench.common.fp8_rows; skipped where the recipe cannot run)
   stack-copy          the per-call weight stack of the expertact rows alone (forward stack, the
                       stack made again in backward, the gradients split back): its share
 
@@ -60,14 +62,16 @@ import time
 import torch
 
 from .common import (
-    add_step_args, clock_and_memory, errors_against, finish, log, measure, measured_rows, median_ms, method,
-    parse_list, resolve_device, step_counts, timing_error_table, versions,
+    add_step_args, clock_and_memory, errors_against, finish, fp8_rows, log, measure, measured_rows, median_ms,
+    method, parse_list, resolve_device, step_counts, timing_error_table, versions,
 )
 
-IMPLS = ("megatron", "megatron-unfused", "expertact", "expertact-recompute", "expertact-inplace", "expertact-fp8",
+FP8_ROWS = fp8_rows("expertact-")  # "expertact-fp8": "rowwise", "expertact-fp8-bf16-wgrad": ...
+IMPLS = ("megatron", "megatron-unfused", "expertact", "expertact-recompute", "expertact-inplace", *FP8_ROWS,
          "stack-copy")
 OPTIONS = {"expertact": {}, "expertact-recompute": dict(recompute=True),
-           "expertact-inplace": dict(inplace_backward=True), "expertact-fp8": dict(fp8="rowwise")}
+           "expertact-inplace": dict(inplace_backward=True),
+           **{row: dict(fp8=recipe) for row, recipe in FP8_ROWS.items()}}
 SHAPES = {
     "4x3072": dict(experts=4, rows=262_144, dim=3072, ffn=3072, form="swiglu"),
     "gpt-oss-20b": dict(experts=32, rows=8_192, dim=2880, ffn=2880, form="gpt-oss"),

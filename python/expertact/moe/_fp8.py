@@ -1,8 +1,11 @@
-"""The FP8 node of expert_mlp (fp8="rowwise" or "blockwise"): the grouped expert MLP with its six
-GEMMs in float8 e4m3fn (docs/spec.md section 10). One autograd node for both recipes: the flow
-(what is kept, the order of the backward, what is freed when) is shared, and each recipe has
-its own operand step (the kernels that quantise) and its GEMM layer (_gemm.scaled_gmm,
-_gemm.blockwise_gmm: on Hopper the GPU's GEMMs, on the CPU their emulation).
+"""The FP8 node of expert_mlp (fp8= a recipe of expertact.moe.FP8_RECIPES): the grouped expert MLP
+with its GEMMs in float8 e4m3fn (docs/spec.md section 10). One autograd node for every recipe:
+the flow (what is kept, the order of the backward, what is freed when) is shared; what a recipe
+changes is read from its form (_gemm.FP8_FORMS, through plan.form): the operand family, rowwise
+or blockwise, each with its own operand step (the kernels that quantise) and GEMM layer
+(_gemm.scaled_gmm, _gemm.blockwise_gmm: on Hopper the GPU's GEMMs, on the CPU their emulation);
+whether the two weight gradients are FP8 GEMMs or bf16 ones; and, for rowwise FP8 weight
+gradients, whether they take Hopper's fast accumulation or the FP32-promoted one.
 
     forward   gate_up = x_q  @ w13_q       rowwise: x per row, w13 per expert and column
               y       = h_q  @ w2_q        blockwise: x in 1 x 128 row tiles, w13 in 128 x 128
@@ -14,19 +17,20 @@ _gemm.blockwise_gmm: on Hopper the GPU's GEMMs, on the CPU their emulation).
               dw13    = x^T dgate_up       rowwise per column (padded to ROW_PAD rows), blockwise
                                            in 128 x 1 column tiles (padded to 128)
 
-Rowwise: torchao's recipe, torch._scaled_grouped_mm with fast accumulation; x's and h's per
-expert and column amax are taken in the forward's passes, so that backward reads x once and
-makes h's column operand from gate_up in one pass. Blockwise: DeepSeek-V3's recipe, each
-128-deep K tile promoted to float32; its column tiles need no amax ahead (a tile's scale is
-its own), so backward makes h's column tiles from gate_up (b13 inside), dy's row and column
-tiles from one read, and dgate_up's row and column tiles (with the routing weights' gradient)
-in the activation's backward, with no bf16 dgate_up. Where a bf16 dgate_up is needed (b13's
-gradient, which the FP8 activation backwards do not compute; bf16 weight gradients with
-fp8_wgrad=False) the bf16 activation backward runs in the node's memory mode and the
-operands are quantised from its output. The node keeps what ``recompute=True`` keeps (x, the
-weights, gate_up; no h) and drops gate_up after the activation's backward, so the graph runs
-backward once. The kernels are _ops' (expertact.fp8 is their checked public form), their
-outputs allocated by _fp8_buffers.
+Rowwise: torchao's recipe, torch._scaled_grouped_mm with fast accumulation (in the weight
+gradients too with "rowwise", promoted to FP32 there with "rowwise-promoted-wgrad", the weight
+gradients in bf16 with "rowwise-bf16-wgrad"); x's and h's per expert and column amax are taken
+in the forward's passes, so that backward reads x once and makes h's column operand from
+gate_up in one pass. Blockwise: DeepSeek-V3's recipe, each 128-deep K tile promoted to float32;
+its column tiles need no amax ahead (a tile's scale is its own), so backward makes h's column
+tiles from gate_up (b13 inside), dy's row and column tiles from one read, and dgate_up's row and
+column tiles (with the routing weights' gradient) in the activation's backward, with no bf16
+dgate_up. Where a bf16 dgate_up is needed (b13's gradient, which the FP8 activation backwards
+do not compute; bf16 weight gradients) the bf16 activation backward runs in the node's memory
+mode and the operands are quantised from its output. The node keeps what ``recompute=True``
+keeps (x, the weights, gate_up; no h) and drops gate_up after the activation's backward, so the
+graph runs backward once. The kernels are _ops' (expertact.fp8 is their checked public form),
+their outputs allocated by _fp8_buffers.
 """
 from __future__ import annotations
 
@@ -51,11 +55,12 @@ TILE = _fp8_buffers.TILE  # blockwise: the tile edge, and each expert's row padd
 
 
 def why_not(x: Tensor, D: int, F: int, recipe: str = "rowwise") -> Optional[str]:
-    """Why the FP8 node of ``recipe`` cannot run on these operands, or None: Hopper (sm90) GPUs
-    with the recipe's GEMMs, and the CPU (the emulation), with bfloat16 operands and D and F
-    multiples of 16 on both."""
+    """Why the FP8 node of ``recipe`` (a name of _gemm.FP8_FORMS) cannot run on these operands, or
+    None: Hopper (sm90) GPUs with the recipe's GEMMs, and the CPU (the emulation), with bfloat16
+    operands and D and F multiples of 16 on both."""
+    blockwise = _gemm.FP8_FORMS[recipe].blockwise
     if x.is_cuda:
-        if recipe == "blockwise":
+        if blockwise:
             backend, why = _gemm.blockwise_backend(x.device)
             if backend is None:
                 return why
@@ -72,7 +77,7 @@ def why_not(x: Tensor, D: int, F: int, recipe: str = "rowwise") -> Optional[str]
         where = "" if x.is_cuda else f"x is on {x.device}, where the recipe runs as an emulation, and "
         return f"{where}x has dtype {x.dtype}: the FP8 path takes bfloat16 operands"
     if D % ALIGN or F % ALIGN:
-        if recipe == "blockwise":
+        if blockwise:
             return (f"D = {D} and F = {F} must be multiples of {ALIGN}: the blockwise GEMMs' reductions (K = D, F, "
                     "2F) are read in 16-byte rows (TMA) and their outputs' rows (N = D, F, 2F) stored in 16-byte "
                     "units; torch._scaled_mm takes the same multiples of 16 (the 128-wide tiles need none: a "
@@ -93,7 +98,7 @@ def why_not(x: Tensor, D: int, F: int, recipe: str = "rowwise") -> Optional[str]
 
 
 def _blocks(plan) -> bool:
-    return plan.fp8 == "blockwise"
+    return plan.form.blockwise
 
 
 def _tokens(t: Tensor, plan, offs: Optional[Tensor] = None):
@@ -181,7 +186,7 @@ def _cols(t: Tensor, offs, pads, plan, amax=None):
 
 def _dy(dy: Tensor, offs, pads, plan, need):
     """(dh's A operand or None, dw2's column operand or None) of dy, from one read of dy."""
-    wgrad = plan.fp8_wgrad and need.w2
+    wgrad = plan.form.wgrad_fp8 and need.w2
     if _blocks(plan):
         if not wgrad:
             return (_tokens(dy, plan) if need.dh else None), None
@@ -214,7 +219,8 @@ def _wgrad(a, b, pads, plan, like: Optional[Tensor]) -> Tensor:
     if held_transposed(like):
         return _wgrad(b, a, pads, plan, None).transpose(-2, -1)
     (aq, sa), (bq, sb) = a, b
-    return zero_empty_groups(_gemm.scaled_gmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), pads[0]), plan.ends)
+    out = _gemm.scaled_gmm(aq.t(), bq, sa.reshape(-1), sb.reshape(-1), pads[0], fast_accum=plan.form.wgrad_fast_accum)
+    return zero_empty_groups(out, plan.ends)
 
 
 def _fused_backward(plan, need, b13) -> bool:
@@ -225,7 +231,7 @@ def _fused_backward(plan, need, b13) -> bool:
     in FP8 (its kernel writes the column tiles too, and cannot write over gate_up)."""
     if b13 is not None and need.b13:
         return False
-    return plan.fp8_wgrad if _blocks(plan) else need.x
+    return plan.form.wgrad_fp8 if _blocks(plan) else need.x
 
 
 def _glu_backward(dh, gate_up, weights, b13, offs, pads, plan, need):
@@ -249,7 +255,7 @@ def _glu_backward(dh, gate_up, weights, b13, offs, pads, plan, need):
         return (q, scale, None), (None if q_t is None else (q_t, col_scale)), dweights, None
     q, scale = _fp8_buffers.rowwise(gate_up, C)
     dweights = torch.empty(scale.shape, dtype=torch.float32, device=dh.device) if grad_w else None
-    amax = _fp8_buffers.amax(E, C, dh.device) if plan.fp8_wgrad and need.w13 else None
+    amax = _fp8_buffers.amax(E, C, dh.device) if plan.form.wgrad_fp8 and need.w13 else None
     dgate_up = gate_up if need.w13 else None
     grouped = b13 is not None or amax is not None
     _ops.fp8_glu_backward_rowwise(dh, gate_up, weights, b13, offs if grouped else None, q, scale.view(-1),
@@ -260,7 +266,7 @@ def _glu_backward(dh, gate_up, weights, b13, offs, pads, plan, need):
 def _dg(dgate_up: Tensor, offs, pads, plan, need):
     """(dx's operand or None, dw13's column operand or None) from the bf16 activation backward's
     dgate_up. Rowwise makes dw13's later, from dgate_up and the amax of dx's operand."""
-    wgrad = plan.fp8_wgrad and need.w13
+    wgrad = plan.form.wgrad_fp8 and need.w13
     if _blocks(plan) and wgrad:
         return _tiles(dgate_up, offs, pads, plan, need.x)
     if not need.x:
@@ -298,7 +304,7 @@ class Fp8ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, weights, offs, plan, b13=None, b2=None):
         need = needs(ctx)
-        amax = plan.fp8_wgrad and not _blocks(plan)  # the rowwise column operands start from them
+        amax = plan.form.wgrad_fp8 and not _blocks(plan)  # the rowwise column operands start from them
         x, gate_up, y, xamax, hamax = forward(x, w13, w2, weights, offs, plan, b13, b2,
                                               x_amax=need.w13 and amax, h_amax=need.w2 and amax and b13 is None)
         # gate_up as an attribute, as keep() holds h: backward drops it after the activation's
@@ -319,7 +325,7 @@ class Fp8ExpertMLP(torch.autograd.Function):
             raise RuntimeError("expertact.moe: expert_mlp(fp8=...) frees gate_up during its backward, so its graph "
                                "runs backward once (a second backward, retain_graph=True, is not supported)")
         plan, need = ctx.plan, needs(ctx)
-        wgrad = plan.fp8_wgrad
+        wgrad = plan.form.wgrad_fp8
         dy = dy.contiguous()
         dx = dw13 = dw2 = dweights = db13 = db2 = dweights_b2 = None
         if b2 is not None:  # one pass over dy: b2's gradient and its term of the weights' gradient

@@ -1,9 +1,10 @@
 """The grouped GEMMs of the expert MLP, shared by its bf16 and FP8 nodes: torch._grouped_mm on
 CUDA where it has a grouped kernel, a per-expert torch.matmul loop elsewhere, and the layout
 rules of their operands and weight gradients; and the one layer under the FP8 node's GEMMs:
-the rowwise recipe's (scaled_gmm: torch._scaled_grouped_mm on Hopper, its emulation on the CPU)
+the rowwise recipes' (scaled_gmm: torch._scaled_grouped_mm on Hopper, its emulation on the CPU)
 and the blockwise recipe's (blockwise_gmm: expertact's CUTLASS grouped GEMM on Hopper, else
-torch._scaled_mm per expert, its emulation on the CPU)."""
+torch._scaled_mm per expert, its emulation on the CPU); and what each FP8 recipe does
+(FP8_FORMS), which the Plan carries by name."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -12,8 +13,27 @@ import torch
 
 from .. import _capi, _ops
 
-__all__ = ["Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed", "zero_empty_groups",
-           "scaled_gmm", "blockwise_gmm", "blockwise_backend"]
+__all__ = ["Fp8Form", "FP8_FORMS", "Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed",
+           "zero_empty_groups", "scaled_gmm", "blockwise_gmm", "blockwise_backend"]
+
+
+class Fp8Form(NamedTuple):
+    """What the FP8 node does under one recipe."""
+    blockwise: bool         # the blockwise operands and GEMMs (blockwise_gmm), else the rowwise ones (scaled_gmm)
+    wgrad_fp8: bool         # the two weight-gradient GEMMs in FP8, else in bf16 (gmm_wgrad on the bf16 tensors)
+    wgrad_fast_accum: bool  # rowwise FP8 weight gradients with Hopper's fast accumulation, else promoted to FP32
+
+
+#: Each FP8 recipe's form, by the name ``fp8=`` takes: the one place that says what a recipe
+#: does (expertact.moe.FP8_RECIPES names the same recipes with their measured cost). The four
+#: M-grouped rowwise GEMMs (K = D, F or 2F) always take fast accumulation; the weight
+#: gradients' K is an expert's rows, where it costs accuracy (docs/spec.md section 10).
+FP8_FORMS = {
+    "rowwise": Fp8Form(blockwise=False, wgrad_fp8=True, wgrad_fast_accum=True),
+    "rowwise-bf16-wgrad": Fp8Form(blockwise=False, wgrad_fp8=False, wgrad_fast_accum=False),
+    "rowwise-promoted-wgrad": Fp8Form(blockwise=False, wgrad_fp8=True, wgrad_fast_accum=False),
+    "blockwise": Fp8Form(blockwise=True, wgrad_fp8=True, wgrad_fast_accum=False),
+}
 
 
 class Plan(NamedTuple):
@@ -26,8 +46,12 @@ class Plan(NamedTuple):
     layout: str = "halves"   # gate and up along w13's last dim
     biased: bool = False     # b13 or b2 given: offs is then on x's device (the bias kernels read it)
     remake_weights: object = None  # () -> (w13, w2) remade in backward instead of kept (expert_mlp's argument)
-    fp8: Optional[str] = None  # the FP8 recipe (expertact.moe.FP8_RECIPES), None for the model's dtype
-    fp8_wgrad: bool = True     # with fp8: the weight-gradient GEMMs in FP8 too (else bf16)
+    fp8: Optional[str] = None  # the FP8 recipe (a name of FP8_FORMS), None for the model's dtype
+
+    @property
+    def form(self) -> Fp8Form:
+        """The FP8 recipe's form (FP8_FORMS); only with fp8 set."""
+        return FP8_FORMS[self.fp8]
 
 
 def use_grouped_mm(x, D, F) -> bool:
@@ -134,7 +158,7 @@ def zero_empty_groups(out: torch.Tensor, ends) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-def scaled_gmm(a, b, scale_a, scale_b, offs):
+def scaled_gmm(a, b, scale_a, scale_b, offs, fast_accum=True):
     """torch._scaled_grouped_mm as the FP8 node calls it: e4m3 operands in the formats it takes on
     sm90 (A row-major, B column-major), float32 dequantisation scales, int32 offs, bf16 output.
     Two forms: a [T, K] with b [E, K, N], scale_a [T], scale_b [E, N], offs the experts' end rows
@@ -142,15 +166,18 @@ def scaled_gmm(a, b, scale_a, scale_b, offs):
     [E * M], scale_b [E * N], offs the experts' end columns of a along Kp -> [E, M, N] (the
     weight gradients over each expert's padded rows).
 
-    On CUDA the operator, with fast accumulation as torchao calls it. On the CPU its emulation,
-    for tests and studies of the recipe (slow, not a speed path): q dequantised exactly (q *
-    scale, the scales being powers of two) and multiplied in float32 by torch.matmul, each
+    On CUDA the operator with ``use_fast_accum=fast_accum``: True as torchao calls it (Hopper's
+    FP8 tensor cores accumulate in about 14 bits, never promoted along K), False for the
+    accumulation promoted to FP32 (cuBLAS's slower path; the weight gradients of the
+    "rowwise-promoted-wgrad" recipe). On the CPU its emulation, for tests and studies of the
+    recipe (slow, not a speed path), the same for either ``fast_accum``: q dequantised exactly
+    (q * scale, the scales being powers of two) and multiplied in float32 by torch.matmul, each
     expert's block rounded once to bf16. What the operator leaves unwritten (rows past the last
     offset, the block of an expert without rows) the emulation fills with NaN, so that a caller
     that forgets to zero it fails on the CPU too."""
     if a.is_cuda:
         return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
-                                        use_fast_accum=True)
+                                        use_fast_accum=fast_accum)
     ends = offs.tolist()
     start = 0
     if b.dim() == 3:

@@ -10,7 +10,9 @@ tensor, and those it quantises from the activation's float32 values (h for the d
 projection, dgate_up where the FP8 activation backward made it) are quantised from them. The
 FP8 activation backward makes dx's operand unless b13 takes a gradient (rowwise, blockwise) or
 the weight gradients are in bf16 (blockwise), and dw13's operand too in the blockwise recipe
-(rowwise quantises it from the bf16 dgate_up that kernel writes). A blockwise weight-gradient
+(rowwise quantises it from the bf16 dgate_up that kernel writes). The recipes by name differ in
+their operands' tiles and in whether the weight gradients are FP8 GEMMs (RECIPES); the
+accumulation is exact here, so "rowwise" and "rowwise-promoted-wgrad" have one oracle. A blockwise weight-gradient
 scale is per tile of an expert's rows, the tiles starting at its first row: the oracle
 quantises each expert's block apart, as the node's 128-padded layout does. An implementation
 of the recipe then differs from it only where float32 accumulation moves a value across a
@@ -23,13 +25,23 @@ import torch
 from .fp8_tiles import TILE, dequantize, quantize_tiles
 from .oracle import glu64
 
-# Each recipe's tiles (rows, cols; None: the whole dim), for the three kinds of operand:
+# Each operand family's tiles (rows, cols; None: the whole dim), for the three kinds of operand:
 #   rows     the token-major A operand of a forward or input-gradient GEMM, [T, K]
 #   weights  one expert's B operand [K, N]
 #   cols     one expert's operand of a weight-gradient GEMM, [its rows, C], K its rows
-RECIPES = {
+TILES = {
     "rowwise": dict(rows=(1, None), weights=(None, 1), cols=(None, 1)),
     "blockwise": dict(rows=(1, TILE), weights=(TILE, TILE), cols=(TILE, 1)),
+}
+# Each recipe of expertact.moe.FP8_RECIPES, as docs/spec.md section 10 describes it: (its
+# operand family, whether its two weight-gradient GEMMs are FP8 GEMMs (else bf16 GEMMs on the
+# bf16 tensors), whether those take the GPU's fast accumulation (rowwise; the oracle's
+# accumulation is exact either way)).
+RECIPES = {
+    "rowwise": ("rowwise", True, True),
+    "rowwise-bf16-wgrad": ("rowwise", False, False),
+    "rowwise-promoted-wgrad": ("rowwise", True, False),
+    "blockwise": ("blockwise", True, False),
 }
 
 
@@ -45,20 +57,20 @@ def _bf16(t):
 
 
 def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", alpha=1.702, limit=7.0,
-               weights=None, b13=None, b2=None, recipe="rowwise", wgrad=True, b13_grad=True):
+               weights=None, b13=None, b2=None, recipe="rowwise", b13_grad=True):
     """y and the gradients of expert_mlp(x, w13, w2, offsets, activation, fp8=recipe) given dy:
     a dict with y, x, w13, w2, and weights, b13, b2 where given, float64 (every tensor the node
     writes in bf16 rounded to bf16; the routing weights' gradient float32's values unrounded).
 
     x [T, D], w13 [E, D, 2F], w2 [E, F, D], dy [T, D], b13 [E, 2F], b2 [E, D] as the node gets
     them (bf16), weights float32 [T]; ends: the experts' cumulative end rows (host ints); rows
-    past ends[-1] give zero. wgrad=False: the weight-gradient GEMMs in bf16 (fp8_wgrad=False).
-    b13_grad: whether b13 wants its gradient (then the recipe quantises dgate_up's operands
-    from the bf16 dgate_up of the biased backward, else from the activation backward's float32
-    values: module docstring)."""
-    tiles = RECIPES[recipe]
+    past ends[-1] give zero. recipe: a name of RECIPES. b13_grad: whether b13 wants its
+    gradient (then the recipe quantises dgate_up's operands from the bf16 dgate_up of the biased
+    backward, else from the activation backward's float32 values: module docstring)."""
+    family, wgrad, _ = RECIPES[recipe]
+    tiles = TILES[family]
     # dgate_up's FP8 operands from the bf16 activation backward's output (else from float32)
-    bf16_dg = (b13_grad and b13 is not None) or (recipe == "blockwise" and not wgrad)
+    bf16_dg = (b13_grad and b13 is not None) or (family == "blockwise" and not wgrad)
     T, D = x.shape
     E, F = w13.shape[0], w2.shape[1]
     X, DY = x.double(), dy.double()
@@ -94,7 +106,7 @@ def expert_mlp(x, w13, w2, ends, dy, activation="swiglu", *, layout="halves", al
         out["x"][r] = _bf16(_q(dgate_up if bf16_dg else dz, tiles["rows"]) @ _q(w13[e].t(), tiles["weights"]))
         hb = _bf16(h.detach())  # h as the bf16 forward writes it
         if wgrad:
-            dg = dgate_up if bf16_dg or recipe == "rowwise" else dz
+            dg = dgate_up if bf16_dg or family == "rowwise" else dz
             out["w13"][e] = _bf16(_q(x[r], tiles["cols"]).t() @ _q(dg, tiles["cols"]))
             out["w2"][e] = _bf16(_q(hb, tiles["cols"]).t() @ _q(dy[r], tiles["cols"]))
         else:
@@ -184,17 +196,21 @@ class ScaledGemmLog:
     the GPU's GEMMs on Hopper, their emulation on the CPU), checking each call against its
     contract (check_sm90_contract, check_blockwise_contract). log.mm: the M-grouped calls
     (forward and input gradients), log.wgrad: the weight-gradient ones; log.blockwise: how many
-    of them were the blockwise recipe's."""
+    of them were the blockwise recipe's; log.promoted: {"mm": n, "wgrad": n}, the rowwise calls
+    (scaled_gmm) of each form made with fast accumulation off (FP32-promoted on Hopper)."""
 
     def __enter__(self):
         from expertact.moe import _gemm
         self._gemm, self._real, self._real_blockwise = _gemm, _gemm.scaled_gmm, _gemm.blockwise_gmm
         self.mm = self.wgrad = self.blockwise = 0
+        self.promoted = {"mm": 0, "wgrad": 0}
 
-        def logged(a, b, scale_a, scale_b, offs):
+        def logged(a, b, scale_a, scale_b, offs, fast_accum=True):
             form = check_sm90_contract(a, b, scale_a, scale_b, offs)
+            assert isinstance(fast_accum, bool), fast_accum
             setattr(self, form, getattr(self, form) + 1)
-            return self._real(a, b, scale_a, scale_b, offs)
+            self.promoted[form] += not fast_accum
+            return self._real(a, b, scale_a, scale_b, offs, fast_accum)
 
         def logged_blockwise(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
             form = check_blockwise_contract(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed)
@@ -211,6 +227,18 @@ class ScaledGemmLog:
     @property
     def calls(self):
         return self.mm + self.wgrad
+
+    def check(self, recipe, mm=4, wgrad=2):
+        """The FP8 GEMMs logged are the recipe's (RECIPES): mm M-grouped and wgrad K-grouped calls
+        (no K-grouped one where its weight gradients are bf16), all through the recipe's layer,
+        its rowwise weight gradients' with fast accumulation off where it says so and every
+        other rowwise call with it on."""
+        family, fp8_weight_grads, fast = RECIPES[recipe]
+        wgrad = wgrad if fp8_weight_grads else 0
+        assert (self.mm, self.wgrad) == (mm, wgrad), (recipe, self.mm, self.wgrad)
+        assert self.blockwise == (mm + wgrad if family == "blockwise" else 0), (recipe, self.blockwise)
+        promoted = wgrad if family == "rowwise" and not fast else 0
+        assert self.promoted == {"mm": 0, "wgrad": promoted}, (recipe, self.promoted)
 
 
 def rel(a, b):
