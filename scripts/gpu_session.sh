@@ -39,19 +39,22 @@
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
 #   train-autoep-fp8       beside train-autoep's runs on the same machine (its folder): AutoEP h200, 300
-#                          steps, the FP8 recipes train-autoep does not run (rowwise with bf16 weight
-#                          gradients, blockwise; a recipe this expertact lacks is left out and said so)
-#                          and torchao's FP8 rowwise MoE training; then one report of every run
+#                          steps, the FP8 recipes train-autoep does not run (rowwise-bf16-wgrad, the
+#                          default; rowwise-promoted-wgrad; blockwise; a recipe this expertact lacks is
+#                          left out and said so) and torchao's FP8 rowwise MoE training; then one report
+#                          of every run
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
+#   profile-fp8            bench/mlp_kernel_profile.py for the default recipe, rowwise-promoted-wgrad and
+#                          blockwise: each kernel's time in one step at the busiest rank's shape
 #   train-autoep-1000-bf16 1,000 steps on the larger corpus (--corpus stdlib+packages): DeepSpeed's default
 #                          and its repeat
-#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-blockwise: the
-#                          run the 300-step results pick), then the report
+#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-bf16-wgrad: the
+#                          default recipe, the run the 300-step results pick), then the report
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
 #   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
-#                          the recipe FINETUNE_FP8 (default rowwise), into the same report
+#                          the recipe FINETUNE_FP8 (default rowwise-bf16-wgrad), into the same report
 #
 # Needs: one NVIDIA GPU, Hopper (sm_90) for the FP8 rows and runs; the CUDA toolkit (nvcc), CMake >=
 # 3.24, Ninja and dlpack.h for the build (the system's, or .deps/include/dlpack/dlpack.h); Python
@@ -73,13 +76,16 @@ SITE=${SITE:-/tmp/site}
 LONG_FP8=${LONG_FP8:-mlp-fp8-bf16-wgrad}
 FINETUNE_FP8=${FINETUNE_FP8:-rowwise-bf16-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
-       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8
+       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
-# Priority order: the FP8 per-GEMM diagnosis, then the AutoEP trainings (the comparison against DeepSpeed's
-# default and every FP8 recipe, on one machine), the module benchmarks beside Megatron's trainings (both forms
-# on one machine), the FP8 benchmarks, the longer runs.
-PLAN=(test-fp8 fp8-accuracy train-autoep train-autoep-fp8 bench-autoep bench-megatron train-megatron-swiglu
-      train-megatron-gpt-oss report-megatron bench-mlp-fp8 bench-fp8-gemms train-autoep-1000-bf16
+# Priority order, what the session of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/: the
+# per-GEMM diagnosis, the AutoEP trainings of rowwise, bf16 weight gradients and blockwise, bench-autoep,
+# bench-megatron and bench-fp8-gemms ran): the GPU tests of the fixes it led to, the AutoEP trainings of
+# every recipe beside their yardsticks (on one machine), the FP8 module benchmark and profile (the
+# default's speed target, blockwise's kernels), Megatron's trainings (both forms on one machine), the
+# longer runs.
+PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8-gemms train-megatron-swiglu
+      train-megatron-gpt-oss report-megatron bench-autoep bench-megatron train-autoep-1000-bf16
       train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) before the FP8 grouped GEMMs, whose two
@@ -97,15 +103,21 @@ PLAN=(test-fp8 fp8-accuracy train-autoep train-autoep-fp8 bench-autoep bench-meg
 # of steps each; fp8-accuracy: the capture ~75 s (151 steps and the 1.7 GB file), the analysis of it
 # ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
 # bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
-declare -A EST=([preflight]=20 [build]=240 [bench-autoep]=300 [train-autoep]=480 [bench-megatron]=150
-                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=120
-                [fp8-accuracy]=330 [train-autoep-fp8]=270 [bench-fp8-gemms]=120
-                [bench-mlp-fp8]=240 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
+# Measured in the session of 2026-12-05 (its command.txt files; one H200, 16 cores): preflight 42 s
+# (the wheels' install included), build 109 s (the CUTLASS units included), test-fp8 61 s, train-autoep
+# 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed start (~85 s a
+# run: four now), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8 rows a table),
+# bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps and their
+# warm-up at the busiest rank's shape, estimated.
+declare -A EST=([preflight]=45 [build]=120 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
+                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=70
+                [fp8-accuracy]=120 [train-autoep-fp8]=360 [bench-fp8-gemms]=60
+                [bench-mlp-fp8]=240 [profile-fp8]=90 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
-# (~150 s) included: --plan fills calls up to CALL_S (a margin for the estimates) and sessions up to
+# (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and sessions up to
 # SESSION_S.
-CALL_S=${CALL_S:-480}
+CALL_S=${CALL_S:-540}
 SESSION_S=${SESSION_S:-1650}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -155,7 +167,8 @@ pack() {
   echo "  each call as one command on the GPU machine (where it has no network, with scripts/gpu_wheels.sh's .whl/"
   echo "  and .deps/ beside the tree: the call carries [\".whl\", \".deps\"]), its results in one file:"
   echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
-  echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held)"
+  echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held; a lent"
+  echo "  machine may go back seconds after a call ends: issue the next call at once, read the results after)"
 }
 
 DRY=0
@@ -306,6 +319,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     bench-mlp-fp8)
       run_stage "$st" "$D" "$PY" "$PY" -m expertact.bench --mlp --fp8 --json "$D/mlp-fp8.json" \
         --markdown "$D/mlp-fp8.md" ;;
+    profile-fp8)
+      run_stage "$st" "$D" "$PY" bash -c "for impl in fp8-bf16-wgrad fp8-promoted-wgrad fp8-blockwise; do
+          '$PY' bench/mlp_kernel_profile.py \$impl || exit 1; done" ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

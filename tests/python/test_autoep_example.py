@@ -214,7 +214,7 @@ def test_report_plot_of_cpu_runs_draws_the_windows(tmp_path):
     runs.append(model)
     for r in runs:
         r["peak_allocated_bytes_per_rank"] = [None, None]
-    assert report.label(model) == "expertact MLP, FP8, fast-accumulation model 13 bits on all GEMMs"
+    assert report.label(model) == "expertact MLP, FP8 rowwise, fast-accumulation model 13 bits on all GEMMs"
     import matplotlib.pyplot as plt
     drawn = []
     real = plt.Figure.savefig

@@ -229,7 +229,7 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "fp8-accuracy", "train-autoep", "train-autoep-fp8"]
+    assert fp8[:4] == ["test-fp8", "train-autoep", "train-autoep-fp8", "bench-mlp-fp8"]
     assert len(fp8) == len(set(fp8)) == 15
     # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
     session_of = {}
@@ -241,7 +241,7 @@ def test_gpu_session_plan_and_dry_run():
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8], capture_output=True, text=True, env=env,
+    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, "fp8-accuracy"], capture_output=True, text=True, env=env,
                          check=True).stdout
     assert not os.path.exists("/nonexistent/out")
     for st in fp8:
