@@ -113,9 +113,5 @@ Status fp8_glu_backward_tiles_body(const GluParams& params, Layout layout, const
                                    const OffsetsRef* offsets, const OffsetsRef* padded_offsets, const MatrixRef& q,
                                    const MatrixRef& scale, const MatrixRef* q_t, const MatrixRef* col_scale,
                                    const VectorRef* grad_weights, const MatrixRef* grad_gate_up, void* stream);
-// The FP8 blockwise grouped GEMM (src/api_fp8_gemm.cpp; expertact.hpp, fp8_grouped_gemm_blockwise).
-Status fp8_grouped_gemm_blockwise_body(GemmGrouping grouping, const MatrixRef& a, const MatrixRef& a_scale,
-                                       const ExpertsRef& b, const ExpertsRef& b_scale, const OffsetsRef& offsets,
-                                       const ExpertsRef& d, void* workspace, size_t workspace_bytes, void* stream);
 
 }  // namespace expertact::detail

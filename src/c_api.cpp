@@ -805,38 +805,6 @@ expertact_status expertact_fp8_glu_backward_tiles(
 
 // ---- end of the FP8 blockwise operands ----
 
-// ---- FP8 blockwise grouped GEMM ----
-expertact_status expertact_fp8_grouped_gemm_blockwise(int32_t grouping, const expertact_tensor* a,
-                                                      const expertact_tensor* a_scale, const expertact_tensor* b,
-                                                      int64_t b_expert_stride, const expertact_tensor* b_scale,
-                                                      int64_t b_scale_expert_stride, const expertact_tensor* offsets,
-                                                      expertact_tensor* d, int64_t d_expert_stride, void* workspace,
-                                                      size_t workspace_bytes, void* stream) {
-  return guarded_c("expertact_fp8_grouped_gemm_blockwise", [&]() -> Status {
-    static_assert(EXPERTACT_GEMM_M_GROUPED == static_cast<int>(GemmGrouping::kM) &&
-                  EXPERTACT_GEMM_K_GROUPED == static_cast<int>(GemmGrouping::kK));
-    MatrixRef ma, msa;
-    ExpertsRef eb, esb, ed;
-    OffsetsRef offs;
-    EA_TRY(to_matrix("a", a, ma));
-    EA_TRY(to_matrix("a_scale", a_scale, msa));
-    EA_TRY(to_matrix("b", b, eb.m));
-    EA_TRY(to_matrix("b_scale", b_scale, esb.m));
-    EA_TRY(to_offsets(offsets, offs));
-    EA_TRY(to_matrix("d", d, ed.m));
-    eb.expert_stride = b_expert_stride;
-    esb.expert_stride = b_scale_expert_stride;
-    ed.expert_stride = d_expert_stride;
-    return fp8_grouped_gemm_blockwise_body(static_cast<GemmGrouping>(grouping), ma, msa, eb, esb, offs, ed, workspace,
-                                           workspace_bytes, stream);
-  });
-}
-size_t expertact_fp8_grouped_gemm_blockwise_workspace_bytes(int64_t num_experts) {
-  return expertact::fp8_grouped_gemm_blockwise_workspace_bytes(num_experts);
-}
-int32_t expertact_has_fp8_grouped_gemm(void) { return expertact::has_fp8_grouped_gemm() ? 1 : 0; }
-// ---- end of the FP8 blockwise grouped GEMM ----
-
 const char* expertact_last_error(void) { return expertact::last_error(); }
 int32_t expertact_has_cuda(void) { return expertact::has_cuda() ? 1 : 0; }
 int32_t expertact_abi_version(void) { return EXPERTACT_ABI_VERSION; }

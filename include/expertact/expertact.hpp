@@ -383,69 +383,6 @@ Status fp8_glu_backward_tiles(const GluParams& params, Layout layout, const Matr
                               const MatrixRef& scale, const MatrixRef* q_t, const MatrixRef* col_scale,
                               const VectorRef* grad_weights, const MatrixRef* grad_gate_up, void* stream = nullptr);
 
-// FP8 blockwise grouped GEMM (docs/notes/fp8-recipes.md, "The six GEMMs"): DeepSeek-V3's
-// recipe on Hopper. Every 128-deep tile of K is accumulated by the tensor cores and added into
-// float32 registers scaled by sa * sb (the promotion), so the sum keeps float32 precision
-// whatever K is; D is that float32 sum rounded once to bfloat16. A CUTLASS sm_90a kernel,
-// built when the CUTLASS headers are found (has_fp8_grouped_gemm()); CUDA tensors on an sm_90
-// GPU only (anything else: kUnsupported, saying why).
-// ---------------------------------------------------------------------------
-
-enum class GemmGrouping : int32_t {
-  kM = 0,  // rows split by expert: the forward and input-gradient GEMMs
-  kK = 1,  // the reduction split by expert: the weight-gradient GEMMs
-};
-
-// A stack of E row-strided matrices of one shape: matrix e is `m` moved by e * expert_stride
-// elements (expert_stride 0: one matrix shared by every expert).
-struct ExpertsRef {
-  MatrixRef m;
-  int64_t expert_stride = 0;
-};
-
-// kM (M-grouped), E = offsets.size experts, rows sorted by expert (expert e owns rows
-// [offsets[e - 1], offsets[e]) of a and d, offsets[-1] = 0):
-//   d[r, n] = sum_k a[r, k] sa[k / 128, r] b[e][n, k] sb[e][n / 128, k / 128]   for r in e's rows
-//   a        [T, K] float8 e4m3fn, K contiguous (row stride a multiple of 16, data 16-byte aligned)
-//   a_scale  [KB, T] float32, KB = ceil(K / 128): the 1 x 128 row tiles' scales, T contiguous
-//            (row stride >= T; (row stride) * KB < 2^31)
-//   b        [N, K] per expert (ExpertsRef: row stride and expert stride multiples of 16, data
-//            16-byte aligned), float8 e4m3fn, K contiguous: B[e] is the weight as [N, K]
-//   b_scale  [NB, KB] per expert, NB = ceil(N / 128), float32: the 128 x 128 blocks' scales,
-//            KB contiguous
-//   d        [T, N] bfloat16, row-major; d.expert_stride 0. Rows past offsets[E - 1] are
-//            written as 0.
-//   K % 16 == 0 (TMA's 16-byte rows; K need not be a multiple of 128: the last K tile is
-//   partial, zero-filled), N % 8 == 0 (d's rows are stored by TMA in 16-byte units), d's row
-//   stride a multiple of 8 and data 16-byte aligned.
-// kK (K-grouped), E = offsets.size experts, each owning a block of the tokens: expert e's
-// tokens are [offsets[e - 1], offsets[e]) of the Tp padded tokens (multiples of 128; the
-// padding's q is 0x00):
-//   d[e][m, n] = sum_t a[m, t] sa[t / 128, m] b[n, t] sb[t / 128, n]   for t in e's tokens
-//   a        [M, Tp] float8 e4m3fn, the tokens contiguous (A^T: the column tiles' q_t)
-//   a_scale  [Tp / 128, M] float32, M contiguous: the 128 x 1 column tiles' scales
-//   b        [N, Tp] float8 e4m3fn (B^T), expert_stride 0; b_scale [Tp / 128, N], expert_stride 0
-//   d        [M, N] per expert (ExpertsRef), bfloat16, row-major: d[e] of an expert with no
-//            tokens is written as 0. For d[e] column-major (the gradient of a weight held as
-//            its transpose), pass b as a and a as b: the same kernel writes d[e]^T row-major.
-//   Tp % 128 == 0, N % 8 == 0, rows of a and b 16-byte aligned (row strides multiples of 16),
-//   d's row and expert strides multiples of 8, (scale row stride) * Tp / 128 < 2^31.
-// Both: offsets int32 [E], E >= 1, contiguous, on the operands' device; they are read on the
-// device only (no host synchronisation): values that break the contract (decreasing, past T or
-// Tp, kK's not multiples of 128) give wrong output, never an access outside the tensors.
-// workspace: device memory of at least fp8_grouped_gemm_blockwise_workspace_bytes(E) bytes,
-// 256-byte aligned, not shared with a concurrent call (the per-group problem list is built in
-// it on the device). Nothing but d (and the workspace) is written. A NaN or infinity in an
-// operand or a scale reaches the outputs it feeds.
-Status fp8_grouped_gemm_blockwise(GemmGrouping grouping, const MatrixRef& a, const MatrixRef& a_scale,
-                                  const ExpertsRef& b, const ExpertsRef& b_scale, const OffsetsRef& offsets,
-                                  const ExpertsRef& d, void* workspace, size_t workspace_bytes,
-                                  void* stream = nullptr);
-// Workspace bytes of a call over E experts (either grouping; 0 in a build without the GEMM).
-size_t fp8_grouped_gemm_blockwise_workspace_bytes(int64_t num_experts);
-// Whether this build has the FP8 blockwise grouped GEMM (CUDA path with the CUTLASS headers).
-bool has_fp8_grouped_gemm();
-
 const char* last_error();
 
 // Whether this build has the CUDA path, and the number of CPU threads the CPU path uses.

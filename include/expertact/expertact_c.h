@@ -26,7 +26,7 @@ extern "C" {
  * 4: every entry takes expertact_tensor (the DLTensor entries and the _2d suffix are gone;
  *    expertact_tensor_from_dlpack / expertact_vector_from_dlpack convert a DLTensor);
  * 5: the blockwise FP8 operands (row tiles, column tiles, weight blocks; their activation
- *    forms) and the FP8 blockwise grouped GEMM. */
+ *    forms). 5 has no GEMM entry: the grouped GEMMs are torch's (docs/notes/fp8-gemm.md). */
 
 typedef int32_t expertact_status; /* values of expertact::Status */
 #define EXPERTACT_OK 0
@@ -269,37 +269,6 @@ EXPERTACT_API expertact_status expertact_fp8_glu_backward_tiles(
     expertact_tensor* scale, expertact_tensor* q_t, expertact_tensor* col_scale, expertact_tensor* grad_weights,
     expertact_tensor* grad_gate_up, void* stream);
 /* ---- end of the FP8 blockwise operands ---- */
-
-/* ---- FP8 blockwise grouped GEMM (expertact.hpp, fp8_grouped_gemm_blockwise, says it exactly) ----
- * DeepSeek-V3's recipe on Hopper: each 128-deep K tile accumulated by the tensor cores, then added
- * into float32 scaled by sa * sb; d = the float32 sum rounded once to bfloat16. CUDA tensors on an
- * sm_90 GPU, in a build with the CUTLASS headers (expertact_has_fp8_grouped_gemm); otherwise
- * EXPERTACT_UNSUPPORTED, saying why. A per-expert operand is described by its expert 0 (an
- * expertact_tensor) and the elements from one expert's matrix to the next (*_expert_stride).
- *   EXPERTACT_GEMM_M_GROUPED (forward, input gradient), E = offsets' experts, rows sorted by expert:
- *     a [T, K] float8_e4m3fn; a_scale [ceil(K / 128), T] float32 (the 1 x 128 row tiles' scales,
- *     T contiguous); b [N, K] float8_e4m3fn per expert (b_expert_stride); b_scale
- *     [ceil(N / 128), ceil(K / 128)] float32 per expert (the 128 x 128 blocks'); d [T, N] bfloat16,
- *     d_expert_stride 0; rows past offsets[E - 1] are written as 0. K % 16 == 0, N % 8 == 0.
- *   EXPERTACT_GEMM_K_GROUPED (weight gradients), expert e's tokens [offsets[e - 1], offsets[e]) of
- *     Tp padded tokens (multiples of 128): a [M, Tp] float8_e4m3fn (tokens contiguous); a_scale
- *     [Tp / 128, M]; b [N, Tp]; b_scale [Tp / 128, N]; b and b_scale expert strides 0; d [M, N]
- *     bfloat16 per expert (d_expert_stride), 0 for an expert without tokens. Tp % 128 == 0,
- *     N % 8 == 0. For d[e] column-major, pass b as a and a as b (d[e]^T row-major).
- * offsets: int32 [E], E >= 1, read on the device only. workspace: device memory of at least
- * expertact_fp8_grouped_gemm_blockwise_workspace_bytes(E) bytes, 256-byte aligned. */
-#define EXPERTACT_GEMM_M_GROUPED 0
-#define EXPERTACT_GEMM_K_GROUPED 1
-EXPERTACT_API expertact_status expertact_fp8_grouped_gemm_blockwise(
-    int32_t grouping, const expertact_tensor* a, const expertact_tensor* a_scale, const expertact_tensor* b,
-    int64_t b_expert_stride, const expertact_tensor* b_scale, int64_t b_scale_expert_stride,
-    const expertact_tensor* offsets, expertact_tensor* d, int64_t d_expert_stride, void* workspace,
-    size_t workspace_bytes, void* stream);
-/* Workspace bytes of a call over num_experts experts (0 in a build without the GEMM). */
-EXPERTACT_API size_t expertact_fp8_grouped_gemm_blockwise_workspace_bytes(int64_t num_experts);
-/* 1 if this build has the FP8 blockwise grouped GEMM (the CUDA path with the CUTLASS headers), else 0. */
-EXPERTACT_API int32_t expertact_has_fp8_grouped_gemm(void);
-/* ---- end of the FP8 blockwise grouped GEMM ---- */
 
 /* Message of the last failed call on this thread ("" if the last call succeeded). */
 EXPERTACT_API const char* expertact_last_error(void);

@@ -111,11 +111,6 @@ PROTOTYPES = {
     "expertact_fp8_glu_row_tiles": (c_int32, None),
     "expertact_fp8_glu_column_tiles_grouped": (c_int32, None),
     "expertact_fp8_glu_backward_tiles": (c_int32, None),
-    # ---- FP8 blockwise grouped GEMM ----
-    "expertact_fp8_grouped_gemm_blockwise": (c_int32, None),
-    "expertact_fp8_grouped_gemm_blockwise_workspace_bytes": (c_size_t, [c_int64]),
-    "expertact_has_fp8_grouped_gemm": (c_int32, []),
-    # ---- end of the FP8 blockwise grouped GEMM ----
     "expertact_last_error": (c_char_p, []),
     "expertact_has_cuda": (c_int32, []),
     "expertact_abi_version": (c_int32, []),
@@ -220,20 +215,6 @@ def preset(name: str, alpha: float = math.nan, limit: float = math.nan) -> tuple
     p = Params()
     check(LIB.expertact_preset(name.encode(), alpha, limit, byref(p)))
     return (p.act, p.alpha, p.limit, p.beta)
-
-
-# ---- FP8 blockwise grouped GEMM ----
-GEMM_M_GROUPED, GEMM_K_GROUPED = 0, 1  # expertact_c.h: EXPERTACT_GEMM_M_GROUPED, EXPERTACT_GEMM_K_GROUPED
-
-
-def has_fp8_grouped_gemm() -> bool:
-    """Whether this build has the FP8 blockwise grouped GEMM (the CUDA path with the CUTLASS headers)."""
-    return bool(LIB.expertact_has_fp8_grouped_gemm())
-
-
-def fp8_grouped_gemm_workspace_bytes(num_experts: int) -> int:
-    return LIB.expertact_fp8_grouped_gemm_blockwise_workspace_bytes(num_experts)
-# ---- end of the FP8 blockwise grouped GEMM ----
 
 
 def glu_bias_workspace_bytes(rows: int, F: int, num_experts: int) -> int:

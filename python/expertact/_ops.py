@@ -10,7 +10,7 @@ through its copy and copied back.
 """
 from __future__ import annotations
 
-from ctypes import byref, c_int64, c_size_t, c_void_p
+from ctypes import byref, c_size_t, c_void_p
 
 import torch
 
@@ -23,7 +23,6 @@ __all__ = [
     # FP8 blockwise operands
     "fp8_quantize_row_tiles", "fp8_quantize_column_tiles_grouped", "fp8_quantize_blocks", "fp8_glu_row_tiles",
     "fp8_glu_column_tiles_grouped", "fp8_glu_backward_tiles",
-    "fp8_grouped_gemm_blockwise",
 ]
 
 _LIB = _capi.LIB
@@ -429,47 +428,3 @@ def fp8_glu_backward_tiles(dh, gate_up, weights, bias, offsets, padded_offsets, 
     rg = None if grad_gate_up is None else _put(11, grad_gate_up, "dgate_up_out")[1]
     _check(_LIB.expertact_fp8_glu_backward_tiles(p, _int32(layout), rd, rx, rw, rb, ro, rp, rq, rs, rqt, rcs, rgw, rg,
                                                  _stream(gate_up)))
-
-# FP8 blockwise grouped GEMM (expertact_c.h: expertact_fp8_grouped_gemm_blockwise)
-# ---------------------------------------------------------------------------
-
-
-def _stack(t):
-    """(t, its expert stride): a per-expert stack [E, R, C] that the library reads as its expert 0
-    ([R, C], row-strided, the last dim contiguous) and a stride from one expert to the next; t
-    copied once when it cannot be read so."""
-    R, C = t.shape[-2], t.shape[-1]
-    ok = (C <= 1 or t.stride(-1) == 1) and (R <= 1 or t.stride(-2) >= C) and t.stride(0) >= 0
-    if not ok:
-        t = t.contiguous()
-    return t, (t.stride(0) if t.shape[0] > 1 else 0)
-
-
-def fp8_grouped_gemm_blockwise(a, a_scale_t, b, b_scale, offsets, grouping, out_transposed=False):
-    """d of the FP8 blockwise grouped GEMM, bfloat16: M-grouped [T, N] (a [T, K], a_scale_t
-    [KB, T], b [E, N, K], b_scale [E, NB, KB]); K-grouped [E, M, N] (a [M, Tp], a_scale_t
-    [Tp / 128, M], b [N, Tp], b_scale [Tp / 128, N]), or its [E, N, M] storage transposed when
-    out_transposed (the operands swapped: the kernel writes d[e]^T row-major)."""
-    E = offsets.numel()
-    if grouping == _capi.GEMM_M_GROUPED:
-        d = torch.empty((a.shape[0], b.shape[-2]), dtype=torch.bfloat16, device=a.device)
-        b, bes = _stack(b)
-        b_scale, ses = _stack(b_scale)
-        b0, s0 = b[0], b_scale[0]
-        des = 0
-    else:
-        if out_transposed:
-            a, a_scale_t, b, b_scale = b, b_scale, a, a_scale_t
-        d = torch.empty((E, a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
-        b0, s0, bes, ses, des = b, b_scale, 0, 0, d.stride(0)
-    a, ra = _put(0, a, "a")
-    a_scale_t, rsa = _put(1, a_scale_t, "a_scale")
-    b0, rb = _put(2, b0, "b")
-    s0, rsb = _put(3, s0, "b_scale")
-    offsets, ro = _vec(4, offsets)
-    rd = _put(5, d[0] if d.dim() == 3 else d, "d")[1]
-    space, ptr = _workspace(a, _capi.fp8_grouped_gemm_workspace_bytes(E))
-    _check(_LIB.expertact_fp8_grouped_gemm_blockwise(
-        int(grouping), ra, rsa, rb, c_int64(bes), rsb, c_int64(ses), ro, rd, c_int64(des), c_void_p(ptr),
-        c_size_t(0 if space is None else space.numel()), _stream(a)))
-    return d.transpose(-2, -1) if grouping != _capi.GEMM_M_GROUPED and out_transposed else d

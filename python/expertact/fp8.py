@@ -63,9 +63,7 @@ __all__ = ["quantize_rowwise", "quantize_colwise_grouped", "padded_offsets", "gl
            "glu_backward_rowwise", "DL_FLOAT8_E4M3FN",
            # the blockwise operands
            "TILE", "quantize_row_tiles", "quantize_column_tiles_grouped", "quantize_blocks", "glu_row_tiles",
-           "glu_column_tiles_grouped", "glu_backward_tiles",
-           # the blockwise grouped GEMM
-           "grouped_gemm_blockwise", "has_grouped_gemm"]
+           "glu_column_tiles_grouped", "glu_backward_tiles"]
 
 #: DLPack 1.1's code of float8_e4m3fn (expertact_c.h: EXPERTACT_DL_FLOAT8_E4M3FN)
 DL_FLOAT8_E4M3FN = _capi.DL_FLOAT8_E4M3FN
@@ -608,78 +606,3 @@ def glu_backward_tiles(dh: torch.Tensor, gate_up: torch.Tensor, activation: str 
     _ops.fp8_glu_backward_tiles(dh, gate_up, weights, bias, offsets, pads, q, store, q_t, col_scale,
                                 None if dw is None else dw.view(-1), dgate_up_out, code, act, a, lim, beta)
     return q, scale, None if q_t is None else q_t.t(), col_scale, dw
-
-# The blockwise recipe's grouped GEMM (expertact_c.h: expertact_fp8_grouped_gemm_blockwise)
-# ---------------------------------------------------------------------------
-
-
-def has_grouped_gemm() -> bool:
-    """Whether this build of the library has :func:`grouped_gemm_blockwise` (its CUDA path built
-    with the CUTLASS headers; the kernels run on sm_90 GPUs)."""
-    return _capi.has_fp8_grouped_gemm()
-
-
-_GROUPINGS = {"m": _capi.GEMM_M_GROUPED, "k": _capi.GEMM_K_GROUPED}
-
-
-def grouped_gemm_blockwise(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                           offsets: torch.Tensor, *, mode: str = "m", out_transposed: bool = False) -> torch.Tensor:
-    """DeepSeek-V3's blockwise FP8 grouped GEMM on Hopper (sm_90): every 128-deep tile of the
-    reduction is accumulated by the tensor cores and added into float32 scaled by the two
-    operands' scales (the promotion), so the sum keeps float32 precision at any depth; the
-    result is that float32 sum rounded once to bfloat16. The operands are the blockwise
-    recipe's (docs/notes/fp8-recipes.md): float8_e4m3fn values, float32 dequantisation scales
-    (value = q * scale), tiles of 128. CUDA tensors on the current stream of their device; a
-    build with the GEMM (:func:`has_grouped_gemm`). No autograd.
-
-    ``mode="m"`` (the forward and input-gradient GEMMs: rows split by expert), E experts, rows
-    sorted by expert, ``offsets`` int32 [E] their cumulative end rows::
-
-        out[r] = (a[r] * a_scale[r, :] per 128 columns) @ (b[e] * b_scale[e] per 128 x 128)^T
-        a        [T, K]  float8_e4m3fn (K % 16 == 0; K need not be a multiple of 128)
-        a_scale  [T, ceil(K / 128)] float32: a's 1 x 128 row tiles (read as its transpose
-                 [KB, T]: the [T, KB] view with strides (1, T) the row-tile quantiser returns is
-                 read in place, another layout is copied once)
-        b        [E, N, K] float8_e4m3fn, K contiguous (the weight as [N, K] per expert; any
-                 expert stride), N % 8 == 0
-        b_scale  [E, ceil(N / 128), ceil(K / 128)] float32: b's 128 x 128 blocks
-        returns  [T, N] bfloat16; rows past offsets[-1] are 0
-
-    ``mode="k"`` (the weight-gradient GEMMs: the reduction split by expert), expert e's tokens
-    the block [offsets[e - 1], offsets[e]) of Tp padded tokens (multiples of 128; the
-    column-tile quantiser's padded layout, padding 0x00)::
-
-        out[e] = (a[:, tokens of e] * a_scale) @ (b[:, tokens of e] * b_scale)^T
-        a        [M, Tp] float8_e4m3fn, the tokens contiguous (a quantised operand transposed)
-        a_scale  [Tp / 128, M] float32: the 128 x 1 column tiles' scales
-        b        [N, Tp] float8_e4m3fn; b_scale [Tp / 128, N] float32; N % 8 == 0
-        returns  [E, M, N] bfloat16, out[e] = 0 for an expert without tokens; with
-                 ``out_transposed=True`` the same values with out[e] column-major (the
-                 [E, N, M] storage transposed: the gradient of a weight held as its transpose)
-
-    offsets are read on the device only: values that break these rules give wrong output, never
-    an access outside the tensors. Errors name the argument (ValueError; DTypeError for a
-    dtype; NotImplementedError without a build with the GEMM or off an sm_90 GPU)."""
-    where = "expertact.fp8.grouped_gemm_blockwise"
-    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("offsets", offsets)):
-        tensor_arg(name, t)
-    grouping = _GROUPINGS.get(mode) if isinstance(mode, str) else None
-    if grouping is None:
-        raise ValueError(f"{where}: mode must be 'm' (M-grouped) or 'k' (K-grouped) (got {mode!r})")
-    if offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"{where}: offsets must be 1-D [E] with at least one expert (got shape "
-                         f"{tuple(offsets.shape)})")
-    stacked = 3 if grouping == _capi.GEMM_M_GROUPED else 2
-    for name, t, want in (("a", a, 2), ("a_scale", a_scale, 2), ("b", b, stacked), ("b_scale", b_scale, stacked)):
-        if t.dim() != want:
-            raise ValueError(f"{where}: {name} must be {want}-D in mode {mode!r} (got shape {tuple(t.shape)})")
-    if grouping == _capi.GEMM_M_GROUPED:
-        # Only this layer sees the stacks' expert counts (the library takes expert 0 and a stride).
-        for name, t in (("b", b), ("b_scale", b_scale)):
-            if t.shape[0] != offsets.numel():
-                raise ValueError(f"{where}: {name} has {t.shape[0]} experts (shape {tuple(t.shape)}); offsets has "
-                                 f"{offsets.numel()}")
-        if out_transposed:
-            raise ValueError(f"{where}: out_transposed is for mode 'k' (the weight gradients)")
-        a_scale = a_scale.t()
-    return _ops.fp8_grouped_gemm_blockwise(a, a_scale, b, b_scale, offsets, grouping, bool(out_transposed))

@@ -17,8 +17,8 @@ implementations), chosen by the command line.
                                                     # with expertact's activation, expertact's whole MLP (bf16, FP8)
     python -m expertact.bench --megatron            # Megatron-Core's SequentialMLP experts beside expertact's
                                                     # ExpertMLP (bf16, memory modes, FP8); Python >= 3.12
-    python -m expertact.bench --fp8-gemms           # the six FP8 GEMMs alone: expertact's blockwise grouped
-                                                    # GEMM beside torch's (expertact/bench/fp8_gemm.py)
+    python -m expertact.bench --fp8-gemms           # the six FP8 GEMMs alone, as each FP8 recipe calls torch's
+                                                    # (expertact/bench/fp8_gemm.py)
     python -m expertact.bench --fp8-accuracy        # each FP8 GEMM of the expert MLP against float64, per recipe
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def parse_args(argv=None):
                    help="Hugging Face transformers' experts implementations instead (expertact.bench.experts; "
                         "its own options follow)")
     p.add_argument("--fp8-gemms", action="store_true",
-                   help="the six FP8 GEMMs alone, expertact's blockwise grouped GEMM beside torch's "
+                   help="the six FP8 GEMMs alone, as each FP8 recipe calls torch's "
                         "(expertact.bench.fp8_gemm; its own options follow)")
     p.add_argument("--fp8-accuracy", action="store_true",
                    help="each FP8 GEMM of the expert MLP against float64, per recipe "

@@ -17,8 +17,8 @@ Rows (--impls):
                       use_fast_accum=False (FP32-promoted accumulation)
   fp8-blockwise       expert_mlp(fp8="blockwise"): DeepSeek-V3's recipe, 1 x 128 tiles for x, h, dy and
                       dgate_up, 128 x 128 blocks for the weights, 128 x 1 tiles for the weight gradients'
-                      operands, written by expertact's kernels; the six GEMMs as expertact's CUTLASS grouped
-                      GEMM (FP32-promoted accumulation), or torch._scaled_mm per expert where the build lacks it
+                      operands, written by expertact's kernels; the six GEMMs as torch._scaled_mm per expert
+                      with the same scales (FP32-promoted accumulation)
   torchao             torchao's _to_fp8_rowwise_then_scaled_grouped_mm for both GEMMs (its Triton
                       quantisation kernels, the same recipe) around expertact's bf16 activation, under
                       autograd: the composition a torchao user writes today

@@ -1,6 +1,6 @@
-"""The six FP8 GEMMs of the expert MLP, each alone: expertact's blockwise grouped GEMM (CUTLASS
-sm_90a, 1 x 128 / 128 x 128 scales, FP32-promoted accumulation) beside torch's FP8 GEMMs on the
-same shapes, in one run.
+"""The six FP8 GEMMs of the expert MLP, each alone: torch's FP8 GEMMs as each of expert_mlp's FP8
+recipes calls them (rowwise grouped, with and without promoted accumulation; blockwise 1 x 128 /
+128 x 128 scales per expert), on the same shapes, in one run.
 
     python -m expertact.bench --fp8-gemms                   # H200: 4 experts x 261,280 rows, D = F = 3,072
     python -m expertact.bench --fp8-gemms --rows 32768 --iters 10 --json out.json --markdown out.md
@@ -14,23 +14,24 @@ GEMMs (docs/notes/fp8-recipes.md, "The six GEMMs"; T = experts x rows):
   dw13[e] = x_e^T dg_e     K-grouped, M = D,  N = 2F
 
 Rows (--impls):
-  expertact        expertact.fp8.grouped_gemm_blockwise: the blockwise recipe, promoted accumulation
   torch-rowwise    torch._scaled_grouped_mm with rowwise scales and use_fast_accum=True: the rowwise
                    recipe's GEMMs as expert_mlp(fp8="rowwise") and torchao call them (no promotion)
   torch-rowwise-promoted  the same with use_fast_accum=False (FP32-promoted accumulation): the weight
                    gradients of expert_mlp(fp8="rowwise-promoted-wgrad"); the M-grouped four too, for
                    what promotion costs there
-  torch-blockwise  torch._scaled_mm per expert (a Python loop) with the same 1 x 128 / 128 x 128
-                   scales as expertact's, use_fast_accum=False (cuBLAS's promoted blockwise GEMM):
-                   what a torch user without a grouped blockwise GEMM has on Hopper
+  torch-blockwise  torch._scaled_mm per expert (a Python loop) with the blockwise recipe's 1 x 128 /
+                   128 x 128 scales, use_fast_accum=False (cuBLAS's promoted blockwise GEMM): the
+                   GEMMs of expert_mlp(fp8="blockwise") on Hopper (the node passes the weights'
+                   128 x 128 scales repeated as 1 x 128 rows, the form its probe checks; this row
+                   passes the blocks, which these shapes' K block counts, multiples of 4, allow)
 
 Columns: the median of --iters calls after --warmup (CUDA events around each call, operands made
 beforehand), TFLOP/s (2 x M x N x K of the real rows, not the padding) and its share of the H200's
-1,979 TFLOP/s dense FP8. Totals: each row's six GEMMs, and the rowwise recipes' GEMMs as
-expert_mlp runs them ("rowwise-promoted-wgrad": torch-rowwise's four M-grouped GEMMs with
-torch-rowwise-promoted's two weight gradients). The operands are random e4m3 with power-of-two scales: the time does not
-depend on the values. A row that cannot run (no GEMM in this build, a torch without the operator
-or the scale form) says why.
+1,979 TFLOP/s dense FP8. Totals: each row's six GEMMs, and each recipe's GEMMs as expert_mlp
+runs them ("rowwise-promoted-wgrad": torch-rowwise's four M-grouped GEMMs with
+torch-rowwise-promoted's two weight gradients; "blockwise": torch-blockwise's six). The operands
+are random e4m3 with power-of-two scales: the time does not depend on the values. A row that
+cannot run (a torch without the operator or the scale form) says why.
 """
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ import torch
 
 from .common import OOM, device_name, log, median_ms, parse_list, resolve_device, run_row, versions, write_outputs
 
-IMPLS = ("expertact", "torch-rowwise", "torch-rowwise-promoted", "torch-blockwise")
+IMPLS = ("torch-rowwise", "torch-rowwise-promoted", "torch-blockwise")
 # A recipe's GEMMs as rows of this table: (the M-grouped four's row, the K-grouped two's row).
 RECIPE_ROWS = {"rowwise": ("torch-rowwise", "torch-rowwise"),
-               "rowwise-promoted-wgrad": ("torch-rowwise", "torch-rowwise-promoted")}
+               "rowwise-promoted-wgrad": ("torch-rowwise", "torch-rowwise-promoted"),
+               "blockwise": ("torch-blockwise", "torch-blockwise")}
 PEAK_TFLOPS = 1979.0  # H200 SXM, dense FP8
 TILE = 128
 
@@ -109,12 +111,6 @@ def k_operands(s, experts, device):
 def make_call(impl: str, grouping: str, ops, experts: int):
     """A no-argument call of impl on the operands (per-expert views and scale copies made here,
     outside the timed calls)."""
-    if impl == "expertact":
-        from expertact import fp8
-
-        if not fp8.has_grouped_gemm():
-            raise NotImplementedError("this expertact build has no FP8 grouped GEMM (built with the CUTLASS headers)")
-        return lambda: fp8.grouped_gemm_blockwise(*ops, mode=grouping)
     if impl in ("torch-rowwise", "torch-rowwise-promoted"):
         if not hasattr(torch, "_scaled_grouped_mm"):
             raise NotImplementedError(f"torch {torch.__version__} has no torch._scaled_grouped_mm")

@@ -262,9 +262,10 @@ def expert_mlp(x: Tensor, w13: Tensor, w2: Tensor, offsets: Tensor, activation: 
               with ``use_fast_accum=False`` (the accumulation promoted to float32);
             - ``"blockwise"``: DeepSeek-V3's recipe (1 x 128 tiles along K for x, h, dy and
               dgate_up, 128 x 128 blocks for the weights, 128 x 1 tiles along the tokens for
-              the weight gradients' operands), the GEMMs expertact's CUTLASS grouped GEMM with
-              the accumulation promoted to float32 every 128 of K on Hopper (torch._scaled_mm
-              per expert with the same scales where the library was built without it).
+              the weight gradients' operands), the GEMMs ``torch._scaled_mm`` per expert with
+              the same scales and the accumulation promoted to float32 every 128 of K, on
+              Hopper where this torch gives exact values with those scales (probed once per
+              device; elsewhere NotImplementedError says why).
 
             The activation kernel writes h in e4m3 from its float32 values. bf16, D and F
             multiples of 16. On the CPU the same node runs with the GEMMs emulated (the

@@ -2,8 +2,8 @@
 CUDA where it has a grouped kernel, a per-expert torch.matmul loop elsewhere, and the layout
 rules of their operands and weight gradients; and the one layer under the FP8 node's GEMMs:
 the rowwise recipes' (scaled_gmm: torch._scaled_grouped_mm on Hopper, its emulation on the CPU)
-and the blockwise recipe's (blockwise_gmm: expertact's CUTLASS grouped GEMM on Hopper, else
-torch._scaled_mm per expert, its emulation on the CPU); and what each FP8 recipe does
+and the blockwise recipe's (blockwise_gmm: torch._scaled_mm per expert on Hopper, its
+emulation on the CPU); and what each FP8 recipe does
 (FP8_FORMS), which the Plan carries by name."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import _capi, _ops
 
 __all__ = ["Fp8Form", "FP8_FORMS", "Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed",
            "zero_empty_groups", "scaled_gmm", "blockwise_gmm", "blockwise_backend"]
@@ -269,9 +268,10 @@ def _scaled_mm_probe(device) -> Optional[str]:
 
 def blockwise_backend(device) -> tuple:
     """(backend, why): which implementation of the blockwise GEMMs runs on ``device``:
-    "cutlass" (expertact's grouped GEMM: a build with it, an sm90 GPU), "scaled_mm"
-    (torch._scaled_mm per expert with the same scales, where this torch takes them on that GPU),
-    "emulation" (the CPU), or None with the reason, naming what is missing."""
+    "scaled_mm" (torch._scaled_mm per expert with the same scales, on an sm90 GPU where this
+    torch gives exact values with them: a probe, run once per device), "emulation" (the CPU),
+    or None with the reason, naming what is missing (the node raises NotImplementedError with
+    it)."""
     device = torch.device(device)
     if device.type == "cpu":
         return "emulation", None
@@ -292,13 +292,8 @@ def _cuda_backend(device) -> tuple:
     if (major, minor) != (9, 0):
         return None, (f"{torch.cuda.get_device_name(device)} is sm{major}{minor}: the blockwise FP8 grouped GEMMs are "
                       "taken on Hopper (sm90) only")
-    if _capi.has_fp8_grouped_gemm():
-        return "cutlass", None
     why = _scaled_mm_refusal(device)
-    if why is None:
-        return "scaled_mm", None
-    return None, ("this expertact build has no FP8 grouped GEMM (its CUDA path is built with the CUTLASS headers: pip "
-                  "install nvidia-cutlass==4.2.0.0 before building), and " + why)
+    return ("scaled_mm", None) if why is None else (None, why)
 
 
 def blockwise_gmm(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
@@ -318,19 +313,14 @@ def blockwise_gmm(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transpos
     expert without tokens; ``out_transposed``: the same values with out[e] column-major (the
     [E, N, M] storage transposed: the gradient of a weight held as its transpose).
 
-    On Hopper expertact's CUTLASS grouped GEMM where the library has it, else torch._scaled_mm
-    per expert with the same scales (without fast accumulation: cuBLAS's promoted blockwise
-    GEMM). On the CPU its emulation, for tests and studies of the recipe (slow, not a speed
+    On Hopper torch._scaled_mm per expert with the same scales (without fast accumulation:
+    cuBLAS's promoted blockwise GEMM); ``offs`` is the contract's device copy of the ends, which
+    this backend does not read. On the CPU its emulation, for tests and studies of the recipe (slow, not a speed
     path): each operand dequantised exactly per its tiles (the scales are powers of two), a
     float32 matmul per expert, rounded once to bf16."""
     backend, why = blockwise_backend(a.device)
     if backend is None:
         raise NotImplementedError(f"expertact.moe: the blockwise FP8 GEMMs cannot run here: {why}")
-    if backend == "cutlass":
-        m = grouping == "m"
-        code = _capi.GEMM_M_GROUPED if m else _capi.GEMM_K_GROUPED
-        return _ops.fp8_grouped_gemm_blockwise(a, scale_a.t() if m else scale_a, b, scale_b, offs, code,
-                                               out_transposed)
     if backend == "scaled_mm":
         return _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed)
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
