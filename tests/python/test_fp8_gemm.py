@@ -1,25 +1,26 @@
-"""expertact.fp8.grouped_gemm_blockwise: the blockwise recipe's grouped GEMM (a CUTLASS sm_90a
-kernel, FP32-promoted accumulation), M-grouped and K-grouped.
+"""expertact.moe._gemm.blockwise_gmm: the blockwise recipe's grouped GEMMs (FP32-promoted
+accumulation), M-grouped and K-grouped, as expert_mlp(fp8="blockwise") calls them; on a Hopper GPU
+torch._scaled_mm per expert with the same scales, on the CPU its emulation.
 
-CPU cases (everywhere): the argument errors of the public function and of the library behind it,
-and the CPU's refusal. GPU cases (a Hopper GPU and a build with the GEMM; they skip elsewhere)
-against a float64 reference of the recipe: the operands dequantised exactly (q * scale, powers of
-two) and multiplied in float64, per expert.
+Every case runs on the CPU (the emulation) and, where torch._scaled_mm passes the layer's probe on
+a Hopper GPU, on the GPU (skipped elsewhere), against a float64 reference of the recipe: the
+operands dequantised exactly (q * scale, powers of two) and multiplied in float64, per expert.
 
 Two kinds of operands, two bounds:
 - exact: small integer q (|q| <= 4) and power-of-two scales in [2^-2, 2^2]. Every 128-deep partial
   sum is an integer of at most 11 bits, exact in the tensor cores' accumulation (about 14 bits
-  kept on Hopper), and every promoted sum is exact in float32; the result is the float64 value
-  rounded once to bfloat16, so the test asks for it bit for bit. Any indexing error (a wrong
-  expert, row, scale tile, a partial K tile dropped) shows.
+  kept on Hopper) and in float32, and every promoted sum is exact in float32 (at most 2^20 in
+  units of 2^-4 here); the result is the float64 value rounded once to bfloat16, so the test asks
+  for it bit for bit, on both devices. Any indexing error (a wrong expert, row, scale tile, a
+  partial K tile dropped, an expert's last rows not a multiple of 4) shows.
 - realistic: standard normals quantised by the recipe (tests/python/support/fp8_tiles.py).
   |out - ref| <= ulp_bf16(ref) + 2^-12 * (|a| @ |b|^T): one bf16 ulp for the final rounding (half
   of one, doubled for float32's own sums), and 2^-12 of the sum of the products' magnitudes for
   the tensor cores' in-tile accumulation (about 14 bits kept: an error of at most ~2^-13 of the
   magnitudes added per aligned addition, four 32-deep instructions per 128-deep tile); the
-  promotion keeps it from growing with K. A kernel that dropped the promotion would err by
-  ~2^-14 of the magnitudes per addition over all of K (thousands), and one with a wrong scale or
-  index by O(|ref|).
+  promotion keeps it from growing with K. A GEMM that dropped the promotion would err by ~2^-14
+  of the magnitudes per addition over all of K (thousands), and one with a wrong scale or index
+  by O(|ref|).
 """
 import math
 
@@ -27,12 +28,14 @@ import pytest
 import torch
 
 import expertact
-from expertact import fp8
+from expertact.moe import _gemm
 from support import fp8_tiles
 
 _HOPPER = torch.cuda.is_available() and expertact.has_cuda() and torch.cuda.get_device_capability()[0] == 9
-requires_gemm = pytest.mark.skipif(not (_HOPPER and fp8.has_grouped_gemm()),
-                                   reason="needs a Hopper GPU (sm_90) and a build with the FP8 grouped GEMM")
+requires_gpu_gemm = pytest.mark.skipif(
+    not (_HOPPER and _gemm.blockwise_backend(torch.device("cuda"))[0] == "scaled_mm"),
+    reason="needs a Hopper GPU (sm_90) where torch._scaled_mm passes the blockwise probe")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu_gemm)]
 
 TILE = 128
 
@@ -170,88 +173,29 @@ def assert_bounded(got, ref, mag):
     assert rel < 2.0 ** -8, rel
 
 
-def m_call(a, sa, b, sb, ends, device="cuda"):
+def m_call(a, sa, b, sb, ends, device):
+    """blockwise_gmm M-grouped, a_scale as the row-tile quantiser gives it: the [T, KB] view of
+    [KB, T] storage."""
     offs = torch.tensor(ends, dtype=torch.int32, device=device)
-    sa_t = sa.t().contiguous().to(device).t()  # the row-tile quantiser's [T, KB] view, strides (1, T)
-    return fp8.grouped_gemm_blockwise(a.to(device), sa_t, b.to(device), sb.to(device), offs, mode="m")
+    sa_t = sa.t().contiguous().to(device).t()
+    return _gemm.blockwise_gmm(a.to(device), sa_t, b.to(device), sb.to(device), offs, ends, "m")
 
 
-def k_call(a_t, sa, b_t, sb, pends, device="cuda", out_transposed=False):
+def k_call(a_t, sa, b_t, sb, pends, device, out_transposed=False):
     offs = torch.tensor(pends, dtype=torch.int32, device=device)
-    return fp8.grouped_gemm_blockwise(a_t.to(device), sa.to(device), b_t.to(device), sb.to(device), offs, mode="k",
-                                      out_transposed=out_transposed)
+    return _gemm.blockwise_gmm(a_t.to(device), sa.to(device), b_t.to(device), sb.to(device), offs, pends, "k",
+                               out_transposed)
 
 
-# ---------------------------------------------------------------------------
-# CPU: the arguments
-# ---------------------------------------------------------------------------
-
-
-def cpu_m_operands():
-    g = torch.Generator().manual_seed(0)
-    return m_operands(256, 256, 128, [100, 0, 156], g, exact=True)
-
-
-def test_has_grouped_gemm_is_the_builds():
-    assert fp8.has_grouped_gemm() in (True, False)
-    assert fp8.has_grouped_gemm() == bool(expertact._capi.LIB.expertact_has_fp8_grouped_gemm())
-
-
-def test_cpu_tensors_are_refused_naming_cuda():
-    a, sa, b, sb, ends = cpu_m_operands()
-    with pytest.raises(NotImplementedError, match="CUDA tensors"):
-        m_call(a, sa, b, sb, ends, device="cpu")
-    g = torch.Generator().manual_seed(1)
-    a_t, sa_k, b_t, sb_k, pends = k_operands(64, 32, [130, 0, 7], g, exact=True)
-    with pytest.raises(NotImplementedError, match="CUDA tensors"):
-        k_call(a_t, sa_k, b_t, sb_k, pends, device="cpu")
-
-
-def test_argument_errors():
-    a, sa, b, sb, ends = cpu_m_operands()
-    offs = torch.tensor(ends, dtype=torch.int32)
-    f = fp8.grouped_gemm_blockwise
-    with pytest.raises(ValueError, match="mode must be 'm'"):
-        f(a, sa, b, sb, offs, mode="n")
-    with pytest.raises(TypeError, match="b must be a torch.Tensor"):
-        f(a, sa, None, sb, offs)
-    with pytest.raises(ValueError, match="b must be 3-D in mode 'm'"):
-        f(a, sa, b[0], sb, offs)
-    with pytest.raises(ValueError, match="b has 2 experts"):
-        f(a, sa, b[:2], sb, offs)
-    with pytest.raises(ValueError, match="offsets must be 1-D"):
-        f(a, sa, b, sb, offs[None])
-    with pytest.raises(ValueError, match="at least one expert"):
-        f(a, sa, b[:0], sb[:0], offs[:0])
-    with pytest.raises(ValueError, match="out_transposed is for mode 'k'"):
-        f(a, sa, b, sb, offs, out_transposed=True)
-    # The library's own checks, named.
-    with pytest.raises(expertact.DTypeError, match="a.dtype is bfloat16"):
-        f(a.to(torch.bfloat16), sa, b, sb, offs)
-    with pytest.raises(expertact.DTypeError, match="b_scale.dtype is float64"):
-        f(a, sa, b, sb.double(), offs)
-    with pytest.raises(ValueError, match="K = 248"):
-        f(a[:, :248], sa, b[:, :, :248], sb, offs)
-    with pytest.raises(ValueError, match="a_scale has shape"):
-        f(a, sa[:, :1], b, sb, offs)
-    with pytest.raises(ValueError, match="offsets"):
-        f(a, sa, b, sb, torch.tensor([100, 50, 256], dtype=torch.int32))
-    with pytest.raises(expertact.DTypeError, match="offsets must be int32"):
-        f(a, sa, b, sb, offs.long())
-    g = torch.Generator().manual_seed(2)
-    a_t, sa_k, b_t, sb_k, pends = k_operands(64, 32, [130, 7], g, exact=True)
-    po = torch.tensor(pends, dtype=torch.int32)
-    with pytest.raises(ValueError, match="b must be 2-D in mode 'k'"):
-        f(a_t, sa_k, b_t[None], sb_k, po, mode="k")
-    with pytest.raises(ValueError, match="Tp = 320"):
-        f(a_t[:, :320], sa_k, b_t[:, :320], sb_k, torch.tensor([256, 320], dtype=torch.int32), mode="k")
-    with pytest.raises(ValueError, match="b_scale has shape"):
-        f(a_t, sa_k, b_t, sb_k[:1], po, mode="k")
+def poison(shape, device):
+    """Memory the output may reuse filled with NaN, so that a GEMM that leaves part of its output
+    unwritten (rows past the last offset, an expert without rows) fails."""
+    torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
 
 
 def test_reference_is_the_recipe():
     """The float64 reference against a direct sum of q * scale products (so a wrong reference
-    cannot pass the GPU tests): M-grouped with a partial K tile, K-grouped with padding."""
+    cannot pass the tests): M-grouped with a partial K tile, K-grouped with padding."""
     g = torch.Generator().manual_seed(3)
     a, sa, b, sb, ends = m_operands(12, 144, 8, [5, 0, 4], g, exact=False)
     ref, _, _ = m_reference(a, sa, b, sb, ends)
@@ -270,112 +214,109 @@ def test_reference_is_the_recipe():
     assert math.isclose(ref_k[2, 2, 1].item(), s, rel_tol=1e-12, abs_tol=1e-12)
 
 
+def test_a_refused_device_raises_naming_why(monkeypatch):
+    """Where the layer has no backend, NotImplementedError carries blockwise_backend's reason."""
+    monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: (None, "no GEMM for this test"))
+    g = torch.Generator().manual_seed(5)
+    a, sa, b, sb, ends = m_operands(64, 128, 16, [64], g, exact=True)
+    with pytest.raises(NotImplementedError, match="the blockwise FP8 GEMMs cannot run here: no GEMM for this test"):
+        m_call(a, sa, b, sb, ends, "cpu")
+
+
 # ---------------------------------------------------------------------------
-# GPU: values
+# Values, on the CPU (the emulation) and on a Hopper GPU (torch._scaled_mm per expert)
 # ---------------------------------------------------------------------------
 
-# (T, K, N, rows per expert): uneven and empty experts, a single expert, rows past the last
-# offset (T beyond the ends), K = 2,880 (a partial last K tile) and 3,072, N not a multiple of 128.
+# (T, K, N, rows per expert): uneven and empty experts, experts whose rows are not a multiple of 4
+# (torch._scaled_mm's 1 x 128 scales take 4-row blocks: the last 1 to 3 rows go in padded), a
+# single expert, rows past the last offset (T beyond the ends), K = 2,880 (a partial last K tile)
+# and 3,072, N = 272 and 2,880 (a partial last N block), K = N = 16 (one partial tile each).
 M_CASES = [
     pytest.param(1100, 2880, 384, [300, 0, 397, 1, 0, 255], id="uneven-empty-past-K2880"),
-    pytest.param(640, 3072, 264, [640], id="one-expert-K3072-N264"),
+    pytest.param(640, 3072, 272, [640], id="one-expert-K3072-N272"),
     pytest.param(700, 3072, 2880, [129, 127, 0, 300], id="N2880-past"),
-    pytest.param(513, 16, 8, [200, 313], id="K16-N8"),
+    pytest.param(513, 16, 16, [200, 313], id="K16-N16"),
     pytest.param(300, 256, 128, [0, 0, 0], id="all-empty"),
 ]
 
 
-@requires_gemm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,K,N,sizes", M_CASES)
-def test_m_grouped_exact(T, K, N, sizes):
+def test_m_grouped_exact(T, K, N, sizes, device):
     g = torch.Generator().manual_seed(T + K + N)
     a, sa, b, sb, ends = m_operands(T, K, N, sizes, g, exact=True)
     ref, _, _ = m_reference(a, sa, b, sb, ends)
-    # Rows past the last offset must be written as 0: poison the memory the output will reuse.
-    torch.full((T, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    assert_exact(m_call(a, sa, b, sb, ends), ref)
+    poison((T, N), device)
+    assert_exact(m_call(a, sa, b, sb, ends, device), ref)
 
 
-@requires_gemm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T,K,N,sizes", M_CASES[:3])
-def test_m_grouped_realistic(T, K, N, sizes):
+def test_m_grouped_realistic(T, K, N, sizes, device):
     g = torch.Generator().manual_seed(7 * T + K)
     a, sa, b, sb, ends = m_operands(T, K, N, sizes, g, exact=False)
     ref, ad_abs, bd_abs = m_reference(a, sa, b, sb, ends)
-    assert_bounded(m_call(a, sa, b, sb, ends), ref, m_magnitudes(ad_abs, bd_abs, ends, N))
+    assert_bounded(m_call(a, sa, b, sb, ends, device), ref, m_magnitudes(ad_abs, bd_abs, ends, N))
 
 
-@requires_gemm
-def test_m_grouped_views_and_expert_stride():
-    """b as a slice of a wider stack (an expert stride that is not N * K), a_scale given as a
-    contiguous [T, KB] (copied), d's values unchanged."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_m_grouped_weight_stack_as_a_view(device):
+    """b as a slice of a wider stack (an expert stride that is not N * K): the same values."""
     g = torch.Generator().manual_seed(11)
     a, sa, b, sb, ends = m_operands(400, 512, 256, [150, 250], g, exact=True)
     ref, _, _ = m_reference(a, sa, b, sb, ends)
     wide = torch.zeros(2, 384, 512, dtype=torch.float8_e4m3fn)
     wide[:, 64:320] = b
-    offs = torch.tensor(ends, dtype=torch.int32, device="cuda")
-    out = fp8.grouped_gemm_blockwise(a.cuda(), sa.cuda(), wide.cuda()[:, 64:320], sb.cuda(), offs, mode="m")
-    assert_exact(out, ref)
+    assert_exact(m_call(a, sa, wide.to(device)[:, 64:320], sb, ends, device), ref)
 
 
-@requires_gemm
-def test_m_grouped_nan_reaches_its_row():
+@pytest.mark.parametrize("device", DEVICES)
+def test_m_grouped_nan_reaches_its_row(device):
+    """A NaN in one row of a (in an expert's body of 4-row blocks, and in its last rows) makes
+    that output row NaN and no other."""
     g = torch.Generator().manual_seed(12)
-    a, sa, b, sb, ends = m_operands(256, 256, 128, [256], g, exact=True)
-    a.view(torch.uint8)[17, 5] = 0x7F  # NaN
-    out = m_call(a, sa, b, sb, ends).cpu()
-    assert out[17].isnan().all()
-    assert not out[torch.arange(256) != 17].isnan().any()
+    a, sa, b, sb, ends = m_operands(258, 256, 128, [258], g, exact=True)
+    for r in (17, 257):
+        a.view(torch.uint8)[r, 5] = 0x7F  # NaN
+    out = m_call(a, sa, b, sb, ends, device).cpu()
+    nan_rows = torch.isin(torch.arange(258), torch.tensor([17, 257]))
+    assert out[nan_rows].isnan().all()
+    assert not out[~nan_rows].isnan().any()
 
 
 K_CASES = [
     pytest.param(256, 384, [300, 0, 1, 128, 1000], id="uneven-empty"),
-    pytest.param(3072, 264, [900], id="one-expert-N264"),
+    pytest.param(3072, 272, [900], id="one-expert-N272"),
     pytest.param(320, 2880, [129, 0, 0], id="N2880-trailing-empty"),
 ]
 
 
-@requires_gemm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M,N,sizes", K_CASES)
-def test_k_grouped_exact(M, N, sizes):
+def test_k_grouped_exact(M, N, sizes, device):
     g = torch.Generator().manual_seed(M + N)
     a_t, sa, b_t, sb, pends = k_operands(M, N, sizes, g, exact=True)
     ref, _ = k_reference(a_t, sa, b_t, sb, pends)
-    torch.full((len(sizes), M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    assert_exact(k_call(a_t, sa, b_t, sb, pends), ref)  # experts without tokens: 0
+    poison((len(sizes), M, N), device)
+    assert_exact(k_call(a_t, sa, b_t, sb, pends, device), ref)  # experts without tokens: 0
 
 
-@requires_gemm
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M,N,sizes", K_CASES[:2])
-def test_k_grouped_realistic(M, N, sizes):
+def test_k_grouped_realistic(M, N, sizes, device):
     g = torch.Generator().manual_seed(3 * M + N)
     a_t, sa, b_t, sb, pends = k_operands(M, N, sizes, g, exact=False)
     ref, mag = k_reference(a_t, sa, b_t, sb, pends)
-    assert_bounded(k_call(a_t, sa, b_t, sb, pends), ref, mag)
+    assert_bounded(k_call(a_t, sa, b_t, sb, pends, device), ref, mag)
 
 
-@requires_gemm
-def test_k_grouped_transposed_output():
+@pytest.mark.parametrize("device", DEVICES)
+def test_k_grouped_transposed_output(device):
     g = torch.Generator().manual_seed(13)
-    a_t, sa, b_t, sb, pends = k_operands(256, 136, [200, 0, 60], g, exact=True)
+    a_t, sa, b_t, sb, pends = k_operands(256, 144, [200, 0, 60], g, exact=True)
     ref, _ = k_reference(a_t, sa, b_t, sb, pends)
-    out = k_call(a_t, sa, b_t, sb, pends, out_transposed=True)
-    assert out.shape == (3, 256, 136) and out.stride(1) == 1  # d[e] column-major
-    assert_exact(out, ref)
-
-
-@requires_gemm
-def test_stream_and_device_of_the_operands():
-    """The call runs on the current stream of the operands' device (another stream here), and
-    its result is ready after that stream's work."""
-    g = torch.Generator().manual_seed(14)
-    a, sa, b, sb, ends = m_operands(256, 256, 128, [100, 156], g, exact=True)
-    ref, _, _ = m_reference(a, sa, b, sb, ends)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        out = m_call(a, sa, b, sb, ends)
-    s.synchronize()
+    out = k_call(a_t, sa, b_t, sb, pends, device, out_transposed=True)
+    assert out.shape == (3, 256, 144) and out.stride(1) == 1  # d[e] column-major
     assert_exact(out, ref)
 
 
@@ -397,19 +338,23 @@ def test_bench_shapes_are_the_six_gemms():
 
 
 def test_bench_totals_per_row_and_per_recipe():
-    """The totals: each row's GEMMs, and each rowwise recipe's GEMMs as expert_mlp runs them (the
-    promoted recipe: torch-rowwise's M-grouped GEMMs, torch-rowwise-promoted's weight gradients);
-    a row with an error has no total."""
+    """The totals: each row's GEMMs, and each recipe's GEMMs as expert_mlp runs them (the promoted
+    recipe: torch-rowwise's M-grouped GEMMs, torch-rowwise-promoted's weight gradients; blockwise:
+    torch-blockwise's six); a row with an error has no total, nor has its recipe."""
     from expertact.bench import fp8_gemm as bench
 
+    assert bench.IMPLS == ("torch-rowwise", "torch-rowwise-promoted", "torch-blockwise")
     shapes = bench.gemm_shapes(2, 256, 128, 128)
-    ms = {"torch-rowwise": 1.0, "torch-rowwise-promoted": 3.0}
+    ms = {"torch-rowwise": 1.0, "torch-rowwise-promoted": 3.0, "torch-blockwise": 5.0}
     results = [dict(impl=impl, grouping=g, ms=ms[impl]) for impl in ms for _, g, _ in shapes]
-    results.append(dict(impl="expertact", grouping="m", error="OOM"))
-    got = bench.totals(results, ["expertact", *ms], shapes)
-    assert got["expertact"] is None and got["torch-rowwise"]["ms"] == 6.0 and got["torch-rowwise-promoted"]["ms"] == 18.0
+    got = bench.totals(results, list(ms), shapes)
+    assert got["torch-rowwise"]["ms"] == 6.0 and got["torch-rowwise-promoted"]["ms"] == 18.0
     assert got["recipe rowwise"]["ms"] == 6.0 and got["recipe rowwise-promoted-wgrad"]["ms"] == 4 * 1.0 + 2 * 3.0
-    assert "recipe rowwise" not in bench.totals(results, ["expertact"], shapes)
+    assert got["recipe blockwise"]["ms"] == got["torch-blockwise"]["ms"] == 30.0
+    results[-1] = dict(results[-1], error="OOM")  # torch-blockwise's last GEMM
+    got = bench.totals(results, list(ms), shapes)
+    assert got["torch-blockwise"] is None and got["recipe blockwise"] is None and got["recipe rowwise"]["ms"] == 6.0
+    assert "recipe rowwise" not in bench.totals(results, ["torch-blockwise"], shapes)
 
 
 def test_bench_cli_needs_a_gpu():
@@ -419,7 +364,7 @@ def test_bench_cli_needs_a_gpu():
         cli.main(["--fp8-gemms", "--device", "cpu"])
 
 
-@requires_gemm
+@requires_gpu_gemm
 def test_bench_runs_small(tmp_path):
     import json
 
@@ -429,5 +374,6 @@ def test_bench_runs_small(tmp_path):
     assert cli.main(["--fp8-gemms", "--rows", "1000", "--dim", "512", "--ffn", "256", "--iters", "2", "--warmup", "1",
                      "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    rows = [r for r in data["results"] if r["impl"] == "expertact"]
+    rows = [r for r in data["results"] if r["impl"] == "torch-blockwise"]
     assert len(rows) == 6 and all("error" not in r and r["ms"] > 0 for r in rows), rows
+    assert data["totals"]["recipe blockwise"]["ms"] == sum(r["ms"] for r in rows)

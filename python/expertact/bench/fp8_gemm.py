@@ -19,11 +19,10 @@ Rows (--impls):
   torch-rowwise-promoted  the same with use_fast_accum=False (FP32-promoted accumulation): the weight
                    gradients of expert_mlp(fp8="rowwise-promoted-wgrad"); the M-grouped four too, for
                    what promotion costs there
-  torch-blockwise  torch._scaled_mm per expert (a Python loop) with the blockwise recipe's 1 x 128 /
-                   128 x 128 scales, use_fast_accum=False (cuBLAS's promoted blockwise GEMM): the
-                   GEMMs of expert_mlp(fp8="blockwise") on Hopper (the node passes the weights'
-                   128 x 128 scales repeated as 1 x 128 rows, the form its probe checks; this row
-                   passes the blocks, which these shapes' K block counts, multiples of 4, allow)
+  torch-blockwise  torch._scaled_mm per expert (a Python loop) with the blockwise recipe's scales in
+                   the form expert_mlp(fp8="blockwise") gives them on Hopper (expertact.moe._gemm:
+                   the weights' 128 x 128 blocks repeated as 1 x 128 rows, the same values),
+                   use_fast_accum=False (cuBLAS's promoted blockwise GEMM)
 
 Columns: the median of --iters calls after --warmup (CUDA events around each call, operands made
 beforehand), TFLOP/s (2 x M x N x K of the real rows, not the padding) and its share of the H200's
@@ -134,10 +133,13 @@ def make_call(impl: str, grouping: str, ops, experts: int):
         start = 0
         if grouping == "m":
             a, sa, b, sb, _ = ops
+            N = b.shape[1]
             for e, end in enumerate(ends):
-                # 1 x 128: [M_e, KB] with strides (1, M_e); 128 x 128: scale_b.t() is b[e]'s [NB, KB]
+                # 1 x 128: [M_e, KB] with strides (1, M_e) (M_e a multiple of 4: the node's tail of 1 to 3
+                # rows does not arise here); b[e]'s blocks as 1 x 128 rows, [KB, N] contiguous, as the node
                 sae = sa[start:end].t().contiguous().t()
-                calls.append((a[start:end], b[e].t(), sae, sb[e].t()))
+                sbe = sb[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()
+                calls.append((a[start:end], b[e].t(), sae, sbe))
                 start = end
         else:
             a_t, sa, b_t, sb, _ = ops
