@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Builds the binary wheel dist/expertact-<version>-py3-none-<platform>.whl (CUDA path
-# required: sm_80 + sm_90 machine code, compute_90 PTX, CUDA runtime linked statically; the FP8
-# blockwise grouped GEMMs as sm_90a code, from the CUTLASS headers of the nvidia-cutlass package)
+# required: sm_80 + sm_90 machine code, compute_90 PTX, CUDA runtime linked statically)
 # and checks the library inside it: NEEDED entries, exports, glibc needs, device code.
 #   bash scripts/build_wheel.sh               (from anywhere in the repository)
 #   MANYLINUX=1 bash scripts/build_wheel.sh   also retag it manylinux with auditwheel
@@ -30,11 +29,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "== pip install ${missing[*]}"
   $PY -m pip install -q "${missing[@]}"
 fi
-# The CUTLASS headers of the FP8 grouped GEMMs (--no-deps: the build reads the headers only).
-if ! $PY -c "import cutlass_library" 2> /dev/null; then
-  echo "== pip install --no-deps nvidia-cutlass==4.2.0.0"
-  $PY -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
-fi
 unset CMAKE_ARGS  # a -DEXPERTACT_CUDA=OFF from the caller's shell must not reach this build
 
 mkdir -p "$DIST" "$(dirname "$LOG")"
@@ -44,7 +38,7 @@ t0=$(date +%s)
 # Its own build folder, so that it never reconfigures the CPU-only one of scripts/test.sh.
 if ! CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     $PY -m pip wheel . --no-deps --no-build-isolation -w "$DIST" -v \
-    -C build-dir=_skbuild/wheel -C cmake.define.EXPERTACT_CUDA=ON -C cmake.define.EXPERTACT_CUTLASS=ON > "$LOG" 2>&1; then
+    -C build-dir=_skbuild/wheel -C cmake.define.EXPERTACT_CUDA=ON > "$LOG" 2>&1; then
   tail -40 "$LOG"
   echo "WHEEL BUILD FAILED (see $LOG)"
   exit 1

@@ -16,8 +16,7 @@
 #
 # Stages (estimated time on one H200 with 16 cores, from the runs kept in bench/results):
 #   preflight              the GPU, the versions, and every package the stages import
-#   build                  the library with its CUDA path (ARCHS, default 90) in build/gpu, and the FP8
-#                          blockwise grouped GEMMs when the CUTLASS headers are found (nvidia-cutlass)
+#   build                  the library with its CUDA path (ARCHS, default 90) in build/gpu
 #   bench-autoep           python -m expertact.bench --autoep: DeepSpeed AutoEP's GroupedExperts at
 #                          the busiest rank, deepspeed = AutoEP's default (gate_up_impl separate),
 #                          deepspeed-fused, deepspeed-compile and expertact's rows, swiglu and swiglu_oai
@@ -33,7 +32,7 @@
 #   report-megatron        examples/megatron_report.py over both trainings: table and loss plot
 # The FP8 recipes (docs/notes/fp8-recipes.md), in the order --plan takes them: the diagnosis first,
 # then the training runs that decide the default recipe:
-#   test-fp8               the GPU cases of the FP8 kernels' and GEMM's tests (those of
+#   test-fp8               the GPU cases of the FP8 kernels' and GEMM layer's tests (those of
 #                          test_fp8_blocks.py, test_fp8_gemm.py, test_fp8_mlp.py that exist)
 #   fp8-accuracy           the first MoE layer's expert inputs captured at step 150 of the AutoEP h200
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
@@ -88,8 +87,8 @@ PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8
       train-megatron-gpt-oss report-megatron bench-autoep bench-megatron train-autoep-1000-bf16
       train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
-# gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) before the FP8 grouped GEMMs, whose two
-# CUTLASS translation units are estimated at ~160 s more (no record yet); five 300-step AutoEP runs and
+# gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
+# deleted since (109 s with them, below); five 300-step AutoEP runs and
 # the report 393 s (docs/autoep-e2e.md), ~78 s a run, here six; the Megatron bench's two tables of six
 # rows ~130 s (megatron-notes: build, GPU tests and the bench in 257 s), here seven rows; four 300-step
 # Megatron runs 317 s (~79 s a run; the same notes), here five per launch. bench-autoep has no
@@ -104,12 +103,12 @@ PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8
 # ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
 # bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
 # Measured in the session of 2026-12-05 (its command.txt files; one H200, 16 cores): preflight 42 s
-# (the wheels' install included), build 109 s (the CUTLASS units included), test-fp8 61 s, train-autoep
-# 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed start (~85 s a
-# run: four now), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8 rows a table),
-# bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps and their
-# warm-up at the busiest rank's shape, estimated.
-declare -A EST=([preflight]=45 [build]=120 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
+# (the wheels' install included), build 109 s (with the CUTLASS GEMMs, deleted since), test-fp8 61 s,
+# train-autoep 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed
+# start (~85 s a run: four now), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8
+# rows a table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
+# and their warm-up at the busiest rank's shape, estimated.
+declare -A EST=([preflight]=45 [build]=90 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=70
                 [fp8-accuracy]=120 [train-autoep-fp8]=360 [bench-fp8-gemms]=60
                 [bench-mlp-fp8]=240 [profile-fp8]=90 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400

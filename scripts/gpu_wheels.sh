@@ -20,8 +20,6 @@
 #                         annotated-types, typing-inspection); the rest of what it imports (einops,
 #                         msgpack, ninja, psutil, py-cpuinfo, tqdm, nvidia-ml-py) is assumed there
 #   torchao 0.18.0        torchao's FP8 MoE training run and the torchao rows of bench --mlp --fp8
-#   nvidia-cutlass 4.2.0.0  the CUTLASS headers the FP8 blockwise grouped GEMMs compile against (the
-#                         build finds them through the package)
 #   megatron-core 0.19.2  the Megatron stages (Python 3.12)
 # A package the machine already has at another version is replaced by --upgrade inside /tmp/site
 # only. Needs: pip, and (for DeepSpeed's wheel) torch installed here.
@@ -32,7 +30,7 @@ PY=${PYTHON:-python3}
 PYVER=${PYVER:-3.12}
 W=.whl
 BINARY=(hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-        torchao==0.18.0 nvidia-cutlass==4.2.0.0 megatron-core==0.19.2)
+        torchao==0.18.0 megatron-core==0.19.2)
 SDIST=(deepspeed==0.19.8)
 DLPACK=.deps/include/dlpack
 if [ "${1:-}" = --list ]; then

@@ -70,7 +70,6 @@ fi
 missing=$($PY - <<'EOF'
 import importlib.metadata as md
 want = {"torch": "2.13.0", "pytest": None, "numpy": None, "cmake": None, "ninja": None, "scikit-build-core": None,
-        "nvidia-cutlass": "4.2.0.0",
         "deepspeed": "0.19.8", "transformers": "5.17.0", "torchtitan": "0.3.0", "spmd_types": "0.2.3",
         "tyro": "1.0.17", "docstring-parser": "0.18.0", "typeguard": "4.6.1", "torchao": "0.18.0"}
 out = []
@@ -96,12 +95,6 @@ fi
 if wants deepspeed; then
   optional deepspeed "the DeepSpeed tests (test_deepspeed*.py, test_bench_autoep.py, test_autoep_example.py)" \
     env DS_BUILD_OPS=0 $PY -m pip install -q --no-build-isolation deepspeed==0.19.8
-fi
-# The CUTLASS headers, so that the FP8 grouped GEMMs (sm_90a) compile wherever nvcc is found; --no-deps:
-# the build reads the headers only (the package's Python generator wants cuda-python, scipy, ...).
-if wants nvidia-cutlass; then
-  optional nvidia-cutlass "the FP8 grouped GEMMs' build and tests (src/cuda/gemm, test_fp8_gemm*)" \
-    $PY -m pip install -q --no-deps "nvidia-cutlass==4.2.0.0"
 fi
 # Hugging Face transformers, an optional test dependency: tests/python/test_transformers.py checks
 # expertact.transformers against transformers' own experts and skips without it.

@@ -158,9 +158,9 @@ def check_sm90_contract(a, b, scale_a, scale_b, offs):
 
 
 def check_blockwise_contract(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed):
-    """The operand contract of the blockwise recipe's grouped GEMM (expertact.fp8's
-    grouped_gemm_blockwise, and torch._scaled_mm per expert with the same scales), as the FP8
-    node must meet it on every device: e4m3 operands with contiguous rows, float32 scales in the
+    """The operand contract of the blockwise recipe's grouped GEMM (torch._scaled_mm per expert
+    with the same scales on Hopper, the emulation on the CPU), as the FP8 node must meet it on
+    every device: e4m3 operands with contiguous rows, float32 scales in the
     tile layouts, int32 offsets whose host copy ``ends`` is given, K and N multiples of 16; the
     M-grouped form with 1 x 128 row tiles ([T, KB], the view of [KB, T] storage) and 128 x 128
     weight blocks, the K-grouped form with 128 x 1 column tiles over 128-padded experts."""
