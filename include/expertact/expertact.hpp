@@ -305,7 +305,7 @@ struct Tensor3Ref {
 // float32 [KB, T], KB = ceil(C / 128) (a MatrixRef of KB rows of T, row stride >= T: T
 // contiguous): scale (k, r) dequantises row r's columns 128 k .. 128 k + 127 (the last tile
 // partial when C is not a multiple of 128). Its [T, KB] view with strides (1, T) is the
-// "outer-dim-major" 1 x 128 scale torch._scaled_mm and CUTLASS's blockwise mainloop read.
+// "outer-dim-major" 1 x 128 scale torch._scaled_mm reads.
 Status fp8_quantize_row_tiles(const MatrixRef& x, const MatrixRef& q, const MatrixRef& scale,
                               void* stream = nullptr);
 
