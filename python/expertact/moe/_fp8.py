@@ -122,7 +122,7 @@ def _weight(w_kn: Tensor, plan):
     if _blocks(plan):
         E, N, K = w_nk.shape
         q, scale = _fp8_buffers.blocks(E, N, K, w_nk.device)
-        _ops.fp8_quantize_blocks(w_nk, q.view(E * N, K), scale.view(-1, scale.shape[-1]))
+        _ops.fp8_quantize_blocks(w_nk, q.view(E * N, K), scale.view(E * scale.shape[1], scale.shape[2]))
         return q, scale
     q, scale, _ = _tokens(w_nk.contiguous(), plan)
     return q.transpose(-2, -1), scale
