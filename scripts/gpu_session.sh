@@ -105,12 +105,12 @@ PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8
 # Measured in the session of 2026-12-05 (its command.txt files; one H200, 16 cores): preflight 42 s
 # (the wheels' install included), build 109 s (with the CUTLASS GEMMs, deleted since), test-fp8 61 s,
 # train-autoep 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed
-# start (~85 s a run: four now), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8
+# start (~85 s a run: four now, torchao's in a launch of its own), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8
 # rows a table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
 # and their warm-up at the busiest rank's shape, estimated.
 declare -A EST=([preflight]=45 [build]=90 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=70
-                [fp8-accuracy]=120 [train-autoep-fp8]=360 [bench-fp8-gemms]=60
+                [fp8-accuracy]=120 [train-autoep-fp8]=385 [bench-fp8-gemms]=60
                 [bench-mlp-fp8]=240 [profile-fp8]=90 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
@@ -307,10 +307,15 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --json '$D/fp8-accuracy-capture.json' --markdown '$D/fp8-accuracy-capture.md'
         '$PY' -m expertact.bench --fp8-accuracy --scales-from '$D/h200-eager-step150.capture.pt' \
           --json '$D/fp8-accuracy-busiest.json' --markdown '$D/fp8-accuracy-busiest.md'" ;;
-    train-autoep-fp8)  # beside train-autoep's runs (same machine, same folder), then one report of all
-      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --expert-share --skip-unavailable \
-          --out '$S/train-autoep/autoep' --impl mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad,mlp-fp8-blockwise,torchao-fp8 && \
-          ${AUTOEP_REPORT[*]} --in '$S/train-autoep/autoep' --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png'" ;;
+    train-autoep-fp8)  # beside train-autoep's runs (same machine, same folder), then one report of all;
+      # torchao's run in a launch of its own, so that a failure of the peer (a device assert ends the
+      # process) costs neither expertact's runs nor the report
+      run_stage "$st" "$D" "$PY" bash -c "rc=0
+          ${TRAIN[*]} --expert-share --skip-unavailable --out '$S/train-autoep/autoep' \
+            --impl mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad,mlp-fp8-blockwise || rc=1
+          ${TRAIN[*]} --expert-share --skip-unavailable --out '$S/train-autoep/autoep' --impl torchao-fp8 || rc=1
+          ${AUTOEP_REPORT[*]} --in '$S/train-autoep/autoep' --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png' || rc=1
+          exit \$rc" ;;
     bench-fp8-gemms)
       run_stage "$st" "$D" "$PY" bash -c "if '$PY' -c 'import expertact.bench.fp8_gemm' 2> /dev/null; then
           '$PY' -m expertact.bench --fp8-gemms --json '$D/fp8-gemms.json' --markdown '$D/fp8-gemms.md'
