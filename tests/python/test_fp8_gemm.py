@@ -176,15 +176,12 @@ def assert_bounded(got, ref, mag):
 def m_call(a, sa, b, sb, ends, device):
     """blockwise_gmm M-grouped, a_scale as the row-tile quantiser gives it: the [T, KB] view of
     [KB, T] storage."""
-    offs = torch.tensor(ends, dtype=torch.int32, device=device)
     sa_t = sa.t().contiguous().to(device).t()
-    return _gemm.blockwise_gmm(a.to(device), sa_t, b.to(device), sb.to(device), offs, ends, "m")
+    return _gemm.blockwise_gmm(a.to(device), sa_t, b.to(device), sb.to(device), ends, "m")
 
 
 def k_call(a_t, sa, b_t, sb, pends, device, out_transposed=False):
-    offs = torch.tensor(pends, dtype=torch.int32, device=device)
-    return _gemm.blockwise_gmm(a_t.to(device), sa.to(device), b_t.to(device), sb.to(device), offs, pends, "k",
-                               out_transposed)
+    return _gemm.blockwise_gmm(a_t.to(device), sa.to(device), b_t.to(device), sb.to(device), pends, "k", out_transposed)
 
 
 def poison(shape, device):

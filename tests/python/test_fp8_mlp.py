@@ -318,10 +318,10 @@ def test_a_wrong_scale_fails_the_bound(monkeypatch, recipe):
             scale_b = scale_b.roll(1, 0)
         return real(a, b, scale_a, scale_b, offs, fast_accum)
 
-    def shifted_blockwise(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
+    def shifted_blockwise(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=False):
         if grouping == "m":
             scale_b = scale_b.roll(1, 0)
-        return realb(a, scale_a, b, scale_b, offs, ends, grouping, out_transposed)
+        return realb(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
     t, dy, ends = _problem()
     t["w13"] *= (4.0 ** torch.arange(len(ends))).to(torch.bfloat16)[:, None, None]
@@ -337,7 +337,7 @@ def _allocate_only(a, b, scale_a, scale_b, offs, fast_accum=True):
     return torch.empty(shape, dtype=torch.bfloat16)
 
 
-def _allocate_only_blockwise(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
+def _allocate_only_blockwise(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=False):
     shape = (a.shape[0], b.shape[1]) if grouping == "m" else (len(ends), a.shape[0], b.shape[0])
     return torch.zeros(shape, dtype=torch.bfloat16)
 
@@ -553,7 +553,7 @@ def test_the_emulated_blockwise_gemms_against_float64():
     x = torch.randn(T, K, generator=g) * torch.exp2(torch.randint(-8, 8, (T, 1), generator=g).float())
     w = torch.randn(3, N, K, generator=g) * torch.exp2(torch.randint(-8, 8, (3, 1, K), generator=g).float())
     (xq, xs), (wq, ws) = row_tiles(x), blocks(w)
-    out = _gemm.blockwise_gmm(xq, xs.t().contiguous().t(), wq, ws, torch.tensor(ends, dtype=torch.int32), ends, "m")
+    out = _gemm.blockwise_gmm(xq, xs.t().contiguous().t(), wq, ws, ends, "m")
     assert out.dtype == torch.bfloat16 and out.shape == (T, N)
     xd = dequantize(xq, xs, 1, TILE)
     for e, (s, t) in enumerate(((0, 130), (130, 130), (130, 330))):
@@ -563,9 +563,8 @@ def test_the_emulated_blockwise_gemms_against_float64():
     y = torch.randn(T, 48, generator=g)  # the weight gradient x_e^T y_e per expert, over its rows
     (xc, xcs), (yc, ycs) = column_tiles(x, ends), column_tiles(y, ends)
     pends = padded_ends(ends)
-    poffs = torch.tensor(pends, dtype=torch.int32)
-    wg = _gemm.blockwise_gmm(xc, xcs, yc, ycs, poffs, pends, "k")
-    wt = _gemm.blockwise_gmm(xc, xcs, yc, ycs, poffs, pends, "k", True)
+    wg = _gemm.blockwise_gmm(xc, xcs, yc, ycs, pends, "k")
+    wt = _gemm.blockwise_gmm(xc, xcs, yc, ycs, pends, "k", True)
     assert wg.shape == wt.shape == (3, K, 48) and wt.stride()[1:] == (1, K) and torch.equal(wg, wt)
     assert torch.all(wg[1] == 0)
     for e, (p0, p1) in ((0, (0, 256)), (2, (256, 512))):
@@ -829,18 +828,16 @@ def test_cuda_blockwise_gemms_against_the_emulation():
     w = torch.randn(len(ends), N, K, generator=g) * 0.05
     (xq, xs), (wq, ws) = row_tiles(x), blocks(w)
     xs = xs.t().contiguous().t()
-    offs = torch.tensor(ends, dtype=torch.int32)
-    cpu = _gemm.blockwise_gmm(xq, xs, wq, ws, offs, ends, "m")
-    gpu = _gemm.blockwise_gmm(xq.cuda(), xs.t().contiguous().cuda().t(), wq.cuda(), ws.cuda(), offs.cuda(), ends, "m")
+    cpu = _gemm.blockwise_gmm(xq, xs, wq, ws, ends, "m")
+    gpu = _gemm.blockwise_gmm(xq.cuda(), xs.t().contiguous().cuda().t(), wq.cuda(), ws.cuda(), ends, "m")
     assert torch.isfinite(gpu).all() and torch.all(gpu[1085:] == 0)
     assert rel(gpu.cpu(), cpu) < 2.0 ** -8, rel(gpu.cpu(), cpu)
     y = torch.randn(T, 144, generator=g)
     (xc, xcs), (yc, ycs) = column_tiles(x, ends), column_tiles(y, ends)
     pends = padded_ends(ends)
-    poffs = torch.tensor(pends, dtype=torch.int32)
     for transposed in (False, True):
-        cpu = _gemm.blockwise_gmm(xc, xcs, yc, ycs, poffs, pends, "k", transposed)
-        gpu = _gemm.blockwise_gmm(xc.cuda(), xcs.cuda(), yc.cuda(), ycs.cuda(), poffs.cuda(), pends, "k", transposed)
+        cpu = _gemm.blockwise_gmm(xc, xcs, yc, ycs, pends, "k", transposed)
+        gpu = _gemm.blockwise_gmm(xc.cuda(), xcs.cuda(), yc.cuda(), ycs.cuda(), pends, "k", transposed)
         assert gpu.stride() == cpu.stride() and torch.all(gpu[0] == 0)
         assert rel(gpu.cpu(), cpu) < 2.0 ** -8, (transposed, rel(gpu.cpu(), cpu))
 

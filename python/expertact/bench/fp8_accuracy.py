@@ -309,9 +309,8 @@ def run_gemm(recipe, p, gemm, A, B):
     if recipe == "blockwise":  # expert_mlp(fp8="blockwise")'s GEMM layer, on this device
         if wgrad:
             pends = xfp8.padded_offsets(p.ends, TILE)
-            return _gemm.blockwise_gmm(A.q.t(), A.scale, B.q.t(), B.scale, xfp8.padded_offsets(p.offsets, TILE),
-                                       pends, "k")
-        return _gemm.blockwise_gmm(A.q, A.scale, B.q, B.scale, p.offsets, p.ends, "m")
+            return _gemm.blockwise_gmm(A.q.t(), A.scale, B.q.t(), B.scale, pends, "k")
+        return _gemm.blockwise_gmm(A.q, A.scale, B.q, B.scale, p.ends, "m")
     if not cuda or recipe == "rowwise-emulated":
         if cuda:
             tf32 = torch.backends.cuda.matmul.allow_tf32

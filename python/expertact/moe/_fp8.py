@@ -133,7 +133,7 @@ def _mm(a, w, offs, plan) -> Tensor:
     _weight; rows past the last offset 0."""
     ends = plan.ends
     if _blocks(plan):
-        return _gemm.blockwise_gmm(a[0], a[1], w[0], w[1], offs, ends, "m")
+        return _gemm.blockwise_gmm(a[0], a[1], w[0], w[1], ends, "m")
     out = _gemm.scaled_gmm(a[0], w[0], a[1], w[1], offs)
     end = ends[-1] if ends else 0
     if end < out.shape[0]:
@@ -215,7 +215,7 @@ def _wgrad(a, b, pads, plan, like: Optional[Tensor]) -> Tensor:
     from the operands' column forms (_cols); laid out as ``like`` (a weight held as a transposed
     view gets its gradient in the weight's storage order); 0 for an expert without rows."""
     if _blocks(plan):
-        return _gemm.blockwise_gmm(a[0], a[1], b[0], b[1], pads[0], pads[1], "k", held_transposed(like))
+        return _gemm.blockwise_gmm(a[0], a[1], b[0], b[1], pads[1], "k", held_transposed(like))
     if held_transposed(like):
         return _wgrad(b, a, pads, plan, None).transpose(-2, -1)
     (aq, sa), (bq, sb) = a, b

@@ -296,27 +296,27 @@ def _cuda_backend(device) -> tuple:
     return ("scaled_mm", None) if why is None else (None, why)
 
 
-def blockwise_gmm(a, scale_a, b, scale_b, offs, ends, grouping="m", out_transposed=False):
+def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=False):
     """The blockwise recipe's FP8 grouped GEMM as the node calls it: e4m3 operands with float32
     dequantisation scales (value = q * scale) per tile of 128, every 128-deep K tile accumulated
-    and added into float32 (the promotion), the sum rounded once to bf16. ``ends``: offs'
-    values as host ints.
+    and added into float32 (the promotion), the sum rounded once to bf16. ``ends``: host ints, the
+    experts' end rows (or end tokens) below; its GEMMs are per expert, so no device copy is
+    taken.
 
     ``grouping="m"`` (forward and input gradients): a [T, K] row-major, scale_a [T, ceil(K / 128)]
     (1 x 128 row tiles; the view of [KB, T] storage, strides (1, T)), b [E, N, K] with K
-    contiguous, scale_b [E, ceil(N / 128), ceil(K / 128)] (128 x 128 blocks), offs the experts'
-    end rows -> [T, N], rows past the last offset 0.
+    contiguous, scale_b [E, ceil(N / 128), ceil(K / 128)] (128 x 128 blocks), ends the experts'
+    end rows -> [T, N], rows past the last end 0.
 
     ``grouping="k"`` (weight gradients): a [M, Tp] and b [N, Tp] with the tokens contiguous
     (each expert's tokens padded to a multiple of 128), scale_a [Tp / 128, M] and scale_b
-    [Tp / 128, N] (128 x 1 column tiles), offs the padded end tokens -> [E, M, N], 0 for an
+    [Tp / 128, N] (128 x 1 column tiles), ends the padded end tokens -> [E, M, N], 0 for an
     expert without tokens; ``out_transposed``: the same values with out[e] column-major (the
     [E, N, M] storage transposed: the gradient of a weight held as its transpose).
 
     On Hopper torch._scaled_mm per expert with the same scales (without fast accumulation:
-    cuBLAS's promoted blockwise GEMM); ``offs`` is the contract's device copy of the ends, which
-    this backend does not read. On the CPU its emulation, for tests and studies of the recipe (slow, not a speed
-    path): each operand dequantised exactly per its tiles (the scales are powers of two), a
+    cuBLAS's promoted blockwise GEMM). On the CPU its emulation, for tests and studies of the
+    recipe (slow, not a speed path): each operand dequantised exactly per its tiles (the scales are powers of two), a
     float32 matmul per expert, rounded once to bf16."""
     backend, why = blockwise_backend(a.device)
     if backend is None:
