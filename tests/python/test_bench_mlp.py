@@ -193,3 +193,19 @@ def test_bench_fp8_rows_on_the_cpu_emulation(impl):
     assert err.keys() == bias.keys() == {"y", "dx", "dw13", "dw2"}
     for k in err:
         assert 1e-2 < err[k] < 3e-1 and abs(bias[k]) < err[k] and base[k] < err[k], (k, err[k], bias[k], base[k])
+
+
+def test_fp8_bench_compare_sums_in_slices():
+    """bench --mlp --fp8's comparison sums over slices (the busiest rank's T x D output would need
+    three whole-size float64 copies otherwise): the same err and bias as the whole-tensor formulas,
+    with slices that do not divide the tensor."""
+    from expertact.bench import fp8 as bench
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(37, 11, generator=g)
+    a = (ref * 0.97 + 0.05 * torch.randn(37, 11, generator=g)).bfloat16()
+    err, bias = bench.compare(a, ref, chunk=50)
+    d, r = a.double() - ref.double(), ref.double()
+    assert err == pytest.approx(float(d.norm() / r.norm()), rel=1e-12)
+    assert bias == pytest.approx(float((d * r).sum() / (r * r).sum()), rel=1e-12)
+    assert bias < -0.02  # the 0.97 shows as a loss along ref
+    assert bench.compare(a, torch.zeros_like(ref)) == (None, None)
