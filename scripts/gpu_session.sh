@@ -38,22 +38,22 @@
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
 #   train-autoep-fp8       beside train-autoep's runs on the same machine (its folder): AutoEP h200, 300
-#                          steps, the FP8 recipes train-autoep does not run (rowwise-bf16-wgrad, the
-#                          default; rowwise-promoted-wgrad; blockwise; a recipe this expertact lacks is
+#                          steps, the FP8 recipes train-autoep does not run (rowwise-bf16-wgrad;
+#                          rowwise-promoted-wgrad, the default; blockwise; a recipe this expertact lacks is
 #                          left out and said so) and torchao's FP8 rowwise MoE training; then one report
 #                          of every run
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
-#   profile-fp8            bench/mlp_kernel_profile.py for the default recipe, rowwise-promoted-wgrad and
+#   profile-fp8            bench/mlp_kernel_profile.py for rowwise-bf16-wgrad, the default rowwise-promoted-wgrad and
 #                          blockwise: each kernel's time in one step at the busiest rank's shape
 #   train-autoep-1000-bf16 1,000 steps on the larger corpus (--corpus stdlib+packages): DeepSpeed's default
 #                          and its repeat
-#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-bf16-wgrad: the
+#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-promoted-wgrad: the
 #                          default recipe, the run the 300-step results pick), then the report
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
 #   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
-#                          the recipe FINETUNE_FP8 (default rowwise-bf16-wgrad), into the same report
+#                          the recipe FINETUNE_FP8 (default rowwise-promoted-wgrad), into the same report
 #
 # Needs: one NVIDIA GPU, Hopper (sm_90) for the FP8 rows and runs; the CUDA toolkit (nvcc), CMake >=
 # 3.24, Ninja and dlpack.h for the build (the system's, or .deps/include/dlpack/dlpack.h); Python
@@ -72,8 +72,8 @@ PY=${PYTHON:-python3}
 PY312=${PYTHON312:-$PY}
 BUILD=${BUILD:-$ROOT/build/gpu}
 SITE=${SITE:-/tmp/site}
-LONG_FP8=${LONG_FP8:-mlp-fp8-bf16-wgrad}
-FINETUNE_FP8=${FINETUNE_FP8:-rowwise-bf16-wgrad}
+LONG_FP8=${LONG_FP8:-mlp-fp8-promoted-wgrad}
+FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)

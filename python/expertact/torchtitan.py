@@ -323,7 +323,7 @@ class ExpertactGroupedExperts(_Modes, GroupedExperts):
     :func:`experts_forward`. Config fields beyond GroupedExperts.Config: ``recompute`` and
     ``inplace_backward`` (expert_mlp's memory modes), ``compute_dtype`` (bf16 as TorchTitan's
     module; None computes in the activations' dtype), ``fp8`` (expert_mlp's FP8 recipe by name,
-    e.g. "rowwise-bf16-wgrad"; None: none)."""
+    e.g. "rowwise-promoted-wgrad"; None: none)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):

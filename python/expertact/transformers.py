@@ -326,7 +326,7 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
     """Registers expertact under ``name`` in transformers' experts registry, with expert_mlp's
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
     is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8: a
-    recipe of expertact.moe.FP8_RECIPES, e.g. "rowwise-bf16-wgrad" or "blockwise", or True for
+    recipe of expertact.moe.FP8_RECIPES, e.g. "rowwise-promoted-wgrad" or "blockwise", or True for
     the default recipe, resolved here by expertact.moe.fp8_recipe: bf16 models on Hopper, and on
     the CPU as an emulation of the recipe). Returns the registered function.
     Re-registering a name this module registered replaces it; transformers' own names ("eager",

@@ -168,11 +168,11 @@ def test_bench_fp8_rows_are_the_recipes():
     from expertact.bench import fp8 as bench
     assert bench.FP8_ROWS == {"fp8": "rowwise", "fp8-bf16-wgrad": "rowwise-bf16-wgrad",
                               "fp8-promoted-wgrad": "rowwise-promoted-wgrad", "fp8-blockwise": "blockwise"}
-    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW == "fp8-bf16-wgrad"
+    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW == "fp8-promoted-wgrad"
     rows = [dict(impl="expertact", ms=300.0, extra_peak_gib=10.0),
-            dict(impl="fp8-bf16-wgrad", ms=200.0, extra_peak_gib=9.0)]
+            dict(impl="fp8-promoted-wgrad", ms=200.0, extra_peak_gib=9.0)]
     (text, ok), (peak, peak_ok) = bench.targets(rows)
-    assert ok and peak_ok and text.startswith("fp8-bf16-wgrad (the default recipe) 1.50x faster"), text
+    assert ok and peak_ok and text.startswith("fp8-promoted-wgrad (the default recipe) 1.50x faster"), text
 
 
 @pytest.mark.parametrize("impl", ["fp8", "fp8-bf16-wgrad", "fp8-promoted-wgrad", "fp8-blockwise"])

@@ -168,8 +168,8 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     assert ft.parse_args(["--variants", "grouped_mm", "--fp8", "nonsense"]).fp8_modes is None  # not asked for
     with pytest.raises(SystemExit):  # folded into the recipe names
         ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
-    for given in ([], ["--fp8", "default"], ["--fp8", "rowwise-bf16-wgrad"]):
-        assert ft.parse_args(["--variants", "expertact_fp8", *given]).fp8_modes == dict(fp8="rowwise-bf16-wgrad")
+    for given in ([], ["--fp8", "default"], ["--fp8", "rowwise-promoted-wgrad"]):
+        assert ft.parse_args(["--variants", "expertact_fp8", *given]).fp8_modes == dict(fp8="rowwise-promoted-wgrad")
     for name in FP8_RECIPES:
         assert ft.parse_args(["--variants", "expertact_fp8", "--fp8", name]).fp8_modes == dict(fp8=name)
     calls = []

@@ -672,10 +672,10 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
     log.check(recipe)
     assert torch.equal(again[0], got[0])
     with pytest.raises(ValueError, match=r"expertact.torchtitan: fp8='e4m3' is not an FP8 recipe: the recipes are "
-                                         r"'rowwise' \(\+0\.071"):
+                                         r"'rowwise' \(\+0\.076"):
         et.enable(model, fp8="e4m3")
     assert bf16.fp8 == recipe  # refused before any change
-    assert et.enable(model, fp8=True) == ["a"] and bf16.fp8 == "rowwise-bf16-wgrad"
+    assert et.enable(model, fp8=True) == ["a"] and bf16.fp8 == "rowwise-promoted-wgrad"
 
 
 def test_fp8_config_field():
@@ -683,7 +683,7 @@ def test_fp8_config_field():
     assert et.expertact_grouped_experts(cfg).fp8 is None
     assert et.expertact_grouped_experts(cfg, fp8="rowwise").fp8 == "rowwise"
     assert et.expertact_grouped_experts(cfg, fp8=False).fp8 is None
-    assert et.expertact_grouped_experts(cfg, fp8=True).fp8 == "rowwise-bf16-wgrad"
+    assert et.expertact_grouped_experts(cfg, fp8=True).fp8 == "rowwise-promoted-wgrad"
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
         et.expertact_grouped_experts(cfg, fp8="e4m3")
     gpt = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=7.0)

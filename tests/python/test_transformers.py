@@ -420,9 +420,9 @@ def test_fp8_gives_the_recipes_values(name, recipe):
 def test_fp8_names():
     """fp8=True registers the default recipe; an unknown name is refused (nothing registered), naming
     the recipes and their cost."""
-    assert et.register("expertact_test_fp8_true", fp8=True).fp8 == "rowwise-bf16-wgrad"
+    assert et.register("expertact_test_fp8_true", fp8=True).fp8 == "rowwise-promoted-wgrad"
     with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8='e4m3' is not an FP8 recipe: the "
-                                         r"recipes are 'rowwise' \(\+0\.071"):
+                                         r"recipes are 'rowwise' \(\+0\.076"):
         et.register("expertact_test_fp8_bad", fp8="e4m3")
     assert "expertact_test_fp8_bad" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
     assert et.register("expertact_test_fp8_off", fp8=False).fp8 is None

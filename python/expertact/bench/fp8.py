@@ -11,10 +11,9 @@ Rows (--impls):
   expertact-recompute expert_mlp in bf16 with recompute=True (what the FP8 node keeps)
   fp8                 expert_mlp(fp8="rowwise"): the six GEMMs as torch._scaled_grouped_mm (e4m3, rowwise
                       scales, fast accumulation), h written in e4m3 by the activation kernel
-  fp8-bf16-wgrad      expert_mlp(fp8="rowwise-bf16-wgrad"), the default recipe: the two weight-gradient
-                      GEMMs in bf16
-  fp8-promoted-wgrad  expert_mlp(fp8="rowwise-promoted-wgrad"): the two weight-gradient GEMMs with
-                      use_fast_accum=False (FP32-promoted accumulation)
+  fp8-bf16-wgrad      expert_mlp(fp8="rowwise-bf16-wgrad"): the two weight-gradient GEMMs in bf16
+  fp8-promoted-wgrad  expert_mlp(fp8="rowwise-promoted-wgrad"), the default recipe: the two
+                      weight-gradient GEMMs with use_fast_accum=False (FP32-promoted accumulation)
   fp8-blockwise       expert_mlp(fp8="blockwise"): DeepSeek-V3's recipe, 1 x 128 tiles for x, h, dy and
                       dgate_up, 128 x 128 blocks for the weights, 128 x 1 tiles for the weight gradients'
                       operands, written by expertact's kernels; the six GEMMs as torch._scaled_mm per expert

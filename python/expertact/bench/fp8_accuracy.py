@@ -25,13 +25,13 @@ Recipes (rows):
   rowwise-mm-no-fast-accum   ... use_fast_accum=False (CUDA)
   rowwise-emulated           the same operands dequantised, float32 matmul on the device (TF32 off):
                              the CPU emulation's arithmetic on the GPU (CUDA; on the CPU = rowwise)
-  rowwise-bf16-wgrad         expert_mlp(fp8="rowwise-bf16-wgrad"), the default recipe: dw2 and dw13
-                             as expert_mlp's bf16 GEMMs (the other four GEMMs are rowwise's and are
-                             not repeated)
-  rowwise-promoted-wgrad     expert_mlp(fp8="rowwise-promoted-wgrad"): dw2 and dw13 through the node's
-                             GEMM layer with fast accumulation off (on CUDA the call of
-                             rowwise-no-fast-accum, whose output it shares when both rows run; on
-                             the CPU the emulation, = rowwise); the other four are rowwise's
+  rowwise-bf16-wgrad         expert_mlp(fp8="rowwise-bf16-wgrad"): dw2 and dw13 as expert_mlp's bf16
+                             GEMMs (the other four GEMMs are rowwise's and are not repeated)
+  rowwise-promoted-wgrad     expert_mlp(fp8="rowwise-promoted-wgrad"), the default recipe: dw2 and
+                             dw13 through the node's GEMM layer with fast accumulation off (on CUDA
+                             the call of rowwise-no-fast-accum, whose output it shares when both
+                             rows run; on the CPU the emulation, = rowwise); the other four are
+                             rowwise's
   blockwise                  DeepSeek-V3's 1x128 / 128x128 operands (expertact.fp8's tile quantisers) and
                              GEMMs as expert_mlp(fp8="blockwise") runs them: expertact's grouped GEMM with
                              FP32-promoted accumulation on Hopper (torch._scaled_mm per expert with the
