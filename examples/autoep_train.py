@@ -22,7 +22,7 @@ One process per rank, launched by torchrun:
 --impl mlp-fp8-bf16-wgrad, mlp-fp8-promoted-wgrad, mlp-fp8-blockwise
                                  ... fp8="rowwise-bf16-wgrad" (the weight gradients in bf16),
                                  "rowwise-promoted-wgrad" (the weight gradients without fast
-                                 accumulation; the default recipe), "blockwise"
+                                 accumulation), "blockwise"
                                  (examples/autoep_fp8.py: one entry per recipe)
 --impl torchao-fp8               DeepSpeed's own experts with their weights converted by torchao 0.18's
                                  FP8 rowwise MoE training (examples/autoep_fp8.py says how; Hopper)

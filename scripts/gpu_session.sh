@@ -38,19 +38,22 @@
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
 #   train-autoep-fp8       beside train-autoep's runs on the same machine (its folder): AutoEP h200, 300
-#                          steps, the FP8 recipes train-autoep does not run (rowwise-bf16-wgrad;
-#                          rowwise-promoted-wgrad, the default; blockwise; a recipe this expertact lacks is
-#                          left out and said so) and torchao's FP8 rowwise MoE training; then one report
-#                          of every run
+#                          steps, the FP8 recipes train-autoep does not run (rowwise-bf16-wgrad,
+#                          rowwise-promoted-wgrad, blockwise; a recipe this expertact lacks is left out
+#                          and said so) and torchao's FP8 rowwise MoE training; then one report of every run
+#   train-autoep-seedN     the same training with seed N (other weights, other batches): DeepSpeed's
+#                          default, its repeat and gate_up fused (the yardsticks), expertact's bf16 MLP in
+#                          place and the two rowwise recipes with accurate weight gradients, then their
+#                          report: whether a recipe's difference from bf16 keeps its sign across seeds
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
-#   profile-fp8            bench/mlp_kernel_profile.py for rowwise-bf16-wgrad, the default rowwise-promoted-wgrad and
+#   profile-fp8            bench/mlp_kernel_profile.py for rowwise-bf16-wgrad, rowwise-promoted-wgrad and
 #                          blockwise: each kernel's time in one step at the busiest rank's shape
 #   train-autoep-1000-bf16 1,000 steps on the larger corpus (--corpus stdlib+packages): DeepSpeed's default
 #                          and its repeat
-#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-promoted-wgrad: the
-#                          default recipe, the run the 300-step results pick), then the report
+#   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-promoted-wgrad, the
+#                          fastest recipe nearest bf16 in the 300-step runs), then the report
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
 #   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
 #                          the recipe FINETUNE_FP8 (default rowwise-promoted-wgrad), into the same report
@@ -76,16 +79,16 @@ LONG_FP8=${LONG_FP8:-mlp-fp8-promoted-wgrad}
 FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
-       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
-# Priority order, what the session of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/: the
-# per-GEMM diagnosis, the AutoEP trainings of rowwise, bf16 weight gradients and blockwise, bench-autoep,
-# bench-megatron and bench-fp8-gemms ran): the GPU tests of the fixes it led to, the AutoEP trainings of
-# every recipe beside their yardsticks (on one machine), the FP8 module benchmark and profile (the
-# default's speed target, blockwise's kernels), Megatron's trainings (both forms on one machine), the
-# longer runs.
-PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8-gemms train-megatron-swiglu
-      train-megatron-gpt-oss report-megatron bench-autoep bench-megatron train-autoep-1000-bf16
-      train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
+       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
+       train-autoep-seed3)
+# Priority order, what the sessions of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/ and
+# -05b/: every recipe trained beside DeepSpeed's default on one machine, the module bench's times, the
+# kernel profiles): whether the FP8 recipes' low-side difference from bf16 is the recipe or the run (two
+# more seeds), the module bench's accuracy columns and the blockwise operand kernels' profile again,
+# Megatron's trainings (both forms on one machine), the benches of the changed baselines, the longer runs.
+PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 bench-fp8-gemms
+      train-megatron-swiglu train-megatron-gpt-oss report-megatron bench-autoep bench-megatron
+      train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -102,17 +105,23 @@ PLAN=(test-fp8 train-autoep train-autoep-fp8 bench-mlp-fp8 profile-fp8 bench-fp8
 # of steps each; fp8-accuracy: the capture ~75 s (151 steps and the 1.7 GB file), the analysis of it
 # ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
 # bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
+# Measured in the second session of 2026-12-05 (bench/results/gpu-session-h200-2026-12-05b): preflight
+# 36 s, build 108 s, test-fp8 52 s, train-autoep 477 s (six runs and the report), train-autoep-fp8 328 s
+# (three runs, torchao's 300 steps, the report), bench-mlp-fp8 73 s (its accuracy columns failed: with
+# them, estimated 120 s), profile-fp8 53 s, bench-fp8-gemms 41 s; train-autoep-seedN: six runs as
+# train-autoep's.
 # Measured in the session of 2026-12-05 (its command.txt files; one H200, 16 cores): preflight 42 s
 # (the wheels' install included), build 109 s (with the CUTLASS GEMMs, deleted since), test-fp8 61 s,
 # train-autoep 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed
 # start (~85 s a run: four now, torchao's in a launch of its own), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8
 # rows a table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
 # and their warm-up at the busiest rank's shape, estimated.
-declare -A EST=([preflight]=45 [build]=90 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
+declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=70
-                [fp8-accuracy]=120 [train-autoep-fp8]=385 [bench-fp8-gemms]=60
-                [bench-mlp-fp8]=240 [profile-fp8]=90 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
-                [finetune-fp8-yardsticks]=400 [finetune-fp8]=140)
+                [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
+                [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
+                [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
+                [train-autoep-seed3]=490)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and sessions up to
 # SESSION_S.
@@ -326,6 +335,11 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     profile-fp8)
       run_stage "$st" "$D" "$PY" bash -c "for impl in fp8-bf16-wgrad fp8-promoted-wgrad fp8-blockwise; do
           '$PY' bench/mlp_kernel_profile.py \$impl || exit 1; done" ;;
+    train-autoep-seed*)
+      local seed=${st#train-autoep-seed}
+      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --seed $seed --out '$S/$st/autoep' \
+          --impl eager,eager-repeat,eager-fused,mlp-inplace,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad && \
+          ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png'" ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

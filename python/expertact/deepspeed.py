@@ -11,7 +11,7 @@ Packed means DeepSpeed's "halves" layout: gate_up[..., :I] is gate, gate_up[...,
     from expertact import deepspeed as ds
     h = ds.apply_packed_expert_activation(gate_up, "swiglu_oai", alpha=1.702, limit=7.0)
     ds.enable()          # DeepSpeed's GroupedExperts now runs expertact's activation (docs/python.md)
-    ds.enable(experts=True, fp8=True)   # ... or its whole expert MLP, FP8 (the default recipe)
+    ds.enable(experts=True, fp8="rowwise-promoted-wgrad")   # ... or its whole expert MLP, in FP8
     with ds.enabled_scope(inplace_backward=True):
         ...              # enabled for this block, then back to what was in force
 
@@ -466,7 +466,8 @@ def enable(inplace_backward: bool = False, register: Optional[Mapping[str, objec
             (resolved by :func:`expertact.moe.fp8_recipe`): a name of
             :data:`expertact.moe.FP8_RECIPES` (``"rowwise"``, ``"rowwise-bf16-wgrad"``,
             ``"rowwise-promoted-wgrad"``, ``"blockwise"``), or True for the default,
-            :data:`expertact.moe.DEFAULT_FP8_RECIPE` (Hopper, bf16, D and F multiples of 16; on
+            :data:`expertact.moe.DEFAULT_FP8_RECIPE` (none is chosen: True raises naming the
+            recipes and their training-loss cost) (Hopper, bf16, D and F multiples of 16; on
             the CPU the emulation of the recipe; elsewhere the forward raises
             NotImplementedError naming what is missing). None or False: the GEMMs in the
             model's dtype.

@@ -161,16 +161,19 @@ def test_bench_mlp_fp8_table_on_the_cpu(tmp_path):
         assert by[name].get("skipped") and "x is on cpu" in by[name]["error"]
 
 
-def test_bench_fp8_rows_are_the_recipes():
+def test_bench_fp8_rows_are_the_recipes(monkeypatch):
     """One FP8 row per recipe of FP8_RECIPES, each running its recipe; the default recipe's row
     carries the speed target."""
     from expertact import moe
     from expertact.bench import fp8 as bench
     assert bench.FP8_ROWS == {"fp8": "rowwise", "fp8-bf16-wgrad": "rowwise-bf16-wgrad",
                               "fp8-promoted-wgrad": "rowwise-promoted-wgrad", "fp8-blockwise": "blockwise"}
-    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW == "fp8-promoted-wgrad"
+    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW is None
     rows = [dict(impl="expertact", ms=300.0, extra_peak_gib=10.0),
             dict(impl="fp8-promoted-wgrad", ms=200.0, extra_peak_gib=9.0)]
+    [(text, ok)] = bench.targets(rows)  # no default recipe: the speed target is met by none
+    assert not ok and text.startswith("no default recipe"), text
+    monkeypatch.setattr(bench, "DEFAULT_ROW", "fp8-promoted-wgrad")
     (text, ok), (peak, peak_ok) = bench.targets(rows)
     assert ok and peak_ok and text.startswith("fp8-promoted-wgrad (the default recipe) 1.50x faster"), text
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from expertact import deepspeed as xds
+from expertact import moe
 from expertact.moe import expert_mlp
 from conftest import requires_cuda
 from test_deepspeed_registry import EP, FORMS, _OpLog, _grouped_experts, needs_ds
@@ -241,12 +242,18 @@ def test_fp8_where_it_cannot_run_says_why():
         m(torch.randn(16, 32), torch.tensor([16, 0, 0, 0]))
 
 
-def test_fp8_names():
+def test_fp8_names(monkeypatch):
     """fp8 resolves through expertact.moe.fp8_recipe: False is bf16, True the default recipe
-    ("rowwise-promoted-wgrad"), a name that recipe (in enable() and in enabled_scope()); an unknown
-    name is refused naming the recipes and their loss cost, and nothing changes then."""
+    (refused while none is chosen, nothing changed then), a name that recipe (in enable() and in
+    enabled_scope()); an unknown name is refused naming the recipes and their loss cost, and
+    nothing changes then."""
     xds.enable(experts=True, fp8=False)
     assert EP.GroupedExperts.forward.expertact_form["fp8"] is None
+    with pytest.raises(ValueError, match=r"expertact.deepspeed.enable: fp8=True asks for the default FP8 recipe, "
+                                         r"and none is chosen"):
+        xds.enable(experts=True, fp8=True)
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] is None
+    monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", "rowwise-promoted-wgrad")
     xds.enable(experts=True, fp8=True)
     assert EP.GroupedExperts.forward.expertact_form["fp8"] == "rowwise-promoted-wgrad"
     with xds.enabled_scope(experts=True, fp8="rowwise-bf16-wgrad"):

@@ -158,7 +158,8 @@ def test_runs_merge_into_one_report(tmp_path, restore_flags):
 
 def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     """--fp8 names expertact_fp8's recipe, resolved by expertact.moe.fp8_recipe (an unknown name is
-    refused naming the recipes; "default", the default, is fp8=True's recipe); on the CPU, in bf16,
+    refused naming the recipes; "default", the default, is fp8=True's recipe, refused while none
+    is chosen); on the CPU, in bf16,
     the recipe's emulation trains (every expert GEMM through the FP8 layer, counted: no silent
     bf16) near the bf16 baseline, and the record says which recipe ran."""
     from expertact.moe import FP8_RECIPES, _gemm
@@ -168,8 +169,9 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     assert ft.parse_args(["--variants", "grouped_mm", "--fp8", "nonsense"]).fp8_modes is None  # not asked for
     with pytest.raises(SystemExit):  # folded into the recipe names
         ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
-    for given in ([], ["--fp8", "default"], ["--fp8", "rowwise-promoted-wgrad"]):
-        assert ft.parse_args(["--variants", "expertact_fp8", *given]).fp8_modes == dict(fp8="rowwise-promoted-wgrad")
+    for given in ([], ["--fp8", "default"]):  # fp8=True's recipe: none is chosen
+        with pytest.raises(SystemExit):
+            ft.parse_args(["--variants", "expertact_fp8", *given])
     for name in FP8_RECIPES:
         assert ft.parse_args(["--variants", "expertact_fp8", "--fp8", name]).fp8_modes == dict(fp8=name)
     calls = []
@@ -229,23 +231,24 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "train-autoep", "train-autoep-fp8", "bench-mlp-fp8"]
+    assert fp8[:4] == ["test-fp8", "train-autoep-seed2", "train-autoep-seed3", "bench-mlp-fp8"]
     assert len(fp8) == len(set(fp8)) == 15
     # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep"] == session_of["train-autoep-fp8"]
+    assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"]
     assert session_of["train-megatron-swiglu"] == session_of["train-megatron-gpt-oss"] == session_of["report-megatron"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, "fp8-accuracy"], capture_output=True, text=True, env=env,
-                         check=True).stdout
+    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, "fp8-accuracy", "train-autoep", "train-autoep-fp8"],
+                         capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
     for st in fp8:
         assert re.search(rf"^{st}: ", dry, re.M), st
+    assert re.search(r"^train-autoep-seed3: .*autoep_train.py .*--seed 3 ", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
     # megatron_moe.py imports megatron-core (Python >= 3.12): its IMPLS read from its source

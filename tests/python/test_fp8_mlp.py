@@ -444,8 +444,8 @@ def test_second_backward_refused(recipe):
 def test_recipe_names():
     """FP8_RECIPES names the four recipes, each with its measured loss cost, and every name
     resolves to itself (and has a form in the GEMM layer: the one table of what each does);
-    True selects the default, "rowwise-promoted-wgrad"; None and False are bf16; anything else
-    raises naming all four with their costs and the default."""
+    True selects the default, which none is (True raises naming the four with their costs);
+    None and False are bf16; anything else raises naming all four with their costs."""
     assert list(moe.FP8_RECIPES) == NAMED and set(_gemm.FP8_FORMS) == set(NAMED)
     costs = {"rowwise": r"\+0\.076 loss .*1\.1474 against DeepSpeed's bf16 default's 1\.0718.*fast accumulation.*"
                         r"torchao's rowwise FP8 trains the same",
@@ -457,34 +457,36 @@ def test_recipe_names():
     for name, cost in costs.items():
         assert re.fullmatch(cost, moe.FP8_RECIPES[name]), (name, moe.FP8_RECIPES[name])
         assert moe.fp8_recipe(name) == name
-    assert moe.DEFAULT_FP8_RECIPE == "rowwise-promoted-wgrad" and moe.fp8_recipe(True) == "rowwise-promoted-wgrad"
-    assert moe.fp8_recipe(None) is None and moe.fp8_recipe(False) is None
+    assert moe.DEFAULT_FP8_RECIPE is None
     named = re.escape("; ".join(f"{name!r} ({cost})" for name, cost in moe.FP8_RECIPES.items()))
+    with pytest.raises(ValueError) as err:
+        moe.fp8_recipe(True, "where")
+    assert re.fullmatch(rf"where: fp8=True asks for the default FP8 recipe, and none is chosen: .*section 10\)\. FP8 "
+                        rf"is offered by name: {named}", str(err.value)), str(err.value)
+    assert moe.fp8_recipe(None) is None and moe.fp8_recipe(False) is None
     for bad in ("tensorwise", "Blockwise", "Rowwise", "rowwise-bf16", "bf16-wgrad", 1, 0, "", torch.float8_e4m3fn):
         with pytest.raises(ValueError) as err:
             moe.fp8_recipe(bad, "where")
-        assert re.fullmatch(rf"where: fp8=.* is not an FP8 recipe: the recipes are {named}; True selects the default, "
-                            r"'rowwise-promoted-wgrad'; None or False keeps the GEMMs in the model's dtype",
-                            str(err.value)), str(err.value)
+        assert re.fullmatch(rf"where: fp8=.* is not an FP8 recipe: the recipes are {named}; None or False keeps the "
+                            r"GEMMs in the model's dtype", str(err.value)), str(err.value)
 
 
 def test_true_selects_the_default(monkeypatch):
-    """fp8=True runs the default recipe's node ("rowwise-promoted-wgrad": all six GEMMs FP8,
-    the weight gradients without fast accumulation), bit for bit; choosing another default is
-    one assignment; with none chosen, True raises naming the recipes."""
+    """With no default chosen, fp8=True raises naming the recipes (and runs nothing); choosing one
+    is one assignment, after which True runs that recipe's node bit for bit and the refusal of
+    an unknown name says which recipe True selects."""
     t, dy, ends = _problem()
-    with ScaledGemmLog() as log:
-        got = _run(t, dy, ends, "swiglu", "halves", fp8=True)
-    _log_is(log, "rowwise-promoted-wgrad")
-    want = _run(t, dy, ends, "swiglu", "halves", fp8="rowwise-promoted-wgrad")
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", "blockwise")
-    with ScaledGemmLog() as log:
-        _run(t, dy, ends, "swiglu", "halves", fp8=True)
-    _log_is(log, "blockwise")
-    monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", None)
     with pytest.raises(ValueError, match=r"fp8=True .*none is chosen.*'rowwise' \(\+0\.076 .*'blockwise' \(\+0\.003"):
         _run(t, dy, ends, "swiglu", "halves", fp8=True)
+    for recipe in ("rowwise-promoted-wgrad", "blockwise"):
+        monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", recipe)
+        with ScaledGemmLog() as log:
+            got = _run(t, dy, ends, "swiglu", "halves", fp8=True)
+        _log_is(log, recipe)
+        want = _run(t, dy, ends, "swiglu", "halves", fp8=recipe)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        with pytest.raises(ValueError, match=f"; True selects the default, '{recipe}'; None or False"):
+            moe.fp8_recipe("e4m3")
     off, bf16 = _run(t, dy, ends, "swiglu", "halves", fp8=False), _run(t, dy, ends, "swiglu", "halves")
     assert all(torch.equal(off[k], bf16[k]) for k in bf16)
 

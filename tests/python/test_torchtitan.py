@@ -675,7 +675,9 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
                                          r"'rowwise' \(\+0\.076"):
         et.enable(model, fp8="e4m3")
     assert bf16.fp8 == recipe  # refused before any change
-    assert et.enable(model, fp8=True) == ["a"] and bf16.fp8 == "rowwise-promoted-wgrad"
+    with pytest.raises(ValueError, match="expertact.torchtitan: fp8=True asks for the default FP8 recipe"):
+        et.enable(model, fp8=True)
+    assert bf16.fp8 == recipe
 
 
 def test_fp8_config_field():
@@ -683,7 +685,8 @@ def test_fp8_config_field():
     assert et.expertact_grouped_experts(cfg).fp8 is None
     assert et.expertact_grouped_experts(cfg, fp8="rowwise").fp8 == "rowwise"
     assert et.expertact_grouped_experts(cfg, fp8=False).fp8 is None
-    assert et.expertact_grouped_experts(cfg, fp8=True).fp8 == "rowwise-promoted-wgrad"
+    with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
+        et.expertact_grouped_experts(cfg, fp8=True)
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
         et.expertact_grouped_experts(cfg, fp8="e4m3")
     gpt = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=7.0)

@@ -418,9 +418,12 @@ def test_fp8_gives_the_recipes_values(name, recipe):
 
 
 def test_fp8_names():
-    """fp8=True registers the default recipe; an unknown name is refused (nothing registered), naming
-    the recipes and their cost."""
-    assert et.register("expertact_test_fp8_true", fp8=True).fp8 == "rowwise-promoted-wgrad"
+    """fp8=True registers the default recipe, refused while none is chosen; an unknown name is
+    refused (nothing registered), naming the recipes and their cost."""
+    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True asks for the default FP8 "
+                                         r"recipe, and none is chosen"):
+        et.register("expertact_test_fp8_true", fp8=True)
+    assert "expertact_test_fp8_true" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
     with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8='e4m3' is not an FP8 recipe: the "
                                          r"recipes are 'rowwise' \(\+0\.076"):
         et.register("expertact_test_fp8_bad", fp8="e4m3")

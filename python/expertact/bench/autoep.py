@@ -30,8 +30,8 @@ Rows (--impls), each on the same module, inputs and weights:
   mlp-fp8                  enable(experts=True, fp8="rowwise")
   mlp-fp8-bf16-wgrad       enable(experts=True, fp8="rowwise-bf16-wgrad"): the two weight-gradient GEMMs
                            in bf16
-  mlp-fp8-promoted-wgrad   enable(experts=True, fp8="rowwise-promoted-wgrad"), the default recipe: the two
-                           weight-gradient GEMMs with FP32-promoted accumulation
+  mlp-fp8-promoted-wgrad   enable(experts=True, fp8="rowwise-promoted-wgrad"): the two weight-gradient
+                           GEMMs with FP32-promoted accumulation
   mlp-fp8-blockwise        enable(experts=True, fp8="blockwise"): DeepSeek-V3's recipe (1 x 128 / 128 x 128
                            scales, FP32-promoted accumulation)
   (the mlp-fp8 rows: one per recipe of expertact.moe.FP8_RECIPES, bench.common.fp8_rows; skipped

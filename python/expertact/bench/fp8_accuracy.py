@@ -27,7 +27,7 @@ Recipes (rows):
                              the CPU emulation's arithmetic on the GPU (CUDA; on the CPU = rowwise)
   rowwise-bf16-wgrad         expert_mlp(fp8="rowwise-bf16-wgrad"): dw2 and dw13 as expert_mlp's bf16
                              GEMMs (the other four GEMMs are rowwise's and are not repeated)
-  rowwise-promoted-wgrad     expert_mlp(fp8="rowwise-promoted-wgrad"), the default recipe: dw2 and
+  rowwise-promoted-wgrad     expert_mlp(fp8="rowwise-promoted-wgrad"): dw2 and
                              dw13 through the node's GEMM layer with fast accumulation off (on CUDA
                              the call of rowwise-no-fast-accum, whose output it shares when both
                              rows run; on the CPU the emulation, = rowwise); the other four are
