@@ -10,7 +10,7 @@ no whole-module form: list a factory, not just this module. Three are provided::
     --override.imports expertact.torchtitan.expertact_gpt_oss_grouped_experts
     # with expert_mlp's memory modes or an FP8 recipe (one shell token, JSON kwargs):
     --override.imports 'expertact.torchtitan.expertact_grouped_experts={"recompute": true}'
-    --override.imports 'expertact.torchtitan.expertact_grouped_experts={"fp8": true}'   # the default recipe
+    --override.imports 'expertact.torchtitan.expertact_grouped_experts={"fp8": "rowwise-promoted-wgrad"}'   # FP8
 
 TorchTitan imports this module while resolving the target; importing it only registers the
 factories and changes nothing else. The first two replace every ``GroupedExperts.Config`` (the

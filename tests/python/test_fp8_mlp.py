@@ -453,7 +453,8 @@ def test_recipe_names():
                                    r"1\.04x the bf16 MLP's step",
              "rowwise-promoted-wgrad": r"-0\.008 \(1\.0643 against 1\.0718\), over the last 100 steps -0\.010 .*"
                                        r"0\.009; 1\.06x the bf16 MLP's step",
-             "blockwise": r"\+0\.003 \(1\.0750 against 1\.0718\), inside the bf16 yardstick .*0\.76x the bf16 MLP's step"}
+             "blockwise": r"\+0\.003 \(1\.0750 against 1\.0718\), inside the bf16 yardstick .*"
+                          r"0\.76x the bf16 MLP's step"}
     for name, cost in costs.items():
         assert re.fullmatch(cost, moe.FP8_RECIPES[name]), (name, moe.FP8_RECIPES[name])
         assert moe.fp8_recipe(name) == name
