@@ -10,6 +10,10 @@ DeepSpeed with gate_up_impl "fused" (eager-fused: one grouped GEMM instead of tw
 function rounded in another order). Runs of older result files (impl eager on gate_up_impl
 "fused") are read as the fused yardstick. Every other run of a config with a baseline and a
 yardstick is held to the loss criterion of docs/spec.md section 10 (PASS / FAIL per run).
+
+Runs of one config with several seeds (autoep_train.py --seed; folders given together) form one
+group per seed, each with its own baseline and yardsticks, and a table across the seeds says, per
+run, its criterion in each seed and whether its difference from the baseline keeps its sign.
 """
 from __future__ import annotations
 
@@ -95,14 +99,20 @@ def label(run):
 def sort_key(run):
     c = run["config"]
     rank = 0 if is_baseline(run) else 1 if is_reference(run) else 2
-    return (CONFIG_ORDER.index(c) if c in CONFIG_ORDER else len(CONFIG_ORDER), c, rank,
+    return (CONFIG_ORDER.index(c) if c in CONFIG_ORDER else len(CONFIG_ORDER), c, run.get("seed", 0), rank,
             IMPL_ORDER.index(run["impl"]) if run["impl"] in IMPL_ORDER else len(IMPL_ORDER), run["tag"])
 
 
 def by_config(runs):
+    """{group: runs}: a group is a config, or a config and seed where that config's runs have
+    several seeds (each seed has its own batches, so its own baseline)."""
+    seeds = {}
+    for run in runs:
+        seeds.setdefault(run["config"], set()).add(run.get("seed"))
     out = {}
     for run in sorted(runs, key=sort_key):
-        out.setdefault(run["config"], []).append(run)
+        c = run["config"]
+        out.setdefault(c if len(seeds[c]) == 1 else f"{c}, seed {run.get('seed')}", []).append(run)
     return out
 
 
@@ -231,6 +241,37 @@ def criterion_table(groups):
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def seed_table(groups):
+    """Per config trained with several seeds, every run that is not DeepSpeed's own and ran in at
+    least two of them: the criterion in each seed (the last 100 steps' difference from that seed's
+    baseline, its band, the verdict), how many 50-step windows over all seeds lie below and above
+    the baseline, and the mean of the last-100 differences (markdown), or "" when no config has
+    two seeds with a baseline and a yardstick each."""
+    per = {}  # (config, label) -> {seed: criterion}
+    for runs in groups.values():
+        ref = baseline_of(runs)
+        ys = [r for r in runs if is_reference(r)]
+        if ref is None or not ys:
+            continue
+        for run in runs:
+            if not is_deepspeed(run):
+                per.setdefault((run["config"], label(run)), {})[run.get("seed")] = criterion(run, ref, ys)
+    head = ("| config | run | seeds | per seed: last 100 diff / band, criterion | windows below / above the "
+            "default | mean last-100 diff | passed |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for (config, name), by_seed in per.items():
+        if len(by_seed) < 2:
+            continue
+        cs = [by_seed[s] for s in sorted(by_seed)]
+        cells = "; ".join(f"seed {s}: {c['last']:+.4f} / {c['band_last']:.4f} {'PASS' if c['passed'] else 'FAIL'}"
+                          for s, c in zip(sorted(by_seed), cs))
+        windows = [w for c in cs for w in c["windows"]]
+        below, above = sum(w < 0 for w in windows), sum(w > 0 for w in windows)
+        lines.append(f"| {config} | {name} | {len(cs)} | {cells} | {below} / {above} | "
+                     f"{sum(c['last'] for c in cs) / len(cs):+.4f} | {sum(c['passed'] for c in cs)} of {len(cs)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def setup_text(groups):
     out = []
     for config, runs in groups.items():
@@ -314,6 +355,15 @@ def markdown(runs, png_name, report_cmd):
             "default's loss). Yardsticks: DeepSpeed's runs other than the default (its repeat, gate_up fused).",
             "",
             crit,
+            "",
+        ]
+    seeds = seed_table(groups)
+    if seeds:
+        lines += [
+            "Across the seeds: each seed's criterion against its own baseline and yardsticks, and whether a run's "
+            "difference from the baseline keeps its sign from seed to seed.",
+            "",
+            seeds,
             "",
         ]
     lines += [
@@ -451,8 +501,8 @@ def main(argv=None):
     runs = load(args.in_dirs)
     if not runs:
         sys.exit(f"autoep_report.py: no autoep_train.py results in {' '.join(args.in_dirs)}")
-    tags = [r["tag"] for r in runs]
-    dup = sorted({t for t in tags if tags.count(t) > 1})
+    tags = [(r["tag"], r.get("seed")) for r in runs]
+    dup = sorted({t for t, s in tags if tags.count((t, s)) > 1})
     if dup:
         sys.exit(f"autoep_report.py: runs {dup} found more than once in {' '.join(args.in_dirs)}")
     missing = [c for c, rs in by_config(runs).items() if baseline_of(rs) is None]
@@ -470,6 +520,9 @@ def main(argv=None):
     crit = criterion_table(by_config(runs))
     if crit:
         print(crit)
+    seeds = seed_table(by_config(runs))
+    if seeds:
+        print(seeds)
     print(f"wrote {args.md} and {args.png}")
 
 

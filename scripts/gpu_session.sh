@@ -44,7 +44,8 @@
 #   train-autoep-seedN     the same training with seed N (other weights, other batches): DeepSpeed's
 #                          default, its repeat and gate_up fused (the yardsticks), expertact's bf16 MLP in
 #                          place and the two rowwise recipes with accurate weight gradients, then their
-#                          report: whether a recipe's difference from bf16 keeps its sign across seeds
+#                          report, and one over every seed's folder of the session (autoep-seeds.md):
+#                          whether a recipe's difference from bf16 keeps its sign across seeds
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
@@ -339,7 +340,8 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
       local seed=${st#train-autoep-seed}
       run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --seed $seed --out '$S/$st/autoep' \
           --impl eager,eager-repeat,eager-fused,mlp-inplace,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad && \
-          ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png'" ;;
+          ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png' && \
+          ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png'" ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

@@ -204,6 +204,45 @@ def test_report_loss_criterion():
     assert report.criterion_table(report.by_config([ref, inside])) == ""  # no yardstick, no criterion
 
 
+def test_report_across_seeds(tmp_path):
+    """Runs of one config with several seeds: one group per seed, each against its own baseline and
+    yardsticks; the table across seeds gives each run's criterion per seed, its windows below and
+    above the baseline, and the mean of its last-100 differences; the same tags in two folders of
+    different seeds are not duplicates."""
+    base = [1.0] * 300
+
+    def run(impl, seed, shift, tag=None):
+        r = _fake_run("cpu-diag", impl, steps=300, tag=tag)
+        r["seed"], r["loss"] = seed, [b + shift for b in base]
+        return r
+
+    runs = []
+    for seed, fp8 in ((1, -0.003), (2, +0.002), (3, -0.02)):
+        fused = run("eager-fused", seed, 0.004, tag="cpu-diag-eager-fused")
+        fused["gate_up_impl"] = "fused"
+        runs += [run("eager", seed, 0.0), run("eager-repeat", seed, 0.001), fused, run("mlp-fp8", seed, fp8)]
+    groups = report.by_config(runs)
+    assert list(groups) == ["cpu-diag, seed 1", "cpu-diag, seed 2", "cpu-diag, seed 3"]
+    assert all(report.baseline_of(g)["seed"] == int(k[-1]) for k, g in groups.items())
+    rows = report.seed_table(groups).splitlines()
+    assert len(rows) == 3, rows
+    assert rows[2] == ("| cpu-diag | expertact MLP, FP8 rowwise | 3 | seed 1: -0.0030 / 0.0050 PASS; seed 2: +0.0020 / "
+                       "0.0050 PASS; seed 3: -0.0200 / 0.0050 FAIL | 12 / 6 | -0.0070 | 2 of 3 |")
+    assert report.seed_table(report.by_config([r for r in runs if r["seed"] == 1])) == ""  # one seed: no table
+    for seed in (1, 2, 3):
+        d = tmp_path / f"seed{seed}"
+        d.mkdir()
+        for r in runs:
+            if r["seed"] == seed:
+                (d / f"{r['tag']}.json").write_text(json.dumps(r))
+    pytest.importorskip("matplotlib")  # main() draws the plot too
+    md = tmp_path / "r.md"
+    report.main(["--in", *(str(tmp_path / f"seed{s}") for s in (1, 2, 3)), "--md", str(md),
+                 "--png", str(tmp_path / "r.png")])
+    text = md.read_text()
+    assert "Across the seeds" in text and "| 12 / 6 | -0.0070 | 2 of 3 |" in text
+
+
 def test_report_plot_of_cpu_runs_draws_the_windows(tmp_path):
     """Without CUDA memory (CPU runs) the third panel shows the criterion's windows and band."""
     pytest.importorskip("matplotlib")
