@@ -215,29 +215,33 @@ def criterion(run, ref, yardsticks):
                 passed=all(ok_w) and ok_last)
 
 
+def criteria(groups):
+    """(group, run, criterion) of every run that is not DeepSpeed's own, in each group with a
+    baseline and at least one yardstick."""
+    for group, runs in groups.items():
+        ref = baseline_of(runs)
+        ys = [r for r in runs if is_reference(r)]
+        if ref is not None and ys:
+            for run in runs:
+                if not is_deepspeed(run):
+                    yield group, run, criterion(run, ref, ys)
+
+
 def criterion_table(groups):
     """Per config with a baseline and at least one yardstick, the criterion of every run that is
     not DeepSpeed's own (markdown), or "" when no config has both."""
     head = ("| config | run | steps | mean step (s) | mean loss diff per 50-step window | yardsticks' largest per "
             "window | band per window | last 100: diff / band | criterion |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for config, runs in groups.items():
-        ref = baseline_of(runs)
-        ys = [r for r in runs if is_reference(r)]
-        if ref is None or not ys:
-            continue
-        for run in runs:
-            if is_deepspeed(run):
-                continue
-            c = criterion(run, ref, ys)
-            fails = [i for i, ok in enumerate(c["windows_pass"]) if not ok]
-            verdict = "PASS" if c["passed"] else "FAIL (" + ", ".join(
-                [f"window {i + 1}" for i in fails] + ([] if c["last_pass"] else ["last 100"])) + ")"
-            fmt = lambda v: ", ".join(f"{x:+.4f}" for x in v)  # noqa: E731
-            lines.append(f"| {config} | {label(run)} | {c['steps']} | {run['mean_step_time_s']:.2f} | {fmt(c['windows'])} "
-                         f"| {', '.join(f'{x:.4f}' for x in c['yardstick_windows'])} | "
-                         f"{', '.join(f'{x:.4f}' for x in c['bands'])} | {c['last']:+.4f} / {c['band_last']:.4f} | "
-                         f"{verdict} |")
+    fmt = lambda v: ", ".join(f"{x:+.4f}" for x in v)  # noqa: E731
+    for config, run, c in criteria(groups):
+        fails = [i for i, ok in enumerate(c["windows_pass"]) if not ok]
+        verdict = "PASS" if c["passed"] else "FAIL (" + ", ".join(
+            [f"window {i + 1}" for i in fails] + ([] if c["last_pass"] else ["last 100"])) + ")"
+        lines.append(f"| {config} | {label(run)} | {c['steps']} | {run['mean_step_time_s']:.2f} | {fmt(c['windows'])} "
+                     f"| {', '.join(f'{x:.4f}' for x in c['yardstick_windows'])} | "
+                     f"{', '.join(f'{x:.4f}' for x in c['bands'])} | {c['last']:+.4f} / {c['band_last']:.4f} | "
+                     f"{verdict} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -248,14 +252,8 @@ def seed_table(groups):
     the baseline, and the mean of the last-100 differences (markdown), or "" when no config has
     two seeds with a baseline and a yardstick each."""
     per = {}  # (config, label) -> {seed: criterion}
-    for runs in groups.values():
-        ref = baseline_of(runs)
-        ys = [r for r in runs if is_reference(r)]
-        if ref is None or not ys:
-            continue
-        for run in runs:
-            if not is_deepspeed(run):
-                per.setdefault((run["config"], label(run)), {})[run.get("seed")] = criterion(run, ref, ys)
+    for _, run, c in criteria(groups):
+        per.setdefault((run["config"], label(run)), {})[run.get("seed")] = c
     head = ("| config | run | seeds | per seed: last 100 diff / band, criterion | windows below / above the "
             "default | mean last-100 diff | passed |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]

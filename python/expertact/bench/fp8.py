@@ -51,6 +51,7 @@ from expertact import moe
 from expertact.moe import _fp8, _gemm
 
 from . import mlp
+from .fp8_accuracy import Sums
 from .common import (
     OOM, add_mlp_args, clock_and_memory, fmt_mem, fp8_rows, log, measure, median_ms, method, mlp_settings,
     parse_list, preset_kwargs, resolve_device, target_lines, write_outputs,
@@ -162,8 +163,6 @@ def compare(a, ref, chunk=1 << 24):
     the share of ref that a gains (> 0) or loses (< 0) along ref's own direction. Summed in
     float64 over slices of `chunk` elements, so that the comparison of a T x D output at the
     busiest rank's shape (12.8 GB in float32) needs no whole-size float64 copies beside it."""
-    from .fp8_accuracy import Sums
-
     a, ref = a.reshape(-1), ref.reshape(-1)
     sums = Sums()
     for i in range(0, ref.numel(), chunk):
