@@ -13,7 +13,9 @@ yardstick is held to the loss criterion of docs/spec.md section 10 (PASS / FAIL 
 
 Runs of one config with several seeds (autoep_train.py --seed; folders given together) form one
 group per seed, each with its own baseline and yardsticks, and a table across the seeds says, per
-run, its criterion in each seed and whether its difference from the baseline keeps its sign.
+run, its criterion in each seed and whether its difference from the baseline keeps its sign; per
+FP8 recipe, its step against each seed's fastest bf16 MLP run and whether it meets the default's
+rule (the criterion and at least 1.05x in every seed; docs/notes/fp8-recipes.md).
 """
 from __future__ import annotations
 
@@ -245,28 +247,59 @@ def criterion_table(groups):
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+DEFAULT_SPEEDUP = 1.05  # docs/spec.md section 10: the default FP8 recipe's step against the fastest bf16 MLP
+
+
+def is_fp8(run):
+    return run["impl"].startswith("mlp-fp8")
+
+
+def bf16_mlp_speedup(run, runs):
+    """The fastest bf16 whole-MLP run's (``mlp*``) mean step over ``run``'s, in the same group, or None."""
+    times = [r["mean_step_time_s"] for r in runs if r["impl"].startswith("mlp") and not is_fp8(r)]
+    return min(times) / run["mean_step_time_s"] if times else None
+
+
+def default_rule(by_seed):
+    """The default FP8 recipe's rule over the seeds (docs/notes/fp8-recipes.md, "The default's
+    decision over the seeds"): in every seed the criterion passed and the step at least
+    DEFAULT_SPEEDUP x the fastest bf16 MLP run's. ``by_seed``: {seed: (criterion, speedup)}.
+    Returns "met" or what missed it."""
+    misses = [f"seed {s}: " + " and ".join(
+        (["criterion"] if not c["passed"] else []) +
+        (["no bf16 MLP run"] if x is None else [f"{x:.2f}x"] if x < DEFAULT_SPEEDUP else []))
+        for s, (c, x) in sorted(by_seed.items()) if not c["passed"] or x is None or x < DEFAULT_SPEEDUP]
+    return "met" if not misses else "not met (" + "; ".join(misses) + ")"
+
+
 def seed_table(groups):
     """Per config trained with several seeds, every run that is not DeepSpeed's own and ran in at
     least two of them: the criterion in each seed (the last 100 steps' difference from that seed's
     baseline, its band, the verdict), how many 50-step windows over all seeds lie below and above
-    the baseline, and the mean of the last-100 differences (markdown), or "" when no config has
-    two seeds with a baseline and a yardstick each."""
-    per = {}  # (config, label) -> {seed: criterion}
-    for _, run, c in criteria(groups):
-        per.setdefault((run["config"], label(run)), {})[run.get("seed")] = c
+    the baseline, the mean of the last-100 differences and, for an FP8 recipe, its step against
+    each seed's fastest bf16 MLP run and the default's rule (default_rule) (markdown), or "" when
+    no config has two seeds with a baseline and a yardstick each."""
+    per = {}  # (config, label, is FP8) -> {seed: (criterion, speed-up over the bf16 MLP)}
+    for group, run, c in criteria(groups):
+        speedup = bf16_mlp_speedup(run, groups[group]) if is_fp8(run) else None
+        per.setdefault((run["config"], label(run), is_fp8(run)), {})[run.get("seed")] = (c, speedup)
     head = ("| config | run | seeds | per seed: last 100 diff / band, criterion | windows below / above the "
-            "default | mean last-100 diff | passed |")
+            "default | mean last-100 diff | passed | step vs bf16 MLP per seed | the default's rule |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
-    for (config, name), by_seed in per.items():
+    for (config, name, fp8), by_seed in per.items():
         if len(by_seed) < 2:
             continue
-        cs = [by_seed[s] for s in sorted(by_seed)]
+        seeds = sorted(by_seed)
+        cs = [by_seed[s][0] for s in seeds]
         cells = "; ".join(f"seed {s}: {c['last']:+.4f} / {c['band_last']:.4f} {'PASS' if c['passed'] else 'FAIL'}"
-                          for s, c in zip(sorted(by_seed), cs))
+                          for s, c in zip(seeds, cs))
         windows = [w for c in cs for w in c["windows"]]
         below, above = sum(w < 0 for w in windows), sum(w > 0 for w in windows)
+        speed = ", ".join("n/a" if by_seed[s][1] is None else f"{by_seed[s][1]:.2f}x" for s in seeds) if fp8 else "—"
+        rule = default_rule(by_seed) if fp8 else "—"
         lines.append(f"| {config} | {name} | {len(cs)} | {cells} | {below} / {above} | "
-                     f"{sum(c['last'] for c in cs) / len(cs):+.4f} | {sum(c['passed'] for c in cs)} of {len(cs)} |")
+                     f"{sum(c['last'] for c in cs) / len(cs):+.4f} | {sum(c['passed'] for c in cs)} of {len(cs)} | "
+                     f"{speed} | {rule} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -359,7 +392,9 @@ def markdown(runs, png_name, report_cmd):
     if seeds:
         lines += [
             "Across the seeds: each seed's criterion against its own baseline and yardsticks, and whether a run's "
-            "difference from the baseline keeps its sign from seed to seed.",
+            "difference from the baseline keeps its sign from seed to seed. For an FP8 recipe, its step against the "
+            f"fastest bf16 MLP run of each seed, and the default's rule: the criterion passed and at least "
+            f"{DEFAULT_SPEEDUP}x in every seed.",
             "",
             seeds,
             "",

@@ -220,14 +220,28 @@ def test_report_across_seeds(tmp_path):
     for seed, fp8 in ((1, -0.003), (2, +0.002), (3, -0.02)):
         fused = run("eager-fused", seed, 0.004, tag="cpu-diag-eager-fused")
         fused["gate_up_impl"] = "fused"
-        runs += [run("eager", seed, 0.0), run("eager-repeat", seed, 0.001), fused, run("mlp-fp8", seed, fp8)]
+        mlp = run("mlp-inplace", seed, 0.001)
+        mlp["mean_step_time_s"] = 0.100
+        promoted = run("mlp-fp8-promoted-wgrad", seed, 0.002)  # inside, 1.05x but 1.04x in seed 2
+        promoted["mean_step_time_s"] = 0.100 / (1.04 if seed == 2 else 1.05)
+        bf16_wgrad = run("mlp-fp8-bf16-wgrad", seed, -0.001)  # inside and 1.10x in every seed
+        bf16_wgrad["mean_step_time_s"] = 0.100 / 1.10
+        rowwise = run("mlp-fp8", seed, fp8)
+        rowwise["mean_step_time_s"] = 0.080
+        runs += [run("eager", seed, 0.0), run("eager-repeat", seed, 0.001), fused, mlp, rowwise, promoted, bf16_wgrad]
     groups = report.by_config(runs)
     assert list(groups) == ["cpu-diag, seed 1", "cpu-diag, seed 2", "cpu-diag, seed 3"]
     assert all(report.baseline_of(g)["seed"] == int(k[-1]) for k, g in groups.items())
-    rows = report.seed_table(groups).splitlines()
-    assert len(rows) == 3, rows
-    assert rows[2] == ("| cpu-diag | expertact MLP, FP8 rowwise | 3 | seed 1: -0.0030 / 0.0050 PASS; seed 2: +0.0020 / "
-                       "0.0050 PASS; seed 3: -0.0200 / 0.0050 FAIL | 12 / 6 | -0.0070 | 2 of 3 |")
+    rows = {r.split(" | ")[1]: r for r in report.seed_table(groups).splitlines()[2:]}
+    assert len(rows) == 4, rows
+    assert rows["expertact MLP, FP8 rowwise"] == (
+        "| cpu-diag | expertact MLP, FP8 rowwise | 3 | seed 1: -0.0030 / 0.0050 PASS; seed 2: +0.0020 / 0.0050 PASS; "
+        "seed 3: -0.0200 / 0.0050 FAIL | 12 / 6 | -0.0070 | 2 of 3 | 1.25x, 1.25x, 1.25x | not met (seed 3: "
+        "criterion) |")
+    assert rows["expertact MLP, FP8 rowwise-promoted-wgrad"].endswith(
+        "| 3 of 3 | 1.05x, 1.04x, 1.05x | not met (seed 2: 1.04x) |")
+    assert rows["expertact MLP, FP8 rowwise-bf16-wgrad"].endswith("| 3 of 3 | 1.10x, 1.10x, 1.10x | met |")
+    assert rows["expertact MLP, in place"].endswith("| 3 of 3 | — | — |")  # not FP8: no rule
     assert report.seed_table(report.by_config([r for r in runs if r["seed"] == 1])) == ""  # one seed: no table
     for seed in (1, 2, 3):
         d = tmp_path / f"seed{seed}"
@@ -240,7 +254,7 @@ def test_report_across_seeds(tmp_path):
     report.main(["--in", *(str(tmp_path / f"seed{s}") for s in (1, 2, 3)), "--md", str(md),
                  "--png", str(tmp_path / "r.png")])
     text = md.read_text()
-    assert "Across the seeds" in text and "| 12 / 6 | -0.0070 | 2 of 3 |" in text
+    assert "Across the seeds" in text and "| 12 / 6 | -0.0070 | 2 of 3 | 1.25x, 1.25x, 1.25x | not met" in text
 
 
 def test_report_plot_of_cpu_runs_draws_the_windows(tmp_path):
