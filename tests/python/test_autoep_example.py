@@ -239,7 +239,7 @@ def test_report_across_seeds(tmp_path):
         "seed 3: -0.0200 / 0.0050 FAIL | 12 / 6 | -0.0070 | 2 of 3 | 1.25x, 1.25x, 1.25x | not met (seed 3: "
         "criterion) |")
     assert rows["expertact MLP, FP8 rowwise-promoted-wgrad"].endswith(
-        "| 3 of 3 | 1.05x, 1.04x, 1.05x | not met (seed 2: 1.04x) |")
+        "| 3 of 3 | 1.05x, 1.04x, 1.05x | not met (seed 2: 1.040x) |")
     assert rows["expertact MLP, FP8 rowwise-bf16-wgrad"].endswith("| 3 of 3 | 1.10x, 1.10x, 1.10x | met |")
     assert rows["expertact MLP, in place"].endswith("| 3 of 3 | — | — |")  # not FP8: no rule
     assert report.seed_table(report.by_config([r for r in runs if r["seed"] == 1])) == ""  # one seed: no table
