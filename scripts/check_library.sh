@@ -2,7 +2,7 @@
 # Checks a built libexpertact.so: its NEEDED libraries (no libcudart: the CUDA runtime
 # is linked in), its exported symbols (the C ABI and the public C++ API only), the
 # glibc / libstdc++ symbol versions it needs, and with --cuda its device code (sm_80
-# and sm_90 machine code, compute_90 PTX; sm_90a only for the FP8 grouped GEMMs). Prints
+# and sm_90 machine code, compute_90 PTX). Prints
 # what it found; exits 1 on a violation. Under a second.
 #   bash scripts/check_library.sh path/to/libexpertact.so [--cuda] [--list]
 # Needs readelf and nm (binutils); --cuda also cuobjdump, which it finds in a CUDA toolkit or
