@@ -367,8 +367,8 @@ class GroupedExperts(nn.Module):
       ``w2`` [E, D, F]: no per-call copy.
 
     ``fp8``: the FP8 recipe of expert_mlp's GEMMs (a name of :data:`FP8_RECIPES`; True: the
-    default, :data:`DEFAULT_FP8_RECIPE`, which raises while none is chosen; None or False: the model's dtype; resolved by
-    :func:`fp8_recipe` at construction), for bf16 activations.
+    default, :data:`DEFAULT_FP8_RECIPE`, which raises while none is chosen; None or False: the
+    model's dtype; resolved by :func:`fp8_recipe` at construction), for bf16 activations.
 
     ``bias=True`` adds expert biases (GPT-OSS's): ``b13`` [E, 2F], gate and up biases in
     ``layout`` (the column order of w13's gate/up axis), and ``b2`` [E, D], zero at
