@@ -30,6 +30,7 @@
 #   train-megatron-gpt-oss the same for GPT-OSS's form: Megatron's (unfused), the same again, its
 #                          quick_gelu uncompiled, expertact in place and FP8
 #   report-megatron        examples/megatron_report.py over both trainings: table and loss plot
+#   test-megatron          the GPU cases of test_megatron.py and test_megatron_example.py (Python 3.12)
 # The FP8 recipes (docs/notes/fp8-recipes.md), in the order --plan takes them: the diagnosis first,
 # then the training runs that decide the default recipe:
 #   test-fp8               the GPU cases of the FP8 kernels' and GEMM layer's tests (those of
@@ -79,7 +80,7 @@ SITE=${SITE:-/tmp/site}
 LONG_FP8=${LONG_FP8:-mlp-fp8-promoted-wgrad}
 FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
-       report-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
+       report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3)
 # Priority order, what the sessions of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/ and
@@ -88,7 +89,7 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
 # more seeds), the module bench's accuracy columns and the blockwise operand kernels' profile again,
 # Megatron's trainings (both forms on one machine), the benches of the changed baselines, the longer runs.
 PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 bench-fp8-gemms
-      train-megatron-swiglu train-megatron-gpt-oss report-megatron bench-autoep bench-megatron
+      train-megatron-swiglu train-megatron-gpt-oss report-megatron test-megatron bench-autoep bench-megatron
       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
@@ -97,7 +98,8 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # rows ~130 s (megatron-notes: build, GPU tests and the bench in 257 s), here seven rows; four 300-step
 # Megatron runs 317 s (~79 s a run; the same notes), here five per launch. bench-autoep has no
 # recorded duration: two tables of eleven rows at the busiest rank's size (each row about 14
-# forward+backward passes of ~0.3-0.4 s) and one torch.compile each, estimated.
+# forward+backward passes of ~0.3-0.4 s) and one torch.compile each, estimated. test-megatron: 50 cases
+# took 92 s on 2026-12-03 (bench/results/megatron-h200-2026-12-03/pytest-gpu.txt); 70 now, estimated.
 # The FP8 stages, from bench/results/autoep-e2e-h200-2026-12-03 (per 300-step h200 run: 38-60 s of
 # steps, 122-182 ms a step, plus ~16 s of model and DeepSpeed setup) and finetune-gpt-oss-fp8-h200-
 # 2026-12-02 (300 steps: grouped_mm 202 s, eager 162 s, expertact 52 s, expertact_fp8 53 s), plus ~25 s
@@ -118,7 +120,8 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # rows a table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
 # and their warm-up at the busiest rank's shape, estimated.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
-                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-fp8]=70
+                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-megatron]=120
+                [test-fp8]=70
                 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
@@ -304,6 +307,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     report-megatron)
       run_stage "$st" "$D" "$PY312" "$PY312" examples/megatron_report.py --in "$S/train-megatron" \
         --md "$D/megatron-train.md" --png "$D/megatron-loss.png" ;;
+    test-megatron)
+      run_stage "$st" "$D" "$PY312" bash -c "cd /tmp && '$PY312' -m pytest -q -p no:cacheprovider -rs \
+        '$ROOT/tests/python/test_megatron.py' '$ROOT/tests/python/test_megatron_example.py'" ;;
     test-fp8)
       local tests=() t
       for t in test_fp8_blocks test_fp8_gemm test_fp8_mlp; do

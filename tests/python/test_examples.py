@@ -232,14 +232,14 @@ def test_gpu_session_plan_and_dry_run():
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
     assert fp8[:4] == ["test-fp8", "train-autoep-seed2", "train-autoep-seed3", "bench-mlp-fp8"]
-    assert len(fp8) == len(set(fp8)) == 15
+    assert len(fp8) == len(set(fp8)) == 16
     # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
     assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"]
-    assert session_of["train-megatron-swiglu"] == session_of["train-megatron-gpt-oss"] == session_of["report-megatron"]
+    assert session_of["train-megatron-swiglu"] == session_of["train-megatron-gpt-oss"] == session_of["report-megatron"] == session_of["test-megatron"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
