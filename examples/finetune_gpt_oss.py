@@ -100,6 +100,21 @@ BASELINE, YARDSTICK = "grouped_mm", "eager"
 FINAL_WINDOW = 10
 
 
+def check_variants(p, names, variants):
+    """Refuses (p.error) a variant not in ``variants`` (name -> a tuple whose third item is the
+    variant it repeats, or None), none at all, one listed twice, or a repeat listed before the
+    run it repeats. Both examples' variant lists."""
+    bad = [v for v in names if v not in variants]
+    if bad or not names:
+        p.error(f"unknown variants {bad}; choose from {', '.join(variants)}")
+    if len(set(names)) != len(names):
+        p.error("a variant is listed twice")
+    for v in names:
+        rep = variants[v][2]
+        if rep is not None and rep in names and names.index(rep) > names.index(v):
+            p.error(f"{v} repeats {rep}: list {rep} before it")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -127,15 +142,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="finetune_out")
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        p.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
-    if len(set(names)) != len(names):
-        p.error("a variant is listed twice")
-    for v in names:
-        rep = VARIANTS[v][2]
-        if rep is not None and rep in names and names.index(rep) > names.index(v):
-            p.error(f"{v} repeats {rep}: list {rep} before it")
+    check_variants(p, names, VARIANTS)
     args.variant_names = names
     args.fp8_modes = None
     if "expertact_fp8" in names:

@@ -114,18 +114,6 @@ def parse_args(argv=None):
     return args, p
 
 
-def check_variants(p, names):
-    bad = [v for v in names if v not in VARIANTS]
-    if bad or not names:
-        p.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
-    if len(set(names)) != len(names):
-        p.error("a variant is listed twice")
-    for v in names:
-        rep = VARIANTS[v][2]
-        if rep is not None and rep in names and names.index(rep) > names.index(v):
-            p.error(f"{v} repeats {rep}: list {rep} before it")
-
-
 def model_config(s):
     """TorchTitan's Qwen3-MoE model config at sizes `s` (a fresh config tree each call: overrides
     rewrite it in place)."""
@@ -199,7 +187,7 @@ def run(argv=None, log=print):
         names = [v for v in DEFAULT_VARIANTS if device.type == "cuda" or v not in GPU_ONLY]
     else:
         names = [v for v in args.variants.split(",") if v]
-    check_variants(p, names)
+    common.check_variants(p, names, VARIANTS)
     fsdp_placeholder = _fsdp_name_for_older_torch()
 
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ the global flags it sets are restored afterwards.
 import json
 import math
 import os
+import re
 import sys
 import xml.dom.minidom
 from pathlib import Path
@@ -134,6 +135,19 @@ def test_a_wrong_mapping_is_caught(tmp_path, restore_flags, monkeypatch):
     monkeypatch.setattr(xt, "_gate_of", lambda m: right(m)._replace(layout="up_first"))
     result = ft.run(_args(tmp_path, ["grouped_mm", "expertact"], "--arch", "qwen3_moe"), log=_quiet)
     assert result["variants"]["expertact"]["max_abs_loss_diff_vs_baseline"] > 5 * LOSS_ATOL_F32
+
+
+def test_variant_lists_are_checked(capsys):
+    """check_variants (both examples' --variants): an unknown name, an empty list, a name given
+    twice and a repeat before the run it repeats are refused, each saying why."""
+    import argparse
+    repeat_first = "grouped_mm_repeat repeats grouped_mm: list grouped_mm before it"
+    for names, why in ((["grouped_mm", "nonsense"], r"unknown variants \['nonsense'\]"), ([], "unknown variants"),
+                       (["eager", "eager"], "listed twice"), (["grouped_mm_repeat", "grouped_mm"], repeat_first)):
+        with pytest.raises(SystemExit):
+            ft.check_variants(argparse.ArgumentParser(), names, ft.VARIANTS)
+        assert re.search(why, capsys.readouterr().err), (names, why)
+    ft.check_variants(argparse.ArgumentParser(), ["grouped_mm", "grouped_mm_repeat"], ft.VARIANTS)
 
 
 def test_runs_merge_into_one_report(tmp_path, restore_flags):
