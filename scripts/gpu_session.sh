@@ -83,8 +83,8 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3)
-# Priority order, what the sessions of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/ and
-# -05b/: every recipe trained beside DeepSpeed's default on one machine, the module bench's times, the
+# Priority order, what the two H200 runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/
+# and -05b/: every recipe trained beside DeepSpeed's default on one machine, the module bench's times, the
 # kernel profiles): whether the FP8 recipes' low-side difference from bf16 is the recipe or the run (two
 # more seeds), the module bench's accuracy columns and the blockwise operand kernels' profile again,
 # Megatron's trainings (both forms on one machine), the benches of the changed baselines, the longer runs.
@@ -108,27 +108,27 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # of steps each; fp8-accuracy: the capture ~75 s (151 steps and the 1.7 GB file), the analysis of it
 # ~60 s, the busiest rank's shape ~180 s (its float64 weight-gradient references ~400 TFLOP). test-fp8,
 # bench-fp8-gemms and bench-mlp-fp8 have no recorded duration: estimated.
-# Measured in the second session of 2026-12-05 (bench/results/gpu-session-h200-2026-12-05b): preflight
+# Measured in the run of 2026-12-05 05:00 UTC (bench/results/gpu-session-h200-2026-12-05b): preflight
 # 36 s, build 108 s, test-fp8 52 s, train-autoep 477 s (six runs and the report), train-autoep-fp8 328 s
 # (three runs, torchao's 300 steps, the report), bench-mlp-fp8 73 s (its accuracy columns failed: with
 # them, estimated 120 s), profile-fp8 53 s, bench-fp8-gemms 41 s; train-autoep-seedN: six runs as
 # train-autoep's.
-# Measured in the session of 2026-12-05 (its command.txt files; one H200, 16 cores): preflight 42 s
-# (the wheels' install included), build 109 s (with the CUTLASS GEMMs, deleted since), test-fp8 61 s,
-# train-autoep 492 s, fp8-accuracy 111 s, train-autoep-fp8 209 s for two runs and torchao's failed
-# start (~85 s a run: four now, torchao's in a launch of its own), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8
-# rows a table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
+# Measured in the run of 2026-12-05 02:53 UTC (bench/results/gpu-session-h200-2026-12-05, its
+# command.txt files; one H200, 16 cores): preflight 42 s (the wheels' install included), build 109 s
+# (with the CUTLASS GEMMs, deleted since), test-fp8 61 s, train-autoep 492 s, fp8-accuracy 111 s,
+# train-autoep-fp8 209 s for two runs and torchao's failed start (~85 s a run: four now, torchao's in
+# a launch of its own), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8 rows a
+# table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
 # and their warm-up at the busiest rank's shape, estimated.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
-                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10 [test-megatron]=120
-                [test-fp8]=70
-                [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
+                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10
+                [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
-# (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and sessions up to
-# SESSION_S.
+# (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and
+# sessions up to SESSION_S.
 CALL_S=${CALL_S:-540}
 SESSION_S=${SESSION_S:-1650}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
