@@ -162,7 +162,7 @@ struct Act<Activation::kSilu> {
   // factored form. On the device the sigmoid's argument is x (-alpha log2 e), the constant
   // taken out of the loops: one multiply an element where (-alpha) x, then exp_f's x log2 e,
   // take two (the GPU kernels of the FP8 paths are bound by their instructions:
-  // docs/notes/perf-notes.md, "Fewer instructions an element: the device math and the fused
+  // docs/notes/perf-notes-fp8.md, "Fewer instructions an element: the device math and the fused
   // backward's amax").
   template <typename S>
   EA_HD static S sig(S x, S alpha) {

@@ -102,7 +102,7 @@ constexpr int kBwdHeld = 32;      // float32 values a lane holds at most (2 V N)
 // (without it the bias's loads and adds are compiled out, not predicated). kW: a.w is set;
 // without it the weight is the constant 1, so the multiplies by it fold away, and the
 // weights' gradient, which needs a.w, is neither computed nor summed across the row. Both
-// because on an H200 the kernel is bound by its instructions (docs/notes/perf-notes.md, the
+// because on an H200 the kernel is bound by its instructions (docs/notes/perf-notes-fp8.md, the
 // fused backward's instruction count).
 template <typename T, Activation A, int kStep, int V, int N, bool kAmax, bool kBias, bool kW>
 __global__ void __launch_bounds__(kBwdThreads, 2) glu_bwd_rows_vec_kernel(const BwdRowArgs<T> a, int packs, int G,
@@ -363,7 +363,7 @@ namespace expertact::detail {
 namespace {
 
 // The steps of rows ahead that glu_bwd_rows_vec_kernel asks L2 for (its `ahead`): one step took
-// 0.91x the time of two on an H200, the expert MLP's instance (docs/notes/perf-notes.md, fused
+// 0.91x the time of two on an H200, the expert MLP's instance (docs/notes/perf-notes-fp8.md, fused
 // backward prefetch).
 constexpr int kBwdPrefetchSteps = 1;
 

@@ -11,7 +11,7 @@
 // shared memory and written out transposed as 16-byte runs of q_t's rows; padding rows are
 // written as 0 from the same tile. Where the operands allow 16-byte packs a block takes a run
 // of tiles, carrying the expert map and the scales across them and copying the next tile into
-// shared memory while it packs the current one (docs/notes/perf-notes.md, column-wise pass 2).
+// shared memory while it packs the current one (docs/notes/perf-notes-fp8.md, column-wise pass 2).
 // glu_colwise_grouped takes the same tiles with the activation recomputed from gate_up as the
 // values. With the amax given (quantize_rowwise's col_amax), pass 1 is skipped:
 // x is read once.

@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 3) quant_kernel(const T* __restrict_
 // padded end, which happens a few times a run at most), the scales stay in registers until the
 // expert changes, and the next tile's loads are copied into shared memory (cp.async) while the
 // current tile is packed. No longer bound by instructions, it took about half quant_kernel's
-// time on an H200 (docs/notes/perf-notes.md, column-wise pass 2). Its bytes are quant_kernel's
+// time on an H200 (docs/notes/perf-notes-fp8.md, column-wise pass 2). Its bytes are quant_kernel's
 // and the CPU path's (the tests compare the CUDA path's with the CPU's). It takes 16-bit x with
 // 16-byte rows of whole packs (cols % 8 == 0), q_t 16-byte aligned, out_rows % 16 == 0 and every
 // output row index (run ends included) inside int32; the launcher checks (runs_apply) and takes

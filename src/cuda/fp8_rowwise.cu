@@ -151,7 +151,7 @@ namespace expertact::detail {
 namespace {
 
 // The steps of rows ahead that quantize_rows_amax_kernel asks L2 for (its `ahead`): one step
-// took 0.88x the time of none and 0.90x that of two on an H200 (docs/notes/perf-notes.md,
+// took 0.88x the time of none and 0.90x that of two on an H200 (docs/notes/perf-notes-fp8.md,
 // rowwise column amax prefetch).
 constexpr int kRowsPrefetchSteps = 1;
 
