@@ -23,6 +23,9 @@ One process per GPU, launched by torchrun; several impls run one after another i
 --impl expertact-inplace  ... experts=dict(inplace_backward=True)
 --impl expertact-fp8      ... experts=dict(fp8="rowwise") (Hopper only: elsewhere the run is
                           recorded with its error and skipped)
+--impl expertact-fp8-bf16-wgrad, expertact-fp8-promoted-wgrad, expertact-fp8-blockwise
+                          ... the other recipes of expertact.moe.FP8_RECIPES, named as
+                          python -m expertact.bench --megatron names its rows
 
 The peer is SequentialMLP, Megatron's experts without TransformerEngine. TEGroupedMLP
 (TransformerEngine's GroupedLinear, which Megatron's MoE recipes select with --moe-grouped-gemm)
@@ -74,7 +77,10 @@ from byte_corpus import VOCAB, batches_sha256, load_corpus, make_batch  # noqa: 
 
 # --impl -> the experts: None = Megatron's SequentialMLP, else ExpertMLP's keywords.
 IMPLS = {"megatron": None, "megatron-repeat": None, "megatron-unfused": None, "megatron-eager": None, "expertact": {},
-         "expertact-inplace": dict(inplace_backward=True), "expertact-fp8": dict(fp8="rowwise")}
+         "expertact-inplace": dict(inplace_backward=True), "expertact-fp8": dict(fp8="rowwise"),
+         "expertact-fp8-bf16-wgrad": dict(fp8="rowwise-bf16-wgrad"),
+         "expertact-fp8-promoted-wgrad": dict(fp8="rowwise-promoted-wgrad"),
+         "expertact-fp8-blockwise": dict(fp8="blockwise")}
 # The yardsticks of one form only: impl -> the --activation it is for.
 ONLY_FOR = {"megatron-unfused": "swiglu", "megatron-eager": "gpt-oss"}
 # "h200": 64 x 1024 = 65,536 tokens a step, top-4 of 8 experts: 262,144 routed rows per MoE layer.

@@ -9,7 +9,9 @@ bias-SwiGLU, for GPT-OSS's form the unfused path). The yardsticks for the other 
 "megatron-repeat", the same run again (the run-to-run nondeterminism), and the same function rounded
 in another order ("megatron-unfused": SwiGLU op by op; "megatron-eager": GPT-OSS's quick_gelu
 uncompiled). Older result files, which name the fused SwiGLU run "megatron-fused" and the unfused
-one "megatron", are read by the fusion they ran with.
+one "megatron", are read by the fusion they ran with. Each expertact run is held to docs/spec.md
+section 10's loss criterion against that baseline, the yardsticks giving the band (the criterion
+of examples/autoep_report.py, imported from there: one implementation for both stacks).
 """
 from __future__ import annotations
 
@@ -19,13 +21,21 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # autoep_report.py, beside this file
+from autoep_report import criterion as _criterion  # noqa: E402
+
 IMPL_ORDER = ("megatron", "megatron-fused", "megatron-repeat", "megatron-unfused", "megatron-eager", "expertact",
-              "expertact-inplace", "expertact-fp8")
+              "expertact-inplace", "expertact-fp8", "expertact-fp8-bf16-wgrad", "expertact-fp8-promoted-wgrad",
+              "expertact-fp8-blockwise")
 MEGATRON = ("megatron", "megatron-fused", "megatron-repeat", "megatron-unfused", "megatron-eager")
 IMPL_TEXT = {"megatron-eager": "Megatron, quick_gelu uncompiled (yardstick: another rounding)",
              "expertact": "expertact ExpertMLP (bf16)", "expertact-inplace": "expertact, in-place backward",
-             "expertact-fp8": "expertact, FP8 rowwise"}
-COLORS = {"megatron": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "expertact-fp8": "tab:red"}
+             "expertact-fp8": "expertact, FP8 rowwise", "expertact-fp8-bf16-wgrad": "expertact, FP8 rowwise-bf16-wgrad",
+             "expertact-fp8-promoted-wgrad": "expertact, FP8 rowwise-promoted-wgrad",
+             "expertact-fp8-blockwise": "expertact, FP8 blockwise"}
+COLORS = {"megatron": "black", "expertact": "tab:blue", "expertact-inplace": "tab:orange", "expertact-fp8": "tab:red",
+          "expertact-fp8-bf16-wgrad": "tab:olive", "expertact-fp8-promoted-wgrad": "tab:cyan",
+          "expertact-fp8-blockwise": "tab:brown"}
 LATE = 50  # the "late" loss differences: steps >= LATE
 GIB = 2**30
 
@@ -151,6 +161,38 @@ def table(groups):
     return "\n".join(lines)
 
 
+def criterion(run, ref, yardsticks):
+    """docs/spec.md section 10's loss criterion of run against the baseline ref, the yardsticks'
+    differences from ref giving the band (examples/autoep_report.py's, on this format's losses)."""
+    as_autoep = lambda r: dict(loss=r["losses"])  # noqa: E731
+    return _criterion(as_autoep(run), as_autoep(ref), [as_autoep(y) for y in yardsticks])
+
+
+def criterion_table(groups):
+    """Per group with a baseline and at least one yardstick, the criterion of every expertact run
+    (markdown), or "" where no group has both."""
+    head = ("| config | activation | run | steps | mean loss diff per 50-step window | yardsticks' largest per window "
+            "| band per window | last 100: diff / band | criterion |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    fmt = lambda v, sign="+": ", ".join(f"{x:{sign}.4f}" for x in v)  # noqa: E731
+    for (config, act), runs in groups.items():
+        ref = reference(runs)
+        ys = [r for r in runs if is_yardstick(r) and ok(r)]
+        if ref is None or not ys:
+            continue
+        for run in runs:
+            if run["impl"] in MEGATRON or not ok(run):
+                continue
+            c = criterion(run, ref, ys)
+            fails = [f"window {i + 1}" for i, good in enumerate(c["windows_pass"]) if not good]
+            fails += [] if c["last_pass"] else [f"last {c['last_steps']}"]
+            verdict = "PASS" if c["passed"] else f"FAIL ({', '.join(fails)})"
+            lines.append(f"| {config} | {act} | {label(run)} | {c['steps']} | {fmt(c['windows'])} | "
+                         f"{fmt(c['yardstick_windows'], '')} | {fmt(c['bands'], '')} | "
+                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {verdict} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def data_text(runs):
     """What the runs trained on: the byte corpus (its hashes) or, in older files, Megatron's mock data."""
     corpora = {(r["corpus"]["sha256"], r["corpus"].get("batches_sha256")): r["corpus"] for r in runs if r.get("corpus")}
@@ -188,14 +230,20 @@ def markdown(runs, png_rel, report_cmd):
              "Written by examples/megatron_report.py from the JSON files of examples/megatron_moe.py. Every run of a "
              f"group starts from the same weights and trains on the same batches: {data_text(runs)}.", "",
              f"![loss curves and their difference from Megatron's]({png_rel})" if png_rel else "(no plot)", "",
-             table(groups), "",
-             "Default: Megatron's SequentialMLP as its trainer runs it by default (SwiGLU: bias_activation_fusion on, "
-             "Megatron-LM's --bias-swiglu-fusion; GPT-OSS's form: unfused, Megatron's fused quick-GeGLU computing "
-             "another function). Loss differences, speed-ups and the last steps' mean loss are against it, per step. "
-             "Yardsticks: the default again (run-to-run nondeterminism) and the same function rounded in another "
-             "order (SwiGLU unfused; GPT-OSS's quick_gelu uncompiled). The peer is SequentialMLP (a loop over the "
-             "experts); TEGroupedMLP (TransformerEngine's grouped GEMMs) was not measured.", "", "## Setup", "",
-             setup_text(groups), "", "## Commands", ""]
+             table(groups), ""]
+    crit = criterion_table(groups)
+    if crit:
+        lines += ["The loss criterion (docs/spec.md section 10) of each expertact run against Megatron's default: "
+                  "every 50-step window's mean within max(2x the largest yardstick difference in that window, 0.01), "
+                  "the last 100 steps within max(the largest yardstick difference there, 0.5% of the loss); a miss "
+                  "on either side is a miss.", "", crit, ""]
+    lines += ["Default: Megatron's SequentialMLP as its trainer runs it by default (SwiGLU: bias_activation_fusion on, "
+              "Megatron-LM's --bias-swiglu-fusion; GPT-OSS's form: unfused, Megatron's fused quick-GeGLU computing "
+              "another function). Loss differences, speed-ups and the last steps' mean loss are against it, per step. "
+              "Yardsticks: the default again (run-to-run nondeterminism) and the same function rounded in another "
+              "order (SwiGLU unfused; GPT-OSS's quick_gelu uncompiled). The peer is SequentialMLP (a loop over the "
+              "experts); TEGroupedMLP (TransformerEngine's grouped GEMMs) was not measured.", "", "## Setup", "",
+              setup_text(groups), "", "## Commands", ""]
     ordered = [r["command"] for rs in groups.values() for r in rs]
     lines += [f"    {c}" for c in dict.fromkeys(ordered)]
     lines += [f"    {report_cmd}", ""]
@@ -270,6 +318,9 @@ def main(argv=None):
         with open(args.md, "w") as f:
             f.write(markdown(runs, png_rel, " ".join(["python3", "examples/megatron_report.py"] + sys.argv[1:])))
     print(table(groups_of(runs)))
+    crit = criterion_table(groups_of(runs))
+    if crit:
+        print("\n" + crit)
     written = [x for x in (args.md, args.png) if x]
     if written:
         print("wrote " + " and ".join(written))

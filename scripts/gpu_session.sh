@@ -26,9 +26,10 @@
 #   bench-megatron         python -m expertact.bench --megatron: Megatron's default (fused SwiGLU) and
 #                          its unfused path beside expertact's rows, both shapes
 #   train-megatron-swiglu  examples/megatron_moe.py, 300 steps on the byte corpus: Megatron's default
-#                          (fused SwiGLU), the same again, unfused, expertact in place and FP8
+#                          (fused SwiGLU), the same again, unfused, expertact in place, FP8 rowwise and
+#                          rowwise-promoted-wgrad
 #   train-megatron-gpt-oss the same for GPT-OSS's form: Megatron's (unfused), the same again, its
-#                          quick_gelu uncompiled, expertact in place and FP8
+#                          quick_gelu uncompiled, expertact in place, FP8 rowwise and rowwise-promoted-wgrad
 #   report-megatron        examples/megatron_report.py over both trainings: table and loss plot
 #   test-megatron          the GPU cases of test_megatron.py and test_megatron_example.py (Python 3.12)
 # The FP8 recipes (docs/notes/fp8-recipes.md), in the order --plan takes them: the diagnosis first,
@@ -96,7 +97,7 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
 # the report 393 s (docs/autoep-e2e.md), ~78 s a run, here six; the Megatron bench's two tables of six
 # rows ~130 s (megatron-notes: build, GPU tests and the bench in 257 s), here seven rows; four 300-step
-# Megatron runs 317 s (~79 s a run; the same notes), here five per launch. bench-autoep has no
+# Megatron runs 317 s (~79 s a run; the same notes), here six per launch. bench-autoep has no
 # recorded duration: two tables of eleven rows at the busiest rank's size (each row about 14
 # forward+backward passes of ~0.3-0.4 s) and one torch.compile each, estimated. test-megatron: 50 cases
 # took 92 s on 2026-12-03 (bench/results/megatron-h200-2026-12-03/pytest-gpu.txt); 70 now, estimated.
@@ -121,7 +122,7 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
 # and their warm-up at the busiest rank's shape, estimated.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
-                [train-megatron-swiglu]=400 [train-megatron-gpt-oss]=400 [report-megatron]=10
+                [train-megatron-swiglu]=480 [train-megatron-gpt-oss]=480 [report-megatron]=10
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
@@ -297,13 +298,14 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
         --markdown "$D/megatron-bench.md" ;;
     train-megatron-swiglu)
       run_stage "$st" "$D" "$PY312" "$PY312" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        examples/megatron_moe.py --impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8 \
+        examples/megatron_moe.py \
+        --impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad \
         --steps 300 --out "$S/train-megatron" ;;
     train-megatron-gpt-oss)
       run_stage "$st" "$D" "$PY312" "$PY312" -m torch.distributed.run --standalone --nproc-per-node 1 \
         examples/megatron_moe.py --activation gpt-oss \
-        --impl megatron,megatron-repeat,megatron-eager,expertact-inplace,expertact-fp8 --steps 300 \
-        --out "$S/train-megatron" ;;
+        --impl megatron,megatron-repeat,megatron-eager,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad \
+        --steps 300 --out "$S/train-megatron" ;;
     report-megatron)
       run_stage "$st" "$D" "$PY312" "$PY312" examples/megatron_report.py --in "$S/train-megatron" \
         --md "$D/megatron-train.md" --png "$D/megatron-loss.png" ;;

@@ -72,8 +72,9 @@ fi
 
 if has train; then
   if [ -n "${TRAIN_ARGS:-}" ]; then LAUNCHES=("$TRAIN_ARGS"); else LAUNCHES=(
-    "--impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8 --steps 300"
-    "--activation gpt-oss --impl megatron,megatron-repeat,megatron-eager,expertact-inplace,expertact-fp8 --steps 300"); fi
+    "--impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad --steps 300"
+    "--activation gpt-oss --impl megatron,megatron-repeat,megatron-eager,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad --steps 300")
+  fi
   for ARGS in "${LAUNCHES[@]}"; do
     note "train: examples/megatron_moe.py $ARGS"
     timeout "${TRAIN_TIMEOUT:-590}" $PY -m torch.distributed.run --standalone --nproc-per-node 1 examples/megatron_moe.py \

@@ -69,6 +69,39 @@ def test_report_baseline_is_megatrons_default():
     assert "sha256 aaaaaaaaaaaaaaaa..." in report.data_text([_run("megatron", fused=True, corpus=corpus)])
 
 
+def test_report_holds_expertact_runs_to_the_loss_criterion():
+    """Each expertact run against Megatron's default with the yardsticks' band (docs/spec.md section 10,
+    autoep_report's criterion): a run that drifts beyond the band fails in the windows and the last
+    100 steps it leaves, on either side; one inside passes; Megatron's own runs are not judged; no
+    yardstick, no table."""
+    runs = [_run("megatron", fused=True), _run("megatron-repeat", fused=True, shift=2e-3),
+            _run("megatron-unfused", fused=False, shift=4e-3), _run("expertact-inplace", fused=True, shift=3e-3),
+            _run("expertact-fp8", fused=True), _run("expertact-fp8-promoted-wgrad", fused=True)]
+    base = runs[0]["losses"]
+    runs[4]["losses"] = [x + 0.05 for x in base]  # above the band everywhere
+    runs[5]["losses"] = [x - (0.03 if i >= 250 else 0.0) for i, x in enumerate(base)]  # below it at the end
+    groups = report.groups_of(runs)
+    crit = report.criterion_table(groups)
+    rows = {line.split(" | ")[2]: line for line in crit.splitlines()[2:]}
+    assert sorted(rows) == ["expertact, FP8 rowwise", "expertact, FP8 rowwise-promoted-wgrad",
+                            "expertact, in-place backward"]
+    assert rows["expertact, in-place backward"].endswith("| PASS |")
+    every = ", ".join(f"window {i}" for i in range(1, 7))
+    assert f"FAIL ({every}, last 100)" in rows["expertact, FP8 rowwise"]
+    assert "+0.0500, +0.0500" in rows["expertact, FP8 rowwise"]
+    promoted = rows["expertact, FP8 rowwise-promoted-wgrad"]
+    # below the band is a miss too
+    assert "FAIL (window 6, last 100)" in promoted and ", -0.0300 | " in promoted and "| -0.0150 / " in promoted
+    ref, ys = report.reference(groups[("h200", "swiglu")]), [runs[1], runs[2]]
+    c = report.criterion(runs[3], ref, ys)
+    assert c["passed"] and max(c["yardstick_windows"]) > 0 and c["bands"] == [0.01] * 6
+    md = report.markdown(runs, None, "python3 examples/megatron_report.py")
+    assert crit in md and "a miss on either side is a miss" in md
+    assert report.criterion_table(report.groups_of([runs[0], runs[3]])) == ""  # no yardstick: no verdict
+    assert [report.label(r) for r in groups[("h200", "swiglu")]][-3:] == [
+        "expertact, in-place backward", "expertact, FP8 rowwise", "expertact, FP8 rowwise-promoted-wgrad"]
+
+
 # ---------------------------------------------------------------------------
 # megatron_moe.py (its options, configs and data; no CUDA step)
 # ---------------------------------------------------------------------------
@@ -94,6 +127,16 @@ def test_impls_and_fusion(example):
         with pytest.raises(SystemExit):
             example.parse_args(bad)
     assert all(c["vocab"] == 256 for c in example.CONFIGS.values())  # byte tokens
+
+
+def test_fp8_impls_are_every_recipe_named_as_the_bench_names_them(example):
+    """One training run per FP8 recipe, named as python -m expertact.bench --megatron names its rows:
+    a recipe added to expertact.moe.FP8_RECIPES without a run here fails."""
+    from expertact.bench.common import fp8_rows
+    fp8 = {impl: opts["fp8"] for impl, opts in example.IMPLS.items() if opts and "fp8" in opts}
+    assert fp8 == fp8_rows("expertact-")
+    a = example.parse_args(["--impl", ",".join(fp8), "--config", "tiny"])
+    assert a.impls == list(fp8) and all(example.fused(a, i) for i in a.impls)
 
 
 def test_megatron_lm_trainer_fuses_swiglu_by_default():
