@@ -374,3 +374,20 @@ def test_bench_runs_small(tmp_path):
     rows = [r for r in data["results"] if r["impl"] == "torch-blockwise"]
     assert len(rows) == 6 and all("error" not in r and r["ms"] > 0 for r in rows), rows
     assert data["totals"]["recipe blockwise"]["ms"] == sum(r["ms"] for r in rows)
+    assert all(r["scratch_mib"] >= 0 for r in data["results"] if "error" not in r)
+
+
+def test_bench_markdown_names_each_gemms_scratch():
+    """The table gives each GEMM's scratch (what a call allocates beyond its output) beside its time;
+    a row that failed leaves every column after the error empty."""
+    from expertact.bench import fp8_gemm as bench
+
+    r = dict(gemm="dw2 = h^T dy", grouping="k", ms=2.0, tflops=500.0, peak_pct=25.3, scratch_mib=96.0)
+    data = dict(device="H200", experts=4, rows=1000, dim=512, ffn=256, iters=2, warmup=1,
+                versions=dict(torch="2.11", cuda="13.0"), totals={"torch-rowwise": None},
+                results=[dict(r, impl="torch-rowwise"), dict(gemm=r["gemm"], grouping="k", impl="torch-blockwise",
+                                                             error="OOM")])
+    md = bench.markdown(data).splitlines()
+    assert "| scratch MiB |" in md[4]
+    assert "| dw2 = h^T dy | k | torch-rowwise | 2.000 | 500 | 25.3 | 96.0 |" in md
+    assert "| dw2 = h^T dy | k | torch-blockwise | OOM | | | |" in md

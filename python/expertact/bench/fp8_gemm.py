@@ -26,11 +26,14 @@ Rows (--impls):
 
 Columns: the median of --iters calls after --warmup (CUDA events around each call, operands made
 beforehand), TFLOP/s (2 x M x N x K of the real rows, not the padding) and its share of the H200's
-1,979 TFLOP/s dense FP8. Totals: each row's six GEMMs, and each recipe's GEMMs as expert_mlp
-runs them ("rowwise-promoted-wgrad": torch-rowwise's four M-grouped GEMMs with
-torch-rowwise-promoted's two weight gradients; "blockwise": torch-blockwise's six). The operands
-are random e4m3 with power-of-two scales: the time does not depend on the values. A row that
-cannot run (a torch without the operator or the scale form) says why.
+1,979 TFLOP/s dense FP8, and the scratch: what one call allocates beyond its output
+(torch.cuda.max_memory_allocated during it minus what it leaves allocated), the workspace its
+kernels take from torch's allocator (where a recipe's extra peak may come from). Totals: each
+row's six GEMMs, and each recipe's GEMMs as expert_mlp runs them ("rowwise-promoted-wgrad":
+torch-rowwise's four M-grouped GEMMs with torch-rowwise-promoted's two weight gradients;
+"blockwise": torch-blockwise's six). The operands are random e4m3 with power-of-two scales: the
+time does not depend on the values. A row that cannot run (a torch without the operator or the
+scale form) says why.
 """
 from __future__ import annotations
 
@@ -155,6 +158,20 @@ def make_call(impl: str, grouping: str, ops, experts: int):
     raise ValueError(impl)
 
 
+def scratch_bytes(fn, device) -> int:
+    """What one call of fn allocates beyond what it returns: the peak allocated during the call
+    minus the allocation it leaves (its output), both over what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    kept = torch.cuda.memory_allocated(device) - before
+    del out
+    return peak - kept
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="expertact-bench --fp8-gemms", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,7 +198,8 @@ def run_gemm(name, grouping, s, impls, a, device):
             fn = make_call(impl, grouping, ops, a.experts)
             ms = median_ms(fn, a.iters, a.warmup, device)
             tf = flops(grouping, s) / ms / 1e9
-            return dict(ms=ms, tflops=tf, peak_pct=100.0 * tf / PEAK_TFLOPS)
+            scratch = scratch_bytes(fn, device) / 2**20
+            return dict(ms=ms, tflops=tf, peak_pct=100.0 * tf / PEAK_TFLOPS, scratch_mib=scratch)
         rows.append(run_row(dict(gemm=name, grouping=grouping, impl=impl, **s), measure))
         torch.cuda.empty_cache()
     del ops
@@ -194,13 +212,14 @@ def markdown(data) -> str:
              f"{data['experts']} experts x {data['rows']:,} rows, D = {data['dim']:,}, F = {data['ffn']:,}; "
              f"median of {data['iters']} after {data['warmup']} warm-up; torch {data['versions']['torch']}, "
              f"CUDA {data['versions']['cuda']}", "",
-             "| GEMM | grouping | impl | ms | TFLOP/s | % of 1,979 |", "|---|---|---|---:|---:|---:|"]
+             "| GEMM | grouping | impl | ms | TFLOP/s | % of 1,979 | scratch MiB |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in data["results"]:
         if "error" in r:
-            lines.append(f"| {r['gemm']} | {r['grouping']} | {r['impl']} | {r['error']} | | |")
+            lines.append(f"| {r['gemm']} | {r['grouping']} | {r['impl']} | {r['error']} | | | |")
         else:
             lines.append(f"| {r['gemm']} | {r['grouping']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
-                         f"{r['peak_pct']:.1f} |")
+                         f"{r['peak_pct']:.1f} | {r['scratch_mib']:.1f} |")
     lines += ["", "| impl | six GEMMs ms | TFLOP/s | % of 1,979 |", "|---|---:|---:|---:|"]
     for impl, t in data["totals"].items():
         lines.append(f"| {impl} | {t['ms']:.2f} | {t['tflops']:.0f} | {t['peak_pct']:.1f} |" if t else
