@@ -217,6 +217,13 @@ def criterion(run, ref, yardsticks):
                 passed=all(ok_w) and ok_last)
 
 
+def verdict(c):
+    """A criterion's result as the tables print it: PASS, or FAIL and what missed."""
+    misses = [f"window {i + 1}" for i, ok in enumerate(c["windows_pass"]) if not ok]
+    misses += [] if c["last_pass"] else [f"last {c['last_steps']}"]
+    return "PASS" if c["passed"] else f"FAIL ({', '.join(misses)})"
+
+
 def criteria(groups):
     """(group, run, criterion) of every run that is not DeepSpeed's own, in each group with a
     baseline and at least one yardstick."""
@@ -237,13 +244,10 @@ def criterion_table(groups):
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     fmt = lambda v: ", ".join(f"{x:+.4f}" for x in v)  # noqa: E731
     for config, run, c in criteria(groups):
-        fails = [i for i, ok in enumerate(c["windows_pass"]) if not ok]
-        verdict = "PASS" if c["passed"] else "FAIL (" + ", ".join(
-            [f"window {i + 1}" for i in fails] + ([] if c["last_pass"] else ["last 100"])) + ")"
         lines.append(f"| {config} | {label(run)} | {c['steps']} | {run['mean_step_time_s']:.2f} | {fmt(c['windows'])} "
                      f"| {', '.join(f'{x:.4f}' for x in c['yardstick_windows'])} | "
                      f"{', '.join(f'{x:.4f}' for x in c['bands'])} | {c['last']:+.4f} / {c['band_last']:.4f} | "
-                     f"{verdict} |")
+                     f"{verdict(c)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

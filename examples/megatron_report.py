@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # autoep_report.py, beside this file
-from autoep_report import criterion as _criterion  # noqa: E402
+from autoep_report import criterion as _criterion, verdict  # noqa: E402
 
 IMPL_ORDER = ("megatron", "megatron-fused", "megatron-repeat", "megatron-unfused", "megatron-eager", "expertact",
               "expertact-inplace", "expertact-fp8", "expertact-fp8-bf16-wgrad", "expertact-fp8-promoted-wgrad",
@@ -184,12 +184,9 @@ def criterion_table(groups):
             if run["impl"] in MEGATRON or not ok(run):
                 continue
             c = criterion(run, ref, ys)
-            fails = [f"window {i + 1}" for i, good in enumerate(c["windows_pass"]) if not good]
-            fails += [] if c["last_pass"] else [f"last {c['last_steps']}"]
-            verdict = "PASS" if c["passed"] else f"FAIL ({', '.join(fails)})"
             lines.append(f"| {config} | {act} | {label(run)} | {c['steps']} | {fmt(c['windows'])} | "
                          f"{fmt(c['yardstick_windows'], '')} | {fmt(c['bands'], '')} | "
-                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {verdict} |")
+                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {verdict(c)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
