@@ -71,9 +71,10 @@ if has bench; then
 fi
 
 if has train; then
+  OURS=expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad  # bf16 in place, FP8 rowwise and the candidate
   if [ -n "${TRAIN_ARGS:-}" ]; then LAUNCHES=("$TRAIN_ARGS"); else LAUNCHES=(
-    "--impl megatron,megatron-repeat,megatron-unfused,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad --steps 300"
-    "--activation gpt-oss --impl megatron,megatron-repeat,megatron-eager,expertact-inplace,expertact-fp8,expertact-fp8-promoted-wgrad --steps 300")
+    "--impl megatron,megatron-repeat,megatron-unfused,$OURS --steps 300"
+    "--activation gpt-oss --impl megatron,megatron-repeat,megatron-eager,$OURS --steps 300")
   fi
   for ARGS in "${LAUNCHES[@]}"; do
     note "train: examples/megatron_moe.py $ARGS"
