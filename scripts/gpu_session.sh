@@ -48,6 +48,9 @@
 #                          place and the two rowwise recipes with accurate weight gradients, then their
 #                          report, and one over every seed's folder of the session (autoep-seeds.md):
 #                          whether a recipe's difference from bf16 keeps its sign across seeds
+#   train-autoep-blockwise-seeds  blockwise (DeepSeek-V3's recipe) into both seed folders, beside
+#                          their baselines (after train-autoep-seed2 and -seed3 on the same machine), then
+#                          the report over every seed's folder again
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
@@ -83,13 +86,15 @@ FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
-       train-autoep-seed3)
+       train-autoep-seed3 train-autoep-blockwise-seeds)
 # Priority order, what the two H200 runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/
 # and -05b/: every recipe trained beside DeepSpeed's default on one machine, the module bench's times, the
 # kernel profiles): whether the FP8 recipes' low-side difference from bf16 is the recipe or the run (two
 # more seeds), the module bench's accuracy columns and the blockwise operand kernels' profile again,
+# blockwise at the same seeds (a candidate only if its faster kernels make its step 1.05x bf16's),
 # Megatron's trainings (both forms on one machine), the benches of the changed baselines, the longer runs.
 PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 bench-fp8-gemms
+      train-autoep-blockwise-seeds
       train-megatron-swiglu train-megatron-gpt-oss report-megatron test-megatron bench-autoep bench-megatron
       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
@@ -113,7 +118,8 @@ PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 b
 # 36 s, build 108 s, test-fp8 52 s, train-autoep 477 s (six runs and the report), train-autoep-fp8 328 s
 # (three runs, torchao's 300 steps, the report), bench-mlp-fp8 73 s (its accuracy columns failed: with
 # them, estimated 120 s), profile-fp8 53 s, bench-fp8-gemms 41 s; train-autoep-seedN: six runs as
-# train-autoep's.
+# train-autoep's; train-autoep-blockwise-seeds: two launches of one run each (~85 s a launch, as
+# train-autoep-fp8's) and the report.
 # Measured in the run of 2026-12-05 02:53 UTC (bench/results/gpu-session-h200-2026-12-05, its
 # command.txt files; one H200, 16 cores): preflight 42 s (the wheels' install included), build 109 s
 # (with the CUTLASS GEMMs, deleted since), test-fp8 61 s, train-autoep 492 s, fp8-accuracy 111 s,
@@ -126,7 +132,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
-                [train-autoep-seed3]=490)
+                [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and
 # sessions up to SESSION_S.
@@ -350,6 +356,12 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --impl eager,eager-repeat,eager-fused,mlp-inplace,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad && \
           ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png' && \
           ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png'" ;;
+    train-autoep-blockwise-seeds)
+      run_stage "$st" "$D" "$PY" bash -c "rc=0
+          for seed in 2 3; do ${TRAIN[*]} --seed \$seed --out '$S'/train-autoep-seed\$seed/autoep \
+            --impl mlp-fp8-blockwise || rc=1; done
+          ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png' || rc=1
+          exit \$rc" ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

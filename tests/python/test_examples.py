@@ -246,13 +246,14 @@ def test_gpu_session_plan_and_dry_run():
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
     assert fp8[:4] == ["test-fp8", "train-autoep-seed2", "train-autoep-seed3", "bench-mlp-fp8"]
-    assert len(fp8) == len(set(fp8)) == 16
+    assert len(fp8) == len(set(fp8)) == 17
     # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"]
+    assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"] == session_of[
+        "train-autoep-blockwise-seeds"]
     megatron = ("train-megatron-swiglu", "train-megatron-gpt-oss", "report-megatron", "test-megatron")
     assert len({session_of[s] for s in megatron}) == 1
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
@@ -264,6 +265,7 @@ def test_gpu_session_plan_and_dry_run():
     for st in fp8:
         assert re.search(rf"^{st}: ", dry, re.M), st
     assert re.search(r"^train-autoep-seed3: .*autoep_train.py .*--seed 3 ", dry, re.M)
+    assert fp8.index("train-autoep-blockwise-seeds") > fp8.index("train-autoep-seed3")
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
     # megatron_moe.py imports megatron-core (Python >= 3.12): its IMPLS read from its source
