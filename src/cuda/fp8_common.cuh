@@ -1,5 +1,6 @@
-// What the FP8 translation units share (fp8_rowwise.cu, fp8_glu_rowwise.cu, fp8_colwise.cu,
-// fp8_backward.cu): warp and row reductions, e4m3fn stores, 16-bit pair helpers, launch helpers.
+// What the FP8 translation units share (fp8_rowwise.cu, fp8_glu_rowwise.cu/.cuh, fp8_colwise.cu,
+// fp8_backward.cu/.cuh, fp8_act_*.cu): warp and row reductions, e4m3fn stores, 16-bit pair helpers,
+// launch helpers.
 //
 // The CUDA path of the FP8 quantisation (src/core/fp8.h). The arithmetic per element is fp8.h's,
 // shared with the CPU path, so the two give the same bytes and scales. The conversions go two

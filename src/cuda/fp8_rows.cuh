@@ -1,4 +1,4 @@
-// The rowwise FP8 kernels' row machinery (fp8_rowwise.cu, fp8_glu_rowwise.cu): a row's packs
+// The rowwise FP8 kernels' row machinery (fp8_rowwise.cu, fp8_glu_rowwise.cuh): a row's packs
 // held across G lanes, its amax, its quantised bytes; the choice of lanes and held packs.
 //
 // Rows whose input allows 16-byte packs go to 32, 64 or 128 lanes per row (the fewest that
@@ -52,7 +52,7 @@ template <>
 struct AbsMax<__half> : AbsMax16<__half, __half2> {};
 
 // A row's source (Src below; PlainSrc in fp8_rowwise.cu, GluSrc and BiasGluSrc in
-// fp8_glu_rowwise.cu) gives the values of one row in packs of V: Raw is what one pack's load
+// fp8_glu_rowwise.cuh) gives the values of one row in packs of V: Raw is what one pack's load
 // brings (load(p, raw)), Held what a lane keeps of it between the amax and the quantisation
 // (finish(raw, j, held): the raw elements for a plain row, the float32 activation for the GLU
 // form, computed once); absmax(held, max) and value(held, i) read it; Max is the running amax;
