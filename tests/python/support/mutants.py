@@ -9,7 +9,7 @@ it, restores the file (always, also on an interruption) and records whether a te
     python3 tests/python/support/mutants.py --list
 
 Run from the repository root of a clean checkout (it refuses to start with changes under src/,
-python/ or include/), with the CPU library built in build/cpu (the README's CPU build). The
+python/, include/, scripts/ or .ci/), with the CPU library built in build/cpu (the README's CPU build). The
 Megatron-Core mutants run their tests in the Python 3.12 environment of scripts/test.sh
 (VENV312, default ~/.cache/expertact-py312); they are recorded as not run without it. A mutant
 is never committed: the runner restores the file with ``git checkout``."""
@@ -126,6 +126,20 @@ MUTANTS = [
             "    biased = b13 is not None or b2 is not None\n",
             "    b13 = b2 = None\n    biased = False\n",
             [T + "test_moe.py", T + "test_bias.py"], "expert_mlp drops b13 and b2 (every node)"),
+    _mutant("bf16-node-drops-b2", "python/expertact/moe/_bf16.py",
+            "    if b2 is not None:  # y += weights * b2[e], in place over the GEMM's output\n",
+            "    if False:  # y += weights * b2[e], in place over the GEMM's output\n",
+            [T + "test_moe.py", T + "test_bias.py"], "the bf16 node's forward leaves b2 out of y"),
+    _mutant("transformers-drops-biases", "python/expertact/transformers.py",
+            "    b13, b2 = _biases_of(module, w13)\n", "    b13, b2 = _biases_of(module, w13)\n    b13 = b2 = None\n",
+            [T + "test_bench_experts.py", T + "test_examples.py"], "expertact.transformers leaves GPT-OSS's "
+            "expert biases out (the bench's expert rows, the fine-tuning example)", k="not gpu and not cuda"),
+    _mutant("transformers-refuses-biases", "python/expertact/transformers.py",
+            "    b13, b2 = _biases_of(module, w13)\n",
+            "    b13, b2 = _biases_of(module, w13)\n    if b13 is not None:\n"
+            "        raise NotImplementedError(\"biases unsupported\")\n",
+            [T + "test_bench_experts.py", T + "test_examples.py"], "expertact.transformers refuses expert biases "
+            "(NotImplementedError: what the bench reports as a skipped row)", k="not gpu and not cuda"),
     # 6. transformers
     _mutant("transformers-ignores-fp8", "python/expertact/transformers.py",
             "                               inplace_backward=inplace_backward, fp8=fp8)\n",
@@ -141,6 +155,30 @@ MUTANTS = [
             "remake_weights=functools.partial(self._weights, x.dtype), "
             "**dict(self.expertact_options, fp8=None))",
             [T + "test_megatron.py"], "ExpertMLP(fp8=recipe) runs bf16", k="fp8", python="py312"),
+    _mutant("megatron-experts-permuted", "python/expertact/megatron.py",
+            "            w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).to(dtype)\n",
+            "            w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts[::-1]]).to(dtype)\n",
+            [T + "test_megatron.py", T + "test_megatron_example.py"], "ExpertMLP gives each expert's rows another "
+            "expert's fc1 weights (the experts' order reversed)", python="py312"),
+    # 9. scripts/test.sh's decisions (tests/python/test_ci_script.py runs it on stubs)
+    _mutant("ci-passes-without-python-312", "scripts/test.sh",
+            '  if ci; then echo "FAILED: CI=true and no Python 3.12 found',
+            '  if false; then echo "FAILED: CI=true and no Python 3.12 found',
+            [T + "test_ci_script.py"], "CI=true without Python 3.12 skips the Megatron-Core tests and passes"),
+    _mutant("ci-passes-without-an-optional-dependency", "scripts/test.sh",
+            '  step "$LOGS/install-$name.log" "$@" && return 0\n  if ci; then',
+            '  step "$LOGS/install-$name.log" "$@" && return 0\n  if false; then',
+            [T + "test_ci_script.py"], "CI=true with an optional dependency that did not install skips its tests"),
+    _mutant("ci-passes-without-the-312-environment", "scripts/test.sh",
+            "    if ! ci; then SKIPS+=(", "    if true; then SKIPS+=(",
+            [T + "test_ci_script.py"], "CI=true with a Python 3.12 environment that could not be made passes"),
+    _mutant("install-not-retried", "scripts/test.sh", "  for attempt in 1 2; do\n", "  for attempt in 1; do\n",
+            [T + "test_ci_script.py"], "a failed install is not tried again"),
+    _mutant("failed-step-log-not-printed", "scripts/test.sh", '  tail -40 "$log"\n', "",
+            [T + "test_ci_script.py"], "a failed step's own output is not printed in the run's log"),
+    _mutant("user-run-skips-silently", "scripts/test.sh",
+            'for line in "${SKIPS[@]+"${SKIPS[@]}"}"; do echo "SKIPPED: $line"; done\n', "",
+            [T + "test_ci_script.py"], "a user's run does not say which suites it skipped"),
     # 11. the activation's math on the CPU (C++; the float64-oracle tests: ctest's CPU cases, test_functional)
     _mutant("halves-swapped", "src/api.cpp",
             "      p.g = layout == Layout::kHalves ? base : second;\n      p.u = layout == Layout::kHalves ? second : base;\n",
@@ -165,7 +203,7 @@ MUTANTS = [
             ["ctest", T + "test_functional.py"], "silu's forward with alpha = 1 whatever it is given (swiglu_oai's "
             "1.702)"),
     _mutant("default-alpha-1", "python/expertact/_args.py", "DEFAULT_ALPHA = 1.702\n", "DEFAULT_ALPHA = 1.0\n",
-            [T + "test_functional.py", T + "test_deepspeed_registry.py"], "swiglu_oai's default alpha 1.0 in the "
+            [T + "test_moe.py", T + "test_fp8.py", T + "test_fp8_backward.py"], "swiglu_oai's default alpha 1.0 in the "
             "Python layer"),
     _mutant("c-abi-default-alpha-1", "src/c_api.cpp", "std::isnan(alpha) ? 1.702f : alpha",
             "std::isnan(alpha) ? 1.0f : alpha", ["ctest", T + "test_functional.py", T + "test_package.py"],
@@ -173,7 +211,7 @@ MUTANTS = [
     _mutant("swiglu-clamped-unclamped", "python/expertact/_args.py",
             "    return act, a, lim, beta\n",
             "    return act, a, (INF if activation == \"swiglu_clamped\" else lim), beta\n",
-            [T + "test_functional.py", T + "test_deepspeed_registry.py"], "swiglu_clamped runs unclamped (its "
+            [T + "test_moe.py", T + "test_fp8.py", T + "test_fp8_backward.py"], "swiglu_clamped runs unclamped (its "
             "limit dropped in the Python layer)"),
 ]
 
@@ -183,7 +221,7 @@ def _git(*args):
 
 
 def _dirty():
-    return _git("status", "--porcelain", "--", "src", "python", "include").strip()
+    return _git("status", "--porcelain", "--", "src", "python", "include", "scripts", ".ci").strip()
 
 
 def _plant(m):
@@ -276,7 +314,8 @@ def main():
     if unknown:
         raise SystemExit(f"unknown mutants: {sorted(unknown)}")
     if _dirty():
-        raise SystemExit("the checkout has changes under src/, python/ or include/: commit or stash them first")
+        raise SystemExit("the checkout has changes under src/, python/, include/, scripts/ or .ci/: commit or stash "
+                         "them first")
     for m in chosen:
         res = run(m, a.baseline)
         print(f"{res['verdict']:9} {m['name']}: {res['info'] if isinstance(res['info'], str) else res['info']['summary']}"
