@@ -139,3 +139,24 @@ def test_a_failing_test_suite_fails_the_run(script, tmp_path):
     rc, out = script(PY312=py312, STUB_CTEST_RC=8, STUB_CTEST_LOG=log)
     assert rc != 0 and "FAILED: pytest status 0, C++ build and ctest status 8, Megatron-Core tests 0" in out, out
     assert "error: stub compile error" in out, out
+
+
+def test_a_cuda_case_passed_without_a_gpu_fails_the_run(script, tmp_path):
+    """On a machine without a GPU (no nvidia-smi here) a CUDA case that ctest counts as passed fails
+    the run, named; the same cases skipped, and the CPU-only cases whose names say CUDA, pass."""
+    lines = ["  1/4 Test  #22: CudaBuild.MissingDriverIsAClearError ....   Passed    0.03 sec",
+             "  2/4 Test #487: All/CAbiRun.StridedSlicesAndByteOffset/cuda_interleaved_bf16 ....***Skipped   0.01 sec",
+             "  3/4 Test #537: cuda_kernels_rows ....***Skipped   0.03 sec",
+             "  4/4 Test #516: Backends/BiasTest.GluBiasAgainstFloat64/cpu ....   Passed    0.20 sec",
+             "100% tests passed, 0 tests failed out of 4"]
+    log = tmp_path / "ctest-stub.log"
+    log.write_text("\n".join(lines) + "\n")
+    rc, out = script(PY312=script.bin / "python", CI="true", STUB_CTEST_LOG=log)
+    assert rc == 0 and "FAILED" not in out, out
+    for passed in ("  5/5 Test #538: cuda_kernels_flat ....   Passed    0.02 sec",
+                   "  5/5 Test #520: Backends/BiasTest.Refusals/cuda ....   Passed    0.01 sec"):
+        log.write_text("\n".join(lines[:-1] + [passed, lines[-1]]) + "\n")
+        rc, out = script(PY312=script.bin / "python", STUB_CTEST_LOG=log)
+        assert rc != 0, out
+        assert "FAILED: ctest counted CUDA cases as passed on a machine without a GPU" in out and passed in out, out
+        assert "C++ build and ctest status 1" in out, out

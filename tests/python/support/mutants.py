@@ -264,7 +264,7 @@ def _pytest(m):
         rc, info = _ctest()
         if rc:
             return rc, info
-    cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rs", *[os.path.join(ROOT, t) for t in tests]]
+    cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rfEs", *[os.path.join(ROOT, t) for t in tests]]
     if m["k"]:
         cmd += ["-k", m["k"]]
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"),
@@ -316,7 +316,12 @@ def main():
     if _dirty():
         raise SystemExit("the checkout has changes under src/, python/, include/, scripts/ or .ci/: commit or stash "
                          "them first")
+    seen = set()
     for m in chosen:
+        key = (tuple(m["tests"]), m["k"], m["python"])
+        if a.baseline and key in seen:  # the same selection: one baseline run
+            continue
+        seen.add(key)
         res = run(m, a.baseline)
         print(f"{res['verdict']:9} {m['name']}: {res['info'] if isinstance(res['info'], str) else res['info']['summary']}"
               + ("" if isinstance(res["info"], str) or not res["info"]["failed"] else f" [{res['info']['failed'][0]}]"),
