@@ -160,6 +160,26 @@ MUTANTS = [
             "            w13 = torch.stack([e.linear_fc1.weight for e in self.local_experts[::-1]]).to(dtype)\n",
             [T + "test_megatron.py", T + "test_megatron_example.py"], "ExpertMLP gives each expert's rows another "
             "expert's fc1 weights (the experts' order reversed)", python="py312"),
+    # 8. ctest without a GPU (a CUDA build: build/cuda; scripts/test.sh's check of ctest's log)
+    _mutant("cuda-kernels-entries-not-skipped", "tests/cpp/CMakeLists.txt",
+            '      ENVIRONMENT EXPERTACT_CUDA_KERNEL=${choice} TIMEOUT 900 COST 1000  # long: start first\n'
+            '      SKIP_REGULAR_EXPRESSION "${EXPERTACT_NO_GPU_LINE}")\n',
+            '      ENVIRONMENT EXPERTACT_CUDA_KERNEL=${choice} TIMEOUT 900 COST 1000)\n',
+            ["ctest-guard:build/cuda"], "the cuda_kernels_rows / _flat entries without their skip rule: counted "
+            "as passed without a GPU"),
+    _mutant("unknown-value-passes-on-no-gpu", "tests/cpp/CMakeLists.txt",
+            '    PASS_REGULAR_EXPRESSION "EXPERTACT_CUDA_KERNEL=bogus is not one of auto, rows, flat"\n',
+            '    PASS_REGULAR_EXPRESSION "EXPERTACT_CUDA_KERNEL=bogus is not one of auto, rows, flat|no GPU"\n',
+            ["ctest-guard:build/cuda"], "cuda_kernels_unknown_value passes on the text \"no GPU\""),
+    _mutant("unknown-value-not-skipped", "tests/cpp/CMakeLists.txt",
+            '    PASS_REGULAR_EXPRESSION "EXPERTACT_CUDA_KERNEL=bogus is not one of auto, rows, flat"\n'
+            '    SKIP_REGULAR_EXPRESSION "${EXPERTACT_NO_GPU_LINE}")\n',
+            '    PASS_REGULAR_EXPRESSION "EXPERTACT_CUDA_KERNEL=bogus is not one of auto, rows, flat|no GPU")\n',
+            ["ctest-guard:build/cuda"], "cuda_kernels_unknown_value without its skip rule, passing on \"no GPU\""),
+    _mutant("gtest-cuda-cases-pass-without-a-gpu", "tests/cpp/support/backend.h",
+            "GTEST_SKIP() << eat_why_;", "return;",
+            ["ctest-guard:build/cpu"], "the CUDA instances of the GoogleTest cases return (pass) instead of "
+            "skipping without a GPU"),
     # 9. scripts/test.sh's decisions (tests/python/test_ci_script.py runs it on stubs)
     _mutant("ci-passes-without-python-312", "scripts/test.sh",
             '  if ci; then echo "FAILED: CI=true and no Python 3.12 found',
@@ -221,7 +241,7 @@ def _git(*args):
 
 
 def _dirty():
-    return _git("status", "--porcelain", "--", "src", "python", "include", "scripts", ".ci").strip()
+    return _git("status", "--porcelain", "--", "src", "python", "include", "scripts", ".ci", "tests/cpp").strip()
 
 
 def _plant(m):
@@ -252,7 +272,28 @@ def _ctest():
                               summary=summary[-1] if summary else r.stdout[-300:])
 
 
+def _ctest_guard(build):
+    """Builds ``build`` (a CMakeLists.txt or test support change), runs its whole ctest, then applies
+    scripts/test.sh's check for CUDA cases counted as passed without a GPU (its own regex, read
+    from the script): (1, ...) when the check or ctest fails."""
+    build = os.path.join(ROOT, build)
+    b = subprocess.run(["cmake", "--build", build, "-j2"], capture_output=True, text=True)
+    if b.returncode:
+        return b.returncode, dict(cmd="cmake --build", failed=["build"], summary=b.stdout[-500:])
+    r = subprocess.run(["ctest", "--test-dir", build, "-j2"], capture_output=True, text=True)
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as f:
+        regex = re.search(r'gpu_passed=\$\(grep -E "(.+?)" "\$BUILD/ctest.log"', f.read()).group(1)
+    passed = [line for line in r.stdout.splitlines() if re.search(regex, line)]
+    summary = [line for line in r.stdout.splitlines() if "tests passed" in line]
+    skipped = len(re.findall(r"\(Skipped\)", r.stdout))
+    info = dict(cmd=f"ctest --test-dir {build} -j2, then scripts/test.sh's check", failed=passed[:5],
+                summary=f"{summary[-1] if summary else ''}; {skipped} skipped; {len(passed)} CUDA cases passed")
+    return (1 if passed or r.returncode else 0), info
+
+
 def _pytest(m):
+    if m["tests"][0].startswith("ctest-guard:"):
+        return _ctest_guard(m["tests"][0].split(":", 1)[1])
     if m["python"] == "py312":
         py = os.path.join(VENV312, "bin", "python")
         if not os.path.exists(py):
@@ -285,6 +326,7 @@ def run(m, baseline=False):
                     info=info)
     diff = _plant(m)
     cpp = m["path"].startswith(("src/", "include/"))
+    guard = m["tests"][0].startswith("ctest-guard:")
     t0 = time.time()
     try:
         if cpp:
@@ -294,6 +336,9 @@ def run(m, baseline=False):
         _git("checkout", "--", m["path"])
         if cpp:
             _build()
+        if guard:  # the build folder as it was (its tests rediscovered)
+            subprocess.run(["cmake", "--build", os.path.join(ROOT, m["tests"][0].split(":", 1)[1]), "-j2"],
+                           capture_output=True)
     verdict = {None: "not run", 0: "SURVIVED", 5: "NO TESTS"}.get(rc, "killed")
     return dict(name=m["name"], what=m["what"], diff=diff, verdict=verdict, seconds=round(time.time() - t0), info=info)
 
