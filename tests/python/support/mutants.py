@@ -349,8 +349,12 @@ def main():
     p.add_argument("--list", action="store_true")
     p.add_argument("--json", help="append each result as a JSON line to this file")
     p.add_argument("--baseline", action="store_true", help="run each chosen mutant's tests without planting it")
+    p.add_argument("--tests", nargs="+", help="run these test files instead of the mutant's own (repository paths)")
+    p.add_argument("-k", dest="k", help="with --tests: pytest's -k selection")
     a = p.parse_args()
     chosen = [m for m in MUTANTS if not a.names or m["name"] in a.names]
+    if a.tests:  # another selection for the same mutants (which other tests see them)
+        chosen = [dict(m, tests=a.tests, k=a.k) for m in chosen]
     if a.list:
         for m in MUTANTS:
             print(f"{m['name']:36} {m['what']}")
