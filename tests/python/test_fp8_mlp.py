@@ -511,6 +511,42 @@ def test_where_fp8_cannot_run_it_says_why(recipe):
 # ---------------------------------------------------------------------------
 
 
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: sends scaled_gmm down its GPU branch on the CPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad"])
+def test_the_operator_gets_the_recipes_accumulation(monkeypatch, recipe):
+    """What reaches torch._scaled_grouped_mm on Hopper, on the CPU: the node's six rowwise GEMMs
+    sent down scaled_gmm's GPU branch, the operator replaced by the emulation with its arguments
+    recorded. The four M-grouped GEMMs ask for use_fast_accum=True, the weight gradients for the
+    recipe's (True in "rowwise", False in "rowwise-promoted-wgrad", none in "rowwise-bf16-wgrad"):
+    the CPU's values cannot show the difference (the emulation accumulates in float32 either way),
+    so the argument is what is checked; the values are the emulation's bit for bit."""
+    real = _gemm.scaled_gmm
+    calls = []
+
+    def operator(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=None):
+        assert out_dtype == torch.bfloat16 and isinstance(use_fast_accum, bool), (out_dtype, use_fast_accum)
+        calls.append(("mm" if b.dim() == 3 else "wgrad", use_fast_accum))
+        return real(a.as_subclass(torch.Tensor), b, scale_a, scale_b, offs, use_fast_accum)
+
+    t, dy, ends = _problem(biases=True, seed=3)
+    want = _run(t, dy, ends, "swiglu_oai", "interleaved", fp8=recipe)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", operator)
+    monkeypatch.setattr(_gemm, "scaled_gmm", lambda a, *rest, **kw: real(a.as_subclass(_OnCuda), *rest, **kw))
+    got = _run(t, dy, ends, "swiglu_oai", "interleaved", fp8=recipe)
+    wgrad = {"rowwise": [True, True], "rowwise-bf16-wgrad": [], "rowwise-promoted-wgrad": [False, False]}[recipe]
+    assert sorted(c[1] for c in calls if c[0] == "mm") == [True] * 4, calls
+    assert [c[1] for c in calls if c[0] == "wgrad"] == wgrad, calls
+    for k in want:
+        assert torch.equal(got[k].as_subclass(torch.Tensor), want[k]), k
+
+
 def test_the_emulated_gemms_against_float64():
     """The CPU's scaled_gmm on random e4m3 operands, both forms: each expert's block the float32
     product of the exactly dequantised operands, rounded once to bf16; NaN where the operator
