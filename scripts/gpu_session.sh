@@ -71,7 +71,7 @@
 # PYTHON) with a CUDA build of torch, megatron-core 0.19.2 and matplotlib for the Megatron stages. No
 # network is used: scripts/gpu_wheels.sh, run elsewhere, puts the wheels into WHEELS (default .whl/),
 # installed here into SITE (default /tmp/site) and put on PYTHONPATH first, and dlpack.h into
-# .deps/include/dlpack/; a device call carries both folders: [".whl", ".deps"].
+# .deps/include/dlpack/; both folders are copied beside the tree on the GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
@@ -184,7 +184,7 @@ pack() {
   flush
   printf "  session %d total ~%d s of device time\n" $session $used
   echo "  each call as one command on the GPU machine (where it has no network, with scripts/gpu_wheels.sh's .whl/"
-  echo "  and .deps/ beside the tree: the call carries [\".whl\", \".deps\"]), its results in one file:"
+  echo "  and .deps/ copied beside the tree), its results in one file:"
   echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
   echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held; a lent"
   echo "  machine may go back seconds after a call ends: issue the next call at once, read the results after)"

@@ -4,8 +4,8 @@
 # GPU machine's Python (PYVER, default 3.12; x86-64 Linux), and the build's dlpack.h into
 # .deps/include/dlpack/ (git-ignored; CMakeLists.txt searches .deps/include): this machine's
 # /usr/include/dlpack/dlpack.h, else Debian's libdlpack-dev fetched with apt-get download and
-# unpacked. Both folders then travel with the working tree (the device call carries [".whl",
-# ".deps"]), and on the GPU machine, from the repository root:
+# unpacked. Both folders are then copied beside the tree on the GPU machine, and there, from the
+# repository root:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #     .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -71,6 +71,6 @@ for spec in "${SDIST[@]}" "${BINARY[@]}"; do
   ls "$W"/"$stem-$version-"*.whl > /dev/null 2>&1 || { echo "gpu_wheels.sh: no wheel of $spec in $W" >&2; exit 1; }
 done
 du -ch "$W"/*.whl "$DLPACK/dlpack.h"
-echo "carry: [\".whl\", \".deps\"] (the wheels and dlpack.h); on the GPU machine, first: python3 -m pip install -q" \
+echo "copy .whl/ and .deps/ (the wheels and dlpack.h) beside the tree on the GPU machine; there, first: python3 -m pip install -q" \
   "--no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&" \
   "export PYTHONPATH=/tmp/site"
