@@ -276,6 +276,11 @@ run_stage() {  # run_stage NAME DIR PYTHON COMMAND...: recorded, logged to DIR/l
   echo "$((SECONDS - t)) s, exit $rc" >> "$dir/command.txt"
 }
 
+# The library's sources by content (not by time: a tree copied again between calls has new times),
+# recorded when the build stage succeeds: a later call whose sources differ (a branch merged or
+# reverted in between) builds again instead of running the new Python over the old library.
+SOURCE_HASH="find src include CMakeLists.txt -type f -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-40"
+source_hash() { bash -c "$SOURCE_HASH"; }
 TRAIN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 examples/autoep_train.py --config h200
        --ep-size 1)
 AUTOEP_REPORT=("$PY" examples/autoep_report.py)
@@ -293,7 +298,7 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     build)
       run_stage build "$D" "$PY" bash -c "cmake -S . -B '$BUILD' -G Ninja -DCMAKE_BUILD_TYPE=Release -DEXPERTACT_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES='${ARCHS:-90}' -DEXPERTACT_BUILD_TESTS=OFF -DEXPERTACT_BUILD_BENCH=OFF &&
-        cmake --build '$BUILD' -j '$(nproc)' --target expertact" ;;
+        cmake --build '$BUILD' -j '$(nproc)' --target expertact && { $SOURCE_HASH; } > '$BUILD/source-hash'" ;;
     bench-autoep)
       run_stage "$st" "$D" "$PY" "$PY" -m expertact.bench --autoep --json "$D/autoep-bench.json" \
         --markdown "$D/autoep-bench.md" ;;
@@ -379,9 +384,14 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
 }
 
 for st in "${STAGES[@]}"; do
-  if [ $DRY = 0 ] && [ "$st" != build ] && [ "$st" != preflight ] && [ ! -f "$BUILD/libexpertact.so" ]; then
-    echo "== $st needs the library, which this machine has not built: build first"
-    stage build
+  if [ $DRY = 0 ] && [ "$st" != build ] && [ "$st" != preflight ]; then
+    if [ ! -f "$BUILD/libexpertact.so" ]; then
+      echo "== $st needs the library, which this machine has not built: build first"
+      stage build
+    elif [ "$(cat "$BUILD/source-hash" 2> /dev/null)" != "$(source_hash)" ]; then
+      echo "== the library's sources changed since this machine built it: build again first"
+      stage build
+    fi
   fi
   stage "$st"
 done
