@@ -29,7 +29,9 @@ One process per rank, launched by torchrun:
 
 --impl takes a comma-separated list too: the runs then follow one another in the same processes
 (the CPU test runs every memory mode so, with --record-grads). A run whose recipe or library this
-machine lacks is refused before any run starts (--skip-unavailable: left out, and said so). Every
+machine lacks is refused before any run starts (--skip-unavailable: left out, and said so). On one
+rank a run that fails is reported and the list goes on (the launch then exits non-zero, naming it);
+on several, the first failure ends the launch. Every
 run but eager-fused takes --gate-up-impl (default "separate", AutoEP's default); a run on another
 gate_up_impl than its impl names gets "-<gate_up_impl>" at the end of its default tag, so that a
 result file says which.
@@ -64,6 +66,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 import typing
 from pathlib import Path
 
@@ -677,12 +680,39 @@ def main(argv=None):
             raise SystemExit(f"autoep_train.py: --impl {impl}: {reason} (--skip-unavailable leaves such runs out)")
         if reason is not None and rank == 0:
             print(f"[{default_tag(args, impl)}] left out: {reason}", flush=True)
+    failed = []
     for impl in [i for i in args.impls if why[i] is None]:
         one = copy.copy(args)
         one.impl = impl
         one.tag = args.tag if len(args.impls) == 1 else default_tag(args, impl)
-        run_one(one, registry, device, rank, world)
+        try:
+            run_one(one, registry, device, rank, world)
+        except Exception:
+            # On one rank a run that fails (out of memory, say) need not cost the launch's later
+            # runs: it is reported, DeepSpeed's own forward put back, and the next run starts. With
+            # several ranks the others would wait in a collective for this one: the launch ends.
+            if world > 1:
+                raise
+            failed.append(impl)
+            traceback.print_exc()
+            release_failed_run(device)
     tdist.destroy_process_group()
+    if failed:
+        raise SystemExit(f"autoep_train.py: {len(failed)} run(s) failed: {', '.join(failed)} (the traceback of "
+                         "each above); the launch's other runs completed and wrote their JSONs")
+
+
+def release_failed_run(device):
+    """After a run that raised: expertact's switch off (DeepSpeed's forward and activations as
+    shipped) and the failed run's memory returned, so that the next run starts as a fresh one."""
+    import gc
+    import torch
+    import expertact.deepspeed as xds
+
+    xds.disable()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -357,10 +357,13 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           '$PY' bench/mlp_kernel_profile.py \$impl || exit 1; done" ;;
     train-autoep-seed*)
       local seed=${st#train-autoep-seed}
-      run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --seed $seed --out '$S/$st/autoep' \
-          --impl eager,eager-repeat,eager-fused,mlp-inplace,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad && \
-          ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png' && \
-          ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png'" ;;
+      # (a run that fails leaves the launch's others and the reports to run; the stage fails)
+      run_stage "$st" "$D" "$PY" bash -c "rc=0
+          ${TRAIN[*]} --seed $seed --out '$S/$st/autoep' \
+            --impl eager,eager-repeat,eager-fused,mlp-inplace,mlp-fp8-bf16-wgrad,mlp-fp8-promoted-wgrad || rc=1
+          ${AUTOEP_REPORT[*]} --in '$S/$st/autoep' --md '$D/autoep-seed$seed.md' --png '$D/autoep-seed$seed-loss.png' || rc=1
+          ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png' || rc=1
+          exit \$rc" ;;
     train-autoep-blockwise-seeds)
       run_stage "$st" "$D" "$PY" bash -c "rc=0
           for seed in 2 3; do ${TRAIN[*]} --seed \$seed --out '$S'/train-autoep-seed\$seed/autoep \

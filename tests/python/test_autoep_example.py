@@ -83,6 +83,36 @@ def test_args_presets_and_overrides():
         train.parse_args(["--impl", "expertact", "--steps", "3", "--warmup", "3"])
 
 
+def test_a_failed_run_costs_one_rank_launch_only_itself(monkeypatch):
+    """One rank: a run that raises is reported, expertact's switch turned off, and the launch's
+    later runs still run; the launch then exits non-zero naming it. Several ranks: the error ends
+    the launch at once (the other ranks would wait for this one in a collective)."""
+    pytest.importorskip("deepspeed.moe.ep_experts")
+    import expertact.deepspeed as xds
+
+    ran, disabled = [], []
+
+    def run_one(args, registry, device, rank, world):
+        ran.append(args.impl)
+        if args.impl == "eager-fused":
+            raise RuntimeError("out of memory (made up)")
+
+    monkeypatch.setattr(train, "run_one", run_one)
+    monkeypatch.setattr(xds, "disable", lambda: disabled.append(len(ran)))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: None)
+    argv = ["--impl", "eager,eager-fused,mlp-inplace", "--config", "tiny"]
+    monkeypatch.setattr(train, "init_distributed", lambda args: (torch.device("cpu"), 0, 1))
+    with pytest.raises(SystemExit, match=r"1 run\(s\) failed: eager-fused"):
+        train.main(argv)
+    assert ran == ["eager", "eager-fused", "mlp-inplace"] and disabled == [2]
+
+    ran.clear()
+    monkeypatch.setattr(train, "init_distributed", lambda args: (torch.device("cpu"), 0, 2))
+    with pytest.raises(RuntimeError, match="made up"):
+        train.main(argv)
+    assert ran == ["eager", "eager-fused"]
+
+
 def test_gate_up_impl_default_and_the_fused_run_named():
     """AutoEP's default gate_up_impl ("separate", read from the installed DeepSpeed where there is
     one) for every run but eager-fused; a run on another than its name says is tagged so."""

@@ -264,7 +264,7 @@ def test_gpu_session_plan_and_dry_run():
     assert not os.path.exists("/nonexistent/out")
     for st in fp8:
         assert re.search(rf"^{st}: ", dry, re.M), st
-    assert re.search(r"^train-autoep-seed3: .*autoep_train.py .*--seed 3 ", dry, re.M)
+    assert re.search(r"^train-autoep-seed3: .*\n.*autoep_train.py .*--seed 3 ", dry, re.M)
     assert fp8.index("train-autoep-blockwise-seeds") > fp8.index("train-autoep-seed3")
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
