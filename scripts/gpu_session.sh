@@ -138,6 +138,11 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
 # sessions up to SESSION_S.
 CALL_S=${CALL_S:-540}
 SESSION_S=${SESSION_S:-1650}
+# A command stopped from outside at its limit returns nothing it did not bundle: each stage runs
+# under the time left before DEADLINE_S (seconds from this script's start; 0: no limit), less
+# BUNDLE_RESERVE_S for the archive, so that the results of the stages that ran always come back.
+DEADLINE_S=${DEADLINE_S:-580}
+BUNDLE_RESERVE_S=${BUNDLE_RESERVE_S:-20}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
@@ -265,9 +270,21 @@ run_stage() {  # run_stage NAME DIR PYTHON COMMAND...: recorded, logged to DIR/l
     return
   fi
   record "$dir" "$py" "$@"
+  local limit=()
+  if [ "$DEADLINE_S" -gt 0 ]; then
+    local left=$((DEADLINE_S - BUNDLE_RESERVE_S - SECONDS))
+    if [ $left -lt 10 ]; then
+      echo "== $name: not run, no time left before the call's deadline (DEADLINE_S=$DEADLINE_S)"
+      echo "not run: no time left before the call's deadline (DEADLINE_S=$DEADLINE_S)" >> "$dir/command.txt"
+      status=1
+      return
+    fi
+    limit=(timeout --kill-after=5 "$left")
+  fi
   echo "== $name (~${EST[$name]} s estimated): $*"
-  "$@" > "$dir/log.txt" 2>&1
+  ${limit[@]+"${limit[@]}"} "$@" > "$dir/log.txt" 2>&1
   rc=$?
+  [ $rc = 124 ] && echo "stopped at the call's deadline (DEADLINE_S=$DEADLINE_S)" >> "$dir/log.txt"
   echo "== $name: $((SECONDS - t)) s, exit $rc; results in $dir"
   if [ $rc != 0 ]; then
     status=1
