@@ -138,10 +138,11 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
 # sessions up to SESSION_S.
 CALL_S=${CALL_S:-540}
 SESSION_S=${SESSION_S:-1650}
-# A command stopped from outside at its limit returns nothing it did not bundle: each stage runs
-# under the time left before DEADLINE_S (seconds from this script's start; 0: no limit), less
-# BUNDLE_RESERVE_S for the archive, so that the results of the stages that ran always come back.
-DEADLINE_S=${DEADLINE_S:-580}
+# Where a command is stopped from outside at a time limit, it returns nothing it did not bundle:
+# DEADLINE_S (seconds from this script's start, set a little under that limit; default 0, no
+# limit) runs each stage under the time left before it, less BUNDLE_RESERVE_S for the archive, so
+# that the results of the stages that ran always come back.
+DEADLINE_S=${DEADLINE_S:-0}
 BUNDLE_RESERVE_S=${BUNDLE_RESERVE_S:-20}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -190,7 +191,7 @@ pack() {
   printf "  session %d total ~%d s of device time\n" $session $used
   echo "  each call as one command on the GPU machine (where it has no network, with scripts/gpu_wheels.sh's .whl/"
   echo "  and .deps/ copied beside the tree), its results in one file:"
-  echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz bash scripts/gpu_session.sh STAGE..."
+  echo "    R=\$OUT; OUT=/tmp/work BUNDLE=\$R/results.tar.gz DEADLINE_S=$((CALL_S + 40)) bash scripts/gpu_session.sh STAGE..."
   echo "  the calls of a session back to back (the build and /tmp/work stay while the machine is held; a lent"
   echo "  machine may go back seconds after a call ends: issue the next call at once, read the results after)"
 }
