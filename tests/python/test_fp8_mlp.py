@@ -12,6 +12,7 @@ modes and the partial gradients that take the other activation backward. The thr
 recipes share their operands and their four M-grouped GEMMs; where they differ (the weight
 gradients: bf16 GEMMs, or FP8 ones with fast accumulation on or off) the log of the GEMM layer
 and the bf16 GEMMs' calls tell them apart. On an H200 the GPU's GEMMs run (skipped elsewhere)."""
+import contextlib
 import functools
 import re
 
@@ -637,7 +638,8 @@ def _cdiv(n):
     return -(-n // TILE)
 
 
-def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False, acc=torch.float32):
+def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False, out=None,
+                        acc=torch.float32):
     """torch._scaled_mm as its CUDA path takes 1 x 128 / 128 x 128 scales (the checks of ATen's
     ScaledBlas.cpp, restated: a row-major and b column-major e4m3, K and b's dims multiples of 16;
     a's scale 1 x 128 ([M, ceil(K / 128)], outer-dim-major: strides (1, M)); b's, given for b^T
@@ -646,7 +648,8 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     an H200 (an outer-dim-major scale's leading dimension a multiple of 4: M = 17 is refused; a
     128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
     where that changes nothing), computed on the CPU on the exactly dequantised operands in
-    ``acc`` and rounded once to bf16."""
+    ``acc`` and rounded once to bf16; with ``out``, written there (a contiguous [M, N] bf16
+    tensor, as the out= form resizes nothing)."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and not use_fast_accum
     (M, K), (K2, N) = a.shape, b.shape
     assert K == K2 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
@@ -671,7 +674,28 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     assert not square or _cdiv(K) % 4 == 0 or _cdiv(N) == 1, "cuBLAS reads these 128 x 128 scales misaligned"
     A = a.to(acc) * scale_a.to(acc).repeat_interleave(TILE, 1)[:, :K]
     sbt = sbt.repeat_interleave(TILE, 0)[:N] if square else sbt
-    return (A @ (bt.to(acc) * sbt.to(acc).repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
+    got = (A @ (bt.to(acc) * sbt.to(acc).repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
+    if out is None:
+        return got
+    assert out.shape == (M, N) and out.dtype == torch.bfloat16 and out.is_contiguous(), (out.shape, out.stride())
+    return out.copy_(got)
+
+
+@contextlib.contextmanager
+def _poisoned_empty():
+    """torch.empty's floating-point tensors filled with NaN while inside: an output allocated
+    uninitialised and left partly unwritten shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() and t.element_size() > 1 else t
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = empty
 
 
 def _scaled_mm_calls(ends, mm=4, wgrad=2):
@@ -720,12 +744,30 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch):
     w[:, :, 2 * TILE:] /= 32
     q, s = row_tiles(x)
     wq, ws = blocks(w)
-    got = _gemm._blockwise_per_expert(q, s.t().contiguous().t(), wq, ws, ends, "m", False)
+    with _poisoned_empty():  # each expert's rows written in place, the rest zeroed
+        got = _gemm._blockwise_per_expert(q, s.t().contiguous().t(), wq, ws, ends, "m", False)
     xd = dequantize(q, s, 1, TILE)
     want = torch.zeros(T, N, dtype=torch.float64)
     for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
         want[lo:hi] = xd[lo:hi] @ dequantize(wq[e], ws[e], TILE, TILE).t()
     assert torch.equal(got, want.to(torch.bfloat16))  # rows past the last offset 0, as want's
+
+    # B's 128 x 128 scales as they are, where K has a multiple of 4 blocks (the last partial)
+    K4 = 496
+    x4 = torch.randn(T, K4, generator=g, dtype=torch.float64)
+    w4 = torch.randn(E, N, K4, generator=g, dtype=torch.float64)
+    w4[:, TILE:] *= 64
+    w4[:, :, 3 * TILE:] /= 32
+    q4, s4 = row_tiles(x4)
+    wq4, ws4 = blocks(w4)
+    xd4 = dequantize(q4, s4, 1, TILE)
+    want = torch.zeros(T, N, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        want[lo:hi] = xd4[lo:hi] @ dequantize(wq4[e], ws4[e], TILE, TILE).t()
+    for square in (False, True):
+        with _poisoned_empty():
+            got = _gemm._blockwise_per_expert(q4, s4.t().contiguous().t(), wq4, ws4, ends, "m", False, square)
+        assert torch.equal(got, want.to(torch.bfloat16)), square
 
     # the weight gradients: out[e] = a[:, tokens of e] b[:, tokens of e]^T over 128-padded tokens
     M = 48
@@ -736,29 +778,44 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch):
     want = torch.stack([dequantize(aq[:, lo:hi], sa[lo // TILE:hi // TILE].t(), 1, TILE)
                         @ dequantize(bq[:, lo:hi], sb[lo // TILE:hi // TILE].t(), 1, TILE).t()
                         for lo, hi in zip([0] + pads[:-1], pads)])
-    got = _gemm._blockwise_per_expert(aq, sa, bq, sb, pads, "k", False)
+    with _poisoned_empty():  # the empty expert's block zeroed
+        got = _gemm._blockwise_per_expert(aq, sa, bq, sb, pads, "k", False)
     assert torch.equal(got, want.to(torch.bfloat16))
-    got = _gemm._blockwise_per_expert(bq, sb, aq, sa, pads, "k", True)
+    with _poisoned_empty():
+        got = _gemm._blockwise_per_expert(bq, sb, aq, sa, pads, "k", True)
     assert got.shape == (E, N, M) and got.stride(-2) == 1 and torch.equal(got, want.transpose(1, 2).to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"weight's dims \(here 46 and 144\), are multiples of 4"):
         _gemm._blockwise_per_expert(aq[:46], sa[:, :46], bq, sb, pads, "k", False)
 
 
 def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
-    """The probe that admits torch._scaled_mm on a GPU, run on the CPU: its forms keep the
-    contract and pass it; a torch._scaled_mm that reads one K tile's scales for all, or refuses
-    a form, is named."""
+    """The probe that admits torch._scaled_mm on a GPU, run on the CPU: its forms (B's scales
+    1 x 128 and 128 x 128) keep the contract and pass it; a torch._scaled_mm that reads one K
+    tile's scales for all, leaves its output unwritten, or refuses a form, is named."""
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_contract)
     assert _gemm._scaled_mm_probe(torch.device("cpu")) is None
+    assert _gemm._scaled_mm_probe(torch.device("cpu"), True) is None
 
     def first_tile_scales(a, b, scale_a=None, scale_b=None, **kw):
         sa = scale_a[:, :1].expand_as(scale_a).t().contiguous().t()  # the layouts kept
-        return _scaled_mm_contract(a, b, sa, scale_b[:1].expand_as(scale_b).contiguous(), **kw)
+        sb = scale_b[:1].expand_as(scale_b).contiguous()  # 1 x 128: [KB, N]; 128 x 128: [KB, NB] (1, KB)
+        sb = sb if scale_b.stride(0) != 1 else sb.t().contiguous().t()
+        return _scaled_mm_contract(a, b, sa, sb, **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", first_tile_scales)
-    why = _gemm._scaled_mm_probe(torch.device("cpu"))
-    assert re.fullmatch(r"this torch \(.*\) gives wrong values in torch._scaled_mm with 1 x 128 scales on cpu "
-                        r"\(M = 4, K = 272, N = 32: relative error .*\)", why), why
+    for square, form, shape in ((False, "1 x 128", r"\(28, 272, 32\)"), (True, "1 x 128 / 128 x 128", r"\(28, 496, 272\)")):
+        why = _gemm._scaled_mm_probe(torch.device("cpu"), square)
+        assert re.fullmatch(rf"this torch \(.*\) gives wrong values in torch._scaled_mm with {form} scales on cpu "
+                            rf"\(m-grouped, \(M, K, N\) = {shape}: relative error .*\)", why), why
+
+    def unwritten(*a, out=None, **kw):
+        got = _scaled_mm_contract(*a, **kw)
+        return got if out is None else out  # the out= form ignored
+
+    monkeypatch.setattr(torch, "_scaled_mm", unwritten)
+    with _poisoned_empty():
+        why = _gemm._scaled_mm_probe(torch.device("cpu"))
+    assert re.fullmatch(r"this torch \(.*\) gives wrong values .* relative error 1e\+30\)", why), why
 
     def refuses(*a, **kw):
         raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED")
@@ -766,6 +823,63 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", refuses)
     with pytest.raises(RuntimeError, match="CUBLAS_STATUS_NOT_SUPPORTED"):  # _scaled_mm_refusal names it
         _gemm._scaled_mm_probe(torch.device("cpu"))
+
+
+def test_the_weight_scales_form_on_a_gpu(monkeypatch):
+    """Which form B's scales take (the probes' answers faked, per device): 128 x 128 where K's
+    block count is a multiple of 4 and that form's probe passed; 1 x 128 otherwise, the backend
+    kept when only the 128 x 128 probe fails; no backend when the 1 x 128 one fails."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+
+    def refuses(*a, **kw):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    for answers, backend, square in (((None, None), "scaled_mm", True),
+                                     ((None, "wrong values"), "scaled_mm", False),
+                                     ((None, refuses), "scaled_mm", False),
+                                     (("wrong values", None), None, False)):
+        monkeypatch.setattr(_gemm, "_SCALED_MM", {})
+        monkeypatch.setattr(_gemm, "_SQUARE", {})
+
+        def probe(device, sq=False, a=answers):
+            return a[sq]() if callable(a[sq]) else a[sq]
+
+        monkeypatch.setattr(_gemm, "_scaled_mm_probe", probe)
+        assert _gemm._cuda_backend(cuda)[0] == backend, answers
+        for kb, want in ((24, square), (48, square), (3, False), (6, False), (1, False)):
+            assert _gemm._square_weight_scales(cuda, kb) == want, (answers, kb)
+
+
+def test_the_node_sends_each_weight_scales_form(monkeypatch):
+    """blockwise_gmm through the per-expert backend with the 128 x 128 form admitted: B's scales
+    reach torch._scaled_mm as [KB, NB] (strides (1, KB)) where KB is a multiple of 4, else as
+    1 x 128 [KB, N]; the weight gradients' as 1 x 128 always; the values the emulation's."""
+    seen = []
+
+    def mm(a, b, scale_a=None, scale_b=None, **kw):
+        seen.append(tuple(scale_b.shape))
+        return _scaled_mm_contract(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", mm)
+    monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: ("scaled_mm", None))
+    monkeypatch.setitem(_gemm._SQUARE, "cpu", True)
+    g = torch.Generator().manual_seed(9)
+    ends, N = [20, 20, 52], 272
+    for K, want in ((512, (4, 3)), (384, (3, N))):
+        q, s = row_tiles(torch.randn(52, K, generator=g, dtype=torch.float64))
+        wq, ws = blocks(torch.randn(3, N, K, generator=g, dtype=torch.float64))
+        seen.clear()
+        got = _gemm.blockwise_gmm(q, s.t().contiguous().t(), wq, ws, ends, "m")
+        assert seen == [want, want], (K, seen)
+        assert torch.equal(got, _gemm._blockwise_emulated(q, s, wq, ws, ends, "m", False)), K
+    aq, sa = column_tiles(torch.randn(52, 16, generator=g, dtype=torch.float64), ends)
+    bq, sb = column_tiles(torch.randn(52, 32, generator=g, dtype=torch.float64), ends)
+    seen.clear()
+    _gemm.blockwise_gmm(aq, sa, bq, sb, padded_ends(ends), "k")
+    assert seen == [(1, 32), (1, 32)], seen
 
 
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ emulation on the CPU); and what each FP8 recipe does
 (FP8_FORMS), which the Plan carries by name."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -204,65 +205,110 @@ def scaled_gmm(a, b, scale_a, scale_b, offs, fast_accum=True):
 TILE = 128
 _E4M3 = torch.float8_e4m3fn
 _SCALED_MM = {}  # device index -> None (torch._scaled_mm takes the blockwise scales there) or why not
+_SQUARE = {}  # device index -> whether B's 128 x 128 scales passed the probe there (_square_weight_scales)
 
-# torch._scaled_mm's blockwise GEMMs as cuBLAS runs them on sm90, and the form
+# torch._scaled_mm's blockwise GEMMs as cuBLAS runs them on sm90, and the forms
 # _blockwise_per_expert gives them. An outer-dim-major 1 x 128 scale ([M, KB], strides (1, M))
 # needs M % 4 == 0, each of its columns 16-byte aligned (torch 2.11, CUDA 13.0, H200: M = 17 and
 # 283 are refused with CUBLAS_STATUS_NOT_SUPPORTED, M = 20, 24, 32, 40, 48, 272, 384 run): an
 # expert's last M % 4 rows run as 4 rows, zero-padded. cuBLAS reads a 128 x 128 scale with each
 # row of K blocks padded to a multiple of 4, which torch._scaled_mm's check of the scale's
 # strides does not ask for in every version (pytorch/pytorch#166752): with a K block count not a
-# multiple of 4 such a scale is refused or read misaligned. So B's 128 x 128 scales go in as
-# 1 x 128 scales, each block's scale repeated on its 128 rows: the same values, a scale [N, KB]
-# whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B).
+# multiple of 4 such a scale is refused or read misaligned. So B's 128 x 128 scales go in as they
+# are ([KB, NB] with strides (1, KB)) where KB is a multiple of 4 (every K of the MLP at training
+# shapes: D or F = 3,072, 2F = 6,144) and the probe of that form passed on the device; otherwise
+# as 1 x 128 scales, each block's scale repeated on its 128 rows: the same values, a scale
+# [N, KB] whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B), with
+# N / 128 times the scale bytes for cuBLAS to read per K tile.
 _SCALE_ROWS = 4
+
+
+def _index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _scaled_mm_refusal(device) -> Optional[str]:
     """Why this torch's torch._scaled_mm does not take the blockwise GEMMs on this GPU, or None:
-    probed once per device (_scaled_mm_probe), then cached."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    probed once per device (_scaled_mm_probe, each form the node sends), then cached; the probe
+    of B's 128 x 128 form decides _square_weight_scales there (a refusal of that form alone
+    leaves the 1 x 128 form in use)."""
+    index = _index(device)
     if index in _SCALED_MM:
         return _SCALED_MM[index]
+    square = False
     if not hasattr(torch, "_scaled_mm"):
         why = f"this torch ({torch.__version__}) has no torch._scaled_mm"
     else:
         dev = torch.device("cuda", index)
-        try:
-            why = _scaled_mm_probe(dev)
-            torch.cuda.synchronize(dev)
-        except Exception as e:  # noqa: BLE001 - any refusal is the answer
-            why = (f"this torch ({torch.__version__}) does not take 1 x 128 scales in torch._scaled_mm on "
-                   f"{torch.cuda.get_device_name(dev)} ({type(e).__name__}: "
-                   f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})")
-    _SCALED_MM[index] = why
+        why = _probe_form(dev, False)
+        if why is None:
+            square = _probe_form(dev, True) is None
+    _SCALED_MM[index], _SQUARE[index] = why, square
     return why
 
 
-# The probe's (M, K, N): the M-grouped form on a padded tail (4 rows) and on 20 rows, with three
-# K tiles, the last partial; the K-grouped form (M and N weight dims, 256 tokens).
-_PROBES = ((4, 272, 32), (20, 272, 32), (16, 256, 16))
+def _probe_form(device, square: bool) -> Optional[str]:
+    """_scaled_mm_probe on ``device`` with its refusals as answers."""
+    try:
+        why = _scaled_mm_probe(device, square)
+        torch.cuda.synchronize(device)
+        return why
+    except Exception as e:  # noqa: BLE001 - any refusal is the answer
+        msg = str(e).strip()
+        return (f"this torch ({torch.__version__}) does not take {_form_name(square)} scales in torch._scaled_mm on "
+                f"{torch.cuda.get_device_name(device)} ({type(e).__name__}: {msg.splitlines()[0][:200] if msg else ''})")
 
 
-def _scaled_mm_probe(device) -> Optional[str]:
-    """Each form _blockwise_per_expert sends torch._scaled_mm, on ``device``, on values whose
-    product is exact in float32 (small integers, power-of-two scales that differ per tile):
-    None if every result is that product rounded to bf16, else what differs (a scale read from
-    the wrong place is off by a power of two). Raises what torch._scaled_mm raises."""
-    for M, K, N in _PROBES:
-        KB = -(-K // TILE)
-        a = (torch.arange(M * K, device=device).view(M, K) % 7 - 3).float()
-        b = (torch.arange(N * K, device=device).view(N, K) % 5 - 2).float()
-        sa = 2.0 ** ((torch.arange(KB, device=device)[:, None] * 2 + torch.arange(M, device=device)) % 5 - 2)
-        sb = 2.0 ** ((torch.arange(KB, device=device)[:, None] + torch.arange(N, device=device) * 3) % 4 - 1)
-        got = torch._scaled_mm(a.to(_E4M3), b.to(_E4M3).t(), scale_a=sa.t(), scale_b=sb, out_dtype=torch.bfloat16,
-                               use_fast_accum=False)
-        want = (a * sa.t().repeat_interleave(TILE, 1)[:, :K]) @ (b * sb.t().repeat_interleave(TILE, 1)[:, :K]).t()
-        err = ((got.float() - want).abs() / want.abs().clamp_min(1.0)).max().item()
-        if not err <= 2.0 ** -8:  # bf16's rounding; NaN fails too
+def _form_name(square: bool) -> str:
+    return "1 x 128 / 128 x 128" if square else "1 x 128"
+
+
+def _square_weight_scales(device, kb: int) -> bool:
+    """Whether the M-grouped GEMMs on ``device`` pass B's 128 x 128 scales as they are: K's block
+    count kb a multiple of 4 (the notes above _SCALE_ROWS) and that form's probe passed there."""
+    return kb % 4 == 0 and _SQUARE.get(_index(device) if device.type == "cuda" else device.type, False)
+
+
+# The probe's problems, each run through _blockwise_per_expert as the node calls it: M-grouped,
+# (T, K, N, ends): experts of 3 rows (run padded to 4) and 21 (20 of them into a slice of the
+# output at a row offset, the last padded), one empty, rows past the last end; B's scales 1 x 128 with three K tiles, the last
+# partial, or 128 x 128 with four (the multiple of 4 that form needs, the last partial) and three
+# N blocks, the last partial. K-grouped, (M, N, padded ends): two experts, one empty.
+_PROBE_M = {False: (28, 272, 32, [3, 24, 24]), True: (28, 496, 272, [3, 24, 24])}
+_PROBE_K = (16, 32, [128, 128, 384])
+
+
+def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
+    """Each form _blockwise_per_expert sends torch._scaled_mm (B's scales 128 x 128 with
+    ``square``, else 1 x 128; the weight-gradient form with the 1 x 128 one), on ``device``, on
+    values whose products are exact in float32 (small integers, power-of-two scales that differ
+    per tile): None if every result is the CPU emulation's (the exact sum rounded once to bf16)
+    bit for bit, else what differs (a scale read from the wrong place is off by a power of two,
+    a row left unwritten is whatever the allocator held). Raises what torch._scaled_mm raises."""
+    def ints(shape, m):
+        return (torch.arange(math.prod(shape)).view(shape) % m - m // 2).float().to(_E4M3)
+
+    def pow2(shape, m):
+        return 2.0 ** (torch.arange(math.prod(shape)).view(shape) * 3 % m - m // 2).float()
+
+    T, K, N, ends = _PROBE_M[square]
+    KB, NB = -(-K // TILE), -(-N // TILE)
+    m_args = (ints((T, K), 7), pow2((KB, T), 5).t(), ints((len(ends), N, K), 5), pow2((len(ends), NB, KB), 4))
+    M, Nk, pends = _PROBE_K
+    Tp = pends[-1]
+    k_args = (ints((M, Tp), 7), pow2((Tp // TILE, M), 5), ints((Nk, Tp), 5), pow2((Tp // TILE, Nk), 3))
+    problems = [("m", m_args, ends, (T, K, N))]
+    if not square:  # the weight-gradient form has no 128 x 128 scales
+        problems.append(("k", k_args, pends, (M, Tp, Nk)))
+    for grouping, args, e, shape in problems:
+        want = _blockwise_emulated(*args, e, grouping, False)
+        got = _blockwise_per_expert(*(t.to(device) for t in args), e, grouping, False, square and grouping == "m")
+        if not torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)):
+            err = ((got.cpu().float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).nan_to_num(1e30).max()
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-            return (f"this torch ({torch.__version__}) gives wrong values in torch._scaled_mm with 1 x 128 scales "
-                    f"on {name} (M = {M}, K = {K}, N = {N}: relative error {err:.3g})")
+            return (f"this torch ({torch.__version__}) gives wrong values in torch._scaled_mm with "
+                    f"{_form_name(square)} scales on {name} ({grouping}-grouped, (M, K, N) = {shape}: relative error "
+                    f"{err.item():.3g})")
     return None
 
 
@@ -278,7 +324,7 @@ def blockwise_backend(device) -> tuple:
     if device.type != "cuda":
         return None, (f"the blockwise FP8 GEMMs run on Hopper GPUs (sm90), and on the CPU as an emulation; not on "
                       f"{device}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _BACKENDS:  # once per device: each of the node's six GEMMs asks
         _BACKENDS[index] = _cuda_backend(torch.device("cuda", index))
     return _BACKENDS[index]
@@ -315,36 +361,47 @@ def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=Fal
     [E, N, M] storage transposed: the gradient of a weight held as its transpose).
 
     On Hopper torch._scaled_mm per expert with the same scales (without fast accumulation:
-    cuBLAS's promoted blockwise GEMM). On the CPU its emulation, for tests and studies of the
-    recipe (slow, not a speed path): each operand dequantised exactly per its tiles (the scales are powers of two), a
-    float32 matmul per expert, rounded once to bf16."""
+    cuBLAS's promoted blockwise GEMM), each expert's product written in place into the output.
+    On the CPU its emulation, for tests and studies of the recipe (slow, not a speed path): each
+    operand dequantised exactly per its tiles (the scales are powers of two), a float32 matmul per
+    expert, rounded once to bf16."""
     backend, why = blockwise_backend(a.device)
     if backend is None:
         raise NotImplementedError(f"expertact.moe: the blockwise FP8 GEMMs cannot run here: {why}")
     if backend == "scaled_mm":
-        return _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed)
+        square = grouping == "m" and _square_weight_scales(a.device, scale_b.shape[-1])
+        return _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed, square)
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
 
-def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed):
-    """blockwise_gmm by torch._scaled_mm per expert, in the form its probe checks (the notes
-    above _SCALE_ROWS): both operands' scales 1 x 128 along K, outer-dim-major ([rows, KB] with
-    strides (1, rows), rows a multiple of 4), B given transposed (column-major)."""
+def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed, square=False):
+    """blockwise_gmm by torch._scaled_mm per expert, in the forms its probe checks (the notes
+    above _SCALE_ROWS): A's scales 1 x 128 along K, outer-dim-major ([rows, KB] with strides
+    (1, rows), rows a multiple of 4); B given transposed (column-major) with its scales 128 x 128
+    (``square``: KB a multiple of 4) or 1 x 128. Each expert's product goes straight into its
+    rows (or its block) of one output allocated uninitialised: every element is written, by a
+    GEMM or as a zero (rows past the last end, an expert without tokens)."""
     mm = torch._scaled_mm
     kw = dict(out_dtype=torch.bfloat16, use_fast_accum=False)
     start = 0
     if grouping == "m":
         (T, K), N = a.shape, b.shape[1]
-        out = torch.zeros((T, N), dtype=torch.bfloat16, device=a.device)
+        out = torch.empty((T, N), dtype=torch.bfloat16, device=a.device)
+        last = ends[-1] if ends else 0
+        if last < T:
+            out[last:].zero_()
         for e, end in enumerate(ends):
             n = end - start
             if n > 0:
-                sb = scale_b[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()  # [KB, N]: b[e]'s rows' 1 x 128
+                if square:  # [KB, NB] with strides (1, KB): b[e]^T's 128 x 128 scales
+                    sb = scale_b[e].contiguous().t()
+                else:  # [KB, N]: b[e]'s rows' 1 x 128
+                    sb = scale_b[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()
                 body, tail = n - n % _SCALE_ROWS, n % _SCALE_ROWS
                 if body:  # an expert's [body, KB] scales as their own outer-dim-major block
                     rows = slice(start, start + body)
                     sa = scale_a[rows].t().contiguous().t()
-                    out[rows] = mm(a[rows], b[e].t(), scale_a=sa, scale_b=sb, **kw)
+                    mm(a[rows], b[e].t(), scale_a=sa, scale_b=sb, out=out[rows], **kw)
                 if tail:  # its last 1 to 3 rows as 4: zero rows of scale 1, their products dropped
                     rows = slice(start + body, end)
                     pa = torch.zeros((_SCALE_ROWS, K), dtype=torch.uint8, device=a.device).view(_E4M3)
@@ -360,11 +417,14 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     if M % _SCALE_ROWS or N % _SCALE_ROWS:  # the weight's dims: expert_mlp takes multiples of 16
         raise ValueError(f"expertact.moe: torch._scaled_mm's weight-gradient GEMM takes 1 x 128 scales whose leading "
                          f"dimensions, the weight's dims (here {M} and {N}), are multiples of {_SCALE_ROWS}")
-    out = torch.zeros((len(ends), M, N), dtype=torch.bfloat16, device=a.device)
+    out = torch.empty((len(ends), M, N), dtype=torch.bfloat16, device=a.device)
     for e, end in enumerate(ends):
         if end > start:
             t0, t1 = start // TILE, end // TILE
-            out[e] = mm(a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1], **kw)
+            mm(a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1], out=out[e],
+               **kw)
+        else:
+            out[e].zero_()
         start = end
     return out
 
