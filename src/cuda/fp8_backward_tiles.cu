@@ -25,10 +25,18 @@ __device__ __forceinline__ float warp_sum_tiles(float v) {
 }
 
 // kRowExperts: the tile engine gives each row's expert (the tile's, or looked up in offs where
-// the schedule knows no experts: row tiles alone, with a bias), once a row and tile.
+// the schedule knows no experts: row tiles alone, with a bias), once a row and tile. vec: a
+// lane's 4 columns of gate, up and dy in one access each (step 1, F, the pointers and row
+// strides multiples of 4 elements). paired (step 1, F a multiple of 128): column tiles taken
+// gate's k-th, up's k-th, gate's (k + 1)-th, ..., so that the second of a pair reads the gate,
+// up and dy columns the first just read, from the cache (in F's order they lie 48 tiles apart,
+// evicted in between at the busiest rank's shape); gate's tiles stay in ascending order, so
+// the routing weights' gradient sums its terms in the same order.
 template <typename T, Activation A>
 struct BwdTileSrc {
   static constexpr bool kRowExperts = true;
+  static constexpr int kMinBlocks = 1;
+  bool vec, paired;
   const T* g;
   const T* u;
   int64_t x_stride;  // gate_up's row stride
@@ -66,14 +74,21 @@ struct BwdTileSrc {
       if (lane == 0) dw[(t.r0 + i) * dw_stride] = s;
     }
   }
+  __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t KB) const {
+    return paired ? (i % 2 ? KB / 2 + i / 2 : i / 2) : i;
+  }
   // The gradient of gate_up's F column j of the row: (dg, du), and its term of the weights'
   // gradient.
   __device__ __forceinline__ void grad(const T* gr, const T* dyr, const T* bgr, const T* bur, float wr, int64_t j,
                                        float& dg, float& du, float& term) const {
     const int64_t o = j * step;
-    float gv = to_f(gr[q_g + o]), uv = to_f(gr[q_u + o]);
+    grad_of(to_f(gr[q_g + o]), to_f(gr[q_u + o]), to_f(dyr[j]), bgr, bur, wr, o, dg, du, term);
+  }
+  // The same from the values of gate, up and dy (o: the column's offset in the bias rows).
+  __device__ __forceinline__ void grad_of(float gv, float uv, float dyv, const T* bgr, const T* bur, float wr,
+                                          int64_t o, float& dg, float& du, float& term) const {
     if (bgr) gv += to_f(bgr[o]), uv += to_f(bur[o]);
-    math::glu_bwd<A>(gv, uv, to_f(dyr[j]), wr, cf, dg, du, term);
+    math::glu_bwd<A>(gv, uv, dyv, wr, cf, dg, du, term);
   }
   __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) {
     const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
@@ -91,6 +106,18 @@ struct BwdTileSrc {
         v[jj] = dg;
         v[jj + 1] = du;
         part[k] += term;
+      }
+    } else if (vec && nv == 4) {  // c .. c + 3 in one half (F and c multiples of 4)
+      const bool up = c >= q_u && c < q_u + F;
+      const int64_t j0 = c - (up ? q_u : q_g);
+      const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + q_g + j0);
+      const Pack<T, 4> upk = *reinterpret_cast<const Pack<T, 4>*>(gr + q_u + j0);
+      const Pack<T, 4> dp = *reinterpret_cast<const Pack<T, 4>*>(dyr + j0);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
+        v[jj] = up ? du : dg;
+        if (!up) part[k] += term;
       }
     } else {
 #pragma unroll
@@ -135,7 +162,16 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
-      const cuda::BwdTileSrc<T, A> src{static_cast<const T*>(p.g),
+      const auto quad = [](const void* ptr, int64_t stride, int64_t rows) {
+        return reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(T)) == 0 && (rows <= 1 || stride % 4 == 0);
+      };
+      const void* row0 = d.q_g == 0 ? p.g : p.u;  // gate_up's column 0
+      const bool vec = p.step == 1 && p.F % 4 == 0 && d.q_g % 4 == 0 && d.q_u % 4 == 0 &&
+                       quad(row0, p.g_stride, p.rows) && quad(d.dy, d.dy_stride, p.rows);
+      const bool paired = p.step == 1 && p.F % cuda::tiles::kTile == 0;
+      const cuda::BwdTileSrc<T, A> src{vec,
+                                       paired,
+                                       static_cast<const T*>(p.g),
                                        static_cast<const T*>(p.u),
                                        p.g_stride,
                                        p.step,

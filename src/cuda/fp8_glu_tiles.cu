@@ -15,10 +15,13 @@ namespace {
 // a row past the last offset). kRowExperts: the row-tile schedule knows no experts, so a tile's
 // rows may belong to several and each row's expert is looked up (a binary search of offs, once
 // a row and tile; the column tiles' schedule gives the tile's expert).
+// vec: gate's and up's 4 values of a row in one access each (step 1, pointers and row strides
+// multiples of 4 elements: the halves layouts), else one by one.
 template <typename T, Activation A>
 struct GluTileSrc : tiles::NoTileState {
   static constexpr bool kRowExperts = true;
   bool round_to_t;
+  bool vec;
   const T* g;
   const T* u;
   int64_t g_stride, u_stride;
@@ -37,15 +40,26 @@ struct GluTileSrc : tiles::NoTileState {
     const T* ur = u + row * u_stride;
     const float wr = w ? w[row * w_stride] : 1.0f;
     const bool has_b = bg != nullptr && e >= 0 && e < E;
+    if (vec && nv == 4) {
+      const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + c);
+      const Pack<T, 4> up = *reinterpret_cast<const Pack<T, 4>*>(ur + c);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) value(pack_f(gp, jj), pack_f(up, jj), wr, has_b, e, c + jj, v[jj]);
+      return;
+    }
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       if (jj >= nv) break;  // (an unrolled loop: v's indices stay constants, v in registers)
       const int64_t j = (c + jj) * step;
-      float gv = to_f(gr[j]), uv = to_f(ur[j]);
-      if (has_b) gv += to_f(bg[e * b_stride + j]), uv += to_f(bu[e * b_stride + j]);
-      const float h = math::glu_fwd<A>(gv, uv, wr, cf);
-      v[jj] = round_to_t ? to_f(from_f<T>(h)) : h;
+      value(to_f(gr[j]), to_f(ur[j]), wr, has_b, e, j, v[jj]);
     }
+  }
+  // h of one column j (gate_up's index of it, step included) from its gate and up values.
+  __device__ __forceinline__ void value(float gv, float uv, float wr, bool has_b, int64_t e, int64_t j,
+                                        float& out) const {
+    if (has_b) gv += to_f(bg[e * b_stride + j]), uv += to_f(bu[e * b_stride + j]);
+    const float h = math::glu_fwd<A>(gv, uv, wr, cf);
+    out = round_to_t ? to_f(from_f<T>(h)) : h;
   }
 };
 
@@ -57,8 +71,13 @@ Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const deta
     return detail::dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
       // The bias's experts: its own offsets for row tiles, o's (the same) for column tiles.
+      const auto quad = [](const void* ptr, int64_t stride, int64_t rows) {
+        return reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(T)) == 0 && (rows <= 1 || stride % 4 == 0);
+      };
+      const bool vec = p.step == 1 && quad(p.g, p.g_stride, p.rows) && quad(p.u, p.u_stride, p.rows);
       const GluTileSrc<T, A> src{{},
                                  round_to_t,
+                                 vec,
                                  static_cast<const T*>(p.g),
                                  static_cast<const T*>(p.u),
                                  p.g_stride,

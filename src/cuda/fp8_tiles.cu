@@ -7,10 +7,13 @@
 namespace expertact::cuda {
 namespace {
 
-// x's values: 4 at a time in one access where x's rows allow (kVec: pointer and row stride
-// multiples of 4 elements), else one by one.
+// x's values: 4 at a time in one access where x's rows allow (vec: pointer and row stride
+// multiples of 4 elements), else one by one. Two blocks an SM: the source's registers fit 64 a
+// thread (ptxas -v for sm_90: 16 bytes spilled), where one block alone left the SM idle in its
+// reductions and stores.
 template <typename T>
 struct PlainTileSrc : tiles::NoTileState {
+  static constexpr int kMinBlocks = 2;
   const T* x;
   int64_t stride;
   bool vec;

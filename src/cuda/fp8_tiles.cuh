@@ -5,16 +5,21 @@
 // its gradient). Row tiles: a row's 128 values lie in one warp, so its amax is a warp reduction,
 // and its bytes one 4-byte store a lane. Column tiles: each thread's running column amax over its
 // 8 rows, the 16 warps' combined through shared memory, then each column's 8 bytes a thread
-// (from_scaled4 four rows at a time) stored as one 8-byte run of q_t's row. The scale and
-// conversion are fp8.h's, as on the CPU: the same bytes for the same values. (256 threads of 16
-// rows held 64 values a thread: the activation's sources spilled at 128 registers.)
+// (from_scaled4 four rows at a time) staged in shared memory and stored as whole 128-byte rows
+// of q_t, 16 bytes a thread (a warp's store fills 16 sectors; storing each thread's 8 bytes
+// straight to its own row of q_t took 32 sectors a quarter written). The scale and conversion
+// are fp8.h's, as on the CPU: the same bytes for the same values. (256 threads of 16 rows held
+// 64 values a thread: the activation's sources spilled at 128 registers.)
 //
 // A source (Src) gives the values: load(k, row, c, nv, e, v) fills v[0 .. 3] with the values of
 // `row` at columns c .. c + 3 (nv of them exist, the rest 0; k: the row's place among the warp's
 // 16; e: the row's expert, E for none, as fp8_tiles.h's TileRows), begin_tile() and
 // end_tile(t, warp, lane) bracket a tile's columns (the backward's row sums); kRowExperts: each
 // row's expert is looked up (rows of several experts in one tile, for a bias), via
-// expert_of_row(row).
+// expert_of_row(row); column_tile(i, KB): the i-th column tile a block takes (an order that
+// reads the same source columns twice in a row, so the second read comes from the cache);
+// kMinBlocks: the blocks an SM must hold (2 where the source's registers allow it, so that one
+// block's loads overlap another's reductions and stores).
 #pragma once
 
 #include <cstdint>
@@ -31,8 +36,8 @@ constexpr int kRowsPerWarp = 8;  // kWarps x kRowsPerWarp = 128 rows
 constexpr int kTile = 128;
 
 // How the outputs' rows take stores, proven on the host: q's 4-byte runs (pointer and row stride
-// multiples of 4), q_t's 8-byte runs (8, 4 or 1: the widest store its pointer and row stride
-// allow).
+// multiples of 4), q_t's 16-byte runs (16, 8, 4 or 1: the widest store its pointer and row
+// stride allow).
 struct Align {
   bool q4 = false;
   int qt = 1;
@@ -44,29 +49,59 @@ inline Align align_of(const detail::TileOut& o, int64_t rows, int64_t cols) {
     return reinterpret_cast<uintptr_t>(p) % v == 0 && (n <= 1 || stride % v == 0);
   };
   a.q4 = o.q != nullptr && aligned(o.q, o.q_stride, rows, 4);
-  if (o.q_t != nullptr) a.qt = aligned(o.q_t, o.qt_stride, cols, 8) ? 8 : aligned(o.q_t, o.qt_stride, cols, 4) ? 4 : 1;
+  if (o.q_t != nullptr) {
+    for (const int v : {16, 8, 4}) {
+      if (aligned(o.q_t, o.qt_stride, cols, v)) {
+        a.qt = v;
+        break;
+      }
+    }
+  }
   return a;
 }
 
-// Two words (8 bytes, the first byte lowest) at dst, in the widest stores `align` allows.
-__device__ __forceinline__ void store8(uint8_t* dst, const uint32_t (&w)[2], int align) {
-  if (align == 8) {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+// Four words (16 bytes, the first byte lowest) at dst, in the widest stores `align` allows.
+__device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align) {
+  if (align == 16) {
+    *reinterpret_cast<uint4*>(dst) = w;
+  } else if (align == 8) {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(w.x, w.y);
+    reinterpret_cast<uint2*>(dst)[1] = make_uint2(w.z, w.w);
   } else if (align == 4) {
-    reinterpret_cast<uint32_t*>(dst)[0] = w[0];
-    reinterpret_cast<uint32_t*>(dst)[1] = w[1];
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    d[0] = w.x, d[1] = w.y, d[2] = w.z, d[3] = w.w;
   } else {
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+    for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(ws[i / 4] >> (8 * (i % 4)));
   }
 }
 
+// The column tiles' staging: column c's 128 bytes (one row of q_t's tile) in 16 slots of 8 bytes,
+// warp w's 8 rows in slot w ^ ((c / 4) % 16). The swizzle: the 32 lanes of a warp write columns
+// 4 l + j, 512 bytes apart, into one bank without it; with it, lanes 0-15 (and 16-31) take 16
+// different slots, every bank once. Read back 16 bytes (slots 2 h, 2 h + 1) a thread, the 8
+// threads of a column covering its 128 bytes.
+struct Stage {
+  uint2 slot[kTile][kTile / 8];
+};
+
+__device__ __forceinline__ int stage_swizzle(int c) { return (c >> 2) & 15; }
+
+__device__ __forceinline__ uint4 stage_read16(const Stage& st, int c, int h) {
+  const int sw = stage_swizzle(c);
+  // slots 2 h and 2 h + 1 lie at 2 (h ^ (sw / 2)) and the slot beside it, swapped when sw is odd
+  const uint4 p = *reinterpret_cast<const uint4*>(&st.slot[c][2 * (h ^ (sw >> 1))]);
+  return (sw & 1) ? make_uint4(p.z, p.w, p.x, p.y) : p;
+}
+
 // Column tile kb (columns 128 kb ..) of tile t: the values, then the row tiles (o.q) and the
-// column tiles (o.q_t, when t has them). red: the column amax's exchange between warps.
+// column tiles (o.q_t, when t has them). red: the column amax's exchange between warps; stage:
+// the column tiles' bytes on their way to q_t.
 template <typename Src>
 __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
                                               const detail::TileOut& o, const Align& al, float (*red)[kTile],
-                                              const int32_t* row_e) {
+                                              Stage& stage, const int32_t* row_e) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   const int64_t c = kb * kTile + 4 * l;
   const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
@@ -114,16 +149,25 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
       for (int ww = 1; ww < kWarps; ++ww) m = fmaxf(m, red[ww][4 * l + j]);
       const float s = fp8::scale_of(m);
       if (j < nv) {
-        uint32_t wd[kRowsPerWarp / 4];
-#pragma unroll
-        for (int g = 0; g < kRowsPerWarp / 4; ++g)
-          wd[g] = fp8::from_scaled4(v[4 * g][j] * s, v[4 * g + 1][j] * s, v[4 * g + 2][j] * s, v[4 * g + 3][j] * s);
-        uint8_t* dst = static_cast<uint8_t*>(o.q_t) + (c + j) * o.qt_stride + t.ct * kTile + kRowsPerWarp * w;
-        store8(dst, wd, al.qt);
+        static_assert(kRowsPerWarp == 8, "a warp's rows of a column are one 8-byte slot");
+        const uint32_t w0 = fp8::from_scaled4(v[0][j] * s, v[1][j] * s, v[2][j] * s, v[3][j] * s);
+        const uint32_t w1 = fp8::from_scaled4(v[4][j] * s, v[5][j] * s, v[6][j] * s, v[7][j] * s);
+        const int cl = 4 * l + j;  // the column within the tile
+        stage.slot[cl][w ^ stage_swizzle(cl)] = make_uint2(w0, w1);
         if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = 1.0f / s;
       }
     }
-    __syncthreads();  // red is written again by the next column tile
+    // red is written again by the next column tile, and stage read below: both after this
+    // barrier (the next tile's stage writes follow its first barrier, after every read here).
+    __syncthreads();
+    const int64_t c0 = kb * kTile;
+#pragma unroll
+    for (int i = 0; i < kTile * 8 / kThreads; ++i) {
+      const int x = threadIdx.x + i * kThreads, cl = x >> 3, h = x & 7;
+      if (c0 + cl < cols)  // columns past cols were not staged
+        store16(static_cast<uint8_t*>(o.q_t) + (c0 + cl) * o.qt_stride + t.ct * kTile + 16 * h,
+                stage_read16(stage, cl, h), al.qt);
+    }
   }
 }
 
@@ -132,9 +176,10 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
 // offset, whose count is read here from the offsets), and in each its column tiles
 // [kb_per_block blockIdx.y, + kb_per_block).
 template <typename Src>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block) {
   __shared__ float red[kWarps][kTile];
+  __shared__ __align__(16) Stage stage;
   __shared__ int32_t row_e[Src::kRowExperts ? kTile : 1];
   const int64_t E = o.q_t ? o.experts : 0, out_tiles = o.q_t ? o.out_rows / kTile : 0;
   const int64_t tail0 = detail::tail_start(o.offsets, E, rows);
@@ -152,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
     }
     src.begin_tile();
-    for (int64_t kb = kb0; kb < kb1; ++kb) quantize_tile(src, t, kb, cols, o, al, red, row_e);
+    for (int64_t i = kb0; i < kb1; ++i) quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e);
     src.end_tile(t, threadIdx.x >> 5, threadIdx.x & 31);
     if constexpr (Src::kRowExperts) __syncthreads();  // row_e is written again by the next tile
   }
@@ -188,9 +233,11 @@ inline int64_t schedule_blocks(const detail::TileOut& o, int64_t rows, int64_t t
 // What a source without per-tile state or per-row experts leaves out.
 struct NoTileState {
   static constexpr bool kRowExperts = false;
+  static constexpr int kMinBlocks = 1;
   __device__ __forceinline__ void begin_tile() {}
   __device__ __forceinline__ void end_tile(const detail::TileRows&, int, int) {}
   __device__ __forceinline__ int64_t expert_of_row(int64_t) const { return 0; }
+  __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t) const { return i; }
 };
 
 }  // namespace expertact::cuda::tiles
