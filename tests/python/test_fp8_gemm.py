@@ -317,6 +317,16 @@ def test_k_grouped_transposed_output(device):
     assert_exact(out, ref)
 
 
+@requires_gpu_gemm
+def test_the_weight_scales_form_taken_on_this_gpu():
+    """B's 128 x 128 scales pass their probe on this GPU, so the M-grouped GEMMs at K = 3,072 and
+    6,144 take them as they are (a refusal would leave the slower 1 x 128 form: named here)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _gemm.blockwise_backend(device)[0] == "scaled_mm"
+    assert _gemm.square_weight_scales(device, 24), _gemm._SQUARE.get(device.index)
+    assert not _gemm.square_weight_scales(device, 23)
+
+
 # ---------------------------------------------------------------------------
 # The timing script (python -m expertact.bench --fp8-gemms): its shapes on the CPU, its run on a GPU
 # ---------------------------------------------------------------------------

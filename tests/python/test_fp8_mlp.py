@@ -850,7 +850,7 @@ def test_the_weight_scales_form_on_a_gpu(monkeypatch):
         monkeypatch.setattr(_gemm, "_scaled_mm_probe", probe)
         assert _gemm._cuda_backend(cuda)[0] == backend, answers
         for kb, want in ((24, square), (48, square), (3, False), (6, False), (1, False)):
-            assert _gemm._square_weight_scales(cuda, kb) == want, (answers, kb)
+            assert _gemm.square_weight_scales(cuda, kb) == want, (answers, kb)
 
 
 def test_the_node_sends_each_weight_scales_form(monkeypatch):
@@ -865,7 +865,7 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", mm)
     monkeypatch.setattr(_gemm, "blockwise_backend", lambda device: ("scaled_mm", None))
-    monkeypatch.setitem(_gemm._SQUARE, "cpu", True)
+    monkeypatch.setitem(_gemm._SQUARE, "cpu", None)  # the 128 x 128 form admitted
     g = torch.Generator().manual_seed(9)
     ends, N = [20, 20, 52], 272
     for K, want in ((512, (4, 3)), (384, (3, N))):

@@ -21,8 +21,9 @@ Rows (--impls):
                    what promotion costs there
   torch-blockwise  torch._scaled_mm per expert (a Python loop) with the blockwise recipe's scales in
                    the form expert_mlp(fp8="blockwise") gives them on Hopper (expertact.moe._gemm:
-                   the weights' 128 x 128 blocks repeated as 1 x 128 rows, the same values),
-                   use_fast_accum=False (cuBLAS's promoted blockwise GEMM)
+                   the weights' 128 x 128 blocks as they are where K's block count is a multiple
+                   of 4 and that form passed its probe on the GPU, else repeated as 1 x 128 rows,
+                   the same values), use_fast_accum=False (cuBLAS's promoted blockwise GEMM)
 
 Columns: the median of --iters calls after --warmup (CUDA events around each call, operands made
 beforehand), TFLOP/s (2 x M x N x K of the real rows, not the padding) and its share of the H200's
@@ -42,6 +43,7 @@ import sys
 
 import torch
 
+from ..moe import _gemm
 from .common import OOM, device_name, log, median_ms, parse_list, resolve_device, run_row, versions, write_outputs
 
 IMPLS = ("torch-rowwise", "torch-rowwise-promoted", "torch-blockwise")
@@ -137,11 +139,14 @@ def make_call(impl: str, grouping: str, ops, experts: int):
         if grouping == "m":
             a, sa, b, sb, _ = ops
             N = b.shape[1]
+            _gemm.blockwise_backend(a.device)  # its probe decides B's form on this GPU
+            square = _gemm.square_weight_scales(a.device, sb.shape[-1])
             for e, end in enumerate(ends):
                 # 1 x 128: [M_e, KB] with strides (1, M_e) (M_e a multiple of 4: the node's tail of 1 to 3
-                # rows does not arise here); b[e]'s blocks as 1 x 128 rows, [KB, N] contiguous, as the node
+                # rows does not arise here); b[e]'s blocks as they are ([KB, NB], strides (1, KB)) or as
+                # 1 x 128 rows ([KB, N] contiguous), as the node sends them
                 sae = sa[start:end].t().contiguous().t()
-                sbe = sb[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()
+                sbe = sb[e].contiguous().t() if square else sb[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()
                 calls.append((a[start:end], b[e].t(), sae, sbe))
                 start = end
         else:

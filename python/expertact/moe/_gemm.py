@@ -14,7 +14,7 @@ import torch
 
 
 __all__ = ["Fp8Form", "FP8_FORMS", "Plan", "use_grouped_mm", "mm_operand", "gmm", "gmm_wgrad", "held_transposed",
-           "zero_empty_groups", "scaled_gmm", "blockwise_gmm", "blockwise_backend"]
+           "zero_empty_groups", "scaled_gmm", "blockwise_gmm", "blockwise_backend", "square_weight_scales"]
 
 
 class Fp8Form(NamedTuple):
@@ -205,7 +205,7 @@ def scaled_gmm(a, b, scale_a, scale_b, offs, fast_accum=True):
 TILE = 128
 _E4M3 = torch.float8_e4m3fn
 _SCALED_MM = {}  # device index -> None (torch._scaled_mm takes the blockwise scales there) or why not
-_SQUARE = {}  # device index -> whether B's 128 x 128 scales passed the probe there (_square_weight_scales)
+_SQUARE = {}  # device index -> None (B's 128 x 128 scales passed the probe there) or why not: square_weight_scales
 
 # torch._scaled_mm's blockwise GEMMs as cuBLAS runs them on sm90, and the forms
 # _blockwise_per_expert gives them. An outer-dim-major 1 x 128 scale ([M, KB], strides (1, M))
@@ -230,19 +230,19 @@ def _index(device) -> int:
 def _scaled_mm_refusal(device) -> Optional[str]:
     """Why this torch's torch._scaled_mm does not take the blockwise GEMMs on this GPU, or None:
     probed once per device (_scaled_mm_probe, each form the node sends), then cached; the probe
-    of B's 128 x 128 form decides _square_weight_scales there (a refusal of that form alone
+    of B's 128 x 128 form decides square_weight_scales there (a refusal of that form alone
     leaves the 1 x 128 form in use)."""
     index = _index(device)
     if index in _SCALED_MM:
         return _SCALED_MM[index]
-    square = False
+    square = "not probed: the 1 x 128 form was refused"
     if not hasattr(torch, "_scaled_mm"):
         why = f"this torch ({torch.__version__}) has no torch._scaled_mm"
     else:
         dev = torch.device("cuda", index)
         why = _probe_form(dev, False)
         if why is None:
-            square = _probe_form(dev, True) is None
+            square = _probe_form(dev, True)
     _SCALED_MM[index], _SQUARE[index] = why, square
     return why
 
@@ -263,10 +263,11 @@ def _form_name(square: bool) -> str:
     return "1 x 128 / 128 x 128" if square else "1 x 128"
 
 
-def _square_weight_scales(device, kb: int) -> bool:
+def square_weight_scales(device, kb: int) -> bool:
     """Whether the M-grouped GEMMs on ``device`` pass B's 128 x 128 scales as they are: K's block
     count kb a multiple of 4 (the notes above _SCALE_ROWS) and that form's probe passed there."""
-    return kb % 4 == 0 and _SQUARE.get(_index(device) if device.type == "cuda" else device.type, False)
+    key = _index(device) if device.type == "cuda" else device.type
+    return kb % 4 == 0 and key in _SQUARE and _SQUARE[key] is None
 
 
 # The probe's problems, each run through _blockwise_per_expert as the node calls it: M-grouped,
@@ -369,7 +370,7 @@ def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=Fal
     if backend is None:
         raise NotImplementedError(f"expertact.moe: the blockwise FP8 GEMMs cannot run here: {why}")
     if backend == "scaled_mm":
-        square = grouping == "m" and _square_weight_scales(a.device, scale_b.shape[-1])
+        square = grouping == "m" and square_weight_scales(a.device, scale_b.shape[-1])
         return _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed, square)
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
