@@ -803,7 +803,8 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
         return _scaled_mm_contract(a, b, sa, sb, **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", first_tile_scales)
-    for square, form, shape in ((False, "1 x 128", r"\(28, 272, 32\)"), (True, "1 x 128 / 128 x 128", r"\(28, 496, 272\)")):
+    for square, form, shape in ((False, "1 x 128", r"\(28, 272, 32\)"),
+                                (True, "1 x 128 / 128 x 128", r"\(28, 496, 272\)")):
         why = _gemm._scaled_mm_probe(torch.device("cpu"), square)
         assert re.fullmatch(rf"this torch \(.*\) gives wrong values in torch._scaled_mm with {form} scales on cpu "
                             rf"\(m-grouped, \(M, K, N\) = {shape}: relative error .*\)", why), why

@@ -255,8 +255,9 @@ def _probe_form(device, square: bool) -> Optional[str]:
         return why
     except Exception as e:  # noqa: BLE001 - any refusal is the answer
         msg = str(e).strip()
+        first = msg.splitlines()[0][:200] if msg else ""
         return (f"this torch ({torch.__version__}) does not take {_form_name(square)} scales in torch._scaled_mm on "
-                f"{torch.cuda.get_device_name(device)} ({type(e).__name__}: {msg.splitlines()[0][:200] if msg else ''})")
+                f"{torch.cuda.get_device_name(device)} ({type(e).__name__}: {first})")
 
 
 def _form_name(square: bool) -> str:
@@ -270,11 +271,12 @@ def square_weight_scales(device, kb: int) -> bool:
     return kb % 4 == 0 and key in _SQUARE and _SQUARE[key] is None
 
 
-# The probe's problems, each run through _blockwise_per_expert as the node calls it: M-grouped,
+# The probe's problems, each run through _blockwise_per_expert as the node calls it. M-grouped,
 # (T, K, N, ends): experts of 3 rows (run padded to 4) and 21 (20 of them into a slice of the
-# output at a row offset, the last padded), one empty, rows past the last end; B's scales 1 x 128 with three K tiles, the last
-# partial, or 128 x 128 with four (the multiple of 4 that form needs, the last partial) and three
-# N blocks, the last partial. K-grouped, (M, N, padded ends): two experts, one empty.
+# output at a row offset, the last padded), one empty, rows past the last end; B's scales 1 x 128
+# with three K tiles, the last partial, or 128 x 128 with four (the multiple of 4 that form
+# needs, the last partial) and three N blocks, the last partial. K-grouped, (M, N, padded ends):
+# two experts with tokens, one without.
 _PROBE_M = {False: (28, 272, 32, [3, 24, 24]), True: (28, 496, 272, [3, 24, 24])}
 _PROBE_K = (16, 32, [128, 128, 384])
 
