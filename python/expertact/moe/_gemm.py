@@ -286,8 +286,9 @@ def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
     ``square``, else 1 x 128; the weight-gradient form with the 1 x 128 one), on ``device``, on
     values whose products are exact in float32 (small integers, power-of-two scales that differ
     per tile): None if every result is the CPU emulation's (the exact sum rounded once to bf16)
-    bit for bit, else what differs (a scale read from the wrong place is off by a power of two,
-    a row left unwritten is whatever the allocator held). Raises what torch._scaled_mm raises."""
+    within bf16's rounding, else what differs (a scale read from the wrong place is off by a
+    power of two, a row left unwritten is whatever the allocator held). Raises what
+    torch._scaled_mm raises."""
     def ints(shape, m):
         return (torch.arange(math.prod(shape)).view(shape) % m - m // 2).float().to(_E4M3)
 
@@ -306,8 +307,8 @@ def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
     for grouping, args, e, shape in problems:
         want = _blockwise_emulated(*args, e, grouping, False)
         got = _blockwise_per_expert(*(t.to(device) for t in args), e, grouping, False, square and grouping == "m")
-        if not torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)):
-            err = ((got.cpu().float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).nan_to_num(1e30).max()
+        err = ((got.cpu().float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).nan_to_num(1e30).max()
+        if not err <= 2.0 ** -8:  # bf16's rounding (the sums are exact); a NaN or a stale value fails
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
             return (f"this torch ({torch.__version__}) gives wrong values in torch._scaled_mm with "
                     f"{_form_name(square)} scales on {name} ({grouping}-grouped, (M, K, N) = {shape}: relative error "
