@@ -27,11 +27,12 @@ __device__ __forceinline__ float warp_sum_tiles(float v) {
 // kRowExperts: the tile engine gives each row's expert (the tile's, or looked up in offs where
 // the schedule knows no experts: row tiles alone, with a bias), once a row and tile. vec: a
 // lane's 4 columns of gate, up and dy in one access each (step 1, F, the pointers and row
-// strides multiples of 4 elements). paired (step 1, F a multiple of 128): column tiles taken
-// gate's k-th, up's k-th, gate's (k + 1)-th, ..., so that the second of a pair reads the gate,
-// up and dy columns the first just read, from the cache (in F's order they lie 48 tiles apart,
-// evicted in between at the busiest rank's shape); gate's tiles stay in ascending order, so
-// the routing weights' gradient sums its terms in the same order.
+// strides multiples of 4 elements: fp8_tiles_plan.h's bwd_vec4). paired (step 1, F a multiple of
+// 128: bwd_paired): column tiles taken gate's k-th, up's k-th, gate's (k + 1)-th, ..., so that
+// the second of a pair reads the gate, up and dy columns the first just read, from the cache (in
+// F's order they lie 48 tiles apart, evicted in between at the busiest rank's shape); gate's
+// tiles stay in ascending order, so the routing weights' gradient sums its terms in the same
+// order.
 template <typename T, Activation A>
 struct BwdTileSrc {
   static constexpr bool kRowExperts = true;
@@ -75,7 +76,7 @@ struct BwdTileSrc {
     }
   }
   __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t KB) const {
-    return paired ? (i % 2 ? KB / 2 + i / 2 : i / 2) : i;
+    return tiles::paired_column_tile(paired, i, KB);
   }
   // The gradient of gate_up's F column j of the row: (dg, du), and its term of the weights'
   // gradient.
@@ -162,15 +163,8 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
     using T = decltype(t);
     return dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
-      const auto quad = [](const void* ptr, int64_t stride, int64_t rows) {
-        return reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(T)) == 0 && (rows <= 1 || stride % 4 == 0);
-      };
-      const void* row0 = d.q_g == 0 ? p.g : p.u;  // gate_up's column 0
-      const bool vec = p.step == 1 && p.F % 4 == 0 && d.q_g % 4 == 0 && d.q_u % 4 == 0 &&
-                       quad(row0, p.g_stride, p.rows) && quad(d.dy, d.dy_stride, p.rows);
-      const bool paired = p.step == 1 && p.F % cuda::tiles::kTile == 0;
-      const cuda::BwdTileSrc<T, A> src{vec,
-                                       paired,
+      const cuda::BwdTileSrc<T, A> src{cuda::tiles::bwd_vec4(p, d, sizeof(T)),
+                                       cuda::tiles::bwd_paired(p),
                                        static_cast<const T*>(p.g),
                                        static_cast<const T*>(p.u),
                                        p.g_stride,

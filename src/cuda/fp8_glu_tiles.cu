@@ -16,7 +16,7 @@ namespace {
 // rows may belong to several and each row's expert is looked up (a binary search of offs, once
 // a row and tile; the column tiles' schedule gives the tile's expert).
 // vec: gate's and up's 4 values of a row in one access each (step 1, pointers and row strides
-// multiples of 4 elements: the halves layouts), else one by one.
+// multiples of 4 elements: fp8_tiles_plan.h's glu_vec4), else one by one.
 template <typename T, Activation A>
 struct GluTileSrc : tiles::NoTileState {
   static constexpr bool kRowExperts = true;
@@ -71,13 +71,9 @@ Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const deta
     return detail::dispatch_act(p.params.act, [&](auto act) -> Status {
       constexpr Activation A = decltype(act)::value;
       // The bias's experts: its own offsets for row tiles, o's (the same) for column tiles.
-      const auto quad = [](const void* ptr, int64_t stride, int64_t rows) {
-        return reinterpret_cast<uintptr_t>(ptr) % (4 * sizeof(T)) == 0 && (rows <= 1 || stride % 4 == 0);
-      };
-      const bool vec = p.step == 1 && quad(p.g, p.g_stride, p.rows) && quad(p.u, p.u_stride, p.rows);
       const GluTileSrc<T, A> src{{},
                                  round_to_t,
-                                 vec,
+                                 tiles::glu_vec4(p, sizeof(T)),
                                  static_cast<const T*>(p.g),
                                  static_cast<const T*>(p.u),
                                  p.g_stride,

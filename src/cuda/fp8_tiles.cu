@@ -106,8 +106,7 @@ Status cuda_fp8_tiles(const TileSrc& s, const TileOut& o, void* stream) {
   const int64_t grid_x = cuda::tiles::schedule_blocks(o, s.rows, kTailBlocksPerSm * cuda::sm_count(s.device_id));
   return cuda::dispatch_storage(s.dtype, [&](auto t) -> Status {
     using T = decltype(t);
-    const int64_t es = sizeof(T);
-    const bool vec = reinterpret_cast<uintptr_t>(s.x) % (4 * es) == 0 && (s.rows <= 1 || s.x_stride % 4 == 0);
+    const bool vec = cuda::tiles::plain_vec4(s, sizeof(T));
     return cuda::tiles::launch_tiles(cuda::PlainTileSrc<T>{{}, static_cast<const T*>(s.x), s.x_stride, vec}, o,
                                      s.rows, s.cols, grid_x, false, st, "fp8 tiles kernel launch");
   });

@@ -27,6 +27,7 @@
 #include "core/fp8.h"
 #include "core/fp8_tiles.h"
 #include "cuda/fp8_common.cuh"
+#include "cuda/fp8_tiles_plan.h"
 
 namespace expertact::cuda::tiles {
 
@@ -35,32 +36,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerWarp = 8;  // kWarps x kRowsPerWarp = 128 rows
 constexpr int kTile = 128;
 
-// How the outputs' rows take stores, proven on the host: q's 4-byte runs (pointer and row stride
-// multiples of 4), q_t's 16-byte runs (16, 8, 4 or 1: the widest store its pointer and row
-// stride allow).
-struct Align {
-  bool q4 = false;
-  int qt = 1;
-};
-
-inline Align align_of(const detail::TileOut& o, int64_t rows, int64_t cols) {
-  Align a;
-  const auto aligned = [](const void* p, int64_t stride, int64_t n, int v) {
-    return reinterpret_cast<uintptr_t>(p) % v == 0 && (n <= 1 || stride % v == 0);
-  };
-  a.q4 = o.q != nullptr && aligned(o.q, o.q_stride, rows, 4);
-  if (o.q_t != nullptr) {
-    for (const int v : {16, 8, 4}) {
-      if (aligned(o.q_t, o.qt_stride, cols, v)) {
-        a.qt = v;
-        break;
-      }
-    }
-  }
-  return a;
-}
-
-// Four words (16 bytes, the first byte lowest) at dst, in the widest stores `align` allows.
+// Four words (16 bytes, the first byte lowest) at dst, in the widest stores `align` allows
+// (Align::qt, proven on the host: fp8_tiles_plan.h).
 __device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align) {
   if (align == 16) {
     *reinterpret_cast<uint4*>(dst) = w;
@@ -77,22 +54,17 @@ __device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align)
   }
 }
 
-// The column tiles' staging: column c's 128 bytes (one row of q_t's tile) in 16 slots of 8 bytes,
-// warp w's 8 rows in slot w ^ ((c / 4) % 16). The swizzle: the 32 lanes of a warp write columns
-// 4 l + j, 512 bytes apart, into one bank without it; with it, lanes 0-15 (and 16-31) take 16
-// different slots, every bank once. Read back 16 bytes (slots 2 h, 2 h + 1) a thread, the 8
-// threads of a column covering its 128 bytes.
+// The column tiles' staging (fp8_tiles_plan.h: the swizzle, stage_slot / stage_pair): column
+// c's 128 bytes (one row of q_t's tile) in 16 slots of 8 bytes, read back 16 bytes a thread.
 struct Stage {
   uint2 slot[kTile][kTile / 8];
 };
+static_assert(kWarps == kTile / 8 && kRowsPerWarp == 8, "a warp's 8 rows of a column are one of its 16 slots");
 
-__device__ __forceinline__ int stage_swizzle(int c) { return (c >> 2) & 15; }
-
+// Logical slots 2 h and 2 h + 1 of column c (rows 16 h .. 16 h + 15), in order.
 __device__ __forceinline__ uint4 stage_read16(const Stage& st, int c, int h) {
-  const int sw = stage_swizzle(c);
-  // slots 2 h and 2 h + 1 lie at 2 (h ^ (sw / 2)) and the slot beside it, swapped when sw is odd
-  const uint4 p = *reinterpret_cast<const uint4*>(&st.slot[c][2 * (h ^ (sw >> 1))]);
-  return (sw & 1) ? make_uint4(p.z, p.w, p.x, p.y) : p;
+  const uint4 p = *reinterpret_cast<const uint4*>(&st.slot[c][stage_pair(c, h)]);
+  return stage_swapped(c) ? make_uint4(p.z, p.w, p.x, p.y) : p;
 }
 
 // Column tile kb (columns 128 kb ..) of tile t: the values, then the row tiles (o.q) and the
@@ -153,7 +125,7 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
         const uint32_t w0 = fp8::from_scaled4(v[0][j] * s, v[1][j] * s, v[2][j] * s, v[3][j] * s);
         const uint32_t w1 = fp8::from_scaled4(v[4][j] * s, v[5][j] * s, v[6][j] * s, v[7][j] * s);
         const int cl = 4 * l + j;  // the column within the tile
-        stage.slot[cl][w ^ stage_swizzle(cl)] = make_uint2(w0, w1);
+        stage.slot[cl][stage_slot(cl, w)] = make_uint2(w0, w1);
         if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = 1.0f / s;
       }
     }
