@@ -190,6 +190,44 @@ TEST_P(Fp8Tiles, RowAndColumnTilesAgainstReference) {
   }
 }
 
+// q_t as a view into wider rows (the C++ API's and the C ABI's outputs may be any row-strided
+// view): its pointer and row stride allow 16-, 8-, 4-byte or only single-byte stores of each
+// 16-byte run; every width writes the reference's bytes there and nothing outside the view.
+TEST_P(Fp8Tiles, ColumnTilesIntoStridedViews) {
+  EAT_REQUIRE_BACKEND(GetParam());
+  Backend& be = backend(GetParam());
+  const std::vector<int32_t> ends = {0, 1, 128, 256, 256, 385};
+  const std::vector<int32_t> pads = padded_of(ends);
+  const int64_t T = 394, Tp = pads.back() + kT, C = 257;
+  Ints offs(be, ends), pad(be, pads);
+  auto ov = offs.c_ref(be), pv = pad.c_ref(be);
+  const std::vector<float> x = as_stored(DType::kBFloat16, specials(T, C, 5u));
+  Mat X(be, DType::kBFloat16, T, C, x);
+  auto xv = X.c_ref(be);
+  std::vector<uint8_t> cq;
+  std::vector<float> cs;
+  column_tiles_ref(x, C, ends, Tp, cq, cs);
+  // (first byte, row stride): 16-byte stores, 8, 4 (pointer or stride), single bytes
+  for (const auto& [off, stride] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, Tp + 16}, {8, Tp + 24}, {0, Tp + 8}, {4, Tp + 12}, {0, Tp + 4}, {1, Tp + 3}, {3, Tp + 16}}) {
+    SCOPED_TRACE("offset " + std::to_string(off) + " stride " + std::to_string(stride));
+    const int64_t width = off + (C - 1) * stride + Tp;
+    Mat W(be, DType::kFloat8E4M3, 1, width, uint8_t{0x5A}), CS(be, DType::kFloat32, Tp / kT, C, uint8_t{0xFF});
+    expertact_tensor qtv{W.d->data() + off, C, Tp, stride, dl_of(DType::kFloat8E4M3), be.dl_device()};
+    auto csv = CS.c_ref(be);
+    ASSERT_EQ(expertact_fp8_quantize_column_tiles_grouped(&xv, &ov, &pv, &qtv, &csv, nullptr, nullptr, be.stream()),
+              EXPERTACT_OK) << expertact_last_error();
+    be.finish("expertact_fp8_quantize_column_tiles_grouped");
+    const std::vector<uint8_t> got = W.bytes();
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t r = (i - off) / stride, c = (i - off) % stride;
+      const bool inside = i >= off && c < Tp;
+      ASSERT_EQ(got[i], inside ? cq[r * Tp + c] : uint8_t{0x5A}) << "byte " << i << (inside ? " (q_t)" : " (outside)");
+    }
+    EXPECT_EQ(CS.bytes(), float_bytes(cs));
+  }
+}
+
 TEST_P(Fp8Tiles, BlocksAgainstReference) {
   EAT_REQUIRE_BACKEND(GetParam());
   Backend& be = backend(GetParam());
