@@ -533,6 +533,51 @@ def test_cuda_backward_tiles(activation, layout, F, biased):
     torch.testing.assert_close(rows_only[4].double()[fin.cuda()], dw.double()[fin.cuda()], rtol=1e-5, atol=atol)
 
 
+
+def _inset(t):
+    """t [T, C] as a view of a wider tensor: one element in, rows C + 3 elements apart (neither
+    a multiple of 4 elements: the CUDA kernels' 4-value loads refused, fp8_tiles_plan.h)."""
+    wide = torch.full((t.shape[0], t.shape[1] + 3), 7.0, dtype=t.dtype, device=t.device)
+    wide[:, 1:t.shape[1] + 1] = t
+    view = wide[:, 1:t.shape[1] + 1]
+    assert view.storage_offset() == 1 and view.stride(0) == t.shape[1] + 3
+    return view
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("layout", ["halves", "up_first", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_of_misaligned_views(device, layout, dtype):
+    """gate_up (gate and up), dh as views whose rows start off every 4-element boundary give the
+    bytes, scales and weights' gradient of the same values contiguous, where F = 100 lets the
+    CUDA sources load 4 values at a time: the one-at-a-time path the views take and the vector
+    path agree bit for bit (the activation's row and column tiles, the backward's both forms)."""
+    F = 100
+    z, dh, b, w = (t.to(device) for t in _bwd_case(T_ROWS, F, dtype, 19))
+    z[9, 3] = float("nan")
+    offs = torch.tensor(ENDS, dtype=torch.int32, device=device)
+    act = "swiglu_oai"
+
+    def forward(inset):
+        x, up, lay = split(z, layout)
+        if inset:
+            x, up = _inset(x), None if up is None else _inset(up)
+        kw = dict(up=up, layout=lay, weights=w, bias=b)
+        return (fp8.glu_row_tiles(x, act, offsets=offs, **kw)
+                + fp8.glu_column_tiles_grouped(x, act, offs, ends=ENDS, **kw))
+
+    got, want = forward(True), forward(False)
+    for g, r in zip(got, want):
+        assert torch.equal(ft.bits(g), ft.bits(r)) if r.dtype == torch.float8_e4m3fn else torch.equal(g, r)
+    if layout == "separate":
+        return  # the backward takes packed layouts only
+    got, want = (fp8.glu_backward_tiles(d, x, act, layout=layout, weights=w, weights_grad=True, bias=b, offsets=offs,
+                                        ends=ENDS, column_tiles=True)
+                 for d, x in ((_inset(dh), _inset(z)), (dh, z)))
+    for g, r in zip(got[:4], want[:4]):
+        assert torch.equal(ft.bits(g), ft.bits(r)) if r.dtype == torch.float8_e4m3fn else torch.equal(g, r)
+    assert _same_float_bits(got[4], want[4])
+
 def _same_float_bits(a, b):
     """a and b hold the same float32 bits (every NaN counted as one value: torch.equal finds a
     NaN unequal to itself)."""
