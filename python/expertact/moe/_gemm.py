@@ -384,7 +384,10 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     (1, rows), rows a multiple of 4); B given transposed (column-major) with its scales 128 x 128
     (``square``: KB a multiple of 4) or 1 x 128. Each expert's product goes straight into its
     rows (or its block) of one output allocated uninitialised: every element is written, by a
-    GEMM or as a zero (rows past the last end, an expert without tokens)."""
+    GEMM or as a zero (rows past the last end, an expert without tokens). Each ``out=`` is a
+    whole range of rows (or a whole block) of a contiguous output, so itself contiguous:
+    torch._scaled_mm runs cuBLAS on a contiguous copy of an ``out`` that is not dense and never
+    copies it back (ATen's cublasCommonArgs and _scaled_gemm), which would leave it unwritten."""
     mm = torch._scaled_mm
     kw = dict(out_dtype=torch.bfloat16, use_fast_accum=False)
     start = 0
