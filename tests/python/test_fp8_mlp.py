@@ -649,7 +649,8 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
     where that changes nothing), computed on the CPU on the exactly dequantised operands in
     ``acc`` and rounded once to bf16; with ``out``, written there (a contiguous [M, N] bf16
-    tensor, as the out= form resizes nothing)."""
+    tensor, as the out= form resizes nothing, starting where cuBLAS assumes by default: on a
+    256-byte boundary)."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and not use_fast_accum
     (M, K), (K2, N) = a.shape, b.shape
     assert K == K2 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
@@ -678,6 +679,7 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     if out is None:
         return got
     assert out.shape == (M, N) and out.dtype == torch.bfloat16 and out.is_contiguous(), (out.shape, out.stride())
+    assert out.data_ptr() % _gemm._OUT_ALIGN == 0, f"out= at {out.data_ptr() % 256} bytes past a 256-byte boundary"
     return out.copy_(got)
 
 
@@ -726,13 +728,16 @@ def test_the_scaled_mm_path_on_the_cpu(monkeypatch, layout):
         assert torch.equal(got[k], want[k]), (k, rel(got[k], want[k]))
 
 
-def test_the_scaled_mm_path_pads_and_expands(monkeypatch):
+@pytest.mark.parametrize("align", [1, 256])
+def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
     """The per-expert backend's GEMMs alone, against the float64 product of their dequantised
     operands, with torch._scaled_mm replaced by its contract computed in float64: experts of 0 to
     5, 17 and 130 rows (1 to 3 rows past a multiple of 4 run as 4 zero-padded rows, the rest of
     the output untouched); three K tiles, the last partial (a 128 x 128 scale cuBLAS would read
     misaligned: B's go in as 1 x 128); the weight-gradient form, also transposed; and its refusal
-    of weight dims that are no multiple of 4."""
+    of weight dims that are no multiple of 4. ``align``: 1, every expert's product written in
+    place; 256, as on a GPU, in place only on a 256-byte boundary (the contract checks each out=)."""
+    monkeypatch.setattr(_gemm, "_OUT_ALIGN", align)
     monkeypatch.setattr(torch, "_scaled_mm", functools.partial(_scaled_mm_contract, acc=torch.float64))
     g = torch.Generator().manual_seed(5)
     sizes = [0, 1, 2, 3, 4, 5, 17, 130]
@@ -814,6 +819,7 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
         return got if out is None else out  # the out= form ignored
 
     monkeypatch.setattr(torch, "_scaled_mm", unwritten)
+    monkeypatch.setattr(_gemm, "_OUT_ALIGN", 1)  # every expert in place, whatever the CPU's addresses
     with _poisoned_empty():
         why = _gemm._scaled_mm_probe(torch.device("cpu"))
     assert re.fullmatch(r"this torch \(.*\) gives wrong values .* relative error 1e\+30\)", why), why

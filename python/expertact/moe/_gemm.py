@@ -221,6 +221,11 @@ _SQUARE = {}  # device index -> None (B's 128 x 128 scales passed the probe ther
 # [N, KB] whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B), with
 # N / 128 times the scale bytes for cuBLAS to read per K tile.
 _SCALE_ROWS = 4
+# cuBLAS chooses its kernel for operands aligned to 256 bytes unless told otherwise (the default
+# of its CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES preferences), so an expert's rows are written
+# in place (torch._scaled_mm's out=) only where they start on such a boundary, as every expert's
+# do where N is a multiple of 128; elsewhere into an allocation of their own, then copied.
+_OUT_ALIGN = 256
 
 
 def _index(device) -> int:
@@ -378,13 +383,24 @@ def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=Fal
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
 
+def _mm_into(dst, a, b, **scales):
+    """torch._scaled_mm's promoted bf16 product of a and b written to ``dst`` (contiguous): in
+    place where dst starts on a _OUT_ALIGN boundary, else through an allocation of its own."""
+    kw = dict(out_dtype=torch.bfloat16, use_fast_accum=False, **scales)
+    if dst.data_ptr() % _OUT_ALIGN == 0:
+        torch._scaled_mm(a, b, out=dst, **kw)
+    else:
+        dst.copy_(torch._scaled_mm(a, b, **kw))
+
+
 def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed, square=False):
     """blockwise_gmm by torch._scaled_mm per expert, in the forms its probe checks (the notes
     above _SCALE_ROWS): A's scales 1 x 128 along K, outer-dim-major ([rows, KB] with strides
     (1, rows), rows a multiple of 4); B given transposed (column-major) with its scales 128 x 128
-    (``square``: KB a multiple of 4) or 1 x 128. Each expert's product goes straight into its
-    rows (or its block) of one output allocated uninitialised: every element is written, by a
-    GEMM or as a zero (rows past the last end, an expert without tokens). Each ``out=`` is a
+    (``square``: KB a multiple of 4) or 1 x 128. Each expert's product goes into its rows (or its
+    block) of one output allocated uninitialised, in place where they start on a 256-byte
+    boundary (_mm_into): every element is written, by a GEMM or as a zero (rows past the last
+    end, an expert without tokens). Each ``out=`` is a
     whole range of rows (or a whole block) of a contiguous output, so itself contiguous:
     torch._scaled_mm runs cuBLAS on a contiguous copy of an ``out`` that is not dense and never
     copies it back (ATen's cublasCommonArgs and _scaled_gemm), which would leave it unwritten."""
@@ -408,7 +424,7 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
                 if body:  # an expert's [body, KB] scales as their own outer-dim-major block
                     rows = slice(start, start + body)
                     sa = scale_a[rows].t().contiguous().t()
-                    mm(a[rows], b[e].t(), scale_a=sa, scale_b=sb, out=out[rows], **kw)
+                    _mm_into(out[rows], a[rows], b[e].t(), scale_a=sa, scale_b=sb)
                 if tail:  # its last 1 to 3 rows as 4: zero rows of scale 1, their products dropped
                     rows = slice(start + body, end)
                     pa = torch.zeros((_SCALE_ROWS, K), dtype=torch.uint8, device=a.device).view(_E4M3)
@@ -428,8 +444,7 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     for e, end in enumerate(ends):
         if end > start:
             t0, t1 = start // TILE, end // TILE
-            mm(a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1], out=out[e],
-               **kw)
+            _mm_into(out[e], a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1])
         else:
             out[e].zero_()
         start = end
