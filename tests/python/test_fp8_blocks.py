@@ -584,3 +584,34 @@ def _same_float_bits(a, b):
     nan = torch.isnan(a)
     return torch.equal(nan, torch.isnan(b)) and torch.equal(a.masked_fill(nan, 0).view(torch.int32),
                                                             b.masked_fill(nan, 0).view(torch.int32))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_column_tiles_into_strided_views(device):
+    """q_t given as a view into wider rows, as the library's C ABI takes it: first byte and row
+    stride such that each 16-byte run of a column tile can be stored 16, 8 or 4 bytes at a time,
+    or only byte by byte. Every form writes the contiguous call's bytes inside the view and none
+    outside it (on a GPU: each store width of the kernels' staged column tiles)."""
+    from expertact import _ops
+    ends = [0, 1, 128, 256, 256, 385]
+    T, C = 394, 257
+    t = _values(T, C, torch.bfloat16, 21).to(device)
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    pads = fp8.padded_offsets(offs, 128)
+    want_q, want_s = fp8.quantize_column_tiles_grouped(t, offs, ends=ends)
+    want = ft.bits(want_q.t().contiguous().cpu())  # [C, Tp]
+    Tp = want.shape[1]
+    for first, stride in [(0, Tp + 16), (8, Tp + 24), (0, Tp + 8), (4, Tp + 12), (0, Tp + 4), (1, Tp + 3),
+                          (3, Tp + 16)]:
+        width = first + (C - 1) * stride + Tp
+        buf = torch.full((width,), 0x5A, dtype=torch.uint8, device=device)
+        q_t = buf.view(torch.float8_e4m3fn).as_strided((C, Tp), (stride, 1), first)
+        scale = torch.full_like(want_s, float("nan"))
+        _ops.fp8_quantize_column_tiles_grouped(t, offs, pads, q_t, scale)
+        got = buf.cpu()
+        inside = torch.zeros(width, dtype=torch.bool)
+        inside[first:].view(-1)[: (C - 1) * stride + Tp].as_strided((C, Tp), (stride, 1)).fill_(True)
+        where = f"first byte {first}, row stride {stride}"
+        assert torch.equal(got.as_strided((C, Tp), (stride, 1), first), want), where
+        assert bool((got[~inside] == 0x5A).all()), f"{where}: bytes written outside the view"
+        assert torch.equal(scale, want_s), where
