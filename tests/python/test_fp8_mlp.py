@@ -860,6 +860,26 @@ def test_the_weight_scales_form_on_a_gpu(monkeypatch):
             assert _gemm.square_weight_scales(cuda, kb) == want, (answers, kb)
 
 
+def test_a_fault_in_the_probe_is_raised(monkeypatch):
+    """A probe that faults the GPU (an illegal memory access: the CUDA context is lost) raises,
+    naming the fault, rather than answering "refused" and leaving the process to fail later
+    elsewhere; nothing is cached for the device."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_gemm, "_SCALED_MM", {})
+    monkeypatch.setattr(_gemm, "_SQUARE", {})
+
+    def faults(device, square=False):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_gemm, "_scaled_mm_probe", faults)
+    with pytest.raises(RuntimeError, match=r"faulted in the probe .* CUDA context is unusable") as info:
+        _gemm._cuda_backend(torch.device("cuda", 0))
+    assert "illegal memory access" in str(info.value.__cause__)
+    assert _gemm._SCALED_MM == {}
+
+
 def test_the_node_sends_each_weight_scales_form(monkeypatch):
     """blockwise_gmm through the per-expert backend with the 128 x 128 form admitted: B's scales
     reach torch._scaled_mm as [KB, NB] (strides (1, KB)) where KB is a multiple of 4, else as

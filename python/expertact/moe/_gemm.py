@@ -252,14 +252,25 @@ def _scaled_mm_refusal(device) -> Optional[str]:
     return why
 
 
+# CUDA errors after which the process's CUDA context is unusable: the probe re-raises them, since
+# no GEMM could run afterwards and an answer "refused" would hide the fault.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "device-side assert",
+                       "misaligned address", "illegal instruction", "uncorrectable ecc")
+
+
 def _probe_form(device, square: bool) -> Optional[str]:
-    """_scaled_mm_probe on ``device`` with its refusals as answers."""
+    """_scaled_mm_probe on ``device`` with its refusals as answers (a fault that leaves the CUDA
+    context unusable is raised instead)."""
     try:
         why = _scaled_mm_probe(device, square)
         torch.cuda.synchronize(device)
         return why
     except Exception as e:  # noqa: BLE001 - any refusal is the answer
         msg = str(e).strip()
+        if any(k in msg.lower() for k in _STICKY_CUDA_ERRORS):
+            raise RuntimeError(f"expertact.moe: torch._scaled_mm faulted in the probe of the blockwise FP8 GEMMs "
+                               f"({_form_name(square)} scales) on {torch.cuda.get_device_name(device)}; this "
+                               f"process's CUDA context is unusable") from e
         first = msg.splitlines()[0][:200] if msg else ""
         return (f"this torch ({torch.__version__}) does not take {_form_name(square)} scales in torch._scaled_mm on "
                 f"{torch.cuda.get_device_name(device)} ({type(e).__name__}: {first})")
