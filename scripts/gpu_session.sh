@@ -36,6 +36,9 @@
 # then the training runs that decide the default recipe:
 #   test-fp8               the GPU cases of the FP8 kernels' and GEMM layer's tests (those of
 #                          test_fp8_blocks.py, test_fp8_gemm.py, test_fp8_mlp.py that exist)
+#   scaled-mm-forms        bench/scaled_mm_forms.py: which per-expert torch._scaled_mm forms of the blockwise
+#                          recipe cuBLAS runs (row and token offsets, one to three K tiles), each also on a
+#                          fresh copy of A
 #   fp8-accuracy           the first MoE layer's expert inputs captured at step 150 of the AutoEP h200
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
@@ -86,17 +89,17 @@ FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
-       train-autoep-seed3 train-autoep-blockwise-seeds)
-# Priority order, what the two H200 runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/
-# and -05b/: every recipe trained beside DeepSpeed's default on one machine, the module bench's times, the
-# kernel profiles): whether the FP8 recipes' low-side difference from bf16 is the recipe or the run (two
-# more seeds), the module bench's accuracy columns and the blockwise operand kernels' profile again,
-# blockwise at the same seeds (a candidate only if its faster kernels make its step 1.05x bf16's),
-# Megatron's trainings (both forms on one machine), the benches of the changed baselines, the longer runs.
-PLAN=(test-fp8 train-autoep-seed2 train-autoep-seed3 bench-mlp-fp8 profile-fp8 bench-fp8-gemms
-      train-autoep-blockwise-seeds
-      train-megatron-swiglu train-megatron-gpt-oss report-megatron test-megatron bench-autoep bench-megatron
-      train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8)
+       train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms)
+# Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/ and
+# gpu-session-h100-2026-12-05/: every recipe trained beside DeepSpeed's default on one machine, the module
+# bench's times, the kernel profiles, Megatron's trainings on text): which per-expert forms cuBLAS refuses
+# (two blockwise Megatron tests failed there), whether the FP8 recipes' low-side difference from bf16 is
+# the recipe or the run (two more seeds, blockwise among them, on one machine), the module bench's accuracy
+# columns and the blockwise operand kernels' profile again, the GPU tests of Megatron, the longer runs, the
+# bench of AutoEP's changed rows.
+PLAN=(test-fp8 scaled-mm-forms train-autoep-seed2 train-autoep-seed3 train-autoep-blockwise-seeds bench-mlp-fp8
+      profile-fp8 bench-fp8-gemms test-megatron train-autoep-1000-bf16 train-autoep-1000-fp8 bench-autoep
+      finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -132,12 +135,13 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
-                [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190)
+                [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=20)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
-# (~30-150 s) included: --plan fills calls up to CALL_S (a 10% margin for the estimates) and
-# sessions up to SESSION_S.
+# included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
+# end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
+# calls up to CALL_S (a 10% margin for the estimates) and sessions up to SESSION_S.
 CALL_S=${CALL_S:-540}
-SESSION_S=${SESSION_S:-1650}
+SESSION_S=${SESSION_S:-1450}
 # Where a command is stopped from outside at a time limit, it returns nothing it did not bundle:
 # DEADLINE_S (seconds from this script's start, set a little under that limit; default 0, no
 # limit) runs each stage under the time left before it, less BUNDLE_RESERVE_S for the archive, so
@@ -363,6 +367,8 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           ${TRAIN[*]} --expert-share --skip-unavailable --out '$S/train-autoep/autoep' --impl torchao-fp8 || rc=1
           ${AUTOEP_REPORT[*]} --in '$S/train-autoep/autoep' --md '$D/autoep-fp8.md' --png '$D/autoep-fp8-loss.png' || rc=1
           exit \$rc" ;;
+    scaled-mm-forms)
+      run_stage "$st" "$D" "$PY" "$PY" bench/scaled_mm_forms.py --markdown "$D/scaled-mm-forms.md" ;;
     bench-fp8-gemms)
       run_stage "$st" "$D" "$PY" bash -c "if '$PY' -c 'import expertact.bench.fp8_gemm' 2> /dev/null; then
           '$PY' -m expertact.bench --fp8-gemms --json '$D/fp8-gemms.json' --markdown '$D/fp8-gemms.md'

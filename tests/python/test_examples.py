@@ -245,17 +245,19 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "train-autoep-seed2", "train-autoep-seed3", "bench-mlp-fp8"]
-    assert len(fp8) == len(set(fp8)) == 17
-    # the runs a comparison reads together share a session (one machine): AutoEP's, Megatron's
+    assert fp8[:5] == ["test-fp8", "scaled-mm-forms", "train-autoep-seed2", "train-autoep-seed3",
+                       "train-autoep-blockwise-seeds"]
+    assert len(fp8) == len(set(fp8)) == 14
+    # the runs a comparison reads together share a session (one machine): the AutoEP seeds, the
+    # 1,000-step runs, the fine-tuning's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
     assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"] == session_of[
         "train-autoep-blockwise-seeds"]
-    megatron = ("train-megatron-swiglu", "train-megatron-gpt-oss", "report-megatron", "test-megatron")
-    assert len({session_of[s] for s in megatron}) == 1
+    assert session_of["train-autoep-1000-bf16"] == session_of["train-autoep-1000-fp8"]
+    assert session_of["finetune-fp8-yardsticks"] == session_of["finetune-fp8"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())

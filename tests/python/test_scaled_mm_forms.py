@@ -1,0 +1,64 @@
+"""bench/scaled_mm_forms.py on the CPU: each case's expected product is the exact one for the
+operands and scales it hands torch._scaled_mm (a stand-in that dequantises them by the 1 x 128
+rules gives "ok" everywhere), a torch._scaled_mm that misreads the scales is reported "wrong",
+a refusal is reported with its message, and without a GPU the script says so and exits 0."""
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "scaled_mm_forms.py"
+spec = importlib.util.spec_from_file_location("scaled_mm_forms", SCRIPT)
+forms = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(forms)
+TILE = 128
+
+
+def _dequantising_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+    """A [M, K] with scale_a [M, KB]; B given as [K, N] with scale_b [KB, N]: both 1 x 128 along K."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and not use_fast_accum
+    K = a.shape[1]
+    A = a.float() * scale_a.repeat_interleave(TILE, 1)[:, :K]
+    B = b.float() * scale_b.repeat_interleave(TILE, 0)[:K]
+    return (A @ B).to(out_dtype)
+
+
+def _cases():
+    for K in (32, 256, 384):
+        for offset, M in ((0, 8), (10, 20)):
+            yield forms.m_case(K, offset, M, 128, torch.device("cpu"))
+    for tiles, off in ((1, 0), (1, 3), (2, 1)):
+        yield forms.k_case(tiles, off, 32, 48, torch.device("cpu"))
+
+
+@pytest.fixture
+def no_sync(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+
+def test_every_case_is_exact_under_the_scale_rules(monkeypatch, no_sync):
+    monkeypatch.setattr(torch, "_scaled_mm", _dequantising_mm)
+    for run, run_copy, want, _ in _cases():
+        assert forms.outcome(run, want) == "ok" and forms.outcome(run_copy, want) == "ok"
+
+
+def test_a_misread_scale_and_a_refusal_are_named(monkeypatch, no_sync):
+    def first_tile_scale(a, b, scale_a, scale_b, **kw):  # every K tile read with the first tile's scales
+        return _dequantising_mm(a, b, scale_a[:, :1].expand_as(scale_a), scale_b[:1].expand_as(scale_b), **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", first_tile_scale)
+    run, _, want, _ = forms.m_case(384, 10, 20, 128, torch.device("cpu"))
+    assert forms.outcome(run, want).startswith("wrong (relative error")
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    assert forms.outcome(run, want) == "refused: CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_without_a_gpu_it_says_so(capsys):
+    assert forms.main([]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
