@@ -647,7 +647,8 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     outer-dim-major); a stride is not checked along a dim of size 1) and as cuBLAS runs them on
     an H200 (an outer-dim-major scale's leading dimension a multiple of 4: M = 17 is refused; a
     128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
-    where that changes nothing), computed on the CPU on the exactly dequantised operands in
+    where that changes nothing) and an H100 (scales of one K block, which torch takes as rowwise
+    ones: refused at M = 20, K = 32 on rows 320 bytes into A, so never sent), computed on the CPU on the exactly dequantised operands in
     ``acc`` and rounded once to bf16; with ``out``, written there (a contiguous [M, N] bf16
     tensor, as the out= form resizes nothing, starting where cuBLAS assumes by default: on a
     256-byte boundary)."""
@@ -669,6 +670,7 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     bt, sbt = b.t(), scale_b.t()
     assert scale_a.dtype == scale_b.dtype == torch.float32
     assert tiles_1x128(a, scale_a), (scale_a.shape, scale_a.stride())
+    assert _cdiv(K) > 1, "one K block: torch._scaled_mm takes these scales as rowwise ones, which cuBLAS refused"
     assert M % 4 == 0, f"cuBLAS refuses an outer-dim-major scale of {M} rows"
     square = blocks_128(bt, sbt)
     assert square or tiles_1x128(bt, sbt), (scale_b.shape, scale_b.stride())
@@ -734,7 +736,8 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
     operands, with torch._scaled_mm replaced by its contract computed in float64: experts of 0 to
     5, 17 and 130 rows (1 to 3 rows past a multiple of 4 run as 4 zero-padded rows, the rest of
     the output untouched); three K tiles, the last partial (a 128 x 128 scale cuBLAS would read
-    misaligned: B's go in as 1 x 128); the weight-gradient form, also transposed; and its refusal
+    misaligned: B's go in as 1 x 128); one K tile (widened to two); the weight-gradient form
+    (experts of one token tile widened to two), also transposed; and its refusal
     of weight dims that are no multiple of 4. ``align``: 1, every expert's product written in
     place; 256, as on a GPU, in place only on a 256-byte boundary (the contract checks each out=)."""
     monkeypatch.setattr(_gemm, "_OUT_ALIGN", align)
@@ -773,6 +776,21 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
         with _poisoned_empty():
             got = _gemm._blockwise_per_expert(q4, s4.t().contiguous().t(), wq4, ws4, ends, "m", False, square)
         assert torch.equal(got, want.to(torch.bfloat16)), square
+
+    # a reduction of one K tile (D = 32, as Megatron's small test models have): sent widened to two
+    K1 = 32
+    x1 = torch.randn(T, K1, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, T, dtype=torch.float64)[:, None]
+    w1 = torch.randn(E, N, K1, generator=g, dtype=torch.float64)
+    w1[:, TILE:] *= 64
+    q1, s1 = row_tiles(x1)
+    wq1, ws1 = blocks(w1)
+    xd1 = dequantize(q1, s1, 1, TILE)
+    want = torch.zeros(T, N, dtype=torch.float64)
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+        want[lo:hi] = xd1[lo:hi] @ dequantize(wq1[e], ws1[e], TILE, TILE).t()
+    with _poisoned_empty():
+        got = _gemm._blockwise_per_expert(q1, s1.t().contiguous().t(), wq1, ws1, ends, "m", False)
+    assert torch.equal(got, want.to(torch.bfloat16))
 
     # the weight gradients: out[e] = a[:, tokens of e] b[:, tokens of e]^T over 128-padded tokens
     M = 48
@@ -883,7 +901,8 @@ def test_a_fault_in_the_probe_is_raised(monkeypatch):
 def test_the_node_sends_each_weight_scales_form(monkeypatch):
     """blockwise_gmm through the per-expert backend with the 128 x 128 form admitted: B's scales
     reach torch._scaled_mm as [KB, NB] (strides (1, KB)) where KB is a multiple of 4, else as
-    1 x 128 [KB, N]; the weight gradients' as 1 x 128 always; the values the emulation's."""
+    1 x 128 [KB, N]; the weight gradients' as 1 x 128 always (an expert of one token tile with
+    two, the second a zero tile of scale 1); the values the emulation's."""
     seen = []
 
     def mm(a, b, scale_a=None, scale_b=None, **kw):
@@ -906,7 +925,7 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
     bq, sb = column_tiles(torch.randn(52, 32, generator=g, dtype=torch.float64), ends)
     seen.clear()
     _gemm.blockwise_gmm(aq, sa, bq, sb, padded_ends(ends), "k")
-    assert seen == [(1, 32), (1, 32)], seen
+    assert seen == [(2, 32), (2, 32)], seen  # one token tile each: widened to two
 
 
 # ---------------------------------------------------------------------------

@@ -219,7 +219,11 @@ _SQUARE = {}  # device index -> None (B's 128 x 128 scales passed the probe ther
 # shapes: D or F = 3,072, 2F = 6,144) and the probe of that form passed on the device; otherwise
 # as 1 x 128 scales, each block's scale repeated on its 128 rows: the same values, a scale
 # [N, KB] whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B), with
-# N / 128 times the scale bytes for cuBLAS to read per K tile.
+# N / 128 times the scale bytes for cuBLAS to read per K tile. With one K block a 1 x 128 scale
+# has the shape of a rowwise one ([M, 1], [1, N]) and torch._scaled_mm takes it as such: cuBLAS
+# refused that call on an H100 (torch 2.11, CUDA 13.0; M = 20, K = 32, the rows starting 320
+# bytes into A) where the blockwise form runs, so a reduction of one tile goes in widened to two
+# (_two_tiles: zero columns, scale 1).
 _SCALE_ROWS = 4
 # cuBLAS chooses its kernel for operands aligned to 256 bytes unless told otherwise (the default
 # of its CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES preferences), so an expert's rows are written
@@ -394,6 +398,21 @@ def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=Fal
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
 
+def _two_tiles(q, scale):
+    """An e4m3 operand whose reduction (its last dim, at most 128) is one tile, widened to two:
+    q [R, C] -> [R, 2 * TILE] with zero columns past C (an exact zero product) and scale [R, 1] ->
+    [R, 2] in the outer-dim-major form (strides (1, R)), 1 for the zero tile. torch._scaled_mm
+    takes 1 x 128 scales of one K block for rowwise ones, which cuBLAS refused on an H100 where the
+    rows did not start on a 256-byte boundary (the notes above _SCALE_ROWS); two blocks keep the
+    blockwise form every other call of this path uses."""
+    R, C = q.shape
+    wide = torch.zeros((R, 2 * TILE), dtype=torch.uint8, device=q.device).view(_E4M3)
+    wide[:, :C] = q
+    s = torch.ones((2, R), dtype=torch.float32, device=q.device)
+    s[0] = scale[:, 0]
+    return wide, s.t()
+
+
 def _mm_into(dst, a, b, **scales):
     """torch._scaled_mm's promoted bf16 product of a and b written to ``dst`` (contiguous): in
     place where dst starts on a _OUT_ALIGN boundary, else through an allocation of its own."""
@@ -420,6 +439,13 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     start = 0
     if grouping == "m":
         (T, K), N = a.shape, b.shape[1]
+        if K <= TILE:  # one K tile: both operands widened to two (_two_tiles), once for every expert
+            a, scale_a = _two_tiles(a, scale_a)
+            wb = torch.zeros((*b.shape[:2], 2 * TILE), dtype=torch.uint8, device=b.device).view(_E4M3)
+            wb[..., :K] = b
+            sb = torch.ones((*scale_b.shape[:2], 2), dtype=torch.float32, device=b.device)
+            sb[..., 0] = scale_b[..., 0]  # [E, NB, 1] blocks -> [E, NB, 2]
+            return _blockwise_per_expert(a, scale_a, wb, sb, ends, grouping, False, False)
         out = torch.empty((T, N), dtype=torch.bfloat16, device=a.device)
         last = ends[-1] if ends else 0
         if last < T:
@@ -455,7 +481,12 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     for e, end in enumerate(ends):
         if end > start:
             t0, t1 = start // TILE, end // TILE
-            _mm_into(out[e], a[:, start:end], b[:, start:end].t(), scale_a=scale_a[t0:t1].t(), scale_b=scale_b[t0:t1])
+            ae, be, sa, sb = a[:, start:end], b[:, start:end], scale_a[t0:t1].t(), scale_b[t0:t1]
+            if t1 - t0 == 1:  # an expert of one token tile: both operands widened to two (_two_tiles)
+                ae, sa = _two_tiles(ae, sa)
+                be, sb = _two_tiles(be, sb.t())
+                sb = sb.t()
+            _mm_into(out[e], ae, be.t(), scale_a=sa, scale_b=sb)
         else:
             out[e].zero_()
         start = end
