@@ -745,52 +745,30 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
     g = torch.Generator().manual_seed(5)
     sizes = [0, 1, 2, 3, 4, 5, 17, 130]
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-    T, K, N, E = ends[-1] + 3, 272, 144, len(sizes)
-    x = torch.randn(T, K, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, T, dtype=torch.float64)[:, None]
-    w = torch.randn(E, N, K, generator=g, dtype=torch.float64)
-    w[:, TILE:] *= 64  # the blocks' scales differ along N and K
-    w[:, :, 2 * TILE:] /= 32
-    q, s = row_tiles(x)
-    wq, ws = blocks(w)
-    with _poisoned_empty():  # each expert's rows written in place, the rest zeroed
-        got = _gemm._blockwise_per_expert(q, s.t().contiguous().t(), wq, ws, ends, "m", False)
-    xd = dequantize(q, s, 1, TILE)
-    want = torch.zeros(T, N, dtype=torch.float64)
-    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
-        want[lo:hi] = xd[lo:hi] @ dequantize(wq[e], ws[e], TILE, TILE).t()
-    assert torch.equal(got, want.to(torch.bfloat16))  # rows past the last offset 0, as want's
+    T, N, E = ends[-1] + 3, 144, len(sizes)
 
-    # B's 128 x 128 scales as they are, where K has a multiple of 4 blocks (the last partial)
-    K4 = 496
-    x4 = torch.randn(T, K4, generator=g, dtype=torch.float64)
-    w4 = torch.randn(E, N, K4, generator=g, dtype=torch.float64)
-    w4[:, TILE:] *= 64
-    w4[:, :, 3 * TILE:] /= 32
-    q4, s4 = row_tiles(x4)
-    wq4, ws4 = blocks(w4)
-    xd4 = dequantize(q4, s4, 1, TILE)
-    want = torch.zeros(T, N, dtype=torch.float64)
-    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
-        want[lo:hi] = xd4[lo:hi] @ dequantize(wq4[e], ws4[e], TILE, TILE).t()
-    for square in (False, True):
-        with _poisoned_empty():
-            got = _gemm._blockwise_per_expert(q4, s4.t().contiguous().t(), wq4, ws4, ends, "m", False, square)
-        assert torch.equal(got, want.to(torch.bfloat16)), square
+    def m_grouped(K, k_step):
+        """Operands of K columns (x's rows over 6 decades; w's blocks scaled apart along N and at
+        column k_step * 128) quantised, and the float64 product of their dequantised values."""
+        x = torch.randn(T, K, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, T, dtype=torch.float64)[:, None]
+        w = torch.randn(E, N, K, generator=g, dtype=torch.float64)
+        w[:, TILE:] *= 64  # the blocks' scales differ along N and K
+        w[:, :, k_step * TILE:] /= 32
+        (q, s), (wq, ws) = row_tiles(x), blocks(w)
+        xd = dequantize(q, s, 1, TILE)
+        want = torch.zeros(T, N, dtype=torch.float64)  # rows past the last offset 0
+        for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
+            want[lo:hi] = xd[lo:hi] @ dequantize(wq[e], ws[e], TILE, TILE).t()
+        return (q, s.t().contiguous().t(), wq, ws), want.to(torch.bfloat16)
 
-    # a reduction of one K tile (D = 32, as Megatron's small test models have): sent widened to two
-    K1 = 32
-    x1 = torch.randn(T, K1, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, T, dtype=torch.float64)[:, None]
-    w1 = torch.randn(E, N, K1, generator=g, dtype=torch.float64)
-    w1[:, TILE:] *= 64
-    q1, s1 = row_tiles(x1)
-    wq1, ws1 = blocks(w1)
-    xd1 = dequantize(q1, s1, 1, TILE)
-    want = torch.zeros(T, N, dtype=torch.float64)
-    for e, (lo, hi) in enumerate(zip([0] + ends[:-1], ends)):
-        want[lo:hi] = xd1[lo:hi] @ dequantize(wq1[e], ws1[e], TILE, TILE).t()
-    with _poisoned_empty():
-        got = _gemm._blockwise_per_expert(q1, s1.t().contiguous().t(), wq1, ws1, ends, "m", False)
-    assert torch.equal(got, want.to(torch.bfloat16))
+    # three K tiles, the last partial (K = 272): B's 128 x 128 scales go in as 1 x 128;
+    # four (K = 496): also as they are; one (K = 32, as Megatron's small test models have): widened to two
+    for K, k_step, forms in ((272, 2, (False,)), (496, 3, (False, True)), (32, 1, (False,))):
+        operands, want = m_grouped(K, k_step)
+        for square in forms:
+            with _poisoned_empty():  # each expert's rows written in place, the rest zeroed
+                got = _gemm._blockwise_per_expert(*operands, ends, "m", False, square)
+            assert torch.equal(got, want), (K, square)
 
     # the weight gradients: out[e] = a[:, tokens of e] b[:, tokens of e]^T over 128-padded tokens
     M = 48
