@@ -18,23 +18,10 @@ import sys
 
 import torch
 
+from expertact.moe import _gemm
+from expertact.moe._gemm import TILE, _exact_ints, _exact_scales
+
 E4M3 = torch.float8_e4m3fn
-TILE = 128
-
-
-def ints(shape, m, device):
-    n = 1
-    for s in shape:
-        n *= s
-    return (torch.arange(n, device=device).view(shape) % m - m // 2).float()
-
-
-def pow2(shape, m, device):
-    """Power-of-two scales [tiles, rows] that differ between consecutive tiles of every row (a
-    scale read from the wrong tile changes the product)."""
-    tiles, rows = shape
-    e = (torch.arange(tiles, device=device)[:, None] * 2 + torch.arange(rows, device=device)) % m - m // 2
-    return 2.0 ** e.float()
 
 
 def outcome(call, want):
@@ -44,48 +31,46 @@ def outcome(call, want):
         torch.cuda.synchronize()
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if "illegal memory access" in msg or "launch failure" in msg:
+        if any(k in msg.lower() for k in _gemm._STICKY_CUDA_ERRORS):
             raise  # the context is unusable: no later case could run
         return "refused: " + msg[:110]
     err = ((got.float() - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(1e30).max().item()
     return "ok" if err <= 2.0 ** -8 else f"wrong (relative error {err:.3g})"
 
 
-def m_case(K, offset, M, N, device):
-    """An expert's M rows at row ``offset`` of a row-major A [offset + M, K], its 1 x 128 scales
-    outer-dim-major, B [N, K] given transposed with 1 x 128 scales (the node's non-square form)."""
-    KB = -(-K // TILE)
-    full = ints((offset + M, K), 7, device)
-    a = full.to(E4M3)[offset:]
-    sa = pow2((KB, M), 5, device).t()  # [M, KB], strides (1, M)
-    b = ints((N, K), 5, device)
-    sb = pow2((KB, N), 4, device)  # b^T's scales: [KB, N]
-    want = (full[offset:] * sa.repeat_interleave(TILE, 1)[:, :K]) @ (b * sb.t().repeat_interleave(TILE, 1)[:, :K]).t()
-    want = want.to(torch.bfloat16).float()
-    bq = b.to(E4M3)
+def _case(full, part, sa, b, sb, device):
+    """torch._scaled_mm of A = full[part] [M, K] (a view into full, starting where the node's
+    expert would) and b [N, K] given transposed, both 1 x 128 along K (sa [M, KB], sb [KB, N]), as
+    the node calls it and on a fresh copy of A; the exact product rounded once to bf16; A's start
+    past a 256-byte boundary."""
+    a = full[part]
+    K = a.shape[1]
+    want = (a * sa.repeat_interleave(TILE, 1)[:, :K]) @ (b * sb.t().repeat_interleave(TILE, 1)[:, :K]).t()
+    aq, bq, sa, sb = full.to(device, E4M3)[part], b.to(device, E4M3), sa.to(device), sb.to(device)
 
     def run(a_):
         return lambda: torch._scaled_mm(a_, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                         use_fast_accum=False)
-    return run(a), run(a.clone()), want, a.data_ptr() % 256
+    return run(aq), run(aq.clone()), want.to(torch.bfloat16).float().to(device), aq.data_ptr() % 256
+
+
+def m_case(K, offset, M, N, device):
+    """An expert's M rows at row ``offset`` of a row-major A [offset + M, K], its 1 x 128 scales
+    outer-dim-major, B [N, K] given transposed with 1 x 128 scales (the node's non-square form)."""
+    KB = -(-K // TILE)
+    sa = _exact_scales((KB, M), 5).t()  # [M, KB], strides (1, M)
+    return _case(_exact_ints((offset + M, K), 7), (slice(offset, None),), sa, _exact_ints((N, K), 5),
+                 _exact_scales((KB, N), 4), device)
 
 
 def k_case(tiles, offset_tiles, M, N, device):
     """A weight gradient's expert: ``tiles`` 128-token tiles starting at tile ``offset_tiles`` of
     token-major operands a [M, Tp] and b [N, Tp], their 128 x 1 column tiles' scales."""
     Tp = (offset_tiles + tiles) * TILE
-    af, bf = ints((M, Tp), 7, device), ints((N, Tp), 5, device)
-    saf, sbf = pow2((Tp // TILE, M), 5, device), pow2((Tp // TILE, N), 3, device)
-    lo, hi = offset_tiles * TILE, Tp
-    a, b = af.to(E4M3)[:, lo:hi], bf.to(E4M3)[:, lo:hi]
-    sa, sb = saf[offset_tiles:].t(), sbf[offset_tiles:]
-    want = ((af[:, lo:hi] * sa.repeat_interleave(TILE, 1)) @ (bf[:, lo:hi] * sb.t().repeat_interleave(TILE, 1)).t())
-    want = want.to(torch.bfloat16).float()
-
-    def run(a_):
-        return lambda: torch._scaled_mm(a_, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                        use_fast_accum=False)
-    return run(a), run(a.clone()), want, a.data_ptr() % 256
+    tokens = (slice(None), slice(offset_tiles * TILE, Tp))
+    sa = _exact_scales((Tp // TILE, M), 5)[offset_tiles:].t()
+    return _case(_exact_ints((M, Tp), 7), tokens, sa, _exact_ints((N, Tp), 5)[tokens],
+                 _exact_scales((Tp // TILE, N), 3)[offset_tiles:], device)
 
 
 def main(argv=None) -> int:

@@ -792,7 +792,8 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
 def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
     """The probe that admits torch._scaled_mm on a GPU, run on the CPU: its forms (B's scales
     1 x 128 and 128 x 128) keep the contract and pass it; a torch._scaled_mm that reads one K
-    tile's scales for all, leaves its output unwritten, or refuses a form, is named."""
+    tile's scales for all (or, in the weight gradients, B's first token tile's), leaves its output
+    unwritten, or refuses a form, is named."""
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_contract)
     assert _gemm._scaled_mm_probe(torch.device("cpu")) is None
     assert _gemm._scaled_mm_probe(torch.device("cpu"), True) is None
@@ -809,6 +810,14 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
         why = _gemm._scaled_mm_probe(torch.device("cpu"), square)
         assert re.fullmatch(rf"this torch \(.*\) gives wrong values in torch._scaled_mm with {form} scales on cpu "
                             rf"\(m-grouped, \(M, K, N\) = {shape}: relative error .*\)", why), why
+
+    def first_token_tile_of_b(a, b, scale_a=None, scale_b=None, **kw):  # the weight gradients' B only
+        wgrad = a.shape[0] == _gemm._PROBE_K[0]
+        return _scaled_mm_contract(a, b, scale_a, scale_b[:1].expand_as(scale_b).contiguous() if wgrad else scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", first_token_tile_of_b)
+    why = _gemm._scaled_mm_probe(torch.device("cpu"))
+    assert re.fullmatch(r"this torch \(.*\) gives wrong values .* \(k-grouped, .*\)", why), why
 
     def unwritten(*a, out=None, **kw):
         got = _scaled_mm_contract(*a, **kw)

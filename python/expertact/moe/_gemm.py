@@ -223,7 +223,7 @@ _SQUARE = {}  # device index -> None (B's 128 x 128 scales passed the probe ther
 # has the shape of a rowwise one ([M, 1], [1, N]) and torch._scaled_mm takes it as such: cuBLAS
 # refused that call on an H100 (torch 2.11, CUDA 13.0; M = 20, K = 32, the rows starting 320
 # bytes into A) where the blockwise form runs, so a reduction of one tile goes in widened to two
-# (_two_tiles: zero columns, scale 1).
+# (_widened: zero columns; _unit_tile: their scale 1).
 _SCALE_ROWS = 4
 # cuBLAS chooses its kernel for operands aligned to 256 bytes unless told otherwise (the default
 # of its CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES preferences), so an expert's rows are written
@@ -301,6 +301,21 @@ _PROBE_M = {False: (28, 272, 32, [3, 24, 24]), True: (28, 496, 272, [3, 24, 24])
 _PROBE_K = (16, 32, [128, 128, 384])
 
 
+def _exact_ints(shape, m):
+    """Small integers (-(m // 2) up to m - 1 - m // 2) as float32: exact in e4m3, and their
+    products' sums exact in float32."""
+    return (torch.arange(math.prod(shape)).view(shape) % m - m // 2).float()
+
+
+def _exact_scales(shape, m, tile_dim=0):
+    """Power-of-two scales (exponents -(m // 2) up to m - 1 - m // 2, m >= 3) whose exponent
+    differs by 2 (mod m) between neighbouring tiles along ``tile_dim`` at every other index: a
+    scale read from the wrong tile changes the product."""
+    idx = torch.arange(math.prod(shape)).view(shape)
+    tile = torch.arange(shape[tile_dim]).view([-1 if d == tile_dim % len(shape) else 1 for d in range(len(shape))])
+    return 2.0 ** ((2 * tile + idx - tile * idx.stride(tile_dim)) % m - m // 2).float()
+
+
 def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
     """Each form _blockwise_per_expert sends torch._scaled_mm (B's scales 128 x 128 with
     ``square``, else 1 x 128; the weight-gradient form with the 1 x 128 one), on ``device``, on
@@ -309,18 +324,16 @@ def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
     within bf16's rounding, else what differs (a scale read from the wrong place is off by a
     power of two, a row left unwritten is whatever the allocator held). Raises what
     torch._scaled_mm raises."""
-    def ints(shape, m):
-        return (torch.arange(math.prod(shape)).view(shape) % m - m // 2).float().to(_E4M3)
-
-    def pow2(shape, m):
-        return 2.0 ** (torch.arange(math.prod(shape)).view(shape) * 3 % m - m // 2).float()
-
     T, K, N, ends = _PROBE_M[square]
     KB, NB = -(-K // TILE), -(-N // TILE)
-    m_args = (ints((T, K), 7), pow2((KB, T), 5).t(), ints((len(ends), N, K), 5), pow2((len(ends), NB, KB), 4))
+    def q(shape, m):
+        return _exact_ints(shape, m).to(_E4M3)
+
+    E = len(ends)
+    m_args = (q((T, K), 7), _exact_scales((KB, T), 5).t(), q((E, N, K), 5), _exact_scales((E, NB, KB), 4, 2))
     M, Nk, pends = _PROBE_K
     Tp = pends[-1]
-    k_args = (ints((M, Tp), 7), pow2((Tp // TILE, M), 5), ints((Nk, Tp), 5), pow2((Tp // TILE, Nk), 3))
+    k_args = (q((M, Tp), 7), _exact_scales((Tp // TILE, M), 5), q((Nk, Tp), 5), _exact_scales((Tp // TILE, Nk), 3))
     problems = [("m", m_args, ends, (T, K, N))]
     if not square:  # the weight-gradient form has no 128 x 128 scales
         problems.append(("k", k_args, pends, (M, Tp, Nk)))
@@ -398,19 +411,19 @@ def blockwise_gmm(a, scale_a, b, scale_b, ends, grouping="m", out_transposed=Fal
     return _blockwise_emulated(a, scale_a, b, scale_b, ends, grouping, out_transposed)
 
 
-def _two_tiles(q, scale):
-    """An e4m3 operand whose reduction (its last dim, at most 128) is one tile, widened to two:
-    q [R, C] -> [R, 2 * TILE] with zero columns past C (an exact zero product) and scale [R, 1] ->
-    [R, 2] in the outer-dim-major form (strides (1, R)), 1 for the zero tile. torch._scaled_mm
-    takes 1 x 128 scales of one K block for rowwise ones, which cuBLAS refused on an H100 where the
-    rows did not start on a 256-byte boundary (the notes above _SCALE_ROWS); two blocks keep the
-    blockwise form every other call of this path uses."""
-    R, C = q.shape
-    wide = torch.zeros((R, 2 * TILE), dtype=torch.uint8, device=q.device).view(_E4M3)
-    wide[:, :C] = q
-    s = torch.ones((2, R), dtype=torch.float32, device=q.device)
-    s[0] = scale[:, 0]
-    return wide, s.t()
+def _widened(q):
+    """An e4m3 operand whose reduction (its last dim, at most 128 long) is one tile, as two:
+    [..., C] -> [..., 2 * TILE], zero past C, so the second tile adds an exact 0 (why: the notes
+    above _SCALE_ROWS)."""
+    wide = torch.zeros((*q.shape[:-1], 2 * TILE), dtype=torch.uint8, device=q.device).view(_E4M3)
+    wide[..., :q.shape[-1]] = q
+    return wide
+
+
+def _unit_tile(scale, dim=0):
+    """The scales of a _widened operand: ``scale``, one tile along ``dim``, with a second tile of
+    scale 1 (the zero tile's); contiguous."""
+    return torch.cat([scale, torch.ones_like(scale)], dim)
 
 
 def _mm_into(dst, a, b, **scales):
@@ -439,13 +452,9 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     start = 0
     if grouping == "m":
         (T, K), N = a.shape, b.shape[1]
-        if K <= TILE:  # one K tile: both operands widened to two (_two_tiles), once for every expert
-            a, scale_a = _two_tiles(a, scale_a)
-            wb = torch.zeros((*b.shape[:2], 2 * TILE), dtype=torch.uint8, device=b.device).view(_E4M3)
-            wb[..., :K] = b
-            sb = torch.ones((*scale_b.shape[:2], 2), dtype=torch.float32, device=b.device)
-            sb[..., 0] = scale_b[..., 0]  # [E, NB, 1] blocks -> [E, NB, 2]
-            return _blockwise_per_expert(a, scale_a, wb, sb, ends, grouping, False, False)
+        if K <= TILE:  # one K tile: both operands widened to two (_widened), once for every expert
+            return _blockwise_per_expert(_widened(a), _unit_tile(scale_a.t()).t(), _widened(b),
+                                         _unit_tile(scale_b, -1), ends, grouping, False, False)
         out = torch.empty((T, N), dtype=torch.bfloat16, device=a.device)
         last = ends[-1] if ends else 0
         if last < T:
@@ -481,12 +490,10 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     for e, end in enumerate(ends):
         if end > start:
             t0, t1 = start // TILE, end // TILE
-            ae, be, sa, sb = a[:, start:end], b[:, start:end], scale_a[t0:t1].t(), scale_b[t0:t1]
-            if t1 - t0 == 1:  # an expert of one token tile: both operands widened to two (_two_tiles)
-                ae, sa = _two_tiles(ae, sa)
-                be, sb = _two_tiles(be, sb.t())
-                sb = sb.t()
-            _mm_into(out[e], ae, be.t(), scale_a=sa, scale_b=sb)
+            ae, be, sa, sb = a[:, start:end], b[:, start:end], scale_a[t0:t1], scale_b[t0:t1]
+            if t1 - t0 == 1:  # an expert of one token tile: both operands widened to two (_widened)
+                ae, be, sa, sb = _widened(ae), _widened(be), _unit_tile(sa), _unit_tile(sb)
+            _mm_into(out[e], ae, be.t(), scale_a=sa.t(), scale_b=sb)
         else:
             out[e].zero_()
         start = end

@@ -96,8 +96,8 @@ MUTANTS = [
             '"rowwise-bf16-wgrad": Fp8Form(blockwise=False, wgrad_fp8=True, wgrad_fast_accum=False)',
             [FP8_MLP], '"rowwise-bf16-wgrad"\'s weight gradients as FP8 GEMMs', k=_RECIPE_K["rowwise-bf16-wgrad"]),
     _mutant("blockwise-one-k-tile-sent-as-is", "python/expertact/moe/_gemm.py",
-            "        if K <= TILE:  # one K tile: both operands widened to two (_two_tiles), once for every expert\n",
-            "        if False:  # one K tile: both operands widened to two (_two_tiles), once for every expert\n",
+            "        if K <= TILE:  # one K tile: both operands widened to two (_widened), once for every expert\n",
+            "        if False:  # one K tile: both operands widened to two (_widened), once for every expert\n",
             [FP8_MLP], "an M-grouped blockwise GEMM of one K tile sent to torch._scaled_mm as it is (scales that "
             "torch takes for rowwise ones)", k="scaled_mm"),
     # 4. blockwise scales (C++: the tile schedule and the scale, shared by CPU and CUDA)
