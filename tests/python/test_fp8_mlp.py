@@ -670,7 +670,8 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     bt, sbt = b.t(), scale_b.t()
     assert scale_a.dtype == scale_b.dtype == torch.float32
     assert tiles_1x128(a, scale_a), (scale_a.shape, scale_a.stride())
-    assert _cdiv(K) > 1, "one K block: torch._scaled_mm takes these scales as rowwise ones, which cuBLAS refused"
+    assert _cdiv(K) > 1, ("one K block: torch._scaled_mm takes these scales as rowwise ones, which cuBLAS "
+                          "refused")
     assert M % 4 == 0, f"cuBLAS refuses an outer-dim-major scale of {M} rows"
     square = blocks_128(bt, sbt)
     assert square or tiles_1x128(bt, sbt), (scale_b.shape, scale_b.stride())
@@ -813,7 +814,8 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
 
     def first_token_tile_of_b(a, b, scale_a=None, scale_b=None, **kw):  # the weight gradients' B only
         wgrad = a.shape[0] == _gemm._PROBE_K[0]
-        return _scaled_mm_contract(a, b, scale_a, scale_b[:1].expand_as(scale_b).contiguous() if wgrad else scale_b, **kw)
+        sb = scale_b[:1].expand_as(scale_b).contiguous() if wgrad else scale_b
+        return _scaled_mm_contract(a, b, scale_a, sb, **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", first_token_tile_of_b)
     why = _gemm._scaled_mm_probe(torch.device("cpu"))
