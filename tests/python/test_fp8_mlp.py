@@ -648,10 +648,10 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     an H200 (an outer-dim-major scale's leading dimension a multiple of 4: M = 17 is refused; a
     128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
     where that changes nothing) and an H100 (scales of one K block, which torch takes as rowwise
-    ones: refused at M = 20, K = 32 on rows 320 bytes into A, so never sent), computed on the CPU on the exactly dequantised operands in
-    ``acc`` and rounded once to bf16; with ``out``, written there (a contiguous [M, N] bf16
-    tensor, as the out= form resizes nothing, starting where cuBLAS assumes by default: on a
-    256-byte boundary)."""
+    ones: refused at M = 20, K = 32 on rows 320 bytes into A, so never sent), computed on the CPU
+    on the exactly dequantised operands in ``acc`` and rounded once to bf16; with ``out``, written
+    there (a contiguous [M, N] bf16 tensor, as the out= form resizes nothing, starting where
+    cuBLAS assumes by default: on a 256-byte boundary)."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16 and not use_fast_accum
     (M, K), (K2, N) = a.shape, b.shape
     assert K == K2 and K % 16 == 0 and N % 16 == 0, (a.shape, b.shape)
