@@ -589,6 +589,7 @@ def result_record(args, engine, setup, layout, run, gathered, activation, device
         loss=run["losses"], step_time_s=step_time, step_time_s_per_rank=[g["times"] for g in gathered],
         peak_allocated_bytes_per_step_per_rank=[g["peaks"] for g in gathered],
         peak_allocated_bytes_per_rank=peak_per_rank,
+        tensor_bytes_alive_at_start_per_rank=[g["alive"] for g in gathered],
         mean_step_time_s=mean_step,
         rows_received_per_step=run["rows"], busiest_rank_rows_per_step=busiest,
         experts_share=_share_record(gathered, s["layers"], mean_step),
@@ -614,55 +615,61 @@ def run_one(args, registry, device, rank, world):
     ds_entry, run_entry, enabled = activation
     log("registry", ACTIVATION, "DeepSpeed:", ds_entry, "in use:", run_entry, "enable():", enabled)
 
+    alive = alive_tensor_bytes(device)
     engine, setup = build_engine(args)
-    layout = autoep_layout(engine, args.sizes)
-    log(f"AutoEP: {len(layout.moe_layers)} layers, ep_size {layout.ep_size}, experts per rank {layout.owned}, "
-        f"activation {layout.act}, expert GEMMs {layout.grouped}, gate_up_impl {layout.first.experts.gate_up_impl}; "
-        f"experts' forward {type(layout.first.experts).forward.__qualname__}; optimizer {type(engine.optimizer).__name__}; "
-        "setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
-    engine.train()
-    run = train(args, engine, setup["corpus"], layout, registry, device, rank, world, log)
-    fwd = type(layout.first.experts).forward
-    run["experts_forward"] = f"{fwd.__module__}.{fwd.__qualname__}"
-    share = None
-    if args.expert_share and device.type == "cuda":
-        if args.impl in autoep_fp8.TORCHAO_IMPLS:
-            # The share's copy of the experts is a plain module given torchao's converted weights;
-            # on the H200 an illegal memory access surfaced at the copy's first synchronize, after
-            # the 300 steps had run, and ended the process before the run's JSON was written.
-            log("experts' share not measured: torchao's converted weights do not carry into the copy it times")
-        else:
-            share = expert_share(layout, run, device)
+    try:
+        layout = autoep_layout(engine, args.sizes)
+        experts = layout.first.experts
+        log(f"AutoEP: {len(layout.moe_layers)} layers, ep_size {layout.ep_size}, experts per rank {layout.owned}, "
+            f"activation {layout.act}, expert GEMMs {layout.grouped}, gate_up_impl {experts.gate_up_impl}; "
+            f"experts' forward {type(experts).forward.__qualname__}; "
+            f"optimizer {type(engine.optimizer).__name__}; "
+            "setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
+        engine.train()
+        run = train(args, engine, setup["corpus"], layout, registry, device, rank, world, log)
+        fwd = type(layout.first.experts).forward
+        run["experts_forward"] = f"{fwd.__module__}.{fwd.__qualname__}"
+        share = None
+        if args.expert_share and device.type == "cuda":
+            if args.impl in autoep_fp8.TORCHAO_IMPLS:
+                # The share's copy of the experts is a plain module given torchao's converted weights;
+                # on the H200 an illegal memory access surfaced at the copy's first synchronize, after
+                # the 300 steps had run, and ended the process before the run's JSON was written.
+                log("experts' share not measured: torchao's converted weights do not carry into the copy it times")
+            else:
+                share = expert_share(layout, run, device)
 
-    if args.record_grads:
-        os.makedirs(args.out, exist_ok=True)
-        params = {n: autoep_fp8.plain(p).float().clone() for n, p in engine.module.named_parameters()}
-        torch.save(dict(loss=run["losses"], grads=run["grads"], params=params),
-                   os.path.join(args.out, f"{args.tag}.rank{rank}.pt"))
-    xds.disable()
-    if describe_entry(registry[ACTIVATION]) != ds_entry or xds.experts_enabled():
-        raise SystemExit("autoep_train.py: expertact.deepspeed.disable() did not restore DeepSpeed's entry")
+        if args.record_grads:
+            os.makedirs(args.out, exist_ok=True)
+            params = {n: autoep_fp8.plain(p).float().clone() for n, p in engine.module.named_parameters()}
+            torch.save(dict(loss=run["losses"], grads=run["grads"], params=params),
+                       os.path.join(args.out, f"{args.tag}.rank{rank}.pt"))
+        xds.disable()
+        if describe_entry(registry[ACTIVATION]) != ds_entry or xds.experts_enabled():
+            raise SystemExit("autoep_train.py: expertact.deepspeed.disable() did not restore DeepSpeed's entry")
 
-    # Every rank's times and peaks go to rank 0.
-    gathered = [None] * world
-    tdist.all_gather_object(gathered, dict(rank=rank, times=run["times"], peaks=run["peaks"], share=share))
-    if rank == 0:
-        result = result_record(args, engine, setup, layout, run, gathered, activation, device, world)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, args.tag + ".json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}" for p in result["peak_allocated_bytes_per_rank"])
-        share_txt = ""
-        if result["experts_share"] is not None:
-            share_txt = f", experts {result['experts_share']['share_of_step']:.0%} of the step"
-        log(f"done: final loss {run['losses'][-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
-            f"(steps {args.sizes['warmup']}..{args.sizes['steps'] - 1}), peak GiB per rank [{peaks_txt}]{share_txt}, "
-            f"busiest rank rows/step/layer max {max(result['busiest_rank_rows_per_step'])} -> {path}")
-    del engine
+        # Every rank's times and peaks go to rank 0.
+        gathered = [None] * world
+        tdist.all_gather_object(gathered, dict(rank=rank, times=run["times"], peaks=run["peaks"], share=share,
+                                               alive=alive))
+        if rank == 0:
+            result = result_record(args, engine, setup, layout, run, gathered, activation, device, world)
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, args.tag + ".json")
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+            peaks_txt = ", ".join("n/a" if p is None else f"{p / 2**30:.2f}"
+                                  for p in result["peak_allocated_bytes_per_rank"])
+            share_txt = ""
+            if result["experts_share"] is not None:
+                share_txt = f", experts {result['experts_share']['share_of_step']:.0%} of the step"
+            log(f"done: final loss {run['losses'][-1]:.4f}, mean step {result['mean_step_time_s'] * 1e3:.1f} ms "
+                f"(steps {args.sizes['warmup']}..{args.sizes['steps'] - 1}), "
+                f"peak GiB per rank [{peaks_txt}]{share_txt}, "
+                f"busiest rank rows/step/layer max {max(result['busiest_rank_rows_per_step'])} -> {path}")
+    finally:
+        release_engine(engine)
     dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -695,24 +702,61 @@ def main(argv=None):
                 raise
             failed.append(impl)
             traceback.print_exc()
-            release_failed_run(device)
+            switch_off()
+        collect(device)  # out of the except clause, whose traceback holds the failed run's frames
     tdist.destroy_process_group()
     if failed:
         raise SystemExit(f"autoep_train.py: {len(failed)} run(s) failed: {', '.join(failed)} (the traceback of "
                          "each above); the launch's other runs completed and wrote their JSONs")
 
 
-def release_failed_run(device):
-    """After a run that raised: expertact's switch off (DeepSpeed's forward and activations as
-    shipped) and the failed run's memory returned, so that the next run starts as a fresh one."""
+def alive_tensor_bytes(device) -> int:
+    """Bytes of the storages of every tensor alive on ``device``, after a garbage collection: at a
+    run's start, what earlier runs of the launch left behind (it adds to every peak of the run)."""
     import gc
     import torch
-    import expertact.deepspeed as xds
 
-    xds.disable()
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device == device and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+                continue
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def release_engine(engine):
+    """DeepSpeed's destroy() of the run's engine: it removes the ZeRO optimizer's gradient hooks,
+    which the autograd engine holds on the parameters' gradient accumulators and which hold the
+    optimizer. Without it every run left its parameters, master weights and Adam states alive
+    (2.1 GiB a run at config h200, seen on the GPU) and each later run of a launch peaked that much
+    higher. The memory itself goes when run_one's frame does (main's collect())."""
+    destroy = getattr(engine, "destroy", None)
+    if destroy is not None:
+        destroy()
+
+
+def collect(device):
+    """A finished run's memory returned: its objects collected, the allocator's cache emptied."""
+    import gc
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def switch_off():
+    """After a run that raised: expertact's switch off (DeepSpeed's forward and activations as
+    shipped), so that the next run starts as a fresh one (its memory: main's collect())."""
+    import expertact.deepspeed as xds
+
+    xds.disable()
 
 
 if __name__ == "__main__":

@@ -416,6 +416,11 @@ def test_two_rank_autoep_whole_mlp_on_cpu(tmp_path):
         assert res["params_per_rank_after_autoep"] < res["params_before_autoep"]  # experts are sharded
     eager = json.loads((tmp_path / "tiny-eager.json").read_text())
     assert eager["step0_calls"] == {"fn": 2, "fused_fn": 0, "packed_fused_fn": 0}
+    # Each run starts with what the first started with: no run keeps an earlier run's model and
+    # optimizer alive (each would add 1.5 MB here, 2.1 GiB a run at config h200, to the peaks).
+    for impl in impls:
+        alive = json.loads((tmp_path / f"tiny-{impl}.json").read_text())["tensor_bytes_alive_at_start_per_rank"]
+        assert alive == eager["tensor_bytes_alive_at_start_per_rank"], (impl, alive)
     for rank in (0, 1):
         for impl in impls[1:]:
             grads = _same_training(tmp_path, "tiny-eager", f"tiny-{impl}", rank)
