@@ -8,6 +8,8 @@ benchmark's clock times them (CUDA events around forward and backward).
 
     python bench/mlp_kernel_profile.py            # expert_mlp(fp8="rowwise")
     python bench/mlp_kernel_profile.py expertact  # any row name of python -m expertact.bench --mlp --fp8
+    python bench/mlp_kernel_profile.py fp8-blockwise --shape 8,32768,1024,3072
+        # experts, rows each, D, F: here one MoE layer of the AutoEP training (docs/BENCHMARKS.md 13)
 """
 import sys
 import time
@@ -18,10 +20,17 @@ from torch.profiler import ProfilerActivity, profile
 from expertact.bench import fp8 as table
 from expertact.bench import mlp
 
-impl = sys.argv[1] if len(sys.argv) > 1 else "fp8"
+argv = sys.argv[1:]
+E, ROWS, D, F = 4, 261280, 3072, 3072
+if "--shape" in argv:
+    i = argv.index("--shape")
+    E, ROWS, D, F = (int(v) for v in argv[i + 1].split(","))
+    del argv[i:i + 2]
+impl = argv[0] if argv else "fp8"
 args = table.parse_args([])
-inp = mlp.MlpInputs(4, 261280, 3072, 3072, torch.bfloat16, torch.device("cuda"), False)
-fn = table.make_fn(impl, args, inp.offsets, 3072)
+inp = mlp.MlpInputs(E, ROWS, D, F, torch.bfloat16, torch.device("cuda"), False)
+fn = table.make_fn(impl, args, inp.offsets, F)
+print(f"{impl}: {E} experts x {ROWS} rows, D = {D}, F = {F}")
 
 
 def step():

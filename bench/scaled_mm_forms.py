@@ -7,9 +7,11 @@ _blockwise_per_expert) at the edges its probe does not reach: an M-grouped exper
 starting at a row offset (A's start then lies offset * K bytes into its tensor) with K of one
 to three 128-column tiles, and a K-grouped expert's one or two 128-token tiles starting at a
 token offset. With one K tile the 1 x 128 scales have the shapes of rowwise scales ([M, 1] and
-[1, N]). Each case also runs on a fresh copy of A (a 256-byte boundary), to tell A's alignment
-from the shape. Values are small integers and power-of-two scales: every product is exact in
-float32, so "ok" means bit-equal to the exact sum rounded once to bf16.
+[1, N]); such a case also runs widened to two K tiles (the second zero, of scale 1: the form the
+node sends, since an H100 refused one with N = 96). Each case also runs on a fresh copy of A (a
+256-byte boundary), to tell A's alignment from the shape. Values are small integers and
+power-of-two scales: every product is exact in float32, so "ok" means bit-equal to the exact sum
+rounded once to bf16.
 
     python bench/scaled_mm_forms.py [--markdown FILE]     (a CUDA GPU; on the CPU it says so)
 """
@@ -19,7 +21,7 @@ import sys
 import torch
 
 from expertact.moe import _gemm
-from expertact.moe._gemm import TILE, _exact_ints, _exact_scales
+from expertact.moe._gemm import TILE, _exact_ints, _exact_scales, _unit_tile, _widened
 
 E4M3 = torch.float8_e4m3fn
 
@@ -40,18 +42,22 @@ def outcome(call, want):
 
 def _case(full, part, sa, b, sb, device):
     """torch._scaled_mm of A = full[part] [M, K] (a view into full, starting where the node's
-    expert would) and b [N, K] given transposed, both 1 x 128 along K (sa [M, KB], sb [KB, N]), as
-    the node calls it and on a fresh copy of A; the exact product rounded once to bf16; A's start
-    past a 256-byte boundary."""
+    expert would) and b [N, K] given transposed, both 1 x 128 along K (sa [M, KB], sb [KB, N]):
+    runners for A as that view, for a fresh copy of A, and (None unless K is one tile) for both
+    operands widened to two K tiles; the exact product rounded once to bf16; A's start past a
+    256-byte boundary."""
     a = full[part]
     K = a.shape[1]
     want = (a * sa.repeat_interleave(TILE, 1)[:, :K]) @ (b * sb.t().repeat_interleave(TILE, 1)[:, :K]).t()
     aq, bq, sa, sb = full.to(device, E4M3)[part], b.to(device, E4M3), sa.to(device), sb.to(device)
 
-    def run(a_):
-        return lambda: torch._scaled_mm(a_, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+    def run(a_, b_=bq, sa_=sa, sb_=sb):
+        return lambda: torch._scaled_mm(a_, b_.t(), scale_a=sa_, scale_b=sb_, out_dtype=torch.bfloat16,
                                         use_fast_accum=False)
-    return run(aq), run(aq.clone()), want.to(torch.bfloat16).float().to(device), aq.data_ptr() % 256
+    wide = None
+    if K <= TILE:  # as _blockwise_per_expert sends it: A's scales [M, 2] outer-dim-major, B's [2, N]
+        wide = run(_widened(aq), _widened(bq), _unit_tile(sa.t()).t(), _unit_tile(sb))
+    return run(aq), run(aq.clone()), wide, want.to(torch.bfloat16).float().to(device), aq.data_ptr() % 256
 
 
 def m_case(K, offset, M, N, device):
@@ -82,23 +88,24 @@ def main(argv=None) -> int:
         return 0
     dev = torch.device("cuda")
     rows = []
-    for K in (32, 128, 160, 272):  # one K tile (32, 128), two (160), three (272, the probe's)
+    # one K tile (32, 128; N = 96 as in the H100's refusal), two (160), three (272, the probe's)
+    for K, N in ((32, 96), (32, 128), (128, 96), (128, 128), (160, 128), (272, 128)):
         for offset in (0, 5, 8, 10, 20):  # A's start offset * K bytes in: 256-, 128-, 64-, 32-byte aligned
             for M in (8, 20):
-                a, a_copy, want, align = m_case(K, offset, M, 128, dev)
-                rows.append((f"m-grouped K = {K} ({-(-K // TILE)} tile(s))", f"row {offset}, {M} rows",
-                             align, outcome(a, want), outcome(a_copy, want)))
+                a, a_copy, wide, want, align = m_case(K, offset, M, N, dev)
+                rows.append((f"m-grouped K = {K} ({-(-K // TILE)} tile(s)), N = {N}", f"row {offset}, {M} rows",
+                             align, outcome(a, want), outcome(a_copy, want), wide and outcome(wide, want)))
     for tiles in (1, 2):
         for off in (0, 1, 2, 3):
-            a, a_copy, want, align = k_case(tiles, off, 32, 48, dev)
+            a, a_copy, wide, want, align = k_case(tiles, off, 32, 48, dev)
             rows.append((f"k-grouped, {tiles} token tile(s)", f"token {off * TILE}", align,
-                         outcome(a, want), outcome(a_copy, want)))
+                         outcome(a, want), outcome(a_copy, want), wide and outcome(wide, want)))
     name = torch.cuda.get_device_name(dev)
     lines = [f"## torch._scaled_mm's blockwise forms on {name}", "",
              f"torch {torch.__version__}, CUDA {torch.version.cuda}; `python bench/scaled_mm_forms.py`", "",
-             "| GEMM | where the expert starts | A's start past a 256-byte boundary (bytes) | as the node calls it | "
-             "A copied to a fresh tensor |", "|---|---|---:|---|---|"]
-    lines += [f"| {g} | {w} | {al} | {o} | {c} |" for g, w, al, o, c in rows]
+             "| GEMM | where the expert starts | A's start past a 256-byte boundary (bytes) | A a view at its rows | "
+             "A copied to a fresh tensor | widened to two K tiles |", "|---|---|---:|---|---|---|"]
+    lines += [f"| {g} | {w} | {al} | {o} | {c} | {wd or '—'} |" for g, w, al, o, c, wd in rows]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

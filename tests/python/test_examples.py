@@ -245,29 +245,27 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:5] == ["test-fp8", "scaled-mm-forms", "train-autoep-seed2", "train-autoep-seed3",
-                       "train-autoep-blockwise-seeds"]
-    assert len(fp8) == len(set(fp8)) == 14
-    # the runs a comparison reads together share a session (one machine): the AutoEP seeds, the
-    # 1,000-step runs, the fine-tuning's
+    assert fp8[:3] == ["scaled-mm-forms", "profile-fp8-autoep", "test-fp8"]
+    assert len(fp8) == len(set(fp8)) == 11
+    # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
+    # fine-tuning's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep-seed2"] == session_of["train-autoep-seed3"] == session_of[
-        "train-autoep-blockwise-seeds"]
     assert session_of["train-autoep-1000-bf16"] == session_of["train-autoep-1000-fp8"]
     assert session_of["finetune-fp8-yardsticks"] == session_of["finetune-fp8"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, "fp8-accuracy", "train-autoep", "train-autoep-fp8"],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    seeds = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds"]  # (run, out of the plan)
+    dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, *seeds, "fp8-accuracy", "train-autoep",
+                          "train-autoep-fp8"], capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
-    for st in fp8:
+    for st in fp8 + seeds:
         assert re.search(rf"^{st}: ", dry, re.M), st
     assert re.search(r"^train-autoep-seed3: .*\n.*autoep_train.py .*--seed 3 ", dry, re.M)
-    assert fp8.index("train-autoep-blockwise-seeds") > fp8.index("train-autoep-seed3")
+    assert re.search(r"^profile-fp8-autoep: .*\n.*mlp_kernel_profile.py .*--shape 8,32768,1024,3072", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
     # megatron_moe.py imports megatron-core (Python >= 3.12): its IMPLS read from its source

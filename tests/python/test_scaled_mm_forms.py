@@ -25,9 +25,9 @@ def _dequantising_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
 
 
 def _cases():
-    for K in (32, 256, 384):
+    for K, N in ((32, 96), (256, 128), (384, 128)):
         for offset, M in ((0, 8), (10, 20)):
-            yield forms.m_case(K, offset, M, 128, torch.device("cpu"))
+            yield forms.m_case(K, offset, M, N, torch.device("cpu"))
     for tiles, off in ((1, 0), (1, 3), (2, 1)):
         yield forms.k_case(tiles, off, 32, 48, torch.device("cpu"))
 
@@ -39,8 +39,13 @@ def no_sync(monkeypatch):
 
 def test_every_case_is_exact_under_the_scale_rules(monkeypatch, no_sync):
     monkeypatch.setattr(torch, "_scaled_mm", _dequantising_mm)
-    for run, run_copy, want, _ in _cases():
+    widened = 0
+    for run, run_copy, wide, want, _ in _cases():
         assert forms.outcome(run, want) == "ok" and forms.outcome(run_copy, want) == "ok"
+        if wide is not None:
+            widened += 1
+            assert forms.outcome(wide, want) == "ok"
+    assert widened == 4  # K = 32 at two offsets, the K-grouped single tiles
 
 
 def test_a_misread_scale_and_a_refusal_are_named(monkeypatch, no_sync):
@@ -48,7 +53,7 @@ def test_a_misread_scale_and_a_refusal_are_named(monkeypatch, no_sync):
         return _dequantising_mm(a, b, scale_a[:, :1].expand_as(scale_a), scale_b[:1].expand_as(scale_b), **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", first_tile_scale)
-    run, _, want, _ = forms.m_case(384, 10, 20, 128, torch.device("cpu"))
+    run, _, _, want, _ = forms.m_case(384, 10, 20, 128, torch.device("cpu"))
     assert forms.outcome(run, want).startswith("wrong (relative error")
 
     def refuse(*a, **k):
