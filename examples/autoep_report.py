@@ -139,6 +139,12 @@ def late_loss(run, n):
     return sum(run["loss"][-n:]) / n
 
 
+# Tensor bytes alive at a run's start (autoep_train.py records them) from which the table says that
+# the run's peak is not its own: a launch's earlier run left that much held (until fbd00e9 each run
+# left its engine's parameters and optimizer states: 2.13 GiB at config h200).
+LEFT_ALIVE = 64 * 2**20
+
+
 def peak(run):
     """Per-rank peak allocated bytes (after the warm-up steps), or None off CUDA."""
     p = run.get("peak_allocated_bytes_per_rank") or []
@@ -174,6 +180,9 @@ def table(groups):
                 diff, t_vs = "—", "—"
             p, pref = peak(run), peak(ref) if ref is not None else None
             mem = " / ".join(f"{v / GIB:.2f}" for v in p) if p else "n/a"
+            left = max(run.get("tensor_bytes_alive_at_start_per_rank") or [0])
+            if p and left >= LEFT_ALIVE:  # not the run's own peak: an earlier run's memory was still held
+                mem += f" (incl. {left / GIB:.2f} alive before the run)"
             m_vs = pct(max(p), max(pref)) if p and pref and run is not ref else "—"
             rows = run["busiest_rank_rows_per_step"]
             rows_txt = f"{sum(rows) / len(rows):,.0f} / {max(rows):,}"
