@@ -89,7 +89,8 @@ FINETUNE_FP8=${FINETUNE_FP8:-rowwise-promoted-wgrad}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
-       train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep)
+       train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
+       bench-fp8-operands)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/
 # and gpu-session-h100-2026-12-05/: every recipe at three seeds beside DeepSpeed's default, the module bench,
 # Megatron's trainings on text): no recipe met the default's rule (blockwise trains inside the band at every
@@ -97,8 +98,8 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
 # H100) and where blockwise's training step goes at AutoEP's shape, then the tests and the operand kernels'
 # and GEMMs' profiles at the busiest rank's, Megatron's GPU tests, the longer runs of the promoted recipe
 # by name, the bench of AutoEP's rows, the fine-tuning.
-PLAN=(scaled-mm-forms profile-fp8-autoep test-fp8 profile-fp8 bench-fp8-gemms test-megatron train-autoep-1000-bf16
-      train-autoep-1000-fp8 bench-autoep finetune-fp8-yardsticks finetune-fp8)
+PLAN=(scaled-mm-forms profile-fp8-autoep bench-fp8-operands test-fp8 profile-fp8 bench-fp8-gemms test-megatron
+      train-autoep-1000-bf16 train-autoep-1000-fp8 bench-autoep finetune-fp8-yardsticks finetune-fp8)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -135,7 +136,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
-                [profile-fp8-autoep]=45)
+                [profile-fp8-autoep]=45 [bench-fp8-operands]=40)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -382,6 +383,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     profile-fp8-autoep)  # one MoE layer of the AutoEP training: where blockwise's step loses to bf16's
       run_stage "$st" "$D" "$PY" bash -c "for impl in expertact fp8-promoted-wgrad fp8-blockwise; do
           '$PY' bench/mlp_kernel_profile.py \$impl --shape 8,32768,1024,3072 || exit 1; done" ;;
+    bench-fp8-operands)  # each operand kernel's rate, blockwise beside rowwise, at both shapes
+      run_stage "$st" "$D" "$PY" bash -c "'$PY' bench/fp8_operand_kernels.py --markdown '$D/busiest.md' &&
+          '$PY' bench/fp8_operand_kernels.py --shape 8,32768,1024,3072 --markdown '$D/autoep.md'" ;;
     train-autoep-seed*)
       local seed=${st#train-autoep-seed}
       # (a run that fails leaves the launch's others and the reports to run; the stage fails)

@@ -245,8 +245,8 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:3] == ["scaled-mm-forms", "profile-fp8-autoep", "test-fp8"]
-    assert len(fp8) == len(set(fp8)) == 11
+    assert fp8[:3] == ["scaled-mm-forms", "profile-fp8-autoep", "bench-fp8-operands"]
+    assert len(fp8) == len(set(fp8)) == 12
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
     # fine-tuning's
     session_of = {}
@@ -266,6 +266,7 @@ def test_gpu_session_plan_and_dry_run():
         assert re.search(rf"^{st}: ", dry, re.M), st
     assert re.search(r"^train-autoep-seed3: .*\n.*autoep_train.py .*--seed 3 ", dry, re.M)
     assert re.search(r"^profile-fp8-autoep: .*\n.*mlp_kernel_profile.py .*--shape 8,32768,1024,3072", dry, re.M)
+    assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
     # megatron_moe.py imports megatron-core (Python >= 3.12): its IMPLS read from its source

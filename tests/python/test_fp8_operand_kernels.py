@@ -1,0 +1,28 @@
+"""bench/fp8_operand_kernels.py on the CPU: its byte counts are those of the blockwise node's table
+in docs/notes/fp8-recipes.md (96.3 GB at the busiest rank's shape), the rowwise passes move more
+(a second read of dy, the bf16 dgate_up written and read again), and the script runs every pass
+of both recipes through expertact.fp8 at a small shape and writes its table."""
+import importlib.util
+import pathlib
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "fp8_operand_kernels.py"
+spec = importlib.util.spec_from_file_location("fp8_operand_kernels", SCRIPT)
+ops = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ops)
+
+
+def test_the_bytes_are_the_notes_table():
+    t = ops.traffic(4 * 261280, 3072, 3072)
+    gb = {k: (b / 1e9, r / 1e9) for k, (b, r) in t.items()}
+    assert [round(b, 1) for b, _ in gb.values()] == [9.6, 16.1, 12.8, 16.1, 32.1, 9.6]
+    assert round(sum(b for b, _ in gb.values()), 1) == 96.3
+    assert round(gb["dy's operands"][1], 1) == 19.3 and round(gb["dgate_up's operands"][1], 1) == 57.8
+    assert all(r >= b for b, r in gb.values()) and round(sum(r for _, r in gb.values()), 1) == 128.4
+
+
+def test_every_pass_runs_on_the_cpu(tmp_path, capsys):
+    md = tmp_path / "ops.md"
+    assert ops.main(["--shape", "2,256,128,256", "--device", "cpu", "--markdown", str(md)]) == 0
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and not line.startswith("| pass")]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(ops.traffic(1, 1, 1)) + ["all six"]
+    assert "CPU (reference path" in md.read_text() and md.read_text() in capsys.readouterr().out + "\n"
