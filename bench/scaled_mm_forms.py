@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from expertact.bench.common import write_outputs
 from expertact.moe import _gemm
 from expertact.moe._gemm import TILE, _exact_ints, _exact_scales, _unit_tile, _widened
 
@@ -108,9 +109,7 @@ def main(argv=None) -> int:
     lines += [f"| {g} | {w} | {al} | {o} | {c} | {wd or '—'} |" for g, w, al, o, c, wd in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text)
+    write_outputs(None, args.markdown, None, text, quiet=True)
     return 0
 
 
