@@ -140,8 +140,8 @@ def late_loss(run, n):
 
 
 # Tensor bytes alive at a run's start (autoep_train.py records them) from which the table says that
-# the run's peak is not its own: a launch's earlier run left that much held (until fbd00e9 each run
-# left its engine's parameters and optimizer states: 2.13 GiB at config h200).
+# the run's peak is not its own: a launch's earlier run left that much held (a DeepSpeed engine that
+# is not destroyed keeps its parameters and optimizer states: 2.13 GiB at config h200).
 LEFT_ALIVE = 64 * 2**20
 
 
