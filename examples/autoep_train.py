@@ -627,7 +627,7 @@ def run_one(args, registry, device, rank, world):
             "setup s: " + ", ".join(f"{k} {v:.1f}" for k, v in setup["seconds"].items()))
         engine.train()
         run = train(args, engine, setup["corpus"], layout, registry, device, rank, world, log)
-        fwd = type(layout.first.experts).forward
+        fwd = type(experts).forward
         run["experts_forward"] = f"{fwd.__module__}.{fwd.__qualname__}"
         share = None
         if args.expert_share and device.type == "cuda":
