@@ -55,6 +55,9 @@
 #                          their baselines (after train-autoep-seed2 and -seed3 on the same machine), then
 #                          the report over every seed's folder again
 #   bench-fp8-gemms        python -m expertact.bench --fp8-gemms (where this expertact has it)
+#   train-autoep-step      the training step of blockwise beside the bf16 MLP in place (AutoEP h200, 300
+#                          steps, default seed, the experts' share): a change to blockwise's speed read where
+#                          the default's rule reads it
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
 #   profile-fp8            bench/mlp_kernel_profile.py for rowwise-bf16-wgrad, rowwise-promoted-wgrad and
@@ -90,7 +93,7 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
-       bench-fp8-operands)
+       bench-fp8-operands train-autoep-step)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/
 # and gpu-session-h100-2026-12-05/: every recipe at three seeds beside DeepSpeed's default, the module bench,
 # Megatron's trainings on text): no recipe met the default's rule (blockwise trains inside the band at every
@@ -136,7 +139,8 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
-                [profile-fp8-autoep]=45 [bench-fp8-operands]=40)
+                [profile-fp8-autoep]=45 [bench-fp8-operands]=40
+                [train-autoep-step]=230)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -401,6 +405,10 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
             --impl mlp-fp8-blockwise || rc=1; done
           ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png' || rc=1
           exit \$rc" ;;
+    train-autoep-step)  # the step of blockwise beside the bf16 MLP in place (the fastest bf16 MLP of the
+      # seed runs), 300 steps at the default seed, with the experts' share: a speed change read in training
+      run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --expert-share --out "$S/$st/autoep" \
+        --impl mlp-inplace,mlp-fp8-blockwise ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

@@ -258,13 +258,15 @@ def test_gpu_session_plan_and_dry_run():
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    seeds = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds"]  # (run, out of the plan)
+    seeds = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds",  # (run, out of the plan)
+             "train-autoep-step"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, *seeds, "fp8-accuracy", "train-autoep",
                           "train-autoep-fp8"], capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
     for st in fp8 + seeds:
         assert re.search(rf"^{st}: ", dry, re.M), st
     assert re.search(r"^train-autoep-seed3: .*\n.*autoep_train.py .*--seed 3 ", dry, re.M)
+    assert re.search(r"^train-autoep-step: .*autoep_train.py .*--impl mlp-inplace,mlp-fp8-blockwise", dry, re.M)
     assert re.search(r"^profile-fp8-autoep: .*\n.*mlp_kernel_profile.py .*--shape 8,32768,1024,3072", dry, re.M)
     assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
