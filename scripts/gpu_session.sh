@@ -405,8 +405,8 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
             --impl mlp-fp8-blockwise || rc=1; done
           ${AUTOEP_REPORT[*]} --in '$S'/train-autoep-seed*/autoep --md '$D/autoep-seeds.md' --png '$D/autoep-seeds-loss.png' || rc=1
           exit \$rc" ;;
-    train-autoep-step)  # the step of blockwise beside the bf16 MLP in place (the fastest bf16 MLP of the
-      # seed runs), 300 steps at the default seed, with the experts' share: a speed change read in training
+    train-autoep-step)  # beside the bf16 MLP in place: the seed runs' only bf16 MLP, the one the default's
+      # rule compared blockwise's step against
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --expert-share --out "$S/$st/autoep" \
         --impl mlp-inplace,mlp-fp8-blockwise ;;
     train-autoep-1000-bf16)
