@@ -78,6 +78,27 @@ struct BwdTileSrc {
   __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t KB) const {
     return tiles::paired_column_tile(paired, i, KB);
   }
+  // Paired, a pair's source (gate's, up's and dy's columns) once, at its first tile, two ahead;
+  // interleaved, the next tile's; halves of F not a multiple of 128 (a tile across the halves)
+  // none.
+  __device__ __forceinline__ int64_t prefetch_tile(int64_t i, int64_t kb1, int64_t KB) const {
+    if (paired) return i % 2 == 0 && i + 2 < kb1 ? column_tile(i + 2, KB) : -1;
+    return step == 2 && i + 1 < kb1 ? i + 1 : -1;
+  }
+  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
+    const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // packed column p at gr[p]
+    const T* dyr = dy + row * dy_stride;
+    const int64_t es = sizeof(T);
+    if (step == 2) {  // packed columns c0 .. c0 + n - 1: dy's c0 / 2 ..
+      tiles::prefetch_span(gr + c0, n * es, part);
+      tiles::prefetch_span(dyr + c0 / 2, (n + 1) / 2 * es, part);
+      return;
+    }
+    const int64_t j0 = c0 - (c0 >= q_u && c0 < q_u + F ? q_u : q_g);
+    tiles::prefetch_span(gr + q_g + j0, n * es, part);
+    tiles::prefetch_span(gr + q_u + j0, n * es, part);
+    tiles::prefetch_span(dyr + j0, n * es, part);
+  }
   // The gradient of gate_up's F column j of the row: (dg, du), and its term of the weights'
   // gradient.
   __device__ __forceinline__ void grad(const T* gr, const T* dyr, const T* bgr, const T* bur, float wr, int64_t j,
@@ -187,7 +208,7 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
                                        static_cast<T*>(d.dgu),
                                        d.dgu_stride,
                                        {}};
-      return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, st,
+      return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, cuda::sm_count(p.device_id), st,
                                        "fp8 glu backward tiles kernel launch");
     });
   });

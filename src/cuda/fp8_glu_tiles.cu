@@ -35,6 +35,12 @@ struct GluTileSrc : tiles::NoTileState {
   int64_t E;
   math::Coeffs cf;
   __device__ __forceinline__ int64_t expert_of_row(int64_t r) const { return bg ? detail::expert_of(offs, E, r) : E; }
+  // gate's and up's elements of columns c0 .. c0 + n - 1 (interleaved: the same span twice).
+  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
+    const int64_t len = ((n - 1) * step + 1) * static_cast<int64_t>(sizeof(T));
+    tiles::prefetch_span(g + row * g_stride + c0 * step, len, part);
+    tiles::prefetch_span(u + row * u_stride + c0 * step, len, part);
+  }
   __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) const {
     const T* gr = g + row * g_stride;
     const T* ur = u + row * u_stride;
@@ -87,7 +93,7 @@ Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const deta
                                  bias ? bias->er.offsets : nullptr,
                                  bias ? bias->er.experts : 0,
                                  cf};
-      return tiles::launch_tiles(src, o, p.rows, p.F, grid_x, false, st, what);
+      return tiles::launch_tiles(src, o, p.rows, p.F, grid_x, false, sm_count(p.device_id), st, what);
     });
   });
 }

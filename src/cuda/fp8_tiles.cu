@@ -17,6 +17,9 @@ struct PlainTileSrc : tiles::NoTileState {
   const T* x;
   int64_t stride;
   bool vec;
+  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
+    tiles::prefetch_span(x + row * stride + c0, n * static_cast<int64_t>(sizeof(T)), part);
+  }
   __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, float (&v)[4]) const {
     const T* p = x + row * stride + c;
     if (vec && nv == 4) {
@@ -108,7 +111,8 @@ Status cuda_fp8_tiles(const TileSrc& s, const TileOut& o, void* stream) {
     using T = decltype(t);
     const bool vec = cuda::tiles::plain_vec4(s, sizeof(T));
     return cuda::tiles::launch_tiles(cuda::PlainTileSrc<T>{{}, static_cast<const T*>(s.x), s.x_stride, vec}, o,
-                                     s.rows, s.cols, grid_x, false, st, "fp8 tiles kernel launch");
+                                     s.rows, s.cols, grid_x, false, cuda::sm_count(s.device_id), st,
+                                     "fp8 tiles kernel launch");
   });
 }
 

@@ -19,7 +19,10 @@
 // expert_of_row(row); column_tile(i, KB): the i-th column tile a block takes (an order that
 // reads the same source columns twice in a row, so the second read comes from the cache);
 // kMinBlocks: the blocks an SM must hold (2 where the source's registers allow it, so that one
-// block's loads overlap another's reductions and stores).
+// block's loads overlap another's reductions and stores); prefetch_tile(i, kb1, KB) and
+// prefetch(row, c0, n, part): the column tile whose source goes into L2 while tile i is worked
+// (-1: none), and that prefetch, a quarter of one row's lines a thread (where one block fills an
+// SM, nothing else overlaps its loads).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +55,15 @@ __device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align)
 #pragma unroll
     for (int i = 0; i < 16; ++i) dst[i] = static_cast<uint8_t>(ws[i / 4] >> (8 * (i % 4)));
   }
+}
+
+// The 128-byte lines of [p, p + len) fetched into L2, the work split over 4 threads (part 0 .. 3):
+// a hint, so only addresses the source will load are given.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_span(const void* p, int64_t len, int part) {
+  const char* b = static_cast<const char*>(p);
+  for (int64_t off = 128 * part; off < len; off += 512) prefetch_l2(b + off);
+  if (part == 3 && len > 0) prefetch_l2(b + len - 1);  // the last line, when p is not on a line
 }
 
 // The column tiles' staging (fp8_tiles_plan.h: the swizzle, stage_slot / stage_pair): column
@@ -169,20 +181,28 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
       __syncthreads();
     }
     src.begin_tile();
-    for (int64_t i = kb0; i < kb1; ++i) quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e);
+    for (int64_t i = kb0; i < kb1; ++i) {
+      // The source of a later column tile into L2 (4 threads a row), so that HBM streams it while
+      // this one is reduced and stored: one block an SM has no other block's loads to overlap.
+      const int64_t next = src.prefetch_tile(i, kb1, KB);
+      if (next >= 0 && static_cast<int>(threadIdx.x >> 2) < t.n) {
+        const int64_t c0 = next * kTile;
+        src.prefetch(t.r0 + (threadIdx.x >> 2), c0, cols - c0 < kTile ? cols - c0 : kTile, threadIdx.x & 3);
+      }
+      quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e);
+    }
     src.end_tile(t, threadIdx.x >> 5, threadIdx.x & 31);
     if constexpr (Src::kRowExperts) __syncthreads();  // row_e is written again by the next tile
   }
 }
 
 // Launches tiles_kernel over grid_x blocks of tiles (the schedule's count or fewer: the blocks
-// loop) and the column tiles: all of a tile's in one block (all_columns: the backward's row sums
-// run over them in a fixed order), else one a block (more when there are over 65,535).
+// loop) and the column tiles, tiles_per_block of a tile's a block (sms: the device's SMs).
 template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
-                    bool all_columns, cudaStream_t st, const char* what) {
+                    bool all_columns, int64_t sms, cudaStream_t st, const char* what) {
   const int64_t KB = (cols + kTile - 1) / kTile;
-  const int64_t per = all_columns ? (KB > 0 ? KB : 1) : (KB > 0 ? (KB + 65534) / 65535 : 1);
+  const int64_t per = tiles_per_block(KB, grid_x, all_columns, sms);
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
@@ -210,6 +230,11 @@ struct NoTileState {
   __device__ __forceinline__ void end_tile(const detail::TileRows&, int, int) {}
   __device__ __forceinline__ int64_t expert_of_row(int64_t) const { return 0; }
   __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t) const { return i; }
+  // The column tile whose source to prefetch while column tile i of [.., kb1) is quantised (-1:
+  // none), and its prefetch: `row`'s source of columns c0 .. c0 + n - 1, part (0 .. 3) of it.
+  __device__ __forceinline__ int64_t prefetch_tile(int64_t i, int64_t kb1, int64_t) const {
+    return i + 1 < kb1 ? i + 1 : -1;
+  }
 };
 
 }  // namespace expertact::cuda::tiles

@@ -65,6 +65,21 @@ EA_HD int64_t paired_column_tile(bool paired, int64_t i, int64_t KB) {
   return paired ? (i % 2 ? KB / 2 + i / 2 : i / 2) : i;
 }
 
+// Blocks an SM a launch of column tiles shared among blocks should give (tiles_per_block).
+constexpr int64_t kBlocksPerSm = 8;
+
+// The column tiles of a row tile each block takes in turn (all_columns: all of them, the
+// backward's row sums run over them in a fixed order): as many as leave every SM kBlocksPerSm
+// blocks (a block prefetches its next tile's source: the more it takes, the fewer tiles start
+// cold), at least enough that grid y stays within 65,535.
+inline int64_t tiles_per_block(int64_t KB, int64_t grid_x, bool all_columns, int64_t sms) {
+  if (KB <= 0) return 1;
+  const int64_t least = (KB + 65534) / 65535;
+  if (all_columns) return KB;
+  const int64_t want = grid_x * KB / ((sms > 0 ? sms : 1) * kBlocksPerSm);
+  return want < least ? least : (want > KB ? KB : want);
+}
+
 // The column tiles' staging (fp8_tiles.cuh, quantize_tile): column c of the tile (one row of
 // q_t's tile, its 128 rows as 128 bytes) in 16 slots of 8 bytes; warp w's 8 rows go to slot
 // stage_slot(c, w) = w ^ ((c / 4) % 16). The 32 lanes of a warp write columns 4 l + j, 128 bytes

@@ -168,6 +168,25 @@ TEST(TilesPlan, BackwardPairsColumnTilesOnlyOnWholeHalves) {
   }
 }
 
+TEST(TilesPlan, ColumnTilesABlockTakes) {
+  // All of them where asked (the backward's row sums), whatever the grid.
+  EXPECT_EQ(tiles::tiles_per_block(48, 8165, true, 132), 48);
+  EXPECT_EQ(tiles::tiles_per_block(48, 1, true, 132), 48);
+  // The busiest rank's shape (8,165 row tiles, F = 3,072): every tile of a row in one block.
+  EXPECT_EQ(tiles::tiles_per_block(24, 8165, false, 132), 24);
+  // Few rows: one tile a block, every SM still busy.
+  EXPECT_EQ(tiles::tiles_per_block(24, 8, false, 132), 1);
+  // Between: kBlocksPerSm blocks an SM.
+  const int64_t per = tiles::tiles_per_block(24, 200, false, 132);
+  EXPECT_EQ(per, 200 * 24 / (132 * tiles::kBlocksPerSm));
+  EXPECT_GE(200 * ((24 + per - 1) / per), 132 * tiles::kBlocksPerSm);
+  // Grid y within 65,535 however few the rows; no column tiles: one.
+  const int64_t KB = 200000;
+  EXPECT_LE((KB + tiles::tiles_per_block(KB, 1, false, 132) - 1) / tiles::tiles_per_block(KB, 1, false, 132), 65535);
+  EXPECT_EQ(tiles::tiles_per_block(0, 10, false, 132), 1);
+  EXPECT_EQ(tiles::tiles_per_block(5, 10, false, 0), 5);
+}
+
 TEST(TilesPlan, StoreWidthsOfTheOutputs) {
   TileOut o;
   o.q_t = const_cast<void*>(at(kBase));
