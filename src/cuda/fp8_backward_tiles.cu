@@ -112,6 +112,15 @@ struct BwdTileSrc {
     if (bgr) gv += to_f(bgr[o]), uv += to_f(bur[o]);
     math::glu_bwd<A>(gv, uv, dyv, wr, cf, dg, du, term);
   }
+  // Paired with 4-value loads, a pair's first tile computes each element's gradient of both halves
+  // (glu_bwd gives both) and leaves the other half's here for the pair's second tile: thread t's
+  // 4 values of its k-th row in slot (k, t), written and read by t alone (no barrier), float32 as
+  // computed, so the second tile quantises the same values the recomputation gave.
+  static constexpr int kStashBytes = tiles::kRowsPerWarp * tiles::kThreads * sizeof(float4);
+  __device__ __forceinline__ float4* stash_slot(int k) const {
+    extern __shared__ float4 bwd_stash[];
+    return bwd_stash + k * tiles::kThreads + threadIdx.x;
+  }
   __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) {
     const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
     const T* dyr = dy + row * dy_stride;
@@ -128,6 +137,27 @@ struct BwdTileSrc {
         v[jj] = dg;
         v[jj + 1] = du;
         part[k] += term;
+      }
+    } else if (paired && vec) {  // (nv is 4: F a multiple of 128) the pair's first tile computes both halves
+      float4* slot = stash_slot(k);
+      if (c >= F) {
+        const float4 o = *slot;
+        v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
+      } else {
+        const bool up = c >= q_u && c < q_u + F;
+        const int64_t j0 = c - (up ? q_u : q_g);
+        const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + q_g + j0);
+        const Pack<T, 4> upk = *reinterpret_cast<const Pack<T, 4>*>(gr + q_u + j0);
+        const Pack<T, 4> dp = *reinterpret_cast<const Pack<T, 4>*>(dyr + j0);
+        float other[4];
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
+          v[jj] = up ? du : dg;
+          other[jj] = up ? dg : du;
+          part[k] += term;  // gate's tiles ascending either way: the same order of terms
+        }
+        *slot = make_float4(other[0], other[1], other[2], other[3]);
       }
     } else if (vec && nv == 4) {  // c .. c + 3 in one half (F and c multiples of 4)
       const bool up = c >= q_u && c < q_u + F;
@@ -209,7 +239,8 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
                                        d.dgu_stride,
                                        {}};
       return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, cuda::sm_count(p.device_id), st,
-                                       "fp8 glu backward tiles kernel launch");
+                                       "fp8 glu backward tiles kernel launch",
+                                       src.paired && src.vec ? src.kStashBytes : 0);
     });
   });
 }

@@ -200,14 +200,19 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
 // loop) and the column tiles, tiles_per_block of a tile's a block (sms: the device's SMs).
 template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
-                    bool all_columns, int64_t sms, cudaStream_t st, const char* what) {
+                    bool all_columns, int64_t sms, cudaStream_t st, const char* what, int dynamic_smem = 0) {
   const int64_t KB = (cols + kTile - 1) / kTile;
   const int64_t per = tiles_per_block(KB, grid_x, all_columns, sms);
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
-  tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, 0, st>>>(
-      src, o, align_of(o, rows, cols), rows, cols, per);
+  if (dynamic_smem > 0) {  // over 48 KiB a block must be allowed first
+    const Status s = cuda_check(
+        cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem), what);
+    if (s != Status::kOk) return s;
+  }
+  tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, dynamic_smem,
+                      st>>>(src, o, align_of(o, rows, cols), rows, cols, per);
   return cuda_check(cudaGetLastError(), what);
 }
 
