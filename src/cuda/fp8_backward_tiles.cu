@@ -138,10 +138,9 @@ struct BwdTileSrc {
         v[jj + 1] = du;
         part[k] += term;
       }
-    } else if (paired && vec) {  // (nv is 4: F a multiple of 128) the pair's first tile computes both halves
-      float4* slot = stash_slot(k);
-      if (c >= F) {
-        const float4 o = *slot;
+    } else if (vec && nv == 4) {  // c .. c + 3 in one half (F and c multiples of 4; paired: always)
+      if (paired && c >= F) {  // a pair's second tile: what its first left
+        const float4 o = *stash_slot(k);
         v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
       } else {
         const bool up = c >= q_u && c < q_u + F;
@@ -155,21 +154,9 @@ struct BwdTileSrc {
           grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
           v[jj] = up ? du : dg;
           other[jj] = up ? dg : du;
-          part[k] += term;  // gate's tiles ascending either way: the same order of terms
+          if (paired || !up) part[k] += term;  // paired, gate's tiles ascend either way: the same order
         }
-        *slot = make_float4(other[0], other[1], other[2], other[3]);
-      }
-    } else if (vec && nv == 4) {  // c .. c + 3 in one half (F and c multiples of 4)
-      const bool up = c >= q_u && c < q_u + F;
-      const int64_t j0 = c - (up ? q_u : q_g);
-      const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + q_g + j0);
-      const Pack<T, 4> upk = *reinterpret_cast<const Pack<T, 4>*>(gr + q_u + j0);
-      const Pack<T, 4> dp = *reinterpret_cast<const Pack<T, 4>*>(dyr + j0);
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
-        v[jj] = up ? du : dg;
-        if (!up) part[k] += term;
+        if (paired) *stash_slot(k) = make_float4(other[0], other[1], other[2], other[3]);
       }
     } else {
 #pragma unroll
