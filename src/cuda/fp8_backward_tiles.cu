@@ -78,26 +78,23 @@ struct BwdTileSrc {
   __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t KB) const {
     return tiles::paired_column_tile(paired, i, KB);
   }
-  // Paired, a pair's source (gate's, up's and dy's columns) once, at its first tile, two ahead;
-  // interleaved, the next tile's; halves of F not a multiple of 128 (a tile across the halves)
-  // none.
-  __device__ __forceinline__ int64_t prefetch_tile(int64_t i, int64_t kb1, int64_t KB) const {
-    if (paired) return i % 2 == 0 && i + 2 < kb1 ? column_tile(i + 2, KB) : -1;
-    return step == 2 && i + 1 < kb1 ? i + 1 : -1;
+  // Streaming (fp8_tiles.cuh), one buffer beside the stash: paired with 4-value loads, a pair's
+  // gate, up and dy columns, copied while the pair before is worked (after its first tile's
+  // loads); the second tile of a pair reads the stash, nothing else.
+  using PackT = Pack<T, 4>;
+  static constexpr int kPacks = 3;
+  static constexpr bool kTwoBuffers = false;
+  __device__ __forceinline__ int64_t stream_next(int64_t i, int64_t kb1) const {
+    return paired && vec && i % 2 == 0 && i + 2 < kb1 ? i + 2 : -1;
   }
-  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
-    const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // packed column p at gr[p]
-    const T* dyr = dy + row * dy_stride;
-    const int64_t es = sizeof(T);
-    if (step == 2) {  // packed columns c0 .. c0 + n - 1: dy's c0 / 2 ..
-      tiles::prefetch_span(gr + c0, n * es, part);
-      tiles::prefetch_span(dyr + c0 / 2, (n + 1) / 2 * es, part);
-      return;
-    }
-    const int64_t j0 = c0 - (c0 >= q_u && c0 < q_u + F ? q_u : q_g);
-    tiles::prefetch_span(gr + q_g + j0, n * es, part);
-    tiles::prefetch_span(gr + q_u + j0, n * es, part);
-    tiles::prefetch_span(dyr + j0, n * es, part);
+  __device__ __forceinline__ bool streams(int64_t c, int nv) const {
+    return step != 2 && vec && nv == 4 && !(paired && c >= F);
+  }
+  // Pack j (gate's, up's, dy's) of the F columns under packed columns c .. c + 3 (one half).
+  __device__ __forceinline__ const PackT* pack_src(int j, int64_t row, int64_t c) const {
+    const int64_t j0 = c - (c >= q_u && c < q_u + F ? q_u : q_g);
+    if (j == 2) return reinterpret_cast<const PackT*>(dy + row * dy_stride + j0);
+    return reinterpret_cast<const PackT*>((q_g == 0 ? g : u) + row * x_stride + (j == 0 ? q_g : q_u) + j0);
   }
   // The gradient of gate_up's F column j of the row: (dg, du), and its term of the weights'
   // gradient.
@@ -121,7 +118,8 @@ struct BwdTileSrc {
     extern __shared__ float4 bwd_stash[];
     return bwd_stash + k * tiles::kThreads + threadIdx.x;
   }
-  __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) {
+  __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, const PackT* s,
+                                       float (&v)[4]) {
     const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
     const T* dyr = dy + row * dy_stride;
     const float wr = w ? w[row * w_stride] : 1.0f;
@@ -145,9 +143,9 @@ struct BwdTileSrc {
       } else {
         const bool up = c >= q_u && c < q_u + F;
         const int64_t j0 = c - (up ? q_u : q_g);
-        const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + q_g + j0);
-        const Pack<T, 4> upk = *reinterpret_cast<const Pack<T, 4>*>(gr + q_u + j0);
-        const Pack<T, 4> dp = *reinterpret_cast<const Pack<T, 4>*>(dyr + j0);
+        const PackT gp = s ? s[0] : *pack_src(0, row, c);
+        const PackT upk = s ? s[tiles::kThreads] : *pack_src(1, row, c);
+        const PackT dp = s ? s[2 * tiles::kThreads] : *pack_src(2, row, c);
         float other[4];
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
@@ -226,8 +224,7 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
                                        d.dgu_stride,
                                        {}};
       return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, cuda::sm_count(p.device_id), st,
-                                       "fp8 glu backward tiles kernel launch",
-                                       src.paired && src.vec ? src.kStashBytes : 0);
+                                       "fp8 glu backward tiles kernel launch");
     });
   });
 }

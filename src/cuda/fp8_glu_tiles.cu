@@ -35,20 +35,22 @@ struct GluTileSrc : tiles::NoTileState {
   int64_t E;
   math::Coeffs cf;
   __device__ __forceinline__ int64_t expert_of_row(int64_t r) const { return bg ? detail::expert_of(offs, E, r) : E; }
-  // gate's and up's elements of columns c0 .. c0 + n - 1 (interleaved: the same span twice).
-  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
-    const int64_t len = ((n - 1) * step + 1) * static_cast<int64_t>(sizeof(T));
-    tiles::prefetch_span(g + row * g_stride + c0 * step, len, part);
-    tiles::prefetch_span(u + row * u_stride + c0 * step, len, part);
+  // Streaming (fp8_tiles.cuh): a lane's 4 columns of gate and of up where they take one access.
+  using PackT = Pack<T, 4>;
+  static constexpr int kPacks = 2;
+  __device__ __forceinline__ bool streams(int64_t, int nv) const { return vec && nv == 4; }
+  __device__ __forceinline__ const PackT* pack_src(int j, int64_t row, int64_t c) const {
+    return reinterpret_cast<const PackT*>(j == 0 ? g + row * g_stride + c : u + row * u_stride + c);
   }
-  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, float (&v)[4]) const {
+  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, const PackT* s,
+                                       float (&v)[4]) const {
     const T* gr = g + row * g_stride;
     const T* ur = u + row * u_stride;
     const float wr = w ? w[row * w_stride] : 1.0f;
     const bool has_b = bg != nullptr && e >= 0 && e < E;
     if (vec && nv == 4) {
-      const Pack<T, 4> gp = *reinterpret_cast<const Pack<T, 4>*>(gr + c);
-      const Pack<T, 4> up = *reinterpret_cast<const Pack<T, 4>*>(ur + c);
+      const PackT gp = s ? s[0] : *pack_src(0, row, c);
+      const PackT up = s ? s[tiles::kThreads] : *pack_src(1, row, c);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) value(pack_f(gp, jj), pack_f(up, jj), wr, has_b, e, c + jj, v[jj]);
       return;

@@ -17,13 +17,17 @@ struct PlainTileSrc : tiles::NoTileState {
   const T* x;
   int64_t stride;
   bool vec;
-  __device__ __forceinline__ void prefetch(int64_t row, int64_t c0, int64_t n, int part) const {
-    tiles::prefetch_span(x + row * stride + c0, n * static_cast<int64_t>(sizeof(T)), part);
+  using PackT = Pack<T, 4>;
+  static constexpr int kPacks = 1;
+  __device__ __forceinline__ bool streams(int64_t, int nv) const { return vec && nv == 4; }
+  __device__ __forceinline__ const PackT* pack_src(int, int64_t row, int64_t c) const {
+    return reinterpret_cast<const PackT*>(x + row * stride + c);
   }
-  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, float (&v)[4]) const {
+  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, const PackT* s,
+                                       float (&v)[4]) const {
     const T* p = x + row * stride + c;
     if (vec && nv == 4) {
-      const Pack<T, 4> pk = *reinterpret_cast<const Pack<T, 4>*>(p);
+      const PackT pk = s ? *s : *pack_src(0, row, c);
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[j] = pack_f(pk, j);
     } else {

@@ -19,10 +19,13 @@
 // expert_of_row(row); column_tile(i, KB): the i-th column tile a block takes (an order that
 // reads the same source columns twice in a row, so the second read comes from the cache);
 // kMinBlocks: the blocks an SM must hold (2 where the source's registers allow it, so that one
-// block's loads overlap another's reductions and stores); prefetch_tile(i, kb1, KB) and
-// prefetch(row, c0, n, part): the column tile whose source goes into L2 while tile i is worked
-// (-1: none), and that prefetch, a quarter of one row's lines a thread (where one block fills an
-// SM, nothing else overlaps its loads).
+// block's loads overlap another's reductions and stores). Streaming (Stream<Src>): a source's
+// kPacks packs of 4 elements (PackT) a row and lane, at pack_src(j, row, c) where streams(c, nv),
+// are copied into shared memory (cp.async) while an earlier column tile is worked, and load gets
+// them there (s: pack j at s[j * kThreads]; null: load from global memory). One block fills an
+// SM (4 warps a scheduler), too few to cover DRAM's latency with a row's loads at a time, and
+// the registers hold no more. stream_next(i, kb1): the column tile whose copies are issued while
+// tile i is worked (-1: none); with two buffers before tile i's loads, with one after them.
 #pragma once
 
 #include <cstdint>
@@ -57,15 +60,6 @@ __device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align)
   }
 }
 
-// The 128-byte lines of [p, p + len) fetched into L2, the work split over 4 threads (part 0 .. 3):
-// a hint, so only addresses the source will load are given.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
-__device__ __forceinline__ void prefetch_span(const void* p, int64_t len, int part) {
-  const char* b = static_cast<const char*>(p);
-  for (int64_t off = 128 * part; off < len; off += 512) prefetch_l2(b + off);
-  if (part == 3 && len > 0) prefetch_l2(b + len - 1);  // the last line, when p is not on a line
-}
-
 // The column tiles' staging (fp8_tiles_plan.h: the swizzle, stage_slot / stage_pair): column
 // c's 128 bytes (one row of q_t's tile) in 16 slots of 8 bytes, read back 16 bytes a thread.
 struct Stage {
@@ -82,10 +76,11 @@ __device__ __forceinline__ uint4 stage_read16(const Stage& st, int c, int h) {
 // Column tile kb (columns 128 kb ..) of tile t: the values, then the row tiles (o.q) and the
 // column tiles (o.q_t, when t has them). red: the column amax's exchange between warps; stage:
 // the column tiles' bytes on their way to q_t.
-template <typename Src>
+template <typename Src, typename AfterLoad>
 __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
                                               const detail::TileOut& o, const Align& al, float (*red)[kTile],
-                                              Stage& stage, const int32_t* row_e) {
+                                              Stage& stage, const int32_t* row_e,
+                                              const typename Src::PackT* slots, AfterLoad after_load) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   const int64_t c = kb * kTile + 4 * l;
   const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
@@ -95,8 +90,11 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
     const int i = kRowsPerWarp * w + k;
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
-    if (i < t.n && nv > 0) src.load(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e, v[k]);
+    if (i < t.n && nv > 0)
+      src.load(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e,
+               slots ? slots + k * Src::kPacks * kThreads : nullptr, v[k]);
   }
+  after_load();
   if (o.q != nullptr) {
 #pragma unroll
     for (int k = 0; k < kRowsPerWarp; ++k) {
@@ -118,20 +116,27 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
     }
   }
   if (o.q_t != nullptr && t.ct >= 0) {  // the same in the whole block: the barriers below
+    float m[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float m = 0.0f;
+      m[j] = 0.0f;
 #pragma unroll
-      for (int k = 0; k < kRowsPerWarp; ++k) m = fmaxf(m, fabsf(v[k][j]));  // padding rows are 0
-      red[w][4 * l + j] = m;
+      for (int k = 0; k < kRowsPerWarp; ++k) m[j] = fmaxf(m[j], fabsf(v[k][j]));  // padding rows are 0
     }
+    reinterpret_cast<float4*>(red[w])[l] = make_float4(m[0], m[1], m[2], m[3]);
     __syncthreads();
+    // A lane's 4 columns of each warp in one 16-byte read: a quarter warp reads one 128-byte row
+    // without bank conflicts (4-byte reads 16 bytes apart took 4 passes each).
+    const float4 r0 = reinterpret_cast<const float4*>(red[0])[l];
+    m[0] = r0.x, m[1] = r0.y, m[2] = r0.z, m[3] = r0.w;
+#pragma unroll
+    for (int ww = 1; ww < kWarps; ++ww) {
+      const float4 r = reinterpret_cast<const float4*>(red[ww])[l];
+      m[0] = fmaxf(m[0], r.x), m[1] = fmaxf(m[1], r.y), m[2] = fmaxf(m[2], r.z), m[3] = fmaxf(m[3], r.w);
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float m = red[0][4 * l + j];
-#pragma unroll
-      for (int ww = 1; ww < kWarps; ++ww) m = fmaxf(m, red[ww][4 * l + j]);
-      const float s = fp8::scale_of(m);
+      const float s = fp8::scale_of(m[j]);
       if (j < nv) {
         static_assert(kRowsPerWarp == 8, "a warp's rows of a column are one 8-byte slot");
         const uint32_t w0 = fp8::from_scaled4(v[0][j] * s, v[1][j] * s, v[2][j] * s, v[3][j] * s);
@@ -155,16 +160,57 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
   }
 }
 
+// The shared memory a source's streaming takes (the header's Streaming): a buffer holds
+// one column tile's packs, pack j of a thread's k-th row at slot (k kPacks + j) kThreads +
+// threadIdx.x, so that each thread copies and reads its own slots (no barrier) and a warp's 32
+// consecutive packs meet no bank conflict. Two buffers where they fit with the source's stash
+// (the next tile's copies in flight while this one's are read), one where only one fits (the
+// next copies issued after this tile's loads), none beyond (the loads from global memory).
+template <typename Src>
+struct Stream {
+  static constexpr int kBudget = 160 * 1024;  // dynamic shared memory a block, beside ~25 KiB static
+  static constexpr int kBuffer = kRowsPerWarp * Src::kPacks * kThreads * static_cast<int>(sizeof(typename Src::PackT));
+  static constexpr int kBuffers = Src::kPacks == 0                                       ? 0
+                                  : Src::kTwoBuffers && Src::kStashBytes + 2 * kBuffer <= kBudget ? 2
+                                  : Src::kStashBytes + kBuffer <= kBudget                ? 1
+                                                                                           : 0;
+  static constexpr int kSmem = Src::kStashBytes + kBuffers * kBuffer;  // the launch's dynamic bytes
+};
+
+// Column tile kb's packs of this thread's rows into `slots` (its slots of one buffer), one group.
+template <typename Src>
+__device__ __forceinline__ void stream_tile(const Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
+                                            typename Src::PackT* slots) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  const int64_t c = kb * kTile + 4 * l;
+  const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
+#pragma unroll
+  for (int k = 0; k < kRowsPerWarp; ++k) {
+    const int i = kRowsPerWarp * w + k;
+    if (i < t.n && nv > 0 && src.streams(c, nv)) {
+#pragma unroll
+      for (int j = 0; j < Src::kPacks; ++j)
+        cp_async<sizeof(typename Src::PackT)>(slots + (k * Src::kPacks + j) * kThreads, src.pack_src(j, t.r0 + i, c));
+    }
+  }
+  cp_async_commit();
+}
+
 // The block's tiles: tile b = blockIdx.x, then on by gridDim.x (fp8_tiles.h's schedule: the
 // padded tiles of q_t when column tiles are wanted, then with row tiles the rows past the last
 // offset, whose count is read here from the offsets), and in each its column tiles
-// [kb_per_block blockIdx.y, + kb_per_block).
+// [kb_per_block blockIdx.y, + kb_per_block), their packs streamed (Stream).
 template <typename Src>
 __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block) {
-  __shared__ float red[kWarps][kTile];
+  using St = Stream<Src>;
+  using P = typename Src::PackT;
+  __shared__ __align__(16) float red[kWarps][kTile];
   __shared__ __align__(16) Stage stage;
   __shared__ int32_t row_e[Src::kRowExperts ? kTile : 1];
+  extern __shared__ __align__(16) unsigned char tiles_smem[];  // the source's stash, then the buffers
+  P* const buf0 = reinterpret_cast<P*>(tiles_smem + Src::kStashBytes) + threadIdx.x;
+  P* const buf1 = buf0 + St::kBuffer / static_cast<int>(sizeof(P));
   const int64_t E = o.q_t ? o.experts : 0, out_tiles = o.q_t ? o.out_rows / kTile : 0;
   const int64_t tail0 = detail::tail_start(o.offsets, E, rows);
   const int64_t nt = detail::tile_count(out_tiles, o.q != nullptr, rows, tail0);
@@ -181,15 +227,31 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
       __syncthreads();
     }
     src.begin_tile();
+    // held: the tile whose packs buffer 0 holds or will (one buffer); with two, tile i's are
+    // always in buffer (i - kb0) % 2, each issued while the tile before it was worked.
+    int64_t held = -1;
+    if (St::kBuffers > 0 && kb0 < kb1) stream_tile(src, t, src.column_tile(kb0, KB), cols, buf0), held = kb0;
     for (int64_t i = kb0; i < kb1; ++i) {
-      // The source of a later column tile into L2 (4 threads a row), so that HBM streams it while
-      // this one is reduced and stored: one block an SM has no other block's loads to overlap.
-      const int64_t next = src.prefetch_tile(i, kb1, KB);
-      if (next >= 0 && static_cast<int>(threadIdx.x >> 2) < t.n) {
-        const int64_t c0 = next * kTile;
-        src.prefetch(t.r0 + (threadIdx.x >> 2), c0, cols - c0 < kTile ? cols - c0 : kTile, threadIdx.x & 3);
+      const bool odd = ((i - kb0) & 1) != 0;
+      P* const mine = St::kBuffers == 2 && odd ? buf1 : buf0;
+      const int64_t next = src.stream_next(i, kb1);
+      if constexpr (St::kBuffers == 2) {
+        if (next >= 0) {
+          stream_tile(src, t, src.column_tile(next, KB), cols, odd ? buf0 : buf1);
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+      } else if constexpr (St::kBuffers == 1) {
+        cp_async_wait<0>();
       }
-      quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e);
+      const bool in_smem = St::kBuffers == 2 || (St::kBuffers == 1 && held == i);
+      quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e, in_smem ? mine : nullptr,
+                    [&] {
+                      if constexpr (St::kBuffers == 1) {
+                        if (next >= 0) stream_tile(src, t, src.column_tile(next, KB), cols, buf0), held = next;
+                      }
+                    });
     }
     src.end_tile(t, threadIdx.x >> 5, threadIdx.x & 31);
     if constexpr (Src::kRowExperts) __syncthreads();  // row_e is written again by the next tile
@@ -200,19 +262,20 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
 // loop) and the column tiles, tiles_per_block of a tile's a block (sms: the device's SMs).
 template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
-                    bool all_columns, int64_t sms, cudaStream_t st, const char* what, int dynamic_smem = 0) {
+                    bool all_columns, int64_t sms, cudaStream_t st, const char* what) {
   const int64_t KB = (cols + kTile - 1) / kTile;
   const int64_t per = tiles_per_block(KB, grid_x, all_columns, sms);
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
-  if (dynamic_smem > 0) {  // over 48 KiB a block must be allowed first
-    const Status s = cuda_check(
-        cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem), what);
+  constexpr int smem = Stream<Src>::kSmem;
+  if constexpr (smem > 0) {  // over 48 KiB a block must be allowed first
+    const Status s =
+        cuda_check(cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
     if (s != Status::kOk) return s;
   }
-  tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, dynamic_smem,
-                      st>>>(src, o, align_of(o, rows, cols), rows, cols, per);
+  tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, smem, st>>>(
+      src, o, align_of(o, rows, cols), rows, cols, per);
   return cuda_check(cudaGetLastError(), what);
 }
 
@@ -235,11 +298,11 @@ struct NoTileState {
   __device__ __forceinline__ void end_tile(const detail::TileRows&, int, int) {}
   __device__ __forceinline__ int64_t expert_of_row(int64_t) const { return 0; }
   __device__ __forceinline__ int64_t column_tile(int64_t i, int64_t) const { return i; }
-  // The column tile whose source to prefetch while column tile i of [.., kb1) is quantised (-1:
-  // none), and its prefetch: `row`'s source of columns c0 .. c0 + n - 1, part (0 .. 3) of it.
-  __device__ __forceinline__ int64_t prefetch_tile(int64_t i, int64_t kb1, int64_t) const {
-    return i + 1 < kb1 ? i + 1 : -1;
-  }
+  // Streaming (the header's): two buffers where they fit, the next column tile's copies while
+  // tile i of [.., kb1) is worked, no stash.
+  static constexpr bool kTwoBuffers = true;
+  static constexpr int kStashBytes = 0;
+  __device__ __forceinline__ int64_t stream_next(int64_t i, int64_t kb1) const { return i + 1 < kb1 ? i + 1 : -1; }
 };
 
 }  // namespace expertact::cuda::tiles
