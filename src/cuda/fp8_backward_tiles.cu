@@ -9,9 +9,11 @@
 //
 // The values of a lane's 4 packed columns: interleaved (step 2), the gate and up of 2 columns of
 // gate_up's F, each computed once; halves and up-first, 4 columns of one half (or across the two
-// halves at column F), each computed for the one gradient it needs (the other half's columns lie
-// in another column tile, usually another block's iteration; the arithmetic of glu_bwd for both
-// is taken, the unused half dropped).
+// halves at column F): paired (F a multiple of 128), computed once in the pair's first tile for
+// both halves, the other half's kept in shared memory for the pair's second (the stash), the
+// pair's gate, up and dy streamed into shared memory while the pair before is worked; else each
+// computed for the one gradient it needs (the arithmetic of glu_bwd for both taken, the unused
+// half dropped).
 #include "cuda/device.h"
 #include "cuda/fp8_tiles.cuh"
 

@@ -11,7 +11,7 @@
 // are fp8.h's, as on the CPU: the same bytes for the same values. (256 threads of 16 rows held
 // 64 values a thread: the activation's sources spilled at 128 registers.)
 //
-// A source (Src) gives the values: load(k, row, c, nv, e, v) fills v[0 .. 3] with the values of
+// A source (Src) gives the values: load(k, row, c, nv, e, s, v) fills v[0 .. 3] with the values of
 // `row` at columns c .. c + 3 (nv of them exist, the rest 0; k: the row's place among the warp's
 // 16; e: the row's expert, E for none, as fp8_tiles.h's TileRows), begin_tile() and
 // end_tile(t, warp, lane) bracket a tile's columns (the backward's row sums); kRowExperts: each

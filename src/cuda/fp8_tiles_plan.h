@@ -70,8 +70,8 @@ constexpr int64_t kBlocksPerSm = 8;
 
 // The column tiles of a row tile each block takes in turn (all_columns: all of them, the
 // backward's row sums run over them in a fixed order): as many as leave every SM kBlocksPerSm
-// blocks (a block prefetches its next tile's source: the more it takes, the fewer tiles start
-// cold), at least enough that grid y stays within 65,535.
+// blocks (a block streams its next tile's source while working one: the more it takes, the
+// fewer tiles start cold), at least enough that grid y stays within 65,535.
 inline int64_t tiles_per_block(int64_t KB, int64_t grid_x, bool all_columns, int64_t sms) {
   if (KB <= 0) return 1;
   const int64_t least = (KB + 65534) / 65535;
