@@ -94,15 +94,17 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step)
-# Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/
-# and gpu-session-h100-2026-12-05/: every recipe at three seeds beside DeepSpeed's default, the module bench,
-# Megatron's trainings on text): no recipe met the default's rule (blockwise trains inside the band at every
-# seed but its step is 0.89x the bf16 MLP's), so first which per-expert forms cuBLAS refuses (N = 96 on an
-# H100) and where blockwise's training step goes at AutoEP's shape, then the tests and the operand kernels'
-# and GEMMs' profiles at the busiest rank's, Megatron's GPU tests, the longer runs of the promoted recipe
-# by name, the bench of AutoEP's rows, the fine-tuning.
-PLAN=(scaled-mm-forms profile-fp8-autoep bench-fp8-operands test-fp8 profile-fp8 bench-fp8-gemms test-megatron
-      train-autoep-1000-bf16 train-autoep-1000-fp8 bench-autoep finetune-fp8-yardsticks finetune-fp8)
+# Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/,
+# gpu-session-h100-2026-12-05/ and -05-tiles/: every recipe at three seeds beside DeepSpeed's default, the
+# module bench, Megatron's trainings on text, the tile kernels streamed): no recipe met the default's rule
+# (blockwise trains inside the band at every seed but its step was 0.89x the bf16 MLP's; its operand passes
+# are 1.40x faster since, its step not measured), so first blockwise's training step and where it goes at
+# AutoEP's shape, then the operand kernels, which per-expert forms cuBLAS refuses (N = 96 on an H100), the
+# tests and the GEMMs' profiles at the busiest rank's, Megatron's GPU tests, the fine-tuning, the longer
+# runs of the promoted recipe by name, the bench of AutoEP's rows (in this order each pair of runs read
+# together fits one session).
+PLAN=(train-autoep-step profile-fp8-autoep bench-fp8-operands scaled-mm-forms test-fp8 profile-fp8 bench-fp8-gemms
+      test-megatron finetune-fp8-yardsticks finetune-fp8 train-autoep-1000-bf16 train-autoep-1000-fp8 bench-autoep)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and

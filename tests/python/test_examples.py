@@ -245,8 +245,8 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:3] == ["scaled-mm-forms", "profile-fp8-autoep", "bench-fp8-operands"]
-    assert len(fp8) == len(set(fp8)) == 12
+    assert fp8[:3] == ["train-autoep-step", "profile-fp8-autoep", "bench-fp8-operands"]
+    assert len(fp8) == len(set(fp8)) == 13
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
     # fine-tuning's
     session_of = {}
@@ -258,7 +258,7 @@ def test_gpu_session_plan_and_dry_run():
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    off_plan = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds", "train-autoep-step"]
+    off_plan = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, *off_plan, "fp8-accuracy", "train-autoep",
                           "train-autoep-fp8"], capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
