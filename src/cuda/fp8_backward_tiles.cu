@@ -178,6 +178,10 @@ struct BwdTileSrc {
   }
 };
 
+// bf16 and fp16: the stash and one buffer of gate, up and dy (160 KiB); float32's would not fit.
+static_assert(tiles::Stream<BwdTileSrc<__nv_bfloat16, Activation::kSilu>>::kSmem == 160 * 1024);
+static_assert(tiles::Stream<BwdTileSrc<float, Activation::kSilu>>::kBuffers == 0);
+
 }  // namespace
 }  // namespace expertact::cuda
 
@@ -225,7 +229,7 @@ Status cuda_fp8_glu_backward_tiles(const GluProblem& p, const GluBias* bias, con
                                        static_cast<T*>(d.dgu),
                                        d.dgu_stride,
                                        {}};
-      return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, cuda::sm_count(p.device_id), st,
+      return cuda::tiles::launch_tiles(src, o, p.rows, 2 * p.F, grid_x, true, p.device_id, st,
                                        "fp8 glu backward tiles kernel launch");
     });
   });

@@ -71,6 +71,10 @@ struct GluTileSrc : tiles::NoTileState {
   }
 };
 
+// bf16 and fp16: two buffers of gate and up (128 KiB); float32: one.
+static_assert(tiles::Stream<GluTileSrc<__nv_bfloat16, Activation::kSilu>>::kBuffers == 2);
+static_assert(tiles::Stream<GluTileSrc<float, Activation::kSilu>>::kBuffers == 1);
+
 Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const detail::GluBias* bias,
                         const detail::TileOut& o, int64_t grid_x, cudaStream_t st, const char* what) {
   const math::Coeffs cf{p.params.alpha, p.params.limit, p.params.beta, p.has_limit};
@@ -95,7 +99,7 @@ Status launch_glu_tiles(bool round_to_t, const detail::GluProblem& p, const deta
                                  bias ? bias->er.offsets : nullptr,
                                  bias ? bias->er.experts : 0,
                                  cf};
-      return tiles::launch_tiles(src, o, p.rows, p.F, grid_x, false, sm_count(p.device_id), st, what);
+      return tiles::launch_tiles(src, o, p.rows, p.F, grid_x, false, p.device_id, st, what);
     });
   });
 }

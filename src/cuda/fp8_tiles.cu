@@ -38,6 +38,8 @@ struct PlainTileSrc : tiles::NoTileState {
   }
 };
 
+static_assert(tiles::Stream<PlainTileSrc<__nv_bfloat16>>::kSmem == 64 * 1024, "two buffers of x");
+
 // One 128 x 128 block a thread block (expert e, row tile rb, column tile cb from blockIdx.x), the
 // tile engine's thread layout: the values in registers, the block's amax (a warp's, then the 8
 // warps' through shared memory), the bytes 4 a lane and row.
@@ -110,12 +112,12 @@ Status cuda_fp8_tiles(const TileSrc& s, const TileOut& o, void* stream) {
                         {{"x", s.x}, {"q", o.q}, {"scale", o.scale}, {"q_t", o.q_t}, {"col_scale", o.col_scale},
                          {"offsets", o.offsets}, {"padded_offsets", o.pends}}));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const int64_t grid_x = cuda::tiles::schedule_blocks(o, s.rows, kTailBlocksPerSm * cuda::sm_count(s.device_id));
+  const int64_t grid_x = cuda::tiles::schedule_blocks(o, s.rows, kTailBlocksPerSm * s.device_id);
   return cuda::dispatch_storage(s.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     const bool vec = cuda::tiles::plain_vec4(s, sizeof(T));
     return cuda::tiles::launch_tiles(cuda::PlainTileSrc<T>{{}, static_cast<const T*>(s.x), s.x_stride, vec}, o,
-                                     s.rows, s.cols, grid_x, false, cuda::sm_count(s.device_id), st,
+                                     s.rows, s.cols, grid_x, false, s.device_id, st,
                                      "fp8 tiles kernel launch");
   });
 }

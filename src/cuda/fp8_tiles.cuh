@@ -202,7 +202,8 @@ __device__ __forceinline__ void stream_tile(const Src& src, const detail::TileRo
 // [kb_per_block blockIdx.y, + kb_per_block), their packs streamed (Stream).
 template <typename Src>
 __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
-    tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block) {
+    tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block,
+                 bool stream) {
   using St = Stream<Src>;
   using P = typename Src::PackT;
   __shared__ __align__(16) float red[kWarps][kTile];
@@ -217,6 +218,7 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   const int64_t KB = (cols + kTile - 1) / kTile;
   const int64_t kb0 = static_cast<int64_t>(blockIdx.y) * kb_per_block;
   const int64_t kb1 = kb0 + kb_per_block < KB ? kb0 + kb_per_block : KB;
+  const bool streaming = St::kBuffers > 0 && stream;  // (the launch gave the buffers' bytes)
   for (int64_t b = blockIdx.x; b < nt; b += gridDim.x) {
     const detail::TileRows t = detail::tile_rows(b, out_tiles, rows, o.offsets, o.pends, E, tail0);
     if constexpr (Src::kRowExperts) {
@@ -230,11 +232,11 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     // held: the tile whose packs buffer 0 holds or will (one buffer); with two, tile i's are
     // always in buffer (i - kb0) % 2, each issued while the tile before it was worked.
     int64_t held = -1;
-    if (St::kBuffers > 0 && kb0 < kb1) stream_tile(src, t, src.column_tile(kb0, KB), cols, buf0), held = kb0;
+    if (streaming && kb0 < kb1) stream_tile(src, t, src.column_tile(kb0, KB), cols, buf0), held = kb0;
     for (int64_t i = kb0; i < kb1; ++i) {
       const bool odd = ((i - kb0) & 1) != 0;
       P* const mine = St::kBuffers == 2 && odd ? buf1 : buf0;
-      const int64_t next = src.stream_next(i, kb1);
+      const int64_t next = streaming ? src.stream_next(i, kb1) : -1;
       if constexpr (St::kBuffers == 2) {
         if (next >= 0) {
           stream_tile(src, t, src.column_tile(next, KB), cols, odd ? buf0 : buf1);
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
       } else if constexpr (St::kBuffers == 1) {
         cp_async_wait<0>();
       }
-      const bool in_smem = St::kBuffers == 2 || (St::kBuffers == 1 && held == i);
+      const bool in_smem = streaming && (St::kBuffers == 2 || held == i);
       quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e, in_smem ? mine : nullptr,
                     [&] {
                       if constexpr (St::kBuffers == 1) {
@@ -258,24 +260,31 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   }
 }
 
-// Launches tiles_kernel over grid_x blocks of tiles (the schedule's count or fewer: the blocks
-// loop) and the column tiles, tiles_per_block of a tile's a block (sms: the device's SMs).
+// Launches tiles_kernel on `device` over grid_x blocks of tiles (the schedule's count or fewer:
+// the blocks loop) and the column tiles, tiles_per_block of a tile's a block. The buffers of
+// Stream<Src> where a block's shared memory holds them beside the static arrays (Hopper's 227
+// KiB does; sm_80's 163 and sm_89's 99 may not: there the packs come from global memory).
 template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
-                    bool all_columns, int64_t sms, cudaStream_t st, const char* what) {
+                    bool all_columns, int device, cudaStream_t st, const char* what) {
   const int64_t KB = (cols + kTile - 1) / kTile;
-  const int64_t per = tiles_per_block(KB, grid_x, all_columns, sms);
+  const int64_t per = tiles_per_block(KB, grid_x, all_columns, sm_count(device));
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
-  constexpr int smem = Stream<Src>::kSmem;
-  if constexpr (smem > 0) {  // over 48 KiB a block must be allowed first
-    const Status s =
-        cuda_check(cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), what);
-    if (s != Status::kOk) return s;
+  int optin = 0;
+  cudaFuncAttributes fa{};
+  EA_TRY(cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what));
+  EA_TRY(cuda_check(cudaFuncGetAttributes(&fa, tiles_kernel<Src>), what));
+  using St = Stream<Src>;
+  const bool stream = St::kBuffers > 0 && static_cast<int64_t>(fa.sharedSizeBytes) + St::kSmem <= optin;
+  const int smem = stream ? St::kSmem : Src::kStashBytes;
+  if (smem > 0) {  // over 48 KiB a block must be allowed first
+    const cudaError_t e = cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    EA_TRY(cuda_check(e, what));
   }
   tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, smem, st>>>(
-      src, o, align_of(o, rows, cols), rows, cols, per);
+      src, o, align_of(o, rows, cols), rows, cols, per, stream);
   return cuda_check(cudaGetLastError(), what);
 }
 
