@@ -260,6 +260,11 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   }
 }
 
+// EXPERTACT_FP8_TILES_STREAM (auto | off; unset: auto), read once per process: off loads every
+// source from global memory, the path of GPUs whose blocks cannot hold the buffers, so that it
+// is tested on those that can. An unknown value fails every tile launch, naming it.
+Status stream_choice(bool& allowed);
+
 // Launches tiles_kernel on `device` over grid_x blocks of tiles (the schedule's count or fewer:
 // the blocks loop) and the column tiles, tiles_per_block of a tile's a block. The buffers of
 // Stream<Src> where a block's shared memory holds them beside the static arrays (Hopper's 227
@@ -272,12 +277,14 @@ Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int6
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
+  bool allowed = true;
+  EA_TRY(stream_choice(allowed));
   int optin = 0;
   cudaFuncAttributes fa{};
   EA_TRY(cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what));
   EA_TRY(cuda_check(cudaFuncGetAttributes(&fa, tiles_kernel<Src>), what));
   using St = Stream<Src>;
-  const bool stream = St::kBuffers > 0 && static_cast<int64_t>(fa.sharedSizeBytes) + St::kSmem <= optin;
+  const bool stream = allowed && St::kBuffers > 0 && static_cast<int64_t>(fa.sharedSizeBytes) + St::kSmem <= optin;
   const int smem = stream ? St::kSmem : Src::kStashBytes;
   if (smem > 0) {  // over 48 KiB a block must be allowed first
     const cudaError_t e = cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
