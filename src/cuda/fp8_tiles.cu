@@ -139,7 +139,7 @@ Status cuda_fp8_tiles(const TileSrc& s, const TileOut& o, void* stream) {
                         {{"x", s.x}, {"q", o.q}, {"scale", o.scale}, {"q_t", o.q_t}, {"col_scale", o.col_scale},
                          {"offsets", o.offsets}, {"padded_offsets", o.pends}}));
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  const int64_t grid_x = cuda::tiles::schedule_blocks(o, s.rows, kTailBlocksPerSm * s.device_id);
+  const int64_t grid_x = cuda::tiles::schedule_blocks(o, s.rows, kTailBlocksPerSm * cuda::sm_count(s.device_id));
   return cuda::dispatch_storage(s.dtype, [&](auto t) -> Status {
     using T = decltype(t);
     const bool vec = cuda::tiles::plain_vec4(s, sizeof(T));
