@@ -1,37 +1,10 @@
 // The blockwise FP8 operands of a plain tensor on CUDA: row tiles, column tiles over the experts
 // (with the row tiles from the same read), through the tile engine (fp8_tiles.cuh); and the
 // weights' 128 x 128 blocks.
-#include <cstdlib>
-#include <cstring>
-#include <string>
-
-#include "core/error.h"
 #include "cuda/device.h"
 #include "cuda/fp8_tiles.cuh"
 
 namespace expertact::cuda {
-
-Status tiles::stream_choice(bool& allowed) {
-  struct Parsed {
-    bool ok = true, allowed = true;
-    std::string value;
-  };
-  static const Parsed parsed = [] {
-    Parsed r;
-    const char* env = std::getenv("EXPERTACT_FP8_TILES_STREAM");
-    if (env == nullptr || env[0] == '\0') return r;
-    r.value = env;
-    if (std::strcmp(env, "off") == 0) r.allowed = false;
-    else if (std::strcmp(env, "auto") != 0) r.ok = false;
-    return r;
-  }();
-  if (!parsed.ok)
-    return detail::fail(Status::kInvalidArgument, "EXPERTACT_FP8_TILES_STREAM=", parsed.value,
-                        " is not one of auto, off");
-  allowed = parsed.allowed;
-  return Status::kOk;
-}
-
 namespace {
 
 // x's values: 4 at a time in one access where x's rows allow (vec: pointer and row stride

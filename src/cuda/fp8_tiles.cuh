@@ -260,15 +260,37 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   }
 }
 
-// EXPERTACT_FP8_TILES_STREAM (auto | off; unset: auto), read once per process: off loads every
-// source from global memory, the path of GPUs whose blocks cannot hold the buffers, so that it
-// is tested on those that can. An unknown value fails every tile launch, naming it.
-Status stream_choice(bool& allowed);
+// Whether tiles_kernel<Src> streams on `device`: where a block's shared memory holds the
+// buffers of Stream<Src> beside the static arrays (Hopper's 227 KiB does; sm_80's 163 and sm_89's
+// 99 may not: there the packs come from global memory). Asked of the device once, when the
+// kernel's dynamic shared memory is also allowed (over 48 KiB it must be).
+template <typename Src>
+Status stream_setup(int device, const char* what, bool& stream, int& smem) {
+  using St = Stream<Src>;
+  static int known[64] = {};  // per device: 0 not asked yet, 1 streams, 2 does not
+  if (device < 0 || device >= 64 || known[device] == 0) {
+    int optin = 0;
+    cudaFuncAttributes fa{};
+    EA_TRY(cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what));
+    EA_TRY(cuda_check(cudaFuncGetAttributes(&fa, tiles_kernel<Src>), what));
+    const bool fits = St::kBuffers > 0 && static_cast<int64_t>(fa.sharedSizeBytes) + St::kSmem <= optin;
+    const int bytes = fits ? St::kSmem : Src::kStashBytes;
+    if (bytes > 0) {
+      const cudaError_t e = cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      EA_TRY(cuda_check(e, what));
+    }
+    if (device >= 0 && device < 64) known[device] = fits ? 1 : 2;
+    stream = fits;
+  } else {
+    stream = known[device] == 1;
+  }
+  smem = stream ? St::kSmem : Src::kStashBytes;
+  return Status::kOk;
+}
 
 // Launches tiles_kernel on `device` over grid_x blocks of tiles (the schedule's count or fewer:
-// the blocks loop) and the column tiles, tiles_per_block of a tile's a block. The buffers of
-// Stream<Src> where a block's shared memory holds them beside the static arrays (Hopper's 227
-// KiB does; sm_80's 163 and sm_89's 99 may not: there the packs come from global memory).
+// the blocks loop) and the column tiles, tiles_per_block of a tile's a block, streaming where
+// the device allows it (stream_setup).
 template <typename Src>
 Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int64_t cols, int64_t grid_x,
                     bool all_columns, int device, cudaStream_t st, const char* what) {
@@ -277,19 +299,9 @@ Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int6
   const int64_t grid_y = all_columns ? 1 : (KB + per - 1) / per;
   if (grid_x > 0x7fffffff) grid_x = 0x7fffffff;
   if (grid_x <= 0 || grid_y <= 0) return Status::kOk;
-  bool allowed = true;
-  EA_TRY(stream_choice(allowed));
-  int optin = 0;
-  cudaFuncAttributes fa{};
-  EA_TRY(cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device), what));
-  EA_TRY(cuda_check(cudaFuncGetAttributes(&fa, tiles_kernel<Src>), what));
-  using St = Stream<Src>;
-  const bool stream = allowed && St::kBuffers > 0 && static_cast<int64_t>(fa.sharedSizeBytes) + St::kSmem <= optin;
-  const int smem = stream ? St::kSmem : Src::kStashBytes;
-  if (smem > 0) {  // over 48 KiB a block must be allowed first
-    const cudaError_t e = cudaFuncSetAttribute(tiles_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    EA_TRY(cuda_check(e, what));
-  }
+  bool stream = false;
+  int smem = 0;
+  EA_TRY(stream_setup<Src>(device, what, stream, smem));
   tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, smem, st>>>(
       src, o, align_of(o, rows, cols), rows, cols, per, stream);
   return cuda_check(cudaGetLastError(), what);

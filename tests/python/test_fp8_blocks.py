@@ -6,10 +6,6 @@ all-zero tiles, 448, every dtype, views); the activation forms against the float
 refusals. On a GPU, the CUDA path bit for bit against the CPU's, or against the oracle of its
 own float32 values where its fast math differs (those cases skip without one)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -536,24 +532,6 @@ def test_cuda_backward_tiles(activation, layout, F, biased):
     assert torch.equal(torch.isnan(rows_only[4]), torch.isnan(dw))
     torch.testing.assert_close(rows_only[4].double()[fin.cuda()], dw.double()[fin.cuda()], rtol=1e-5, atol=atol)
 
-
-
-@needs_cuda
-def test_cuda_tiles_without_streaming():
-    """EXPERTACT_FP8_TILES_STREAM=off: the tile kernels load every source from global memory, as
-    they do on GPUs whose blocks cannot hold the streaming buffers (sm_89's 99 KiB, at times
-    sm_80's), and give the same bytes: this file's CUDA cases again in a process with it set. An
-    unknown value fails a tile call, naming it."""
-    env = dict(os.environ, EXPERTACT_FP8_TILES_STREAM="off")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "test_cuda_ and not without_streaming"], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
-    env["EXPERTACT_FP8_TILES_STREAM"] = "sometimes"
-    code = ("import torch, expertact.fp8 as f; "
-            "f.quantize_row_tiles(torch.ones(4, 128, dtype=torch.bfloat16, device='cuda'))")
-    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "EXPERTACT_FP8_TILES_STREAM=sometimes is not one of auto, off" in bad.stderr, \
-        bad.stderr[-2000:]
 
 
 def _inset(t):
