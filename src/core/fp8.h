@@ -91,6 +91,13 @@ EA_HD bool recip_pow2(float v, float& r) {
   return true;
 }
 
+// 1 / s for a multiplier scale_of gives (a normal power of two, or 0): by exponent arithmetic
+// where recip_pow2 allows (every s but 0), else divided; the same float either way.
+EA_HD float inv_scale(float s) {
+  float r;
+  return recip_pow2(s, r) ? r : 1.0f / s;
+}
+
 // Four e4m3fn bytes with every NaN (0x7f or 0xff, e4m3fn's only NaN bytes) written 0x7f: the
 // sign bit cleared where a byte's low 7 bits are all ones (adding 1 to those bits carries into
 // bit 7 of that byte only).

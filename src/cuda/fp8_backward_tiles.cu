@@ -63,6 +63,8 @@ struct BwdTileSrc {
   float part[tiles::kRowsPerWarp];  // the lane's running row sums of the routing weights' gradient
 
   __device__ __forceinline__ int64_t expert_of_row(int64_t r) const { return bg ? detail::expert_of(offs, E, r) : E; }
+  static constexpr bool kRowWeights = true;  // wr: the row's routing weight, read once a tile
+  __device__ __forceinline__ float weight_of_row(int64_t r) const { return w ? w[r * w_stride] : 1.0f; }
   __device__ __forceinline__ void begin_tile() {
 #pragma unroll
     for (int k = 0; k < tiles::kRowsPerWarp; ++k) part[k] = 0.0f;
@@ -92,6 +94,10 @@ struct BwdTileSrc {
   __device__ __forceinline__ bool streams(int64_t c, int nv) const {
     return step != 2 && vec && nv == 4 && !(paired && c >= F);
   }
+  // The full-tile path (fp8_tiles.cuh's column_tiles<true>): paired with 4-value loads, every
+  // first tile of a pair streamed, no bias (its rows' loads would be the path's largest cost).
+  __device__ __forceinline__ bool streams_full(int64_t c) const { return c < F; }
+  bool fast_ok() const { return vec && paired && bg == nullptr; }
   // Pack j (gate's, up's, dy's) of the F columns under packed columns c .. c + 3 (one half).
   __device__ __forceinline__ const PackT* pack_src(int j, int64_t row, int64_t c) const {
     const int64_t j0 = c - (c >= q_u && c < q_u + F ? q_u : q_g);
@@ -120,11 +126,23 @@ struct BwdTileSrc {
     extern __shared__ float4 bwd_stash[];
     return bwd_stash + k * tiles::kThreads + threadIdx.x;
   }
-  __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, const PackT* s,
+  // kFull: paired and vec without a bias (fast_ok), c .. c + 3 whole; a pair's first tile's
+  // packs in s. wr: the row's routing weight.
+  template <bool kFull>
+  __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float wr, const PackT* s,
                                        float (&v)[4]) {
+    if constexpr (kFull) {
+      if (c >= F) {
+        const float4 o = *stash_slot(k);
+        v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
+      } else {
+        first_of_pair(k, c, wr, nullptr, nullptr, s[0], s[tiles::kThreads], s[2 * tiles::kThreads], v);
+      }
+      store_dgu(row, c, 4, v);
+      return;
+    }
     const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
     const T* dyr = dy + row * dy_stride;
-    const float wr = w ? w[row * w_stride] : 1.0f;
     const bool has_b = bg != nullptr && e >= 0 && e < E;
     const T* bgr = has_b ? bg + e * b_stride : nullptr;
     const T* bur = has_b ? bu + e * b_stride : nullptr;
@@ -142,21 +160,22 @@ struct BwdTileSrc {
       if (paired && c >= F) {  // a pair's second tile: what its first left
         const float4 o = *stash_slot(k);
         v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
+      } else if (paired) {
+        first_of_pair(k, c, wr, bgr, bur, s ? s[0] : *pack_src(0, row, c),
+                      s ? s[tiles::kThreads] : *pack_src(1, row, c), s ? s[2 * tiles::kThreads] : *pack_src(2, row, c),
+                      v);
       } else {
         const bool up = c >= q_u && c < q_u + F;
         const int64_t j0 = c - (up ? q_u : q_g);
         const PackT gp = s ? s[0] : *pack_src(0, row, c);
         const PackT upk = s ? s[tiles::kThreads] : *pack_src(1, row, c);
         const PackT dp = s ? s[2 * tiles::kThreads] : *pack_src(2, row, c);
-        float other[4];
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
           v[jj] = up ? du : dg;
-          other[jj] = up ? dg : du;
-          if (paired || !up) part[k] += term;  // paired, gate's tiles ascend either way: the same order
+          if (!up) part[k] += term;
         }
-        if (paired) *stash_slot(k) = make_float4(other[0], other[1], other[2], other[3]);
       }
     } else {
 #pragma unroll
@@ -169,6 +188,28 @@ struct BwdTileSrc {
         if (!up) part[k] += term;
       }
     }
+    store_dgu(row, c, nv, v);
+  }
+  // Paired, a pair's first tile (packed columns c .. c + 3 of the first half, q_g's or q_u's):
+  // the gradient of both halves from the lane's packs of gate, up and dy (bgr, bur: the row's
+  // bias rows, null for none), v the first half's, the other's left in the stash; the terms of
+  // the weights' gradient in column order.
+  __device__ __forceinline__ void first_of_pair(int k, int64_t c, float wr, const T* bgr, const T* bur, const PackT& gp,
+                                                const PackT& upk, const PackT& dp, float (&v)[4]) {
+    const bool up = c >= q_u && c < q_u + F;
+    const int64_t j0 = c - (up ? q_u : q_g);
+    float other[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      float dg, du, term;
+      grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
+      v[jj] = up ? du : dg;
+      other[jj] = up ? dg : du;
+      part[k] += term;  // gate's tiles ascend in either half's order: the same order
+    }
+    *stash_slot(k) = make_float4(other[0], other[1], other[2], other[3]);
+  }
+  __device__ __forceinline__ void store_dgu(int64_t row, int64_t c, int nv, const float (&v)[4]) const {
     if (dgu) {
       T* d = dgu + row * dgu_stride + c;
 #pragma unroll

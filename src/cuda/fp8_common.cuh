@@ -31,6 +31,16 @@ __device__ __forceinline__ float warp_amax(float v) {
   return v;
 }
 
+// warp_amax of values that are never negative or NaN (running fmaxf(0, |x|) maxima): their bits
+// order as unsigned integers do, so on sm_80 and later one redux.sync takes the warp's maximum.
+__device__ __forceinline__ float warp_amax_nonneg(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(v)));
+#else
+  return warp_amax(v);
+#endif
+}
+
 // One pack of V scaled values written as V e4m3fn bytes (V = 2, 4 or 8): one store of V bytes
 // when q's rows allow it (vec), else byte by byte.
 template <int V>

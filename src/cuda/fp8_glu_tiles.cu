@@ -20,6 +20,7 @@ namespace {
 template <typename T, Activation A>
 struct GluTileSrc : tiles::NoTileState {
   static constexpr bool kRowExperts = true;
+  static constexpr bool kRowWeights = true;  // wr: the row's routing weight, read once a tile
   bool round_to_t;
   bool vec;
   const T* g;
@@ -35,26 +36,30 @@ struct GluTileSrc : tiles::NoTileState {
   int64_t E;
   math::Coeffs cf;
   __device__ __forceinline__ int64_t expert_of_row(int64_t r) const { return bg ? detail::expert_of(offs, E, r) : E; }
+  __device__ __forceinline__ float weight_of_row(int64_t r) const { return w ? w[r * w_stride] : 1.0f; }
   // Streaming (fp8_tiles.cuh): a lane's 4 columns of gate and of up where they take one access.
   using PackT = Pack<T, 4>;
   static constexpr int kPacks = 2;
   __device__ __forceinline__ bool streams(int64_t, int nv) const { return vec && nv == 4; }
+  __device__ __forceinline__ bool streams_full(int64_t) const { return true; }
+  bool fast_ok() const { return vec && bg == nullptr; }  // (a bias's loads: the generic path)
   __device__ __forceinline__ const PackT* pack_src(int j, int64_t row, int64_t c) const {
     return reinterpret_cast<const PackT*>(j == 0 ? g + row * g_stride + c : u + row * u_stride + c);
   }
-  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, const PackT* s,
+  // kFull (fp8_tiles.cuh's column_tiles): the packs were streamed, s holds them.
+  template <bool kFull>
+  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, float wr, const PackT* s,
                                        float (&v)[4]) const {
-    const T* gr = g + row * g_stride;
-    const T* ur = u + row * u_stride;
-    const float wr = w ? w[row * w_stride] : 1.0f;
-    const bool has_b = bg != nullptr && e >= 0 && e < E;
-    if (vec && nv == 4) {
-      const PackT gp = s ? s[0] : *pack_src(0, row, c);
-      const PackT up = s ? s[tiles::kThreads] : *pack_src(1, row, c);
+    const bool has_b = !kFull && bg != nullptr && e >= 0 && e < E;
+    if (kFull || (vec && nv == 4)) {
+      const PackT gp = kFull || s ? s[0] : *pack_src(0, row, c);
+      const PackT up = kFull || s ? s[tiles::kThreads] : *pack_src(1, row, c);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) value(pack_f(gp, jj), pack_f(up, jj), wr, has_b, e, c + jj, v[jj]);
       return;
     }
+    const T* gr = g + row * g_stride;
+    const T* ur = u + row * u_stride;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       if (jj >= nv) break;  // (an unrolled loop: v's indices stay constants, v in registers)

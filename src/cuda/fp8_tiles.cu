@@ -20,11 +20,21 @@ struct PlainTileSrc : tiles::NoTileState {
   using PackT = Pack<T, 4>;
   static constexpr int kPacks = 1;
   __device__ __forceinline__ bool streams(int64_t, int nv) const { return vec && nv == 4; }
+  __device__ __forceinline__ bool streams_full(int64_t) const { return true; }
+  bool fast_ok() const { return vec; }
   __device__ __forceinline__ const PackT* pack_src(int, int64_t row, int64_t c) const {
     return reinterpret_cast<const PackT*>(x + row * stride + c);
   }
-  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, const PackT* s,
+  // kFull (fp8_tiles.cuh's column_tiles): the packs were streamed, s holds them.
+  template <bool kFull>
+  __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, float, const PackT* s,
                                        float (&v)[4]) const {
+    if constexpr (kFull) {
+      const PackT pk = *s;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[j] = pack_f(pk, j);
+      return;
+    }
     const T* p = x + row * stride + c;
     if (vec && nv == 4) {
       const PackT pk = s ? *s : *pack_src(0, row, c);

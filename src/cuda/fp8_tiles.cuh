@@ -11,9 +11,10 @@
 // are fp8.h's, as on the CPU: the same bytes for the same values. (256 threads of 16 rows held
 // 64 values a thread: the activation's sources spilled at 128 registers.)
 //
-// A source (Src) gives the values: load(k, row, c, nv, e, s, v) fills v[0 .. 3] with the values of
-// `row` at columns c .. c + 3 (nv of them exist, the rest 0; k: the row's place among the warp's
-// 16; e: the row's expert, E for none, as fp8_tiles.h's TileRows), begin_tile() and
+// A source (Src) gives the values: load<kFull>(k, row, c, nv, e, wr, s, v) fills v[0 .. 3] with the
+// values of `row` at columns c .. c + 3 (nv of them exist, the rest 0; k: the row's place among the
+// warp's 16; e: the row's expert, E for none, as fp8_tiles.h's TileRows; wr: its routing weight
+// where kRowWeights, weight_of_row(row) read once a tile into shared memory), begin_tile() and
 // end_tile(t, warp, lane) bracket a tile's columns (the backward's row sums); kRowExperts: each
 // row's expert is looked up (rows of several experts in one tile, for a bias), via
 // expert_of_row(row); column_tile(i, KB): the i-th column tile a block takes (an order that
@@ -26,6 +27,12 @@
 // SM (4 warps a scheduler), too few to cover DRAM's latency with a row's loads at a time, and
 // the registers hold no more. stream_next(i, kb1): the column tile whose copies are issued while
 // tile i is worked (-1: none); with two buffers before tile i's loads, with one after them.
+// The full-tile path (kFull, column_tiles<true>): on a tile of 128 rows in a launch whose column
+// tiles are all whole, stores all widest and the source's loads proven (fast_launch, the source's
+// fast_ok(): 4-value packs, every one streamed where streams_full(c), no bias), the tile is
+// worked without a bound check per row, column or store and the loads read shared memory alone:
+// the bound-checked path executed about twice the instructions a tile (the kernels are bound by
+// instruction issue at one block an SM); the rest (partial tiles, other layouts, a bias) take it.
 #pragma once
 
 #include <cstdint>
@@ -76,43 +83,50 @@ __device__ __forceinline__ uint4 stage_read16(const Stage& st, int c, int h) {
 // Column tile kb (columns 128 kb ..) of tile t: the values, then the row tiles (o.q) and the
 // column tiles (o.q_t, when t has them). red: the column amax's exchange between warps; stage:
 // the column tiles' bytes on their way to q_t.
-template <typename Src, typename AfterLoad>
+template <bool kFull, typename Src, typename AfterLoad>
 __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
                                               const detail::TileOut& o, const Align& al, float (*red)[kTile],
-                                              Stage& stage, const int32_t* row_e,
+                                              Stage& stage, const int32_t* row_e, const float* row_w,
                                               const typename Src::PackT* slots, AfterLoad after_load) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   const int64_t c = kb * kTile + 4 * l;
-  const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
+  const int nv = kFull ? 4 : c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
   float v[kRowsPerWarp][4];
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int i = kRowsPerWarp * w + k;
+    if constexpr (kFull) {
+      src.template load<true>(k, t.r0 + i, c, 4, Src::kRowExperts ? row_e[i] : t.e,
+                              Src::kRowWeights ? row_w[i] : 1.0f, slots ? slots + k * Src::kPacks * kThreads : nullptr,
+                              v[k]);
+    } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
-    if (i < t.n && nv > 0)
-      src.load(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e,
-               slots ? slots + k * Src::kPacks * kThreads : nullptr, v[k]);
+      for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
+      if (i < t.n && nv > 0)
+        src.template load<false>(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e,
+                                 Src::kRowWeights ? row_w[i] : 1.0f,
+                                 slots ? slots + k * Src::kPacks * kThreads : nullptr, v[k]);
+    }
   }
   after_load();
   if (o.q != nullptr) {
 #pragma unroll
     for (int k = 0; k < kRowsPerWarp; ++k) {
       const int i = kRowsPerWarp * w + k;
-      if (i >= t.n) continue;  // the same in the whole warp: the shuffles below see every lane
+      if (!kFull && i >= t.n) continue;  // the same in the whole warp: the shuffles below see every lane
       float m = 0.0f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) m = fmaxf(m, fabsf(v[k][j]));  // NaN ignored
-      const float s = fp8::scale_of(warp_amax(m));
+      const float s = fp8::scale_of(warp_amax_nonneg(m));
       const uint32_t word = fp8::from_scaled4(v[k][0] * s, v[k][1] * s, v[k][2] * s, v[k][3] * s);
       const int64_t r = t.r0 + i;
       uint8_t* q = static_cast<uint8_t*>(o.q) + r * o.q_stride + c;
-      if (nv == 4 && al.q4) {
+      if (kFull || (nv == 4 && al.q4)) {
         *reinterpret_cast<uint32_t*>(q) = word;
       } else {
         for (int j = 0; j < nv; ++j) q[j] = static_cast<uint8_t>(word >> (8 * j));
       }
-      if (l == 0) o.scale[kb * o.scale_stride + r] = 1.0f / s;
+      if (l == 0) o.scale[kb * o.scale_stride + r] = fp8::inv_scale(s);
     }
   }
   if (o.q_t != nullptr && t.ct >= 0) {  // the same in the whole block: the barriers below
@@ -137,13 +151,13 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float s = fp8::scale_of(m[j]);
-      if (j < nv) {
+      if (kFull || j < nv) {
         static_assert(kRowsPerWarp == 8, "a warp's rows of a column are one 8-byte slot");
         const uint32_t w0 = fp8::from_scaled4(v[0][j] * s, v[1][j] * s, v[2][j] * s, v[3][j] * s);
         const uint32_t w1 = fp8::from_scaled4(v[4][j] * s, v[5][j] * s, v[6][j] * s, v[7][j] * s);
         const int cl = 4 * l + j;  // the column within the tile
         stage.slot[cl][stage_slot(cl, w)] = make_uint2(w0, w1);
-        if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = 1.0f / s;
+        if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = fp8::inv_scale(s);
       }
     }
     // red is written again by the next column tile, and stage read below: both after this
@@ -153,9 +167,11 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
 #pragma unroll
     for (int i = 0; i < kTile * 8 / kThreads; ++i) {
       const int x = threadIdx.x + i * kThreads, cl = x >> 3, h = x & 7;
-      if (c0 + cl < cols)  // columns past cols were not staged
-        store16(static_cast<uint8_t*>(o.q_t) + (c0 + cl) * o.qt_stride + t.ct * kTile + 16 * h,
-                stage_read16(stage, cl, h), al.qt);
+      uint8_t* const dst = static_cast<uint8_t*>(o.q_t) + (c0 + cl) * o.qt_stride + t.ct * kTile + 16 * h;
+      if (kFull)
+        *reinterpret_cast<uint4*>(dst) = stage_read16(stage, cl, h);
+      else if (c0 + cl < cols)  // columns past cols were not staged
+        store16(dst, stage_read16(stage, cl, h), al.qt);
     }
   }
 }
@@ -178,16 +194,16 @@ struct Stream {
 };
 
 // Column tile kb's packs of this thread's rows into `slots` (its slots of one buffer), one group.
-template <typename Src>
+template <bool kFull, typename Src>
 __device__ __forceinline__ void stream_tile(const Src& src, const detail::TileRows& t, int64_t kb, int64_t cols,
                                             typename Src::PackT* slots) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   const int64_t c = kb * kTile + 4 * l;
-  const int nv = c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
+  const int nv = kFull ? 4 : c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
 #pragma unroll
   for (int k = 0; k < kRowsPerWarp; ++k) {
     const int i = kRowsPerWarp * w + k;
-    if (i < t.n && nv > 0 && src.streams(c, nv)) {
+    if (kFull ? src.streams_full(c) : i < t.n && nv > 0 && src.streams(c, nv)) {
 #pragma unroll
       for (int j = 0; j < Src::kPacks; ++j)
         cp_async<sizeof(typename Src::PackT)>(slots + (k * Src::kPacks + j) * kThreads, src.pack_src(j, t.r0 + i, c));
@@ -196,19 +212,63 @@ __device__ __forceinline__ void stream_tile(const Src& src, const detail::TileRo
   cp_async_commit();
 }
 
+// Row tile t's column tiles [kb0, kb1) of KB, their packs streamed where `streaming` (Stream).
+// kFull: t has all 128 rows, every column tile all 128 columns, and the launch's stores and the
+// source's loads take their widest form (the launch's `fast`): no bound is checked per row and
+// column, and the loads read the streamed packs alone (fast_ok: the source's streams_full).
+template <bool kFull, typename Src>
+__device__ __forceinline__ void column_tiles(Src& src, const detail::TileRows& t, const detail::TileOut& o,
+                                             const Align& al, int64_t kb0, int64_t kb1, int64_t KB, int64_t cols,
+                                             bool streaming, float (*red)[kTile], Stage& stage, const int32_t* row_e,
+                                             const float* row_w, typename Src::PackT* buf0,
+                                             typename Src::PackT* buf1) {
+  using St = Stream<Src>;
+  using P = typename Src::PackT;
+  // held: the tile whose packs buffer 0 holds or will (one buffer); with two, tile i's are
+  // always in buffer (i - kb0) % 2, each issued while the tile before it was worked.
+  int64_t held = -1;
+  if (streaming && kb0 < kb1) stream_tile<kFull>(src, t, src.column_tile(kb0, KB), cols, buf0), held = kb0;
+  for (int64_t i = kb0; i < kb1; ++i) {
+    const bool odd = ((i - kb0) & 1) != 0;
+    P* const mine = St::kBuffers == 2 && odd ? buf1 : buf0;
+    const int64_t next = streaming ? src.stream_next(i, kb1) : -1;
+    if constexpr (St::kBuffers == 2) {
+      if (next >= 0) {
+        stream_tile<kFull>(src, t, src.column_tile(next, KB), cols, odd ? buf0 : buf1);
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+    } else if constexpr (St::kBuffers == 1) {
+      cp_async_wait<0>();
+    }
+    const bool in_smem = streaming && (St::kBuffers == 2 || held == i);
+    quantize_tile<kFull>(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e, row_w,
+                         in_smem ? mine : nullptr,
+                         [&] {
+                           if constexpr (St::kBuffers == 1) {
+                             if (next >= 0)
+                               stream_tile<kFull>(src, t, src.column_tile(next, KB), cols, buf0), held = next;
+                           }
+                         });
+  }
+}
+
 // The block's tiles: tile b = blockIdx.x, then on by gridDim.x (fp8_tiles.h's schedule: the
 // padded tiles of q_t when column tiles are wanted, then with row tiles the rows past the last
 // offset, whose count is read here from the offsets), and in each its column tiles
-// [kb_per_block blockIdx.y, + kb_per_block), their packs streamed (Stream).
+// [kb_per_block blockIdx.y, + kb_per_block), their packs streamed (Stream). fast: the launch
+// allows column_tiles<true> on every tile of 128 rows (fast_launch).
 template <typename Src>
 __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     tiles_kernel(Src src, const detail::TileOut o, const Align al, int64_t rows, int64_t cols, int64_t kb_per_block,
-                 bool stream) {
+                 bool stream, bool fast) {
   using St = Stream<Src>;
   using P = typename Src::PackT;
   __shared__ __align__(16) float red[kWarps][kTile];
   __shared__ __align__(16) Stage stage;
   __shared__ int32_t row_e[Src::kRowExperts ? kTile : 1];
+  __shared__ float row_w[Src::kRowWeights ? kTile : 1];
   extern __shared__ __align__(16) unsigned char tiles_smem[];  // the source's stash, then the buffers
   P* const buf0 = reinterpret_cast<P*>(tiles_smem + Src::kStashBytes) + threadIdx.x;
   P* const buf1 = buf0 + St::kBuffer / static_cast<int>(sizeof(P));
@@ -221,42 +281,24 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   const bool streaming = St::kBuffers > 0 && stream;  // (the launch gave the buffers' bytes)
   for (int64_t b = blockIdx.x; b < nt; b += gridDim.x) {
     const detail::TileRows t = detail::tile_rows(b, out_tiles, rows, o.offsets, o.pends, E, tail0);
-    if constexpr (Src::kRowExperts) {
-      if (threadIdx.x < kTile)
-        row_e[threadIdx.x] = threadIdx.x < t.n ? (t.e >= 0 ? static_cast<int32_t>(t.e)
-                                                           : src.expert_of_row(t.r0 + threadIdx.x))
-                                               : 0;
+    if constexpr (Src::kRowExperts || Src::kRowWeights) {
+      if (threadIdx.x < kTile) {
+        if constexpr (Src::kRowExperts)
+          row_e[threadIdx.x] = threadIdx.x < t.n ? (t.e >= 0 ? static_cast<int32_t>(t.e)
+                                                             : src.expert_of_row(t.r0 + threadIdx.x))
+                                                 : 0;
+        if constexpr (Src::kRowWeights)
+          row_w[threadIdx.x] = threadIdx.x < t.n ? src.weight_of_row(t.r0 + threadIdx.x) : 0.0f;
+      }
       __syncthreads();
     }
     src.begin_tile();
-    // held: the tile whose packs buffer 0 holds or will (one buffer); with two, tile i's are
-    // always in buffer (i - kb0) % 2, each issued while the tile before it was worked.
-    int64_t held = -1;
-    if (streaming && kb0 < kb1) stream_tile(src, t, src.column_tile(kb0, KB), cols, buf0), held = kb0;
-    for (int64_t i = kb0; i < kb1; ++i) {
-      const bool odd = ((i - kb0) & 1) != 0;
-      P* const mine = St::kBuffers == 2 && odd ? buf1 : buf0;
-      const int64_t next = streaming ? src.stream_next(i, kb1) : -1;
-      if constexpr (St::kBuffers == 2) {
-        if (next >= 0) {
-          stream_tile(src, t, src.column_tile(next, KB), cols, odd ? buf0 : buf1);
-          cp_async_wait<1>();
-        } else {
-          cp_async_wait<0>();
-        }
-      } else if constexpr (St::kBuffers == 1) {
-        cp_async_wait<0>();
-      }
-      const bool in_smem = streaming && (St::kBuffers == 2 || held == i);
-      quantize_tile(src, t, src.column_tile(i, KB), cols, o, al, red, stage, row_e, in_smem ? mine : nullptr,
-                    [&] {
-                      if constexpr (St::kBuffers == 1) {
-                        if (next >= 0) stream_tile(src, t, src.column_tile(next, KB), cols, buf0), held = next;
-                      }
-                    });
-    }
+    if (fast && streaming && t.n == kTile)
+      column_tiles<true>(src, t, o, al, kb0, kb1, KB, cols, streaming, red, stage, row_e, row_w, buf0, buf1);
+    else
+      column_tiles<false>(src, t, o, al, kb0, kb1, KB, cols, streaming, red, stage, row_e, row_w, buf0, buf1);
     src.end_tile(t, threadIdx.x >> 5, threadIdx.x & 31);
-    if constexpr (Src::kRowExperts) __syncthreads();  // row_e is written again by the next tile
+    if constexpr (Src::kRowExperts || Src::kRowWeights) __syncthreads();  // written again by the next tile
   }
 }
 
@@ -302,8 +344,9 @@ Status launch_tiles(const Src& src, const detail::TileOut& o, int64_t rows, int6
   bool stream = false;
   int smem = 0;
   EA_TRY(stream_setup<Src>(device, what, stream, smem));
+  const Align al = align_of(o, rows, cols);
   tiles_kernel<Src><<<dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y)), kThreads, smem, st>>>(
-      src, o, align_of(o, rows, cols), rows, cols, per, stream);
+      src, o, al, rows, cols, per, stream, fast_launch(al, o, cols, src.fast_ok()));
   return cuda_check(cudaGetLastError(), what);
 }
 
@@ -321,6 +364,7 @@ inline int64_t schedule_blocks(const detail::TileOut& o, int64_t rows, int64_t t
 // What a source without per-tile state or per-row experts leaves out.
 struct NoTileState {
   static constexpr bool kRowExperts = false;
+  static constexpr bool kRowWeights = false;
   static constexpr int kMinBlocks = 1;
   __device__ __forceinline__ void begin_tile() {}
   __device__ __forceinline__ void end_tile(const detail::TileRows&, int, int) {}

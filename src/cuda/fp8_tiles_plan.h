@@ -65,6 +65,14 @@ EA_HD int64_t paired_column_tile(bool paired, int64_t i, int64_t KB) {
   return paired ? (i % 2 ? KB / 2 + i / 2 : i / 2) : i;
 }
 
+// Whether a launch may take the tile engine's full-tile path (fp8_tiles.cuh, column_tiles<true>)
+// on its tiles of 128 rows: every column tile whole (cols a multiple of 128), q's rows taking
+// 4-byte stores and q_t's 16-byte ones, and the source's loads of a lane's 4 values one access
+// each (src_ok: the source's fast_ok()).
+inline bool fast_launch(const Align& al, const detail::TileOut& o, int64_t cols, bool src_ok) {
+  return src_ok && cols % fp8::kTile == 0 && (o.q == nullptr || al.q4) && (o.q_t == nullptr || al.qt == 16);
+}
+
 // Blocks an SM a launch of column tiles shared among blocks should give (tiles_per_block).
 constexpr int64_t kBlocksPerSm = 8;
 

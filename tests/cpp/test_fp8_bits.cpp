@@ -1,7 +1,8 @@
 // The bit arithmetic of the FP8 kernels (src/core/fp8.h), checked on the host: the NaN fix-up
 // of four e4m3fn bytes at once against the byte-by-byte rule for every byte value in every
 // position, and the reciprocal of a power of two by exponent arithmetic against IEEE division
-// for every float exponent, both signs, zero, infinity, NaN and values that are not powers of two.
+// for every float exponent, both signs, zero, infinity, NaN and values that are not powers of two,
+// and inv_scale (the kernels' reciprocal of a scale) against the division for every scale.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,8 +14,10 @@
 
 namespace {
 
+using expertact::fp8::inv_scale;
 using expertact::fp8::nan_bytes_7f;
 using expertact::fp8::recip_pow2;
+using expertact::fp8::scale_of;
 using expertact::math::as_bits;
 using expertact::math::as_float;
 
@@ -66,6 +69,20 @@ TEST(Fp8Bits, RecipPow2MatchesDivision) {
   EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, 127), r));    // 2^-127 is subnormal
   EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, -149), r));   // a subnormal power of two
   EXPECT_FALSE(recip_pow2(3.0f, r));
+}
+
+// The scales the kernels write, 1 / scale_of(amax), by inv_scale: the division's bits for every
+// amax exponent, the floor and below it, and +inf (scale 0, its reciprocal +inf).
+TEST(Fp8Bits, InvScaleIsTheDivision) {
+  for (uint32_t e = 0; e < 255; ++e) {
+    for (uint32_t mant : {0u, 1u, 0x2a5555u, 0x7fffffu}) {
+      const float s = scale_of(as_float((e << 23) | mant));
+      ASSERT_EQ(as_bits(inv_scale(s)), as_bits(1.0f / s)) << "amax bits " << ((e << 23) | mant);
+    }
+  }
+  const float s_inf = scale_of(std::numeric_limits<float>::infinity());
+  EXPECT_EQ(as_bits(s_inf), 0u);
+  EXPECT_EQ(inv_scale(s_inf), std::numeric_limits<float>::infinity());
 }
 
 }  // namespace

@@ -220,6 +220,28 @@ TEST(TilesPlan, StoreWidthsOfTheOutputs) {
   EXPECT_FALSE(tiles::align_of(o, 300, 100).q4);
 }
 
+TEST(TilesPlan, FullTilePathOnlyOnWholeAlignedLaunches) {
+  TileOut o;
+  o.q = const_cast<void*>(at(kBase));
+  o.q_stride = 256;
+  o.q_t = const_cast<void*>(at(kBase));
+  o.qt_stride = 1024;
+  const tiles::Align al = tiles::align_of(o, 300, 256);
+  EXPECT_TRUE(tiles::fast_launch(al, o, 256, true));
+  EXPECT_FALSE(tiles::fast_launch(al, o, 256, false));  // the source's loads are not proven
+  EXPECT_FALSE(tiles::fast_launch(tiles::align_of(o, 300, 200), o, 200, true));  // a partial column tile
+  o.q_stride = 258;                                                           // q's rows take no 4-byte store
+  EXPECT_FALSE(tiles::fast_launch(tiles::align_of(o, 300, 256), o, 256, true));
+  o.q = nullptr;  // no row tiles: q's alignment does not matter
+  EXPECT_TRUE(tiles::fast_launch(tiles::align_of(o, 300, 256), o, 256, true));
+  o.qt_stride = 1032;  // q_t's rows take 8-byte stores only
+  EXPECT_FALSE(tiles::fast_launch(tiles::align_of(o, 300, 256), o, 256, true));
+  o.q_t = nullptr;  // row tiles alone
+  o.q = const_cast<void*>(at(kBase));
+  o.q_stride = 256;
+  EXPECT_TRUE(tiles::fast_launch(tiles::align_of(o, 300, 256), o, 256, true));
+}
+
 // The kernel's shape (fp8_tiles.cuh): 512 threads, warp w holding rows 8 w .. 8 w + 7, lane l
 // columns 4 l .. 4 l + 3 of a 128 x 128 tile; the read-back loop's thread x (of 1,024 over two
 // rounds) takes column x / 8, bytes 16 (x % 8) .. + 15.
