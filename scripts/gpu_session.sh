@@ -58,6 +58,7 @@
 #   train-autoep-step      the training step of blockwise beside the bf16 MLP in place (AutoEP h200, 300
 #                          steps, default seed, the experts' share): a change to blockwise's speed read where
 #                          the default's rule reads it
+#   train-autoep-step-seeds  the same at seeds 2 and 3 (the default's rule reads the step at every seed)
 #   bench-mlp-fp8          python -m expertact.bench --mlp --fp8: every FP8 row the bench has, beside bf16
 #                          and torchao's composition
 #   profile-fp8            bench/mlp_kernel_profile.py for rowwise-bf16-wgrad, rowwise-promoted-wgrad and
@@ -93,18 +94,20 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
        train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
-       bench-fp8-operands train-autoep-step)
+       bench-fp8-operands train-autoep-step train-autoep-step-seeds)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/,
-# gpu-session-h100-2026-12-05/ and -05-tiles/: every recipe at three seeds beside DeepSpeed's default, the
-# module bench, Megatron's trainings on text, the tile kernels streamed): no recipe met the default's rule
-# (blockwise trains inside the band at every seed but its step was 0.89x the bf16 MLP's; its operand passes
-# are 1.40x faster since, its step not measured), so first blockwise's training step and where it goes at
-# AutoEP's shape, then the operand kernels, which per-expert forms cuBLAS refuses (N = 96 on an H100), the
+# gpu-session-h100-2026-12-05/, -05-tiles/ and -05-full/: every recipe at three seeds beside DeepSpeed's
+# default, the module bench, Megatron's trainings on text, the tile kernels streamed, then their full-tile
+# path): no recipe met the default's rule yet (blockwise trains inside the band at every seed; its step,
+# 0.89x the bf16 MLP's on the H200 before, is 1.06x at seed 1234 on an H100 since, seeds 2 and 3 untimed),
+# so first blockwise's training step at the three seeds and where it goes at AutoEP's shape, then the
+# operand kernels, which per-expert forms cuBLAS refuses (N = 96 on an H100), the
 # tests and the GEMMs' profiles at the busiest rank's, Megatron's GPU tests, the fine-tuning, the longer
 # runs of the promoted recipe by name, the bench of AutoEP's rows (in this order each pair of runs read
 # together fits one session).
-PLAN=(train-autoep-step profile-fp8-autoep bench-fp8-operands scaled-mm-forms test-fp8 profile-fp8 bench-fp8-gemms
-      test-megatron finetune-fp8-yardsticks finetune-fp8 train-autoep-1000-bf16 train-autoep-1000-fp8 bench-autoep)
+PLAN=(train-autoep-step train-autoep-step-seeds profile-fp8-autoep bench-fp8-operands scaled-mm-forms test-fp8
+      profile-fp8 bench-fp8-gemms test-megatron train-autoep-1000-bf16 train-autoep-1000-fp8
+      finetune-fp8-yardsticks finetune-fp8 bench-autoep)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -134,7 +137,9 @@ PLAN=(train-autoep-step profile-fp8-autoep bench-fp8-operands scaled-mm-forms te
 # train-autoep-fp8 209 s for two runs and torchao's failed start (~85 s a run: four now, torchao's in
 # a launch of its own), bench-autoep 145 s and bench-megatron 90 s (now with two more FP8 rows a
 # table), bench-fp8-gemms 46 s (now with the promoted row). profile-fp8: three profiled steps
-# and their warm-up at the busiest rank's shape, estimated.
+# and their warm-up at the busiest rank's shape, estimated. On one H100 on 2026-12-05 16:21-16:51 UTC
+# (bench/results/gpu-session-h100-2026-12-05-full): train-autoep-step 144-152 s (so ~310 s for two
+# seeds), profile-fp8-autoep 48-63 s, test-fp8 52-55 s, bench-mlp-fp8 127-140 s, build 82-97 s fresh.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=480 [train-megatron-gpt-oss]=480 [report-megatron]=10
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
@@ -142,7 +147,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=40
-                [train-autoep-step]=230)
+                [train-autoep-step]=230 [train-autoep-step-seeds]=320)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -168,8 +173,13 @@ plan() {
   printf "  %-24s ~%3d s (~%d min), plus the machine's start\n" "total" "$total" $(((total + 59) / 60))
 }
 
+# The stages read together with the next one, run on the same machine: a pair opens a session
+# where both do not fit the one under way.
+declare -A WITH=([train-autoep-1000-bf16]=train-autoep-1000-fp8 [finetune-fp8-yardsticks]=finetune-fp8)
+
 # pack STAGE...: the stages in this order, in calls of at most CALL_S and sessions of at most
-# SESSION_S, each session opening with a call of preflight and build (a fresh machine).
+# SESSION_S (a pair of WITH in one), each session opening with a call of preflight and build (a
+# fresh machine).
 pack() {
   local first=$((EST[preflight] + EST[build])) session=0 used=0 call=() call_s=0 st
   flush() {
@@ -188,8 +198,11 @@ pack() {
     call_s=$first
   }
   open
+  local need
   for st in "$@"; do
-    if [ $((used + call_s + EST[$st])) -gt "$SESSION_S" ]; then
+    need=${EST[$st]}
+    [ -n "${WITH[$st]+x}" ] && need=$((need + EST[${WITH[$st]}]))
+    if [ $((used + call_s + need)) -gt "$SESSION_S" ]; then
       open
     fi
     if [ $((call_s + EST[$st])) -gt "$CALL_S" ]; then
@@ -411,6 +424,11 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
       # rule compared blockwise's step against
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --expert-share --out "$S/$st/autoep" \
         --impl mlp-inplace,mlp-fp8-blockwise ;;
+    train-autoep-step-seeds)
+      run_stage "$st" "$D" "$PY" bash -c "rc=0
+          for seed in 2 3; do ${TRAIN[*]} --seed \$seed --expert-share --out '$S/$st'/seed\$seed/autoep \
+            --impl mlp-inplace,mlp-fp8-blockwise || rc=1; done
+          exit \$rc" ;;
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;

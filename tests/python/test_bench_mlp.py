@@ -171,8 +171,12 @@ def test_bench_fp8_rows_are_the_recipes(monkeypatch):
     assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW is None
     rows = [dict(impl="expertact", ms=300.0, extra_peak_gib=10.0),
             dict(impl="fp8-promoted-wgrad", ms=200.0, extra_peak_gib=9.0)]
-    [(text, ok)] = bench.targets(rows)  # no default recipe: the speed target is met by none
+    [(text, ok)] = bench.targets(rows)  # no default recipe: a FAIL line naming who meets its speed
     assert not ok and text.startswith("no default recipe"), text
+    assert text.endswith("is met by rowwise-promoted-wgrad 1.50x (the default's training step and loss rule: "
+                         "docs/spec.md section 10)"), text
+    [(text, ok)] = bench.targets([rows[0], dict(impl="fp8-blockwise", ms=250.0, extra_peak_gib=9.0)])
+    assert not ok and text.endswith("is met by none"), text
     monkeypatch.setattr(bench, "DEFAULT_ROW", "fp8-promoted-wgrad")
     (text, ok), (peak, peak_ok) = bench.targets(rows)
     assert ok and peak_ok and text.startswith("fp8-promoted-wgrad (the default recipe) 1.50x faster"), text

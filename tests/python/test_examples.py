@@ -245,8 +245,8 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:3] == ["train-autoep-step", "profile-fp8-autoep", "bench-fp8-operands"]
-    assert len(fp8) == len(set(fp8)) == 13
+    assert fp8[:4] == ["train-autoep-step", "train-autoep-step-seeds", "profile-fp8-autoep", "bench-fp8-operands"]
+    assert len(fp8) == len(set(fp8)) == 14
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
     # fine-tuning's
     session_of = {}
@@ -266,6 +266,9 @@ def test_gpu_session_plan_and_dry_run():
         assert re.search(rf"^{st}: ", dry, re.M), st
     assert re.search(r"^train-autoep-seed3: .*\n.*autoep_train.py .*--seed 3 ", dry, re.M)
     assert re.search(r"^train-autoep-step: .*autoep_train.py .*--impl mlp-inplace,mlp-fp8-blockwise", dry, re.M)
+    for seed in (2, 3):  # the step at the other two seeds, each beside its own bf16 MLP in place
+        assert re.search(rf"^train-autoep-step-seeds: (.*\n)*.*autoep_train.py .*--seed \$seed .*--expert-share "
+                         r".*--impl mlp-inplace,mlp-fp8-blockwise", dry, re.M) and "for seed in 2 3" in dry
     assert re.search(r"^profile-fp8-autoep: .*\n.*mlp_kernel_profile.py .*--shape 8,32768,1024,3072", dry, re.M)
     assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
