@@ -547,13 +547,17 @@ def _inset(t):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("layout", ["halves", "up_first", "separate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiles_of_misaligned_views(device, layout, dtype):
+@pytest.mark.parametrize("F, biased", [(100, True), (256, False), (256, True)])
+def test_tiles_of_misaligned_views(device, layout, dtype, F, biased):
     """gate_up (gate and up), dh as views whose rows start off every 4-element boundary give the
-    bytes, scales and weights' gradient of the same values contiguous, where F = 100 lets the
-    CUDA sources load 4 values at a time: the one-at-a-time path the views take and the vector
-    path agree bit for bit (the activation's row and column tiles, the backward's both forms)."""
-    F = 100
+    bytes, scales and weights' gradient of the same values contiguous, where F lets the CUDA
+    sources load 4 values at a time: the one-at-a-time path the views take and the vector path
+    agree bit for bit (the activation's row and column tiles, the backward's both forms). F = 256
+    without a bias: on a GPU the contiguous call takes the tile engine's full-tile path on the
+    experts' whole 128-row tiles (bf16: streamed, the backward's pairs through its stash), the
+    checked path on the rest (fp8_tiles.cuh)."""
     z, dh, b, w = (t.to(device) for t in _bwd_case(T_ROWS, F, dtype, 19))
+    b = b if biased else None
     z[9, 3] = float("nan")
     offs = torch.tensor(ENDS, dtype=torch.int32, device=device)
     act = "swiglu_oai"
@@ -563,7 +567,7 @@ def test_tiles_of_misaligned_views(device, layout, dtype):
         if inset:
             x, up = _inset(x), None if up is None else _inset(up)
         kw = dict(up=up, layout=lay, weights=w, bias=b)
-        return (fp8.glu_row_tiles(x, act, offsets=offs, **kw)
+        return (fp8.glu_row_tiles(x, act, offsets=offs if biased else None, **kw)
                 + fp8.glu_column_tiles_grouped(x, act, offs, ends=ENDS, **kw))
 
     got, want = forward(True), forward(False)
