@@ -18,6 +18,12 @@ reference C++ path and the rates mean nothing).
 
     python bench/fp8_operand_kernels.py                              # the busiest rank's shape
     python bench/fp8_operand_kernels.py --shape 8,32768,1024,3072    # one MoE layer of AutoEP's run
+    python bench/fp8_operand_kernels.py --bias                       # with GPT-OSS's gate_up bias
+
+--bias: a bias [E, 2F] added to gate and up before the activation in the three passes that read
+gate_up (h's operand, h's columns, dgate_up's), each expert's rows its own row of it, as the
+GPT-OSS MLP's expert_mlp(..., b13=) does; its bytes (E x 2F, read through the cache) are not
+counted.
 """
 import argparse
 import sys
@@ -46,13 +52,16 @@ def traffic(T: int, D: int, F: int) -> dict:
     }
 
 
-def calls(x, gu, dy, dh, offs, ends):
-    """Per pass, (the blockwise call, the rowwise calls), each a function of no arguments."""
+def calls(x, gu, dy, dh, offs, ends, bias=None):
+    """Per pass, (the blockwise call, the rowwise calls), each a function of no arguments; bias
+    [E, 2F] or None: gate_up's bias where a pass reads gate_up."""
+    b = {} if bias is None else {"bias": bias, "offsets": offs}  # the GLU calls' bias (and its rows)
+    bc = {} if bias is None else {"bias": bias}  # the same where offsets are the call's own argument
     xa = xf.quantize_rowwise(x, col_amax_offsets=offs, ends=ends)[2]
-    ha = xf.glu_rowwise(gu, ACT, layout=LAYOUT, col_amax_offsets=offs, ends=ends)[2]
+    ha = xf.glu_rowwise(gu, ACT, layout=LAYOUT, col_amax_offsets=offs, ends=ends, **b)[2]
     keep = torch.empty_like(gu)
     ga = xf.glu_backward_rowwise(dh, gu, ACT, layout=LAYOUT, offsets=offs, ends=ends, col_amax=True,
-                                 dgate_up_out=keep)[3]
+                                 dgate_up_out=keep, **bc)[3]
 
     def dy_rowwise():
         amax = xf.quantize_rowwise(dy, col_amax_offsets=offs, ends=ends)[2]
@@ -60,19 +69,20 @@ def calls(x, gu, dy, dh, offs, ends):
 
     def dgate_up_rowwise():
         xf.glu_backward_rowwise(dh, gu, ACT, layout=LAYOUT, offsets=offs, ends=ends, col_amax=True,
-                                dgate_up_out=keep)
+                                dgate_up_out=keep, **bc)
         return xf.quantize_colwise_grouped(keep, offs, pad_to=32, ends=ends, amax=ga)
 
     return {
         "x's operand": (lambda: xf.quantize_row_tiles(x),
                         lambda: xf.quantize_rowwise(x, col_amax_offsets=offs, ends=ends)),
-        "h's operand": (lambda: xf.glu_row_tiles(gu, ACT, layout=LAYOUT),
-                        lambda: xf.glu_rowwise(gu, ACT, layout=LAYOUT, col_amax_offsets=offs, ends=ends)),
+        "h's operand": (lambda: xf.glu_row_tiles(gu, ACT, layout=LAYOUT, **b),
+                        lambda: xf.glu_rowwise(gu, ACT, layout=LAYOUT, col_amax_offsets=offs, ends=ends, **b)),
         "dy's operands": (lambda: xf.quantize_column_tiles_grouped(dy, offs, ends=ends, row_tiles=True), dy_rowwise),
-        "h's columns": (lambda: xf.glu_column_tiles_grouped(gu, ACT, offs, layout=LAYOUT, ends=ends),
-                        lambda: xf.glu_colwise_grouped(gu, ACT, offs, layout=LAYOUT, pad_to=32, ends=ends, amax=ha)),
+        "h's columns": (lambda: xf.glu_column_tiles_grouped(gu, ACT, offs, layout=LAYOUT, ends=ends, **bc),
+                        lambda: xf.glu_colwise_grouped(gu, ACT, offs, layout=LAYOUT, pad_to=32, ends=ends, amax=ha,
+                                                       **bc)),
         "dgate_up's operands": (lambda: xf.glu_backward_tiles(dh, gu, ACT, layout=LAYOUT, offsets=offs, ends=ends,
-                                                              column_tiles=True), dgate_up_rowwise),
+                                                              column_tiles=True, **bc), dgate_up_rowwise),
         "x's columns": (lambda: xf.quantize_column_tiles_grouped(x, offs, ends=ends),
                         lambda: xf.quantize_colwise_grouped(x, offs, pad_to=32, ends=ends, amax=xa)),
     }
@@ -83,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="4,261280,3072,3072", help="experts,rows each,D,F (default the busiest rank's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--markdown", help="also write the table here")
+    p.add_argument("--bias", action="store_true", help="gate_up with a bias [E, 2F] (GPT-OSS's experts)")
     args = p.parse_args(argv)
     E, rows, D, F = (int(v) for v in args.shape.split(","))
     dev = torch.device(args.device)
@@ -93,19 +104,22 @@ def main(argv=None) -> int:
         return torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_(0.0, 1.0, generator=gen)
 
     x, gu, dy, dh = normal(T, D), normal(T, 2 * F), normal(T, D), normal(T, F)
+    bias = normal(E, 2 * F) if args.bias else None
     offs = torch.arange(1, E + 1, dtype=torch.int32, device=dev) * rows
     ends = offs.tolist()
     copy_rate = copy_bandwidth(2 * gu.numel(), dev) / 1e12  # TB/s, read + written, a copy as large as gate_up
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (reference path: rates mean nothing)"
     lines = [f"## The FP8 node's operand kernels: {name}", "",
-             f"{E} experts x {rows:,} rows, D = {D:,}, F = {F:,}, bf16, {ACT} {LAYOUT}; torch {torch.__version__}; "
-             f"`python bench/fp8_operand_kernels.py --shape {args.shape}`; a copy of gate_up's size: "
+             f"{E} experts x {rows:,} rows, D = {D:,}, F = {F:,}, bf16, {ACT} {LAYOUT}"
+             f"{', gate_up with a bias' if args.bias else ''}; torch {torch.__version__}; "
+             f"`python bench/fp8_operand_kernels.py --shape {args.shape}{' --bias' if args.bias else ''}`; "
+             "a copy of gate_up's size: "
              f"{copy_rate:.2f} TB/s", "",
              "| pass | blockwise ms | GB | TB/s | % of the copy's | rowwise ms | GB | TB/s | % of the copy's |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     sums = [0.0, 0.0, 0, 0]
     need = traffic(T, D, F)
-    for pass_, (block, row) in calls(x, gu, dy, dh, offs, ends).items():
+    for pass_, (block, row) in calls(x, gu, dy, dh, offs, ends, bias).items():
         cells = []
         for k, fn in enumerate((block, row)):
             ms, nbytes = median_ms(fn, 10, 2, dev), need[pass_][k]

@@ -146,7 +146,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
-                [profile-fp8-autoep]=45 [bench-fp8-operands]=40
+                [profile-fp8-autoep]=45 [bench-fp8-operands]=50
                 [train-autoep-step]=230 [train-autoep-step-seeds]=320)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
@@ -402,9 +402,11 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     profile-fp8-autoep)  # one MoE layer of the AutoEP training: where blockwise's step loses to bf16's
       run_stage "$st" "$D" "$PY" bash -c "for impl in expertact fp8-promoted-wgrad fp8-blockwise; do
           '$PY' bench/mlp_kernel_profile.py \$impl --shape 8,32768,1024,3072 || exit 1; done" ;;
-    bench-fp8-operands)  # each operand kernel's rate, blockwise beside rowwise, at both shapes
+    bench-fp8-operands)  # each operand kernel's rate, blockwise beside rowwise, at both shapes (AutoEP's also
+      # with GPT-OSS's gate_up bias)
       run_stage "$st" "$D" "$PY" bash -c "'$PY' bench/fp8_operand_kernels.py --markdown '$D/busiest.md' &&
-          '$PY' bench/fp8_operand_kernels.py --shape 8,32768,1024,3072 --markdown '$D/autoep.md'" ;;
+          '$PY' bench/fp8_operand_kernels.py --shape 8,32768,1024,3072 --markdown '$D/autoep.md' &&
+          '$PY' bench/fp8_operand_kernels.py --shape 8,32768,1024,3072 --bias --markdown '$D/autoep-bias.md'" ;;
     train-autoep-seed*)
       local seed=${st#train-autoep-seed}
       # (a run that fails leaves the launch's others and the reports to run; the stage fails)
