@@ -58,15 +58,15 @@ FP8_RECIPES = {
                               "+0.040 in Megatron-Core's GPT-OSS form",
     "blockwise": "over the last 100 steps at three seeds +0.0001, +0.0049, +0.0017 against bf16 bands of 0.0094, "
                  "0.0077, 0.0056: inside at every seed; 1.06x the bf16 MLP's step at seed 1234 on one H100 "
-                 "(seeds 2 and 3 not timed since its faster tile kernels)",
+                 "(seeds 2 and 3 not yet timed with its current tile kernels)",
 }
 
 #: The recipe ``fp8=True`` selects: one whose training loss stays inside the bf16 band at every
 #: seed and whose step is at least 1.05x the bf16 MLP's (docs/spec.md section 10). None is chosen:
 #: in the 300-step AutoEP training on one H200 at three seeds (docs/BENCHMARKS.md section 8),
 #: "rowwise-promoted-wgrad", fast enough, ended below the band at one seed, and "blockwise", inside
-#: it at every seed, has had its step timed at 1.05x or more at one seed only (1.06x, seed 1234, one
-#: H100, since its faster tile kernels). So True raises, naming the recipes with their cost;
+#: it at every seed, has had its step timed at 1.05x or more at one seed only (1.06x at seed 1234 on
+#: one H100, with its current tile kernels). So True raises, naming the recipes with their cost;
 #: a recipe is taken by name. Setting this to a name of FP8_RECIPES is the whole change when a
 #: recipe passes.
 DEFAULT_FP8_RECIPE: Optional[str] = None
