@@ -9,7 +9,7 @@ namespace {
 
 // x's values: 4 at a time in one access where x's rows allow (vec: pointer and row stride
 // multiples of 4 elements), else one by one. Two blocks an SM at 64 registers a thread (ptxas -v
-// for sm_90: 172 bytes spilled with the streaming's addresses): one block alone, at 128
+// for sm_90: 100-180 bytes spilled with the streaming's addresses): one block alone, at 128
 // registers and no spill to speak of, was no faster (docs/notes/fp8-recipes.md).
 template <typename T>
 struct PlainTileSrc : tiles::NoTileState {
