@@ -69,6 +69,11 @@ struct BwdTileSrc {
 #pragma unroll
     for (int k = 0; k < tiles::kRowsPerWarp; ++k) part[k] = 0.0f;
   }
+  // A term of row k's weights' gradient into the lane's sum, rounded as its own add: left to the
+  // compiler, the add may fuse with the term's last product (dy * a * v) into an FMA in one of
+  // load's forms and not in another, and the paired, vector and one-at-a-time forms of a row
+  // would give sums a rounding apart.
+  __device__ __forceinline__ void add_term(int k, float term) { part[k] = __fadd_rn(part[k], term); }
   __device__ __forceinline__ void end_tile(const detail::TileRows& t, int warp, int lane) {
     if (dw == nullptr) return;
 #pragma unroll
@@ -154,7 +159,7 @@ struct BwdTileSrc {
         grad(gr, dyr, bgr, bur, wr, (c + jj) / 2, dg, du, term);
         v[jj] = dg;
         v[jj + 1] = du;
-        part[k] += term;
+        add_term(k, term);
       }
     } else if (vec && nv == 4) {  // c .. c + 3 in one half (F and c multiples of 4; paired: always)
       if (paired && c >= F) {  // a pair's second tile: what its first left
@@ -174,7 +179,7 @@ struct BwdTileSrc {
         for (int jj = 0; jj < 4; ++jj) {
           grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
           v[jj] = up ? du : dg;
-          if (!up) part[k] += term;
+          if (!up) add_term(k, term);
         }
       }
     } else {
@@ -185,7 +190,7 @@ struct BwdTileSrc {
         const bool up = pc >= q_u && pc < q_u + F;
         grad(gr, dyr, bgr, bur, wr, pc - (up ? q_u : q_g), dg, du, term);
         v[jj] = up ? du : dg;
-        if (!up) part[k] += term;
+        if (!up) add_term(k, term);
       }
     }
     store_dgu(row, c, nv, v);
@@ -205,7 +210,7 @@ struct BwdTileSrc {
       grad_of(pack_f(gp, jj), pack_f(upk, jj), pack_f(dp, jj), bgr, bur, wr, j0 + jj, dg, du, term);
       v[jj] = up ? du : dg;
       other[jj] = up ? dg : du;
-      part[k] += term;  // gate's tiles ascend in either half's order: the same order
+      add_term(k, term);  // gate's tiles ascend in either half's order: the same order
     }
     *stash_slot(k) = make_float4(other[0], other[1], other[2], other[3]);
   }
