@@ -47,10 +47,23 @@ EA_HD float to_float(uint8_t q) {
 
 // The quantisation multiplier of a row with largest magnitude amax (NaN-free; +inf allowed):
 // 2^floor(log2(float32(448 / double(max(amax, 1e-12))))); 0 when amax is +inf.
-EA_HD float scale_of(float amax) {
+EA_HD float scale_of_by_division(float amax) {
   const float a = amax > kAmaxFloor ? amax : kAmaxFloor;
   const float s = static_cast<float>(static_cast<double>(kMax) / static_cast<double>(a));
   return math::as_float(math::as_bits(s) & 0x7f800000u);  // s is normal or 0 here
+}
+
+// scale_of_by_division by exponent arithmetic, the same float for every amax (the host tests
+// compare the two): with a = max(amax, 1e-12) = m 2^e (a normal, 1 <= m < 2) and 448 = 1.75 2^8,
+// the quotient is (1.75 / m) 2^(8 - e), whose power of two is 2^(8 - e) for m <= 1.75 and
+// 2^(7 - e) above (1.75 / m, at most 1 - 6.8e-8 for the floats m > 1.75, does not round up to 1
+// in float32 or through double); the exponent lies in [-120, 48], a normal one. +inf gives 0.
+EA_HD float scale_of(float amax) {
+  const float a = amax > kAmaxFloor ? amax : kAmaxFloor;
+  const uint32_t b = math::as_bits(a);
+  if (b >= 0x7f800000u) return 0.0f;
+  const uint32_t k = 254u + 8u - (b >> 23) - ((b & 0x7fffffu) > 0x600000u ? 1u : 0u);  // 127 + 8 - e - ..
+  return math::as_float(k << 23);
 }
 
 // An already scaled value x = v * s as quantize writes it: e4m3fn(clamp(x, -448, 448)); a

@@ -131,21 +131,33 @@ struct BwdTileSrc {
     extern __shared__ float4 bwd_stash[];
     return bwd_stash + k * tiles::kThreads + threadIdx.x;
   }
-  // kFull: paired and vec without a bias (fast_ok), c .. c + 3 whole; a pair's first tile's
-  // packs in s. wr: the row's routing weight.
-  template <bool kFull>
+  // The full-tile path (fp8_tiles.cuh's column_tiles<true>; paired and vec without a bias,
+  // fast_ok): a warp's 8 rows from row0 at packed columns c .. c + 3, a pair's first tile from the
+  // streamed packs (row k's j-th at s[(3 k + j) kThreads]) with wr the rows' weights, its second
+  // from the stash; one branch a tile. A first tile lies in the first half, so its columns are
+  // up's where up comes first (q_u == 0) and its F column is c.
+  __device__ __forceinline__ void load_full(int64_t row0, int64_t c, const float* wr, const PackT* s,
+                                            float (&v)[tiles::kRowsPerWarp][4]) {
+    if (c >= F) {
+#pragma unroll
+      for (int k = 0; k < tiles::kRowsPerWarp; ++k) {
+        const float4 o = *stash_slot(k);
+        v[k][0] = o.x, v[k][1] = o.y, v[k][2] = o.z, v[k][3] = o.w;
+      }
+    } else {
+      const bool up = q_u == 0;
+#pragma unroll
+      for (int k = 0; k < tiles::kRowsPerWarp; ++k)
+        pair_values(k, up, c, wr[k], nullptr, nullptr, s[3 * k * tiles::kThreads], s[(3 * k + 1) * tiles::kThreads],
+                    s[(3 * k + 2) * tiles::kThreads], v[k]);
+    }
+    if (dgu) {
+#pragma unroll
+      for (int k = 0; k < tiles::kRowsPerWarp; ++k) store_dgu(row0 + k, c, 4, v[k]);
+    }
+  }
   __device__ __forceinline__ void load(int k, int64_t row, int64_t c, int nv, int64_t e, float wr, const PackT* s,
                                        float (&v)[4]) {
-    if constexpr (kFull) {
-      if (c >= F) {
-        const float4 o = *stash_slot(k);
-        v[0] = o.x, v[1] = o.y, v[2] = o.z, v[3] = o.w;
-      } else {
-        first_of_pair(k, c, wr, nullptr, nullptr, s[0], s[tiles::kThreads], s[2 * tiles::kThreads], v);
-      }
-      store_dgu(row, c, 4, v);
-      return;
-    }
     const T* gr = (q_g == 0 ? g : u) + row * x_stride;  // gate_up's row (its column 0 is gate's or up's)
     const T* dyr = dy + row * dy_stride;
     const bool has_b = bg != nullptr && e >= 0 && e < E;
@@ -202,7 +214,11 @@ struct BwdTileSrc {
   __device__ __forceinline__ void first_of_pair(int k, int64_t c, float wr, const T* bgr, const T* bur, const PackT& gp,
                                                 const PackT& upk, const PackT& dp, float (&v)[4]) {
     const bool up = c >= q_u && c < q_u + F;
-    const int64_t j0 = c - (up ? q_u : q_g);
+    pair_values(k, up, c - (up ? q_u : q_g), wr, bgr, bur, gp, upk, dp, v);
+  }
+  // first_of_pair's arithmetic, up (the first half is up's) and j0 (the F column of c) given.
+  __device__ __forceinline__ void pair_values(int k, bool up, int64_t j0, float wr, const T* bgr, const T* bur,
+                                              const PackT& gp, const PackT& upk, const PackT& dp, float (&v)[4]) {
     float other[4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {

@@ -46,14 +46,24 @@ struct GluTileSrc : tiles::NoTileState {
   __device__ __forceinline__ const PackT* pack_src(int j, int64_t row, int64_t c) const {
     return reinterpret_cast<const PackT*>(j == 0 ? g + row * g_stride + c : u + row * u_stride + c);
   }
-  // kFull (fp8_tiles.cuh's column_tiles): the packs were streamed, s holds them.
-  template <bool kFull>
+  // The full-tile path (fp8_tiles.cuh's column_tiles<true>): a warp's 8 rows from their streamed
+  // packs (row k's gate at s[2 k kThreads], up at s[(2 k + 1) kThreads]), wr their weights; no bias.
+  __device__ __forceinline__ void load_full(int64_t, int64_t, const float* wr, const PackT* s,
+                                            float (&v)[tiles::kRowsPerWarp][4]) const {
+#pragma unroll
+    for (int k = 0; k < tiles::kRowsPerWarp; ++k) {
+      const PackT gp = s[2 * k * tiles::kThreads];
+      const PackT up = s[(2 * k + 1) * tiles::kThreads];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) value(pack_f(gp, jj), pack_f(up, jj), wr[k], false, 0, 0, v[k][jj]);
+    }
+  }
   __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t e, float wr, const PackT* s,
                                        float (&v)[4]) const {
-    const bool has_b = !kFull && bg != nullptr && e >= 0 && e < E;
-    if (kFull || (vec && nv == 4)) {
-      const PackT gp = kFull || s ? s[0] : *pack_src(0, row, c);
-      const PackT up = kFull || s ? s[tiles::kThreads] : *pack_src(1, row, c);
+    const bool has_b = bg != nullptr && e >= 0 && e < E;
+    if (vec && nv == 4) {
+      const PackT gp = s ? s[0] : *pack_src(0, row, c);
+      const PackT up = s ? s[tiles::kThreads] : *pack_src(1, row, c);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) value(pack_f(gp, jj), pack_f(up, jj), wr, has_b, e, c + jj, v[jj]);
       return;

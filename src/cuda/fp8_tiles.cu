@@ -25,16 +25,19 @@ struct PlainTileSrc : tiles::NoTileState {
   __device__ __forceinline__ const PackT* pack_src(int, int64_t row, int64_t c) const {
     return reinterpret_cast<const PackT*>(x + row * stride + c);
   }
-  // kFull (fp8_tiles.cuh's column_tiles): the packs were streamed, s holds them.
-  template <bool kFull>
+  // The full-tile path (fp8_tiles.cuh's column_tiles<true>): a warp's 8 rows from their streamed
+  // packs (row k's at s[k kThreads]).
+  __device__ __forceinline__ void load_full(int64_t, int64_t, const float*, const PackT* s,
+                                            float (&v)[tiles::kRowsPerWarp][4]) const {
+#pragma unroll
+    for (int k = 0; k < tiles::kRowsPerWarp; ++k) {
+      const PackT pk = s[k * tiles::kThreads];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[k][j] = pack_f(pk, j);
+    }
+  }
   __device__ __forceinline__ void load(int, int64_t row, int64_t c, int nv, int64_t, float, const PackT* s,
                                        float (&v)[4]) const {
-    if constexpr (kFull) {
-      const PackT pk = *s;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = pack_f(pk, j);
-      return;
-    }
     const T* p = x + row * stride + c;
     if (vec && nv == 4) {
       const PackT pk = s ? *s : *pack_src(0, row, c);

@@ -71,6 +71,7 @@ __device__ __forceinline__ void store16(uint8_t* dst, const uint4& w, int align)
 // c's 128 bytes (one row of q_t's tile) in 16 slots of 8 bytes, read back 16 bytes a thread.
 struct Stage {
   uint2 slot[kTile][kTile / 8];
+  float scale[kTile];  // the tile's column scales, one a column (quantize_tile)
 };
 static_assert(kWarps == kTile / 8 && kRowsPerWarp == 8, "a warp's 8 rows of a column are one of its 16 slots");
 
@@ -92,20 +93,17 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
   const int64_t c = kb * kTile + 4 * l;
   const int nv = kFull ? 4 : c >= cols ? 0 : (cols - c >= 4 ? 4 : static_cast<int>(cols - c));
   float v[kRowsPerWarp][4];
+  if constexpr (kFull) {
+    src.load_full(t.r0 + kRowsPerWarp * w, c, row_w + kRowsPerWarp * w, slots, v);
+  } else {
 #pragma unroll
-  for (int k = 0; k < kRowsPerWarp; ++k) {
-    const int i = kRowsPerWarp * w + k;
-    if constexpr (kFull) {
-      src.template load<true>(k, t.r0 + i, c, 4, Src::kRowExperts ? row_e[i] : t.e,
-                              Src::kRowWeights ? row_w[i] : 1.0f, slots ? slots + k * Src::kPacks * kThreads : nullptr,
-                              v[k]);
-    } else {
+    for (int k = 0; k < kRowsPerWarp; ++k) {
+      const int i = kRowsPerWarp * w + k;
 #pragma unroll
       for (int j = 0; j < 4; ++j) v[k][j] = 0.0f;
       if (i < t.n && nv > 0)
-        src.template load<false>(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e,
-                                 Src::kRowWeights ? row_w[i] : 1.0f,
-                                 slots ? slots + k * Src::kPacks * kThreads : nullptr, v[k]);
+        src.load(k, t.r0 + i, c, nv, Src::kRowExperts ? row_e[i] : t.e, Src::kRowWeights ? row_w[i] : 1.0f,
+                 slots ? slots + k * Src::kPacks * kThreads : nullptr, v[k]);
     }
   }
   after_load();
@@ -139,31 +137,37 @@ __device__ __forceinline__ void quantize_tile(Src& src, const detail::TileRows& 
     }
     reinterpret_cast<float4*>(red[w])[l] = make_float4(m[0], m[1], m[2], m[3]);
     __syncthreads();
-    // A lane's 4 columns of each warp in one 16-byte read: a quarter warp reads one 128-byte row
-    // without bank conflicts (4-byte reads 16 bytes apart took 4 passes each).
-    const float4 r0 = reinterpret_cast<const float4*>(red[0])[l];
-    m[0] = r0.x, m[1] = r0.y, m[2] = r0.z, m[3] = r0.w;
+    // Each column's amax over the 16 warps and its scale, once: thread x < 128 takes column x
+    // (a warp's 32 reads of one row of red, no bank conflict), and every thread then reads its 4
+    // columns' scales in one 16-byte read. (Every thread reducing its own 4 columns took 16
+    // 16-byte reads and 60 comparisons a thread, and 4 scales, 16 times over.)
+    const int64_t c0 = kb * kTile;
+    if (threadIdx.x < kTile) {
+      float mx = red[0][threadIdx.x];
 #pragma unroll
-    for (int ww = 1; ww < kWarps; ++ww) {
-      const float4 r = reinterpret_cast<const float4*>(red[ww])[l];
-      m[0] = fmaxf(m[0], r.x), m[1] = fmaxf(m[1], r.y), m[2] = fmaxf(m[2], r.z), m[3] = fmaxf(m[3], r.w);
+      for (int ww = 1; ww < kWarps; ++ww) mx = fmaxf(mx, red[ww][threadIdx.x]);
+      const float s = fp8::scale_of(mx);
+      stage.scale[threadIdx.x] = s;
+      if (kFull || c0 + threadIdx.x < cols) o.col_scale[t.ct * o.cs_stride + c0 + threadIdx.x] = fp8::inv_scale(s);
     }
+    __syncthreads();
+    const float4 s4 = reinterpret_cast<const float4*>(stage.scale)[l];
+    const float sc[4] = {s4.x, s4.y, s4.z, s4.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float s = fp8::scale_of(m[j]);
+      const float s = sc[j];
       if (kFull || j < nv) {
         static_assert(kRowsPerWarp == 8, "a warp's rows of a column are one 8-byte slot");
         const uint32_t w0 = fp8::from_scaled4(v[0][j] * s, v[1][j] * s, v[2][j] * s, v[3][j] * s);
         const uint32_t w1 = fp8::from_scaled4(v[4][j] * s, v[5][j] * s, v[6][j] * s, v[7][j] * s);
         const int cl = 4 * l + j;  // the column within the tile
         stage.slot[cl][stage_slot(cl, w)] = make_uint2(w0, w1);
-        if (w == 0) o.col_scale[t.ct * o.cs_stride + c + j] = fp8::inv_scale(s);
       }
     }
-    // red is written again by the next column tile, and stage read below: both after this
-    // barrier (the next tile's stage writes follow its first barrier, after every read here).
+    // red and stage.scale are written again by the next column tile, and stage read below: all
+    // after this barrier (the next tile's red writes follow it, its scale and stage writes its
+    // first barrier, after every read here).
     __syncthreads();
-    const int64_t c0 = kb * kTile;
 #pragma unroll
     for (int i = 0; i < kTile * 8 / kThreads; ++i) {
       const int x = threadIdx.x + i * kThreads, cl = x >> 3, h = x & 7;

@@ -2,7 +2,8 @@
 // of four e4m3fn bytes at once against the byte-by-byte rule for every byte value in every
 // position, and the reciprocal of a power of two by exponent arithmetic against IEEE division
 // for every float exponent, both signs, zero, infinity, NaN and values that are not powers of two,
-// and inv_scale (the kernels' reciprocal of a scale) against the division for every scale.
+// inv_scale (the kernels' reciprocal of a scale) against the division for every scale, and
+// scale_of's exponent arithmetic against its definition by division.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,6 +19,7 @@ using expertact::fp8::inv_scale;
 using expertact::fp8::nan_bytes_7f;
 using expertact::fp8::recip_pow2;
 using expertact::fp8::scale_of;
+using expertact::fp8::scale_of_by_division;
 using expertact::math::as_bits;
 using expertact::math::as_float;
 
@@ -69,6 +71,36 @@ TEST(Fp8Bits, RecipPow2MatchesDivision) {
   EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, 127), r));    // 2^-127 is subnormal
   EXPECT_FALSE(recip_pow2(std::ldexp(1.0f, -149), r));   // a subnormal power of two
   EXPECT_FALSE(recip_pow2(3.0f, r));
+}
+
+// scale_of by exponent arithmetic against its definition by division: every mantissa at the
+// amax floor's exponent, around 1, 448 and 2^73 and at the largest; a spread of mantissas (every
+// 251st, and the edges around 1.75) at every exponent; zero, subnormals, the floor, +inf.
+TEST(Fp8Bits, ScaleOfIsTheDivision) {
+  auto same = [](uint32_t bits) {
+    const float a = as_float(bits);
+    return as_bits(scale_of(a)) == as_bits(scale_of_by_division(a));
+  };
+  int64_t checked = 0;
+  for (uint32_t e : {87u, 126u, 127u, 135u, 200u, 254u}) {
+    for (uint32_t mant = 0; mant < (1u << 23); ++mant, ++checked)
+      ASSERT_TRUE(same((e << 23) | mant)) << "amax bits " << ((e << 23) | mant);
+  }
+  for (uint32_t e = 0; e < 255; ++e) {
+    for (uint32_t mant = 0; mant < (1u << 23); mant += 251, ++checked) ASSERT_TRUE(same((e << 23) | mant));
+    for (uint32_t mant = 0x5ffff0u; mant <= 0x600010u; ++mant, ++checked) ASSERT_TRUE(same((e << 23) | mant));
+    ASSERT_TRUE(same((e << 23) | 0x7fffffu));
+  }
+  EXPECT_GT(checked, 50000000);
+  for (const float a : {0.0f, 1e-12f, std::nextafter(1e-12f, 0.0f), std::nextafter(1e-12f, 1.0f), 1.75f, 448.0f,
+                        std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max(),
+                        std::numeric_limits<float>::infinity()})
+    EXPECT_TRUE(same(as_bits(a))) << a;
+  EXPECT_EQ(scale_of(std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(scale_of(448.0f), 1.0f);
+  EXPECT_EQ(scale_of(1.0f), 256.0f);
+  EXPECT_EQ(scale_of(1.75f), 256.0f);
+  EXPECT_EQ(scale_of(std::nextafter(1.75f, 2.0f)), 128.0f);
 }
 
 // The scales the kernels write, 1 / scale_of(amax), by inv_scale: the division's bits for every
