@@ -138,7 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--fp8", default="default", metavar="RECIPE",
                    help="expertact_fp8's FP8 recipe: a name of expertact.moe.FP8_RECIPES, or default (fp8=True, "
-                        "expertact.moe.DEFAULT_FP8_RECIPE, which raises while none is chosen; the default)")
+                        "expertact.moe.DEFAULT_FP8_RECIPE, \"blockwise\"; the default)")
     p.add_argument("--out", default="finetune_out")
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]

@@ -36,8 +36,8 @@ factories and changes nothing else. The first two replace every ``GroupedExperts
 
 All forwards go through :func:`expertact.moe.expert_mlp`, one autograd node for the whole MLP
 whose memory modes (``recompute``, ``inplace_backward``) decide what is kept for backward, and
-whose ``fp8`` (a name of ``expertact.moe.FP8_RECIPES``, or True for the default recipe, which
-raises while none is chosen; resolved by ``expertact.moe.fp8_recipe``; None, the default, keeps
+whose ``fp8`` (a name of ``expertact.moe.FP8_RECIPES``, or True for the default recipe,
+``"blockwise"``; resolved by ``expertact.moe.fp8_recipe``; None, the default, keeps
 the GEMMs in the compute dtype) runs its grouped GEMMs in float8 as the recipe says: bf16
 compute dtype, on Hopper, or on the CPU as an emulation of the recipe.
 
@@ -347,7 +347,7 @@ def expertact_grouped_experts(cfg: GroupedExperts.Config, *, recompute: bool = F
     (every other field copied). Keyword arguments come from the ``--override.imports`` entry's
     JSON: ``recompute``, ``inplace_backward`` (bools), ``compute_dtype`` ("bfloat16", "float32",
     or null for the activations' dtype), ``fp8`` (a recipe's name, true for the default FP8
-    recipe, which raises while none is chosen, or null). A ``GptOssGroupedExperts.Config``
+    recipe, "blockwise", or null). A ``GptOssGroupedExperts.Config``
     becomes ``ExpertactGptOssGroupedExperts.Config``; other subclasses raise NotImplementedError."""
     modes = _modes(recompute, inplace_backward, compute_dtype, fp8)
     if _is_gpt_oss(cfg):
@@ -464,7 +464,7 @@ def enable(model: nn.Module, *, recompute: bool = False, inplace_backward: bool 
     becomes :class:`ExpertactGroupedExperts` (:class:`ExpertactFusedGroupedExperts`,
     :class:`ExpertactGptOssGroupedExperts`); parameters, buffers and hooks are the same objects.
     Modules already switched take the new modes. ``fp8``: expert_mlp's FP8 recipe (a name of
-    expertact.moe.FP8_RECIPES, True for the default, which raises while none is chosen; None keeps
+    expertact.moe.FP8_RECIPES, True for the default, "blockwise"; None keeps
     the GEMMs in the compute dtype). Nothing changes when a module is refused
     (other subclasses: NotImplementedError). Returns the qualified names of the modules
     switched or updated."""

@@ -273,7 +273,7 @@ def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tenso
     ids >= E contribute nothing), top_k_weights [T, K] -> [T, D] in hidden_states' dtype.
     With expert biases (has_bias=True), each pair gives (act(x W13 + b13) W2 + b2) * weight.
     recompute / inplace_backward: expert_mlp's memory modes; fp8: its FP8 recipe (a name of
-    expertact.moe.FP8_RECIPES, or True for the default, which raises while none is chosen: bf16
+    expertact.moe.FP8_RECIPES, or True for the default, "blockwise": bf16
     on Hopper; on the CPU the emulation of the recipe)."""
     gate = _gate_of(module)
     name = type(module).__name__
@@ -327,7 +327,7 @@ def register(name: str = DEFAULT_NAME, recompute: bool = False, inplace_backward
     memory modes (recompute: h is recomputed in backward; inplace_backward: gate_up's gradient
     is written over gate_up, so the graph runs backward once only), and its FP8 GEMMs (fp8: a
     recipe of expertact.moe.FP8_RECIPES, e.g. "rowwise-promoted-wgrad" or "blockwise", or True for
-    the default recipe, which raises while none is chosen; resolved here by
+    the default recipe, "blockwise"; resolved here by
     expertact.moe.fp8_recipe: bf16 models on Hopper, and on
     the CPU as an emulation of the recipe). Returns the registered function.
     Re-registering a name this module registered replaces it; transformers' own names ("eager",

@@ -168,9 +168,14 @@ def test_bench_fp8_rows_are_the_recipes(monkeypatch):
     from expertact.bench import fp8 as bench
     assert bench.FP8_ROWS == {"fp8": "rowwise", "fp8-bf16-wgrad": "rowwise-bf16-wgrad",
                               "fp8-promoted-wgrad": "rowwise-promoted-wgrad", "fp8-blockwise": "blockwise"}
-    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW is None
+    assert list(bench.FP8_ROWS.values()) == list(moe.FP8_RECIPES) and bench.DEFAULT_ROW == "fp8-blockwise"
     rows = [dict(impl="expertact", ms=300.0, extra_peak_gib=10.0),
-            dict(impl="fp8-promoted-wgrad", ms=200.0, extra_peak_gib=9.0)]
+            dict(impl="fp8-blockwise", ms=240.0, extra_peak_gib=10.5)]
+    (text, ok), (peak, peak_ok) = bench.targets(rows)  # as shipped: blockwise carries the targets
+    assert ok and text.startswith("fp8-blockwise (the default recipe) 1.25x faster"), text
+    assert not peak_ok and peak.startswith("fp8-blockwise extra peak 10.50 GiB vs bf16 expert_mlp's 10.00 GiB"), peak
+    monkeypatch.setattr(bench, "DEFAULT_ROW", None)
+    rows[1:] = [dict(impl="fp8-promoted-wgrad", ms=200.0, extra_peak_gib=9.0)]
     [(text, ok)] = bench.targets(rows)  # no default recipe: a FAIL line naming who meets its speed
     assert not ok and text.startswith("no default recipe"), text
     assert text.endswith("is met by rowwise-promoted-wgrad 1.50x (the default's training step and loss rule: "

@@ -244,11 +244,14 @@ def test_fp8_where_it_cannot_run_says_why():
 
 def test_fp8_names(monkeypatch):
     """fp8 resolves through expertact.moe.fp8_recipe: False is bf16, True the default recipe
-    (refused while none is chosen, nothing changed then), a name that recipe (in enable() and in
-    enabled_scope()); an unknown name is refused naming the recipes and their loss cost, and
-    nothing changes then."""
+    ("blockwise"; refused while none is chosen, nothing changed then), a name that recipe (in
+    enable() and in enabled_scope()); an unknown name is refused naming the recipes and their
+    loss cost, and nothing changes then."""
+    xds.enable(experts=True, fp8=True)
+    assert EP.GroupedExperts.forward.expertact_form["fp8"] == "blockwise"
     xds.enable(experts=True, fp8=False)
     assert EP.GroupedExperts.forward.expertact_form["fp8"] is None
+    monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", None)
     with pytest.raises(ValueError, match=r"expertact.deepspeed.enable: fp8=True asks for the default FP8 recipe, "
                                          r"and none is chosen"):
         xds.enable(experts=True, fp8=True)

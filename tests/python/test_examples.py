@@ -172,10 +172,11 @@ def test_runs_merge_into_one_report(tmp_path, restore_flags):
 
 def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     """--fp8 names expertact_fp8's recipe, resolved by expertact.moe.fp8_recipe (an unknown name is
-    refused naming the recipes; "default", the default, is fp8=True's recipe, refused while none
-    is chosen); on the CPU, in bf16,
+    refused naming the recipes; "default", the default, is fp8=True's recipe, "blockwise", and is
+    refused while none is chosen); on the CPU, in bf16,
     the recipe's emulation trains (every expert GEMM through the FP8 layer, counted: no silent
     bf16) near the bf16 baseline, and the record says which recipe ran."""
+    from expertact import moe
     from expertact.moe import FP8_RECIPES, _gemm
     for bad in ("nonsense", "tensorwise"):
         with pytest.raises(SystemExit):
@@ -183,9 +184,13 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     assert ft.parse_args(["--variants", "grouped_mm", "--fp8", "nonsense"]).fp8_modes is None  # not asked for
     with pytest.raises(SystemExit):  # folded into the recipe names
         ft.parse_args(["--variants", "expertact_fp8", "--fp8", "rowwise", "--fp8-bf16-wgrad"])
-    for given in ([], ["--fp8", "default"]):  # fp8=True's recipe: none is chosen
-        with pytest.raises(SystemExit):
-            ft.parse_args(["--variants", "expertact_fp8", *given])
+    for given in ([], ["--fp8", "default"]):  # fp8=True's recipe
+        assert ft.parse_args(["--variants", "expertact_fp8", *given]).fp8_modes == dict(fp8="blockwise")
+    with monkeypatch.context() as m:
+        m.setattr(moe, "DEFAULT_FP8_RECIPE", None)
+        for given in ([], ["--fp8", "default"]):
+            with pytest.raises(SystemExit):
+                ft.parse_args(["--variants", "expertact_fp8", *given])
     for name in FP8_RECIPES:
         assert ft.parse_args(["--variants", "expertact_fp8", "--fp8", name]).fp8_modes == dict(fp8=name)
     calls = []
@@ -245,8 +250,9 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["train-autoep-step", "train-autoep-step-seeds", "profile-fp8-autoep", "bench-fp8-operands"]
-    assert len(fp8) == len(set(fp8)) == 14
+    assert fp8[:5] == ["train-autoep-1000-bf16", "train-autoep-1000-fp8", "finetune-fp8-yardsticks", "finetune-fp8",
+                       "train-autoep-step"]
+    assert len(fp8) == len(set(fp8)) == 15
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
     # fine-tuning's
     session_of = {}
@@ -283,6 +289,9 @@ def test_gpu_session_plan_and_dry_run():
         assert set(impls.split(",")) <= megatron_impls, impls
     for variants in re.findall(r"--variants ([\w,]+)", dry):
         assert all(v in ft.VARIANTS for v in variants.split(",")), variants
+    from expertact.moe import DEFAULT_FP8_RECIPE  # the longer runs train the default recipe
+    assert re.search(rf"--impl eager-fused,mlp-fp8-{DEFAULT_FP8_RECIPE} ", dry)
+    assert re.search(rf"--variants expertact,expertact_fp8 .*--fp8 {DEFAULT_FP8_RECIPE} ", dry)
     assert "--capture-step 150" in dry and "--fp8-accuracy --tensors" in dry and "--corpus stdlib+packages" in dry
     bad = subprocess.run(["bash", str(script), "--dry-run", "no-such-stage"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown stage" in bad.stdout

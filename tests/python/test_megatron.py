@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from support.fp8_oracle import ScaledGemmLog, rel
+from expertact import moe as ea_moe
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.19.2 (Python >= 3.12) is not installed")
 
@@ -152,8 +153,11 @@ def test_refused_configs_name_the_field(mpu):
     with pytest.raises(ValueError, match=r"expertact.megatron: fp8='rowwise_bf16' is not an FP8 recipe: the recipes "
                                          r"are 'rowwise' \(\+0\.076"):
         ExpertMLP(4, _config(), pg_collection=mpu, fp8="rowwise_bf16")
-    with pytest.raises(ValueError, match="expertact.megatron: fp8=True asks for the default FP8 recipe, and none"):
-        ExpertMLP(4, _config(), pg_collection=mpu, fp8=True)
+    assert ExpertMLP(4, _config(), pg_collection=mpu, fp8=True).expertact_options["fp8"] == "blockwise"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="expertact.megatron: fp8=True asks for the default FP8 recipe, and none"):
+            ExpertMLP(4, _config(), pg_collection=mpu, fp8=True)
 
 
 def test_probs_on_input_matches_sequential_mlp(mpu):
@@ -214,9 +218,12 @@ def test_enable_switches_a_built_model(mpu):
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
         em.enable(model, fp8="e4m3")
     assert ref.expertact_options["fp8"] == "rowwise"  # refused before any change
-    with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
-        em.enable(model, fp8=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
+            em.enable(model, fp8=True)
     assert ref.expertact_options["fp8"] == "rowwise"  # refused before any change
+    assert em.enable(model, fp8=True) == 2 and ref.expertact_options["fp8"] == "blockwise"
     assert em.disable(model) == 2 and type(ref) is SequentialMLP and not hasattr(ref, "expertact_options")
     bad, _ = _pair(_config(), mpu)
     bad.config = _config(activation_func=F.gelu)
@@ -343,8 +350,12 @@ def test_layer_spec_takes_expert_mlp():
     assert fp8.submodules.mlp.keywords["submodules"].experts.keywords["fp8"] == "rowwise"
     with pytest.raises(ValueError, match="fp8='e5m2'"):
         swap_experts(spec, fp8="e5m2")
-    with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
-        swap_experts(spec, fp8=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
+            swap_experts(spec, fp8=True)
+    blockwise = swap_experts(spec, fp8=True)[0]
+    assert blockwise.submodules.mlp.keywords["submodules"].experts.keywords["fp8"] == "blockwise"
     assert swap_experts(spec, fp8=False)[0].submodules.mlp.keywords["submodules"].experts.keywords["fp8"] is None
     theirs = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     swapped, n = swap_experts(theirs)

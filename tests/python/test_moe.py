@@ -834,8 +834,11 @@ def test_grouped_experts_fp8(recipe):
     for name, g, r, b in zip(("y", "x", "w1", "w2", "w3"), got, want, bf16):
         assert torch.equal(g, r), name
         assert rel(g, b) > 2e-2, (name, rel(g, b))
-    with pytest.raises(ValueError, match="expertact.moe.GroupedExperts: fp8=True asks for the default FP8 recipe"):
-        moe.GroupedExperts(D, F, E, fp8=True)
+    assert moe.GroupedExperts(D, F, E, fp8=True).fp8 == "blockwise"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="expertact.moe.GroupedExperts: fp8=True asks for the default FP8 recipe"):
+            moe.GroupedExperts(D, F, E, fp8=True)
     with pytest.raises(ValueError, match="expertact.moe.GroupedExperts: fp8='e5m2' is not an FP8 recipe"):
         moe.GroupedExperts(D, F, E, fp8="e5m2")
 

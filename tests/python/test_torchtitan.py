@@ -33,6 +33,7 @@ from torchtitan.config.override import OverrideConfig, apply_overrides  # noqa: 
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 
 import expertact.torchtitan as et  # noqa: E402
+from expertact import moe as ea_moe  # noqa: E402
 
 # TorchTitan's GroupedExperts casts x and the weights to bf16 whatever their dtype. The float32
 # comparisons make that cast an identity on both sides (the no_bf16_cast fixture; expertact with
@@ -683,9 +684,12 @@ def test_fp8_reaches_expert_mlp(monkeypatch, kind, recipe):
                                          r"'rowwise' \(\+0\.076"):
         et.enable(model, fp8="e4m3")
     assert bf16.fp8 == recipe  # refused before any change
-    with pytest.raises(ValueError, match="expertact.torchtitan: fp8=True asks for the default FP8 recipe"):
-        et.enable(model, fp8=True)
+    with monkeypatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="expertact.torchtitan: fp8=True asks for the default FP8 recipe"):
+            et.enable(model, fp8=True)
     assert bf16.fp8 == recipe
+    assert et.enable(model, fp8=True) == ["a"] and bf16.fp8 == "blockwise"
 
 
 def test_fp8_config_field():
@@ -693,8 +697,11 @@ def test_fp8_config_field():
     assert et.expertact_grouped_experts(cfg).fp8 is None
     assert et.expertact_grouped_experts(cfg, fp8="rowwise").fp8 == "rowwise"
     assert et.expertact_grouped_experts(cfg, fp8=False).fp8 is None
-    with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
-        et.expertact_grouped_experts(cfg, fp8=True)
+    assert et.expertact_grouped_experts(cfg, fp8=True).fp8 == "blockwise"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match="fp8=True asks for the default FP8 recipe, and none is chosen"):
+            et.expertact_grouped_experts(cfg, fp8=True)
     with pytest.raises(ValueError, match="fp8='e4m3' is not an FP8 recipe"):
         et.expertact_grouped_experts(cfg, fp8="e4m3")
     gpt = _gpt_oss_moe().GptOssGroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, swiglu_limit=7.0)

@@ -22,6 +22,7 @@ if not hasattr(_hf_moe, "ALL_EXPERTS_FUNCTIONS"):
 import transformers  # noqa: E402
 
 import expertact.transformers as et  # noqa: E402
+from expertact import moe as ea_moe  # noqa: E402
 
 # Largest absolute error of each compared tensor (loss, logits, one parameter's gradient),
 # relative to that tensor's largest magnitude. Both sides compute in float32 (unit roundoff
@@ -417,13 +418,16 @@ def test_fp8_gives_the_recipes_values(name, recipe):
             assert rel(got[k], bf16[k]) > 2e-2, (k, rel(got[k], bf16[k]))  # test_fp8_mlp.LOWER
 
 
-def test_fp8_names():
-    """fp8=True registers the default recipe, refused while none is chosen; an unknown name is
-    refused (nothing registered), naming the recipes and their cost."""
-    with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True asks for the default FP8 "
-                                         r"recipe, and none is chosen"):
-        et.register("expertact_test_fp8_true", fp8=True)
+def test_fp8_names(monkeypatch):
+    """fp8=True registers the default recipe ("blockwise"), refused while none is chosen; an
+    unknown name is refused (nothing registered), naming the recipes and their cost."""
+    with monkeypatch.context() as m:
+        m.setattr(ea_moe, "DEFAULT_FP8_RECIPE", None)
+        with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8=True asks for the default FP8 "
+                                             r"recipe, and none is chosen"):
+            et.register("expertact_test_fp8_true", fp8=True)
     assert "expertact_test_fp8_true" not in _hf_moe.ALL_EXPERTS_FUNCTIONS
+    assert et.register("expertact_test_fp8_true", fp8=True).fp8 == "blockwise"
     with pytest.raises(ValueError, match=r"expertact.transformers.register: fp8='e4m3' is not an FP8 recipe: the "
                                          r"recipes are 'rowwise' \(\+0\.076"):
         et.register("expertact_test_fp8_bad", fp8="e4m3")
