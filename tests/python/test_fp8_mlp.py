@@ -458,8 +458,8 @@ def test_recipe_names(monkeypatch):
                                        r"against bf16 bands of 0\.0094, 0\.0077, 0\.0056: below at one seed; "
                                        r"1\.06-1\.07x the bf16 MLP's step; \+0\.040 in Megatron-Core's GPT-OSS form",
              "blockwise": r"over the last 100 steps at three seeds \+0\.0001, \+0\.0049, \+0\.0017 against bf16 "
-                          r"bands of 0\.0094, 0\.0077, 0\.0056: inside at every seed; 1\.075x, 1\.065x, 1\.071x the bf16 "
-                          r"MLP's step at those seeds on one H100"}
+                          r"bands of 0\.0094, 0\.0077, 0\.0056: inside at every seed; 1\.075x, 1\.065x, "
+                          r"1\.071x the bf16 MLP's step at those seeds on one H100"}
     for name, cost in costs.items():
         assert re.fullmatch(cost, moe.FP8_RECIPES[name]), (name, moe.FP8_RECIPES[name])
         assert moe.fp8_recipe(name) == name
@@ -496,7 +496,8 @@ def test_true_selects_the_default(monkeypatch):
         with pytest.raises(ValueError, match=f"; True selects the default, '{recipe}'; None or False"):
             moe.fp8_recipe("e4m3")
     monkeypatch.setattr(moe, "DEFAULT_FP8_RECIPE", None)
-    with pytest.raises(ValueError, match=r"fp8=True .*none is chosen.*'rowwise' \(\+0\.076 .*'blockwise' \(.*inside at every seed"):
+    with pytest.raises(ValueError, match=r"fp8=True .*none is chosen.*'rowwise' \(\+0\.076 .*'blockwise' \(.*"
+                                         r"inside at every seed"):
         _run(t, dy, ends, "swiglu", "halves", fp8=True)
     off, bf16 = _run(t, dy, ends, "swiglu", "halves", fp8=False), _run(t, dy, ends, "swiglu", "halves")
     assert all(torch.equal(off[k], bf16[k]) for k in bf16)
