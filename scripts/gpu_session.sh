@@ -65,6 +65,7 @@
 #                          blockwise: each kernel's time in one step at the busiest rank's shape
 #   train-autoep-1000-bf16 1,000 steps on the larger corpus (--corpus stdlib+packages): DeepSpeed's default
 #                          and its repeat
+#   train-autoep-1000-mlp  ... the bf16 MLP in place (the default's step is read against it)
 #   train-autoep-1000-fp8  ... eager-fused and the FP8 recipe LONG_FP8 (default mlp-fp8-blockwise, the
 #                          default recipe), then the report
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
@@ -92,7 +93,7 @@ LONG_FP8=${LONG_FP8:-mlp-fp8-blockwise}
 FINETUNE_FP8=${FINETUNE_FP8:-blockwise}
 ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-swiglu train-megatron-gpt-oss
        report-megatron test-megatron test-fp8 fp8-accuracy train-autoep-fp8 bench-fp8-gemms bench-mlp-fp8 profile-fp8
-       train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
+       train-autoep-1000-bf16 train-autoep-1000-mlp train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step train-autoep-step-seeds)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/,
@@ -103,7 +104,7 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
 # GPU tests, where the step goes at AutoEP's shape, the operand kernels, the seeds' steps again, the
 # per-expert forms cuBLAS refuses, the GEMMs' profiles and the bench of AutoEP's rows (in this order each
 # pair of runs read together fits one session).
-PLAN=(train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-step
+PLAN=(train-autoep-1000-bf16 train-autoep-1000-mlp train-autoep-1000-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-step
       test-fp8 bench-mlp-fp8 test-megatron profile-fp8-autoep bench-fp8-operands train-autoep-step-seeds
       scaled-mm-forms profile-fp8 bench-fp8-gemms bench-autoep)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
@@ -138,10 +139,13 @@ PLAN=(train-autoep-1000-bf16 train-autoep-1000-fp8 finetune-fp8-yardsticks finet
 # and their warm-up at the busiest rank's shape, estimated. On one H100 on 2026-12-05 16:21-16:51 UTC
 # (bench/results/gpu-session-h100-2026-12-05-full): train-autoep-step 144-152 s (so ~310 s for two
 # seeds), profile-fp8-autoep 48-63 s, test-fp8 52-55 s, bench-mlp-fp8 127-140 s, build 82-97 s fresh.
+# train-autoep-1000-mlp: 1,000 steps of the bf16 MLP in place at its 151-152 ms a step (H100, the same
+# runs) and ~25 s of setup, estimated.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=480 [train-megatron-gpt-oss]=480 [report-megatron]=10
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
                 [bench-mlp-fp8]=120 [profile-fp8]=60 [train-autoep-1000-bf16]=430 [train-autoep-1000-fp8]=400
+                [train-autoep-1000-mlp]=200
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
@@ -173,10 +177,11 @@ plan() {
 
 # The stages read together with the next one, run on the same machine: a pair opens a session
 # where both do not fit the one under way.
-declare -A WITH=([train-autoep-1000-bf16]=train-autoep-1000-fp8 [finetune-fp8-yardsticks]=finetune-fp8)
+declare -A WITH=([train-autoep-1000-bf16]="train-autoep-1000-mlp train-autoep-1000-fp8"
+                 [finetune-fp8-yardsticks]=finetune-fp8)
 
 # pack STAGE...: the stages in this order, in calls of at most CALL_S and sessions of at most
-# SESSION_S (a pair of WITH in one), each session opening with a call of preflight and build (a
+# SESSION_S (a stage and its WITH in one), each session opening with a call of preflight and build (a
 # fresh machine).
 pack() {
   local first=$((EST[preflight] + EST[build])) session=0 used=0 call=() call_s=0 st
@@ -196,10 +201,10 @@ pack() {
     call_s=$first
   }
   open
-  local need
+  local need w
   for st in "$@"; do
     need=${EST[$st]}
-    [ -n "${WITH[$st]+x}" ] && need=$((need + EST[${WITH[$st]}]))
+    for w in ${WITH[$st]-}; do need=$((need + EST[$w])); done
     if [ $((used + call_s + need)) -gt "$SESSION_S" ]; then
       open
     fi
@@ -432,6 +437,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     train-autoep-1000-bf16)
       run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
         --impl eager,eager-repeat ;;
+    train-autoep-1000-mlp)
+      run_stage "$st" "$D" "$PY" "${TRAIN[@]}" --steps 1000 --corpus stdlib+packages --out "$S/train-autoep-1000" \
+        --impl mlp-inplace ;;
     train-autoep-1000-fp8)
       run_stage "$st" "$D" "$PY" bash -c "${TRAIN[*]} --steps 1000 --corpus stdlib+packages \
           --out '$S/train-autoep-1000' --impl eager-fused,$LONG_FP8 && ${AUTOEP_REPORT[*]} \

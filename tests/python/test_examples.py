@@ -250,16 +250,17 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:5] == ["train-autoep-1000-bf16", "train-autoep-1000-fp8", "finetune-fp8-yardsticks", "finetune-fp8",
-                       "train-autoep-step"]
-    assert len(fp8) == len(set(fp8)) == 15
+    assert fp8[:6] == ["train-autoep-1000-bf16", "train-autoep-1000-mlp", "train-autoep-1000-fp8",
+                       "finetune-fp8-yardsticks", "finetune-fp8", "train-autoep-step"]
+    assert len(fp8) == len(set(fp8)) == 16
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
     # fine-tuning's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep-1000-bf16"] == session_of["train-autoep-1000-fp8"]
+    assert session_of["train-autoep-1000-bf16"] == session_of["train-autoep-1000-mlp"] == \
+        session_of["train-autoep-1000-fp8"]
     assert session_of["finetune-fp8-yardsticks"] == session_of["finetune-fp8"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
@@ -289,6 +290,10 @@ def test_gpu_session_plan_and_dry_run():
         assert set(impls.split(",")) <= megatron_impls, impls
     for variants in re.findall(r"--variants ([\w,]+)", dry):
         assert all(v in ft.VARIANTS for v in variants.split(",")), variants
+    # the 1,000-step runs: the baseline and its yardsticks, the bf16 MLP in place (the step's reference)
+    # and the default recipe, into one folder
+    assert re.search(r"^train-autoep-1000-mlp: .*--steps 1000 .*--out \S*/train-autoep-1000 --impl mlp-inplace$",
+                     dry, re.M)
     from expertact.moe import DEFAULT_FP8_RECIPE  # the longer runs train the default recipe
     assert re.search(rf"--impl eager-fused,mlp-fp8-{DEFAULT_FP8_RECIPE} ", dry)
     assert re.search(rf"--variants expertact,expertact_fp8 .*--fp8 {DEFAULT_FP8_RECIPE} ", dry)
