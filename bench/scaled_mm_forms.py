@@ -6,7 +6,8 @@ The cases are those of expertact's per-expert blockwise GEMMs (python/expertact/
 _blockwise_per_expert) at the edges its probe does not reach: an M-grouped expert's rows
 starting at a row offset (A's start then lies offset * K bytes into its tensor) with K of one
 to three 128-column tiles, and a K-grouped expert's one or two 128-token tiles starting at a
-token offset. With one K tile the 1 x 128 scales have the shapes of rowwise scales ([M, 1] and
+token offset; and an A whose rows lie further apart than K (the row tiles of dgate_up written
+over gate_up's storage would be such a view: 2F bytes of each 4F-byte row). With one K tile the 1 x 128 scales have the shapes of rowwise scales ([M, 1] and
 [1, N]); such a case also runs widened to two K tiles (the second zero, of scale 1: the form the
 node sends, since an H100 refused one with N = 96). Each case also runs on a fresh copy of A (a
 256-byte boundary), to tell A's alignment from the shape. Values are small integers and
@@ -61,13 +62,15 @@ def _case(full, part, sa, b, sb, device):
     return run(aq), run(aq.clone()), wide, want.to(torch.bfloat16).float().to(device), aq.data_ptr() % 256
 
 
-def m_case(K, offset, M, N, device):
+def m_case(K, offset, M, N, device, row_stride=None):
     """An expert's M rows at row ``offset`` of a row-major A [offset + M, K], its 1 x 128 scales
-    outer-dim-major, B [N, K] given transposed with 1 x 128 scales (the node's non-square form)."""
+    outer-dim-major, B [N, K] given transposed with 1 x 128 scales (the node's non-square form);
+    with ``row_stride``, A the first K columns of rows that many elements apart (lda > K)."""
     KB = -(-K // TILE)
     sa = _exact_scales((KB, M), 5).t()  # [M, KB], strides (1, M)
-    return _case(_exact_ints((offset + M, K), 7), (slice(offset, None),), sa, _exact_ints((N, K), 5),
-                 _exact_scales((KB, N), 4), device)
+    width = row_stride or K
+    return _case(_exact_ints((offset + M, width), 7), (slice(offset, None), slice(0, K)), sa,
+                 _exact_ints((N, K), 5), _exact_scales((KB, N), 4), device)
 
 
 def k_case(tiles, offset_tiles, M, N, device):
@@ -96,6 +99,11 @@ def main(argv=None) -> int:
                 a, a_copy, wide, want, align = m_case(K, offset, M, N, dev)
                 rows.append((f"m-grouped K = {K} ({-(-K // TILE)} tile(s)), N = {N}", f"row {offset}, {M} rows",
                              align, outcome(a, want), outcome(a_copy, want), wide and outcome(wide, want)))
+    for K in (256, 384):  # rows 2K apart, as the row tiles of dgate_up over gate_up's storage would be
+        for offset in (0, 5):
+            a, a_copy, wide, want, align = m_case(K, offset, 20, 128, dev, row_stride=2 * K)
+            rows.append((f"m-grouped K = {K}, rows {2 * K} elements apart (lda > K)", f"row {offset}, 20 rows",
+                         align, outcome(a, want), outcome(a_copy, want), wide and outcome(wide, want)))
     for tiles in (1, 2):
         for off in (0, 1, 2, 3):
             a, a_copy, wide, want, align = k_case(tiles, off, 32, 48, dev)

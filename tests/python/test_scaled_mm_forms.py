@@ -30,6 +30,7 @@ def _cases():
             yield forms.m_case(K, offset, M, N, torch.device("cpu"))
     for tiles, off in ((1, 0), (1, 3), (2, 1)):
         yield forms.k_case(tiles, off, 32, 48, torch.device("cpu"))
+    yield forms.m_case(256, 5, 20, 128, torch.device("cpu"), row_stride=512)
 
 
 @pytest.fixture
@@ -46,6 +47,21 @@ def test_every_case_is_exact_under_the_scale_rules(monkeypatch, no_sync):
             widened += 1
             assert forms.outcome(wide, want) == "ok"
     assert widened == 4  # K = 32 at two offsets, the K-grouped single tiles
+
+
+def test_rows_further_apart_than_k(monkeypatch, no_sync):
+    """row_stride: torch._scaled_mm gets A as a view of the first K columns of wider rows (lda >
+    K, as the row tiles of dgate_up over gate_up's storage would be), and its copy contiguous."""
+    seen = []
+
+    def record(a, b, scale_a, scale_b, **kw):
+        seen.append((tuple(a.shape), a.stride()))
+        return _dequantising_mm(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", record)
+    run, run_copy, wide, want, _ = forms.m_case(256, 5, 20, 128, torch.device("cpu"), row_stride=512)
+    assert wide is None and forms.outcome(run, want) == "ok" and forms.outcome(run_copy, want) == "ok"
+    assert seen == [((20, 256), (512, 1)), ((20, 256), (256, 1))]
 
 
 def test_a_misread_scale_and_a_refusal_are_named(monkeypatch, no_sync):
