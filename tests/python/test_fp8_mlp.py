@@ -53,6 +53,8 @@ OUTLIER = 2.0 ** -14  # e4m3 keeps about 2^15 of range below a scale's amax: thi
 # TIGHT sits 4x above the largest distance, LOWER 2.4x under the smallest.
 TIGHT = 2e-3
 LOWER = 2e-2
+_H200 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+_NEEDS_HOPPER = pytest.mark.skipif(not _H200, reason="needs a Hopper GPU")
 
 
 def _problem(T=70, D=32, F=48, ends=ENDS, seed=0, weighted=True, biases=False, device="cpu", outliers=False):
@@ -415,6 +417,37 @@ def test_nan_surfaces(recipe):
     others = [r for r in range(16) if r != 3]
     assert torch.isfinite(got["y"][others]).all()
     assert torch.isnan(got["w13"][0]).any() and torch.isnan(got["w2"][0]).any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_NEEDS_HOPPER)])
+@pytest.mark.parametrize("recipe", NAMED)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_row_sees_no_other_row(device, recipe, layout):
+    """y's, dx's and the routing weights' gradient's row i depend on x's and dy's row i alone
+    (and the weights), in every recipe: the scales of the activations and gradients in these
+    products are per row or per 1 x 128 tile, and the 128 x 1 column tiles feed only the weight
+    gradients. A kernel that shared a scale among rows (a tile's column amax leaking into the
+    forward) would let a token's output depend on other tokens, which a causal model must not
+    see; an FP8 run that trains to a lower loss than bf16 is suspect of exactly that. Rows whose
+    values change by orders of magnitude leave every other row's bits as they were. On a Hopper
+    GPU, experts of 128 and 256 rows take the kernels' full-tile path."""
+    if device == "cpu":
+        t, dy, ends = _problem(T=310, D=160, F=80, ends=(160, 160, 170, 300))
+        rows = [5, 150, 299]  # in a first tile, in a partial second tile, an expert's last row
+    else:
+        t, dy, ends = _problem(T=640, D=256, F=256, ends=(128, 128, 384, 600), device=device)
+        rows = [5, 200, 599]
+    base = _run(t, dy, ends, "swiglu_oai", layout, fp8=recipe)
+    g = torch.Generator().manual_seed(11)
+    for r in rows:
+        t["x"][r] = (torch.randn(t["x"].shape[1], generator=g) * 37.0).to(t["x"])
+        dy[r] = (torch.randn(dy.shape[1], generator=g) * 0.03).to(dy)
+    got = _run(t, dy, ends, "swiglu_oai", layout, fp8=recipe)
+    others = torch.ones(len(t["x"]), dtype=torch.bool)
+    others[rows] = False
+    for k in ("y", "x", "weights"):
+        assert not torch.equal(got[k][rows], base[k][rows]), k  # the change reached the rows changed
+        assert torch.equal(got[k][others], base[k][others]), (k, rel(got[k][others], base[k][others]))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -930,8 +963,6 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
 # ---------------------------------------------------------------------------
 # On an H200
 # ---------------------------------------------------------------------------
-
-_H200 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 @pytest.mark.skipif(not _H200, reason="needs a Hopper GPU")
