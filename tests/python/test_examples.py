@@ -250,22 +250,21 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:6] == ["train-autoep-1000-bf16", "train-autoep-1000-mlp", "train-autoep-1000-fp8",
-                       "finetune-fp8-yardsticks", "finetune-fp8", "train-autoep-step"]
-    assert len(fp8) == len(set(fp8)) == 16
-    # the runs a comparison reads together share a session (one machine): the 1,000-step runs, the
-    # fine-tuning's
+    assert fp8[:4] == ["finetune-fp8-yardsticks", "finetune-fp8", "train-autoep-step", "test-fp8"]
+    assert len(fp8) == len(set(fp8)) == 15
+    # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
+    # seed, the fine-tuning's
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep-1000-bf16"] == session_of["train-autoep-1000-mlp"] == \
-        session_of["train-autoep-1000-fp8"]
+    assert session_of["train-autoep-1000-seed2"] == session_of["train-autoep-1000-seed2-fp8"]
     assert session_of["finetune-fp8-yardsticks"] == session_of["finetune-fp8"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
-    off_plan = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds"]
+    off_plan = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds", "train-autoep-1000-bf16",
+                "train-autoep-1000-mlp", "train-autoep-1000-fp8"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, *off_plan, "fp8-accuracy", "train-autoep",
                           "train-autoep-fp8"], capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
@@ -294,6 +293,14 @@ def test_gpu_session_plan_and_dry_run():
     # and the default recipe, into one folder
     assert re.search(r"^train-autoep-1000-mlp: .*--steps 1000 .*--out \S*/train-autoep-1000 --impl mlp-inplace$",
                      dry, re.M)
+    for st, seed, folder in [("train-autoep-1000-bf16", 1234, "train-autoep-1000"),
+                             ("train-autoep-1000-seed2", 2, "train-autoep-1000-seed2")]:
+        assert re.search(rf"^{st}: .*--seed {seed} --steps 1000 .*--out \S*/{folder} --impl eager,eager-repeat$",
+                         dry, re.M), st
+        fp8_stage = st.replace("-bf16", "") + "-fp8"
+        assert re.search(rf"^{fp8_stage}: .*--seed {seed} --steps 1000 .*--out '\S*/{folder}' "
+                         rf"--impl eager-fused,mlp-fp8-\w+ .*--in '\S*/{folder}' .*--md '\S*/{folder[6:]}.md'",
+                         dry, re.M), fp8_stage
     from expertact.moe import DEFAULT_FP8_RECIPE  # the longer runs train the default recipe
     assert re.search(rf"--impl eager-fused,mlp-fp8-{DEFAULT_FP8_RECIPE} ", dry)
     assert re.search(rf"--variants expertact,expertact_fp8 .*--fp8 {DEFAULT_FP8_RECIPE} ", dry)
