@@ -260,6 +260,47 @@ def criterion_table(groups):
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def trailing_means(loss, size=WINDOW):
+    """The mean of each `size` steps ending at step s, for s = size - 1 .. len(loss) - 1 (each
+    summed on its own: equal losses give equal means)."""
+    return [sum(loss[s - size + 1:s + 1]) / size for s in range(size - 1, len(loss))]
+
+
+def lead(run, ref, quarters=4):
+    """How many steps sooner (negative) or later `run` reaches the losses `ref` reached by each
+    quarter of its steps: level k is the lowest trailing 50-step mean of ref up to step k n / 4
+    (k = 1 .. 4), and the result [(level, ref's first step at it, run's first step at it or None
+    when it never gets there)]. Not the criterion: a shift along the steps, where the criterion
+    compares the same steps (a run that leaves a plateau first fails windows it leads in)."""
+    m, mr = trailing_means(run["loss"]), trailing_means(ref["loss"])
+    n = min(len(m), len(mr))
+    out = []
+    for k in range(1, quarters + 1):
+        q = (len(ref["loss"]) * k) // quarters - WINDOW  # index of step k n / 4 in the trailing means
+        if q < 0 or n == 0:
+            continue
+        level = min(mr[:min(q, n - 1) + 1])
+        first = lambda xs: next((i + WINDOW - 1 for i, v in enumerate(xs) if v <= level), None)  # noqa: E731
+        out.append((level, first(mr), first(m[:n])))
+    return out
+
+
+def lead_table(groups):
+    """Per config with a baseline, every other run's lead() as a markdown table, or ""."""
+    rows = []
+    for config, runs in groups.items():
+        ref = baseline_of(runs)
+        for run in runs if ref is not None else []:
+            cells = [f"{lv:.3f}: {'never' if s is None else f'{s - s0:+d}'}" for lv, s0, s in lead(run, ref)]
+            if run is not ref and cells:
+                rows.append(f"| {config} | {label(run)} | {' | '.join(cells)} |")
+    if not rows:
+        return ""
+    k = max(row.count(" | ") - 1 for row in rows)
+    head = "| config | run | " + " | ".join(f"by {q}/4 of the default's steps" for q in range(1, k + 1)) + " |"
+    return "\n".join([head, "|" + "---|" * (k + 2)] + rows)
+
+
 DEFAULT_SPEEDUP = 1.05  # docs/spec.md section 10: the default FP8 recipe's step against the fastest bf16 MLP
 
 
@@ -404,6 +445,17 @@ def markdown(runs, png_name, report_cmd):
             "default's loss). Yardsticks: DeepSpeed's runs other than the default (its repeat, gate_up fused).",
             "",
             crit,
+            "",
+        ]
+    leads = lead_table(groups)
+    if leads:
+        lines += [
+            "Steps sooner or later than the default to the same loss (not the criterion, which compares the same "
+            "steps): for each quarter of the default's run, the lowest mean of 50 steps it had reached by then "
+            "(the level), and how many steps before (-) or after (+) the default each run's 50-step mean first got "
+            "there (never: not within its run). The yardsticks' shifts are what bf16's rounding alone moves.",
+            "",
+            leads,
             "",
         ]
     seeds = seed_table(groups)

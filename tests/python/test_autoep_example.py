@@ -241,6 +241,28 @@ def test_report_loss_criterion():
     assert report.criterion_table(report.by_config([ref, inside])) == ""  # no yardstick, no criterion
 
 
+def test_report_lead_in_steps():
+    """A run whose loss curve is the default's 20 steps sooner reaches each quarter's level 20
+    steps sooner (the first quarter's level is the first 50-step mean, which every run has at its
+    first); one 20 steps later, 20 later, and never the default's lowest; the yardstick's own."""
+    def run(impl, lag, tag=None):
+        r = _fake_run("cpu-diag", impl, steps=200, tag=tag)
+        r["loss"] = [5.5 * math.exp(-(i - lag) / 60) + 1.2 for i in range(200)]
+        return r
+
+    ref, repeat = run("eager", 0), run("eager-repeat", 3)
+    sooner, later = run("mlp-fp8", -20, tag="sooner"), run("mlp", 20, tag="later")
+    assert [(s0, s) for _, s0, s in report.lead(sooner, ref)] == [(49, 49), (99, 79), (149, 129), (199, 179)]
+    assert [s for _, _, s in report.lead(later, ref)] == [69, 119, 169, None]
+    rows = report.lead_table(report.by_config([ref, repeat, sooner, later])).splitlines()
+    assert rows[0].startswith("| config | run | by 1/4 of the default's steps |") and len(rows) == 5
+    cells = {row.split(" | ")[1]: [c.split(": ")[1] for c in row.strip(" |").split(" | ")[2:]] for row in rows[2:]}
+    assert cells[report.label(sooner)] == ["+0", "-20", "-20", "-20"]
+    assert cells[report.label(later)] == ["+20", "+20", "+20", "never"]
+    assert cells[report.label(repeat)] == ["+3", "+3", "+3", "never"]
+    assert report.lead_table(report.by_config([sooner, later])) == ""  # no baseline
+
+
 def test_report_across_seeds(tmp_path):
     """Runs of one config with several seeds: one group per seed, each against its own baseline and
     yardsticks; the table across seeds gives each run's criterion per seed, its windows below and
