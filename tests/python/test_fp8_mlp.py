@@ -967,7 +967,7 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not _H200, reason="needs a Hopper GPU")
+@_NEEDS_HOPPER
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise-bf16-wgrad", "rowwise-promoted-wgrad"])
 @pytest.mark.parametrize("layout", ["halves", "interleaved"])
 @pytest.mark.parametrize("biases", [False, True])
@@ -991,7 +991,7 @@ def test_cuda_rowwise_against_its_oracle(recipe, layout, biases):
             assert rel(got[k], want[k]) < 0.5 * rel(bf16[k], want[k]), (k, rel(got[k], want[k]), rel(bf16[k], want[k]))
 
 
-@pytest.mark.skipif(not _H200, reason="needs a Hopper GPU")
+@_NEEDS_HOPPER
 def test_cuda_rowwise_matches_the_emulation():
     """The device's GEMMs against the CPU emulation of the same node on the same inputs (the same
     operand bytes; the device accumulates in its own order, with fast accumulation)."""
