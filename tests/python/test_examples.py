@@ -173,9 +173,10 @@ def test_runs_merge_into_one_report(tmp_path, restore_flags):
 def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
     """--fp8 names expertact_fp8's recipe, resolved by expertact.moe.fp8_recipe (an unknown name is
     refused naming the recipes; "default", the default, is fp8=True's recipe, "blockwise", and is
-    refused while none is chosen); on the CPU, in bf16,
-    the recipe's emulation trains (every expert GEMM through the FP8 layer, counted: no silent
-    bf16) near the bf16 baseline, and the record says which recipe ran."""
+    refused while none is chosen); on the CPU, in bf16, "rowwise" and the default (the run the
+    GPU session's fine-tuning stage makes) train through the recipe's emulation (every expert
+    GEMM through its FP8 layer, counted: no silent bf16) near the bf16 baseline, and the record
+    says which recipe ran."""
     from expertact import moe
     from expertact.moe import FP8_RECIPES, _gemm
     for bad in ("nonsense", "tensorwise"):
@@ -193,19 +194,19 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
                 ft.parse_args(["--variants", "expertact_fp8", *given])
     for name in FP8_RECIPES:
         assert ft.parse_args(["--variants", "expertact_fp8", "--fp8", name]).fp8_modes == dict(fp8=name)
-    calls = []
-    real = _gemm.scaled_gmm
-    monkeypatch.setattr(_gemm, "scaled_gmm", lambda *x, **k: calls.append(1) or real(*x, **k))
-    recipe = next(iter(FP8_RECIPES))
-    result = ft.run(_args(tmp_path, ["grouped_mm", "expertact", "expertact_fp8"], "--dtype", "bf16", "--fp8", recipe,
-                          "--steps", "3"), log=_quiet)
-    v = result["variants"]
-    assert "error" not in v["expertact_fp8"], v["expertact_fp8"].get("error")
-    assert v["expertact_fp8"]["fp8"] == recipe
-    layers = result["setup"]["sizes"]["layers"]
-    assert len(calls) == 6 * layers * 3  # six FP8 GEMMs per MoE layer and step
-    fp8, bf16 = v["expertact_fp8"]["loss"], v["expertact"]["loss"]
-    assert all(math.isfinite(x) for x in fp8) and fp8 != bf16 and _max_diff(fp8, bf16) < 0.05
+    for recipe, gemm in (("rowwise", "scaled_gmm"), (moe.DEFAULT_FP8_RECIPE, "blockwise_gmm")):
+        calls = []
+        real = getattr(_gemm, gemm)
+        monkeypatch.setattr(_gemm, gemm, lambda *x, real=real, **k: calls.append(1) or real(*x, **k))
+        result = ft.run(_args(tmp_path / recipe, ["grouped_mm", "expertact", "expertact_fp8"], "--dtype", "bf16",
+                              "--fp8", recipe, "--steps", "3"), log=_quiet)
+        v = result["variants"]
+        assert "error" not in v["expertact_fp8"], v["expertact_fp8"].get("error")
+        assert v["expertact_fp8"]["fp8"] == recipe
+        layers = result["setup"]["sizes"]["layers"]
+        assert len(calls) == 6 * layers * 3, (recipe, len(calls))  # six FP8 GEMMs per MoE layer and step
+        fp8, bf16 = v["expertact_fp8"]["loss"], v["expertact"]["loss"]
+        assert all(math.isfinite(x) for x in fp8) and fp8 != bf16 and _max_diff(fp8, bf16) < 0.05
 
 
 def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
