@@ -465,7 +465,36 @@ def markdown_table(result):
             f"Command: `{result['command']}`\n\n"
             f"tokens/s over steps {s['warmup']}..{s['steps'] - 1}; final loss: mean of the last {FINAL_WINDOW} steps; "
             f"loss differences: largest over all steps.\n\n")
-    return head + "\n".join(rows) + "\n"
+    return head + "\n".join(rows) + "\n" + criterion_lines(result)
+
+
+def criterion_lines(result):
+    """docs/spec.md section 10's loss criterion (autoep_report.criterion) for every FP8 variant
+    against each bf16 baseline there is: expertact's bf16 run (the FP8 path's own bf16) and
+    transformers' default (grouped_mm), the other bf16 variants the yardsticks; "" without an FP8
+    variant or a yardstick."""
+    import autoep_report  # a sibling example: the criterion is written once
+    ok = {n: r for n, r in result["variants"].items() if "loss" in r and "error" not in r}
+    fp8 = [n for n, r in ok.items() if r["implementation"] == "expertact_fp8"]
+    lines = []
+    for base in ("expertact", BASELINE):
+        ys = [n for n in ok if n != base and n not in fp8]
+        if base not in ok or not ys:
+            continue
+        for n in fp8:
+            c = autoep_report.criterion(ok[n], ok[base], [ok[y] for y in ys])
+            lines.append(f"| {n} ({ok[n].get('fp8', '?')}) | {base} | {', '.join(ys)} | "
+                         f"{', '.join(f'{x:+.4f}' for x in c['windows'])} | "
+                         f"{', '.join(f'{x:.4f}' for x in c['bands'])} | "
+                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {autoep_report.verdict(c)} |")
+    if not lines:
+        return ""
+    return ("\nThe loss criterion (docs/spec.md section 10): per 50-step window the FP8 run's mean loss minus "
+            "the baseline's, within max(2 x the largest yardstick difference, 0.01); over the last 100 steps "
+            "within max(the largest yardstick difference, 0.5% of the loss).\n\n"
+            "| FP8 run (recipe) | baseline | yardsticks | diff per window | band per window | "
+            "last 100: diff / band | criterion |\n| --- | --- | --- | --- | --- | --- | --- |\n"
+            + "\n".join(lines) + "\n")
 
 
 def svg_plot(result, width=900, height=640):

@@ -209,6 +209,36 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
         assert all(math.isfinite(x) for x in fp8) and fp8 != bf16 and _max_diff(fp8, bf16) < 0.05
 
 
+def test_finetune_fp8_criterion():
+    """results.md applies the loss criterion to each FP8 variant against expertact's bf16 run and
+    against transformers' default, the other bf16 runs the yardsticks: a run inside the band
+    passes, one shifted past it in one window fails naming that window, a failed variant and a
+    missing baseline are left out."""
+    import random
+    rng = random.Random(0)
+    base = [2.0 - s / 300 + 0.01 * rng.random() for s in range(300)]
+    shifted = lambda d, lo=0, hi=300: [x + (d if lo <= s < hi else 0.0) for s, x in enumerate(base)]  # noqa: E731
+    run = lambda loss, impl, **k: dict(implementation=impl, loss=loss, **k)  # noqa: E731
+    variants = dict(grouped_mm=run(shifted(0.004), "grouped_mm"), eager=run(shifted(-0.003), "eager"),
+                    expertact=run(base, "expertact"),
+                    expertact_fp8=run(shifted(0.005), "expertact_fp8", fp8="blockwise"))
+    result = dict(variants=variants)
+    text = ft.criterion_lines(result)
+    rows = [ln for ln in text.splitlines() if ln.startswith("| expertact_fp8")]
+    assert [r.split(" | ")[1] for r in rows] == ["expertact", "grouped_mm"]
+    assert all(r.endswith("| PASS |") and "(blockwise)" in r for r in rows)
+    assert "| grouped_mm, eager |" in rows[0] and "| eager, expertact |" in rows[1]
+    variants["expertact_fp8"] = run(shifted(0.05, 100, 150), "expertact_fp8", fp8="rowwise")
+    rows = [ln for ln in ft.criterion_lines(result).splitlines() if ln.startswith("| expertact_fp8")]
+    assert all(r.endswith("| FAIL (window 3) |") for r in rows), rows
+    variants["grouped_mm"] = dict(implementation="grouped_mm", error="OutOfMemoryError")
+    rows = [ln for ln in ft.criterion_lines(result).splitlines() if ln.startswith("| expertact_fp8")]
+    assert len(rows) == 1 and "| expertact | eager |" in rows[0]
+    del variants["eager"]
+    assert ft.criterion_lines(result) == ""  # no yardstick left
+    assert ft.criterion_lines(dict(variants=dict(expertact=run(base, "expertact")))) == ""
+
+
 def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
     pytest.importorskip("torchtitan.models.qwen3")
     pytest.importorskip("torchtitan.config.override")
