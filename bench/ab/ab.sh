@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One A/B of a change not yet on main, on the GPU: the module bench's bf16 and blockwise rows
+# at the busiest rank's shape and at AutoEP's (main, then with PATCH applied, then main again),
+# and the patch's own GPU tests (pytest -k TESTS) while it is applied; the tree is restored on
+# exit. A stage of scripts/gpu_session.sh (ab-groups, ...), which builds the library and sets
+# PYTHONPATH and EXPERTACT_LIBRARY; the patch is Python only (the build is main's).
+#
+#   bash bench/ab/ab.sh RESULTS_DIR PATCH PYTEST_K
+set -u
+cd "$(dirname "$0")/../.."
+R=${1:?results dir} PATCH=${2:?patch} K=${3:?pytest -k expression}
+PY=${PYTHON:-python3}
+mkdir -p "$R"
+applied=0
+restore() { [ $applied = 1 ] && git apply -R "$PATCH" && applied=0 && echo "restored main"; }
+trap restore EXIT
+rc=0
+bench() {  # bench LABEL: one row pair at each shape
+  local t0=$SECONDS rows=(--impls expertact,fp8-blockwise --no-errors)
+  "$PY" -m expertact.bench --mlp --fp8 "${rows[@]}" --json "$R/busiest-$1.json" --markdown "$R/busiest-$1.md" \
+    > "$R/busiest-$1.log" 2>&1 || rc=1
+  "$PY" -m expertact.bench --mlp --fp8 "${rows[@]}" --experts 8 --rows 32768 --dim 1024 --ffn 3072 \
+    --json "$R/autoep-$1.json" --markdown "$R/autoep-$1.md" > "$R/autoep-$1.log" 2>&1 || rc=1
+  echo "bench $1: $((SECONDS - t0)) s"
+}
+bench main-1
+git apply "$PATCH" && applied=1 && echo "applied $PATCH" || { echo "$PATCH does not apply to this tree"; exit 1; }
+bench patch
+(cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rs "$OLDPWD/tests/python" -k "$K") > "$R/pytest.txt" 2>&1 || rc=1
+tail -3 "$R/pytest.txt"
+restore
+bench main-2
+for f in "$R"/*.md; do echo "== $(basename "$f")"; grep -E "^\| (expertact|fp8-blockwise) " "$f"; done
+exit $rc
