@@ -81,6 +81,9 @@
 #   ab-groups              bench/ab/bwd-groups.patch (blockwise's dh and activation backward by groups of
 #                          experts: the extra peak): the module bench's bf16 and blockwise rows at the busiest
 #                          rank's and AutoEP's shapes, main / patched / main, and the patch's GPU tests
+#   ab-tail-rows           bench/ab/tail-rows.patch (blockwise's per-expert GEMMs without the padded call for an
+#                          expert's last 1 to 3 rows: host work at many experts): the GPT-OSS fine-tuning's
+#                          blockwise run, 100 steps, main / patched / main, and the FP8 tests patched
 #
 # Needs: one NVIDIA GPU, Hopper (sm_90) for the FP8 rows and runs; the CUDA toolkit (nvcc), CMake >=
 # 3.24, Ninja and dlpack.h for the build (the system's, or .deps/include/dlpack/dlpack.h); Python
@@ -106,18 +109,19 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-1000-bf16 train-autoep-1000-mlp train-autoep-1000-fp8 train-autoep-1000-seed2
        train-autoep-1000-seed2-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
-       bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups)
+       bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups
+       ab-tail-rows)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/,
 # gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/): blockwise, the
 # default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over 1,000 steps at seed 1234
 # left the loss plateau 130 steps before every bf16 run (windows fail on the low side); so first the GPU tests
 # (the row-independence case never ran on a GPU), the extra peak's A/B and where the fine-tuning's step goes
 # (short, so a machine taken back mid-session loses little), then the 1,000 steps at seed 2 (is the lead the
-# recipe's or the seed's), the step on an H200, the module bench, where the step goes at AutoEP's shape, the
+# recipe's or the seed's), the fine-tuning step's host-side A/B, the step on an H200, the module bench, where the step goes at AutoEP's shape, the
 # seeds' steps again, the GEMMs' profiles, the bench of AutoEP's rows, the operand kernels and the per-expert
 # forms cuBLAS takes (in this order each pair of runs read together fits one session).
-PLAN=(test-fp8 ab-groups profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 train-autoep-step
-      test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
+PLAN=(test-fp8 ab-groups profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 ab-tail-rows
+      train-autoep-step test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
       bench-fp8-operands scaled-mm-forms)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
@@ -163,7 +167,8 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
-                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=90 [ab-groups]=200)
+                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=90 [ab-groups]=200
+                [ab-tail-rows]=270)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -473,6 +478,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           || exit 1; done" ;;
     ab-groups)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/bwd-groups.patch groups ;;
+    ab-tail-rows)
+      run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/tail-rows.patch "test_fp8_gemm or test_fp8_mlp" \
+        finetune ;;
     finetune-fp8-yardsticks)
       run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --variants grouped_mm,eager \
         --out "$S/finetune-fp8" ;;

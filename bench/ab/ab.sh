@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# One A/B of a change not yet on main, on the GPU: the module bench's bf16 and blockwise rows
-# at the busiest rank's shape and at AutoEP's (main, then with PATCH applied, then main again),
-# and the patch's own GPU tests (pytest -k TESTS) while it is applied; the tree is restored on
-# exit. A stage of scripts/gpu_session.sh (ab-groups, ...), which builds the library and sets
-# PYTHONPATH and EXPERTACT_LIBRARY; the patch is Python only (the build is main's).
+# One A/B of a change not yet on main, on the GPU: main, then with PATCH applied, then main
+# again, each time MODE's measurement, and the patch's own GPU tests (pytest -k TESTS) while it
+# is applied; the tree is restored on exit. MODE "bench": the module bench's bf16 and blockwise
+# rows at the busiest rank's shape and at AutoEP's; "finetune": examples/finetune_gpt_oss.py's
+# blockwise run, 100 steps (its routing skewed as training makes it; bf16 beside it in the first
+# main run). A stage of scripts/gpu_session.sh (ab-groups, ab-tail-rows), which builds the
+# library and sets PYTHONPATH and EXPERTACT_LIBRARY; the patch is Python only (main's build).
 #
-#   bash bench/ab/ab.sh RESULTS_DIR PATCH PYTEST_K
+#   bash bench/ab/ab.sh RESULTS_DIR PATCH PYTEST_K [MODE]
 set -u
 cd "$(dirname "$0")/../.."
-R=${1:?results dir} PATCH=${2:?patch} K=${3:?pytest -k expression}
+R=${1:?results dir} PATCH=${2:?patch} K=${3:?pytest -k expression} MODE=${4:-bench}
 PY=${PYTHON:-python3}
 mkdir -p "$R"
 applied=0
 restore() { [ $applied = 1 ] && git apply -R "$PATCH" && applied=0 && echo "restored main"; }
 trap restore EXIT
 rc=0
-bench() {  # bench LABEL: one row pair at each shape
+bench() {  # bench LABEL: MODE's measurement
   local t0=$SECONDS rows=(--impls expertact,fp8-blockwise --no-errors)
+  if [ "$MODE" = finetune ]; then
+    local variants=expertact_fp8
+    [ "$1" = main-1 ] && variants=expertact,expertact_fp8
+    "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise --steps 100 --out "$R/finetune-$1" \
+      > "$R/finetune-$1.log" 2>&1 || rc=1
+    echo "finetune $1: $((SECONDS - t0)) s"
+    return
+  fi
   "$PY" -m expertact.bench --mlp --fp8 "${rows[@]}" --json "$R/busiest-$1.json" --markdown "$R/busiest-$1.md" \
     > "$R/busiest-$1.log" 2>&1 || rc=1
   "$PY" -m expertact.bench --mlp --fp8 "${rows[@]}" --experts 8 --rows 32768 --dim 1024 --ffn 3072 \
@@ -30,5 +40,7 @@ bench patch
 tail -3 "$R/pytest.txt"
 restore
 bench main-2
-for f in "$R"/*.md; do echo "== $(basename "$f")"; grep -E "^\| (expertact|fp8-blockwise) " "$f"; done
+for f in "$R"/*.md "$R"/finetune-*/results.md; do
+  [ -f "$f" ] && echo "== ${f#$R/}" && grep -E "^\| (expertact|expertact_fp8|fp8-blockwise) " "$f"
+done
 exit $rc

@@ -282,7 +282,7 @@ def test_gpu_session_plan_and_dry_run():
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
     assert fp8[:4] == ["test-fp8", "ab-groups", "profile-fp8-finetune", "train-autoep-1000-seed2"]
-    assert len(fp8) == len(set(fp8)) == 15
+    assert len(fp8) == len(set(fp8)) == 16
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
     # seed
     session_of = {}
@@ -310,6 +310,8 @@ def test_gpu_session_plan_and_dry_run():
                      r"--rows 8192 --dim 1024 --ffn 1024 .*\n.*mlp_kernel_profile.py \$impl --shape 32,8192,1024,1024",
                      dry, re.M)
     assert re.search(r"^ab-groups: bash bench/ab/ab.sh \S+ bench/ab/bwd-groups.patch groups$", dry, re.M)
+    assert re.search(r"^ab-tail-rows: bash bench/ab/ab.sh \S+ bench/ab/tail-rows.patch test_fp8_gemm or "
+                     r"test_fp8_mlp finetune$", dry, re.M)
     assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
     for impls in re.findall(r"autoep_train.py .*--impl ([\w,-]+)", dry):
         assert all(i in autoep_train.IMPLS for i in impls.split(",")), impls
