@@ -22,8 +22,9 @@ bench() {  # bench LABEL: MODE's measurement
   if [ "$MODE" = finetune ]; then
     local variants=expertact_fp8
     [ "$1" = main-1 ] && variants=expertact,expertact_fp8
+    # (AB_FINETUNE_ARGS: more of its options, e.g. --dtype bf16 to try this script on the CPU)
     "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise --steps 100 --out "$R/finetune-$1" \
-      > "$R/finetune-$1.log" 2>&1 || rc=1
+      ${AB_FINETUNE_ARGS:-} > "$R/finetune-$1.log" 2>&1 || rc=1
     echo "finetune $1: $((SECONDS - t0)) s"
     return
   fi
@@ -40,6 +41,18 @@ bench patch
 tail -3 "$R/pytest.txt"
 restore
 bench main-2
+if [ "$MODE" = finetune ]; then  # the same bits per step: the patch changes no value
+  "$PY" - "$R" <<'PYEOF' || rc=1
+import json, sys
+runs = {k: json.load(open(f"{sys.argv[1]}/finetune-{k}/results.json"))["variants"]["expertact_fp8"]
+        for k in ("main-1", "patch", "main-2")}
+for k, r in runs.items():
+    print(f"{k}: step {r['mean_step_time_s'] * 1e3:.1f} ms, final loss {r['final_loss']:.4f}")
+same = [runs["patch"]["loss"] == runs[k]["loss"] for k in ("main-1", "main-2")]
+print("patch's losses bit-identical to main's:", same)
+sys.exit(0 if any(same) else 1)
+PYEOF
+fi
 for f in "$R"/*.md "$R"/finetune-*/results.md; do
   [ -f "$f" ] && echo "== ${f#$R/}" && grep -E "^\| (expertact|expertact_fp8|fp8-blockwise) " "$f"
 done
