@@ -111,18 +111,19 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups
        ab-tail-rows)
-# Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/, -05c/,
-# gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/): blockwise, the
-# default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over 1,000 steps at seed 1234
-# left the loss plateau 130 steps before every bf16 run (windows fail on the low side); so first the GPU tests
-# (the row-independence case never ran on a GPU), the extra peak's A/B and where the fine-tuning's step goes
-# (short, so a machine taken back mid-session loses little), then the 1,000 steps at seed 2 (is the lead the
-# recipe's or the seed's), the fine-tuning step's host-side A/B, the step on an H200, the module bench, where the step goes at AutoEP's shape, the
-# seeds' steps again, the GEMMs' profiles, the bench of AutoEP's rows, the operand kernels and the per-expert
-# forms cuBLAS takes (in this order each pair of runs read together fits one session).
+# Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/,
+# -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/):
+# blockwise, the default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over
+# 1,000 steps at seed 1234 left the loss plateau 130 steps before every bf16 run (windows fail on the low
+# side); so first the GPU tests (the row-independence case never ran on a GPU), the extra peak's A/B and
+# where the fine-tuning's step goes (short, so a machine taken back mid-session loses little), then the
+# 1,000 steps at seed 2 (is the lead the recipe's or the seed's), the fine-tuning step's host-side A/B,
+# the step on an H200, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
+# the GEMMs' profiles, the bench of AutoEP's rows, the operand kernels and the per-expert forms cuBLAS
+# takes (in this order each pair of runs read together fits one session).
 PLAN=(test-fp8 ab-groups profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 ab-tail-rows
-      train-autoep-step test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
-      bench-fp8-operands scaled-mm-forms)
+      train-autoep-step test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8
+      bench-fp8-gemms bench-autoep bench-fp8-operands scaled-mm-forms)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -473,7 +474,8 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --in '$S/$f' --md '$D/${f#train-}.md' --png '$D/${f#train-}-loss.png'" ;;
     profile-fp8-finetune)
       run_stage "$st" "$D" "$PY" bash -c "'$PY' -m expertact.bench --mlp --fp8 --impls expertact,fp8,fp8-blockwise \
-          --no-errors --experts 32 --rows 8192 --dim 1024 --ffn 1024 --json '$D/mlp-fp8.json' --markdown '$D/mlp-fp8.md' &&
+          --no-errors --experts 32 --rows 8192 --dim 1024 --ffn 1024 --json '$D/mlp-fp8.json' \
+          --markdown '$D/mlp-fp8.md' &&
           for impl in expertact fp8-blockwise; do '$PY' bench/mlp_kernel_profile.py \$impl --shape 32,8192,1024,1024 \
           || exit 1; done" ;;
     ab-groups)

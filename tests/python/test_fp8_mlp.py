@@ -494,8 +494,9 @@ def test_recipe_names(monkeypatch):
                           r"bands of 0\.0094, 0\.0077, 0\.0056: inside at every seed; 1\.075x, 1\.065x, "
                           r"1\.071x the bf16 MLP's step at those seeds on one H100; over 1,000 steps \(one seed\) "
                           r"0\.033 under in the last 100 \(band 0\.108\), but it left a loss plateau before every "
-                          r"bf16 run: up to 0\.139 under in steps 500-749, outside the band; GPT-OSS fine-tuning through "
-                          r"transformers inside the band, at 0\.62x bf16's step \(small experts, D = F = 1,024\)"}
+                          r"bf16 run: up to 0\.139 under in steps 500-749, outside the band; GPT-OSS fine-tuning "
+                          r"through transformers inside the band, at 0\.62x bf16's step \(small experts, D = F = "
+                          r"1,024\)"}
     for name, cost in costs.items():
         assert re.fullmatch(cost, moe.FP8_RECIPES[name]), (name, moe.FP8_RECIPES[name])
         assert moe.fp8_recipe(name) == name
