@@ -41,6 +41,19 @@ bench patch
 tail -3 "$R/pytest.txt"
 restore
 bench main-2
+if [ "$MODE" = bench ]; then  # per shape and row: fwd+bwd and extra peak, main / patched / main
+  "$PY" - "$R" <<'PYEOF' || rc=1
+import json, sys
+for shape in ("busiest", "autoep"):
+    runs = {k: {r["impl"]: r for r in json.load(open(f"{sys.argv[1]}/{shape}-{k}.json"))["results"]}
+            for k in ("main-1", "patch", "main-2")}
+    for impl in runs["main-1"]:
+        nan = float("nan")
+        cells = [f"{k} {runs[k][impl].get('ms', nan):.2f} ms, {runs[k][impl].get('extra_peak_gib', nan):.2f} GiB"
+                 for k in runs if impl in runs[k]]
+        print(f"{shape} {impl}: " + "; ".join(cells))
+PYEOF
+fi
 if [ "$MODE" = finetune ]; then  # the same bits per step: the patch changes no value
   "$PY" - "$R" <<'PYEOF' || rc=1
 import json, sys
