@@ -49,14 +49,15 @@ def routing(E, T, even, seed=0):
     return counts, ends, pends
 
 
-def layer(E, T, D, F, ends, pends, square):
-    """The six GEMMs of one layer as the node calls them: gate_up, y, dh, dx (M-grouped), dw2, dw13."""
+def layer(E, T, D, F, ends, pends):
+    """The six GEMMs of one layer as the node calls them: gate_up, y, dh, dx (M-grouped), dw2, dw13;
+    B's scales 128 x 128 where K's block count is a multiple of 4 (as square_weight_scales on sm90)."""
     def m(K, N):
         a = torch.empty((T, K), dtype=E4M3, device="meta")
         sa = torch.empty((-(-K // TILE), T), device="meta").t()
         b = torch.empty((E, N, K), dtype=E4M3, device="meta")
         return _gemm._blockwise_per_expert(a, sa, b, torch.empty((E, -(-N // TILE), -(-K // TILE)), device="meta"),
-                                           ends, "m", False, square)
+                                           ends, "m", False, -(-K // TILE) % 4 == 0)
 
     def k(M, N):
         Tp = pends[-1]
@@ -76,7 +77,6 @@ def main(argv=None):
     E, rows, D, F = (int(v) for v in a.shape.split(","))
     T = E * rows
     counts, ends, pends = routing(E, T, a.even)
-    square = D % (4 * TILE) == 0 and F % (4 * TILE) == 0  # as square_weight_scales on sm90
     calls = []
     real = torch._scaled_mm
 
@@ -86,15 +86,15 @@ def main(argv=None):
 
     torch._scaled_mm = stub
     try:
-        layer(E, T, D, F, ends, pends, square)  # warm-up
+        layer(E, T, D, F, ends, pends)  # warm-up
         times = []
         for _ in range(a.repeat):
             t0 = time.perf_counter()
-            layer(E, T, D, F, ends, pends, square)
+            layer(E, T, D, F, ends, pends)
             times.append(time.perf_counter() - t0)
         calls.clear()
         with Count() as c:
-            layer(E, T, D, F, ends, pends, square)
+            layer(E, T, D, F, ends, pends)
     finally:
         torch._scaled_mm = real
     launching = sum(n for op, n in c.ops.items() if any(f".{w}." in op or op.endswith(f".{w}") for w in LAUNCHING))
