@@ -18,6 +18,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from expertact import _fp8_buffers
 from expertact.moe import _gemm
 
 TILE = _gemm.TILE
@@ -42,11 +43,7 @@ def routing(E, T, even, seed=0):
     counts = [int(T * x / sum(w)) for x in w]
     counts[-1] += T - sum(counts)
     ends = [sum(counts[:i + 1]) for i in range(E)]
-    pends, s = [], 0
-    for c in counts:
-        s += -(-c // TILE) * TILE
-        pends.append(s)
-    return counts, ends, pends
+    return counts, ends, _fp8_buffers.padded_offsets(ends, TILE)  # the weight gradients' padded ends, as the node
 
 
 def layer(E, T, D, F, ends, pends):
