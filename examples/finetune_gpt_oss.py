@@ -51,8 +51,9 @@ reset once the variant's model is on the device: parameters, gradients, AdamW's 
 activations), the loss of every step, the final loss
 (mean of the last 10 steps), the largest |loss difference| against the baseline and against the
 yardstick over all steps, and for a repeat whether its losses and final parameters are
-bit-identical to the run it repeats. --arch qwen3_moe runs the same comparison on a Qwen3-MoE model
-of the same sizes (no expert biases) as a control. See docs/finetune.md.
+bit-identical to the run it repeats; with --profile N, where the step goes (N profiled steps after the
+warm-up, left out of the timing; OUT/profile-VARIANT.txt). --arch qwen3_moe runs the same comparison
+on a Qwen3-MoE model of the same sizes (no expert biases) as a control. See docs/finetune.md.
 """
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ def parse_args(argv=None):
                    help="gpt_oss (expert biases) or qwen3_moe (no biases; a control)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps after the warm-up (torch.profiler; left out of the timing): where each "
+                        "variant's step goes, in OUT/profile-VARIANT.txt and the record's \"profile\"")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -154,6 +158,9 @@ def parse_args(argv=None):
         args.fp8_modes = dict(fp8=recipe)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.profile < 0 or (args.profile and args.steps <= args.warmup + args.profile):
+        p.error(f"--profile {args.profile}: needs --steps ({args.steps}) above --warmup + N, so that timed steps "
+                "remain")
     return args
 
 
@@ -318,10 +325,17 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
     losses, times, seen = [], [], []
     routing, probe = {}, _RoutingProbe(model)
     probe_steps = {0, args.steps // 2, args.steps - 1}
+    n_prof = getattr(args, "profile", 0)
+    profiled, prof, profile_out = range(args.warmup, args.warmup + n_prof), None, {}
     for step in range(args.steps):
         probe.armed = step in probe_steps
         ids = batches(step).to(device, non_blocking=True)
         sync()
+        if n_prof and step == profiled.start:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            prof = profile(activities=acts)
+            prof.__enter__()
         with warnings.catch_warnings(record=True) as caught:
             if step < 2:
                 warnings.simplefilter("always")
@@ -334,6 +348,10 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
             opt.zero_grad(set_to_none=True)
             sync()
             times.append(time.perf_counter() - t0)
+        if prof is not None and step + 1 == profiled.stop:
+            prof.__exit__(None, None, None)
+            profile_out = _profile_summary(tag, prof, sum(times[profiled.start:]), n_prof, args.out, log)
+            prof = None
         for w in caught:
             msg = str(w.message)
             if "determinis" in msg and msg not in seen:
@@ -353,8 +371,23 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     probe.remove()
     del opt, sched
-    return dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak,
-                routing=routing)
+    out = dict(loss=losses, step_time_s=times, determinism_warnings=seen, peak_allocated_bytes=peak,
+               routing=routing)
+    if n_prof:
+        out.update(profile=profile_out, profiled_steps=[profiled.start, profiled.stop])
+    return out
+
+
+def _profile_summary(tag, prof, wall_s, steps, out, log):
+    """The profiled steps' summary (expertact.bench.trace), written to OUT/profile-TAG.txt and
+    returned for the record."""
+    from expertact.bench import trace
+    s = trace.summarise(prof.events(), wall_s, steps)
+    text = trace.report(s, tag)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"profile-{tag}.txt").write_text(text + "\n")
+    log(text, flush=True)
+    return s
 
 
 class _RoutingProbe:
@@ -391,10 +424,12 @@ class _RoutingProbe:
 
 
 def summarise(record, warmup, tokens_per_step):
-    """Adds tokens/s (steps from `warmup` on), mean step time and final loss to a variant record."""
+    """Adds tokens/s (steps from `warmup` on, but for profiled ones), mean step time and final
+    loss to a variant record."""
     times, losses = record["step_time_s"], record["loss"]
     w = min(warmup, len(times) - 1)
-    steady = times[w:]
+    skip = range(*record.get("profiled_steps", (0, 0)))  # the profiler's steps: slower, not timed
+    steady = [t for i, t in enumerate(times) if i >= w and i not in skip]
     record["timed_from_step"] = w
     record["mean_step_time_s"] = sum(steady) / len(steady)
     record["tokens_per_s"] = tokens_per_step * len(steady) / sum(steady)
@@ -463,9 +498,14 @@ def markdown_table(result):
             f"{s['expert_rows_per_layer']:,} expert rows per layer and step, {s['dtype']}, "
             f"{result['versions'].get('device', '?')}, {result['date']}.\n"
             f"Command: `{result['command']}`\n\n"
-            f"tokens/s over steps {s['warmup']}..{s['steps'] - 1}; final loss: mean of the last {FINAL_WINDOW} steps; "
+            f"tokens/s over steps {s['warmup']}..{s['steps'] - 1}{_profiled(s)}; final loss: mean of the last {FINAL_WINDOW} steps; "
             f"loss differences: largest over all steps.\n\n")
     return head + "\n".join(rows) + "\n" + criterion_lines(result)
+
+
+def _profiled(setup):
+    n = setup.get("profile") or 0
+    return f" but the {n} profiled ({setup['warmup']}..{setup['warmup'] + n - 1}; OUT/profile-*.txt)" if n else ""
 
 
 def criterion_lines(result):
@@ -587,7 +627,8 @@ def start_result(title, setup, device, names, out, argv, baseline, yardstick):
     """The run's record: its setup (and that setup's key, which decides whether an earlier run's
     variants in ``out`` are kept beside this one's), versions, command and date; the variants of
     an earlier run with the same setup, less those in ``names`` (run again here)."""
-    setup_key = hashlib.sha256(json.dumps([setup, str(device)], sort_keys=True, default=str).encode()).hexdigest()
+    keyed = {k: v for k, v in setup.items() if k != "profile"}  # profiled or not, the same losses
+    setup_key = hashlib.sha256(json.dumps([keyed, str(device)], sort_keys=True, default=str).encode()).hexdigest()
     result = dict(title=title, baseline=baseline, yardstick=yardstick, setup=setup, setup_key=setup_key,
                   versions=versions(device),
                   command=" ".join([os.path.basename(sys.executable)] + [sys.argv[0]] + list(argv or sys.argv[1:])),
@@ -702,7 +743,8 @@ def run(argv=None, log=print):
     t2 = time.perf_counter()
     n_params = sum(p.numel() for p in base.parameters())
     tokens_per_step = s["batch"] * s["seq"]
-    setup = dict(arch=args.arch, size=size, sizes=s, steps=args.steps, warmup=args.warmup, lr=args.lr,
+    setup = dict(arch=args.arch, size=size, sizes=s, steps=args.steps, warmup=args.warmup, profile=args.profile,
+                 lr=args.lr,
                  seed=args.seed, bias_std=args.bias_std if args.arch == "gpt_oss" else None, dtype=dtype_name,
                  tokens_per_step=tokens_per_step, expert_rows_per_layer=tokens_per_step * s["top_k"],
                  params=n_params, corpus=corpus, epoch_steps=batches.epoch_steps, determinism=det,

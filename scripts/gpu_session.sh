@@ -74,9 +74,11 @@
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
 #   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
 #                          the recipe FINETUNE_FP8 (default blockwise, the default recipe), into the same report
-#   profile-fp8-finetune   where blockwise's step goes at the fine-tuning's expert shape (32 experts x 8,192
-#                          rows, D = F = 1,024; its step was 0.62x bf16's there): the module bench's bf16,
-#                          rowwise and blockwise rows, then bench/mlp_kernel_profile.py for bf16 and blockwise
+#   profile-fp8-finetune   where blockwise's step goes in the GPT-OSS fine-tuning (0.62x bf16's step): 30 steps
+#                          of its bf16, blockwise and rowwise runs with 4 profiled (--profile: GPU busy and idle
+#                          time, kernels, host calls a step), then at its expert shape (32 experts x 8,192
+#                          rows, D = F = 1,024) the module bench's bf16, rowwise and blockwise rows and
+#                          bench/mlp_kernel_profile.py for bf16 and blockwise
 # A/B runs of changes not yet on main (bench/ab/: the patch, the stage's script bench/ab/ab.sh):
 #   ab-groups              bench/ab/bwd-groups.patch (blockwise's dh and activation backward by groups of
 #                          experts: the extra peak): the module bench's bf16 and blockwise rows at the busiest
@@ -115,13 +117,13 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
 # -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/):
 # blockwise, the default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over
 # 1,000 steps at seed 1234 left the loss plateau 130 steps before every bf16 run (windows fail on the low
-# side); so first the GPU tests (the row-independence case never ran on a GPU), the extra peak's A/B and
-# where the fine-tuning's step goes (short, so a machine taken back mid-session loses little), then the
-# 1,000 steps at seed 2 (is the lead the recipe's or the seed's), the fine-tuning step's host-side A/B,
+# side); so first the GPU tests (the row-independence case never ran on a GPU) and where the fine-tuning's
+# step goes (short, so a machine taken back mid-session loses little), then the 1,000 steps at seed 2
+# (is the lead the recipe's or the seed's), the fine-tuning step's host-side A/B, the extra peak's A/B,
 # the step on an H200, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
 # the GEMMs' profiles, the bench of AutoEP's rows, the operand kernels and the per-expert forms cuBLAS
 # takes (in this order each pair of runs read together fits one session).
-PLAN=(test-fp8 ab-groups profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 ab-tail-rows
+PLAN=(test-fp8 profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 ab-tail-rows ab-groups
       train-autoep-step test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8
       bench-fp8-gemms bench-autoep bench-fp8-operands scaled-mm-forms)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
@@ -168,7 +170,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
-                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=90 [ab-groups]=200
+                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=190 [ab-groups]=200
                 [ab-tail-rows]=270)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
@@ -473,7 +475,11 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           --out '$S/$f' --impl eager-fused,$LONG_FP8 && ${AUTOEP_REPORT[*]} \
           --in '$S/$f' --md '$D/${f#train-}.md' --png '$D/${f#train-}-loss.png'" ;;
     profile-fp8-finetune)
-      run_stage "$st" "$D" "$PY" bash -c "'$PY' -m expertact.bench --mlp --fp8 --impls expertact,fp8,fp8-blockwise \
+      run_stage "$st" "$D" "$PY" bash -c "'$PY' examples/finetune_gpt_oss.py --variants expertact,expertact_fp8 \
+          --fp8 blockwise --steps 30 --profile 4 --out '$D/finetune-profile' &&
+          '$PY' examples/finetune_gpt_oss.py --variants expertact_fp8 --fp8 rowwise --steps 30 --profile 4 \
+          --out '$D/finetune-profile-rowwise' &&
+          '$PY' -m expertact.bench --mlp --fp8 --impls expertact,fp8,fp8-blockwise \
           --no-errors --experts 32 --rows 8192 --dim 1024 --ffn 1024 --json '$D/mlp-fp8.json' \
           --markdown '$D/mlp-fp8.md' &&
           for impl in expertact fp8-blockwise; do '$PY' bench/mlp_kernel_profile.py \$impl --shape 32,8192,1024,1024 \

@@ -4,8 +4,9 @@
 # is applied; the tree is restored on exit. MODE "bench": the module bench's bf16 and blockwise
 # rows at the busiest rank's shape and at AutoEP's; "finetune": examples/finetune_gpt_oss.py's
 # blockwise run, 100 steps (its routing skewed as training makes it; bf16 beside it in the first
-# main run). A stage of scripts/gpu_session.sh (ab-groups, ab-tail-rows), which builds the
-# library and sets PYTHONPATH and EXPERTACT_LIBRARY; the patch is Python only (main's build).
+# main run), 4 of them profiled (--profile; left out of the timing). A stage of
+# scripts/gpu_session.sh (ab-groups, ab-tail-rows), which builds the library and sets PYTHONPATH
+# and EXPERTACT_LIBRARY; the patch is Python only (main's build).
 #
 #   bash bench/ab/ab.sh RESULTS_DIR PATCH PYTEST_K [MODE]
 set -u
@@ -23,7 +24,8 @@ bench() {  # bench LABEL: MODE's measurement
     local variants=expertact_fp8
     [ "$1" = main-1 ] && variants=expertact,expertact_fp8
     # (AB_FINETUNE_ARGS: more of its options, e.g. --dtype bf16 to try this script on the CPU)
-    "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise --steps 100 --out "$R/finetune-$1" \
+    "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise --steps 100 --profile 4 \
+      --out "$R/finetune-$1" \
       ${AB_FINETUNE_ARGS:-} > "$R/finetune-$1.log" 2>&1 || rc=1
     echo "finetune $1: $((SECONDS - t0)) s"
     return
@@ -66,6 +68,9 @@ print("patch's losses bit-identical to main's:", same)
 sys.exit(0 if any(same) else 1)
 PYEOF
 fi
+for f in "$R"/finetune-*/profile-*.txt; do  # where each run's step went (4 profiled steps)
+  [ -f "$f" ] && echo "== ${f#$R/}" && head -2 "$f"
+done
 for f in "$R"/*.md "$R"/finetune-*/results.md; do
   [ -f "$f" ] && echo "== ${f#$R/}" && grep -E "^\| (expertact|expertact_fp8|fp8-blockwise) " "$f"
 done

@@ -222,3 +222,36 @@ def test_python_m_expertact_bench_and_the_console_script_entry():
     with open(os.path.join(root, "pyproject.toml")) as f:
         assert 'expertact-bench = "expertact.bench.cli:main"' in f.read()
     assert callable(cli.main)
+
+
+def test_trace_summary_of_known_events():
+    """expertact.bench.trace.summarise on events whose answer is known: overlapping kernels count
+    once in the busy time, a gap of GAP_US or more is found with the runtime calls inside it (and
+    a shorter one is not), GEMMs are told from other kernels, host calls are counted per step,
+    and the idle time is the wall time less the busy time."""
+    from types import SimpleNamespace as NS
+
+    from expertact.bench import trace
+
+    def ev(kind, name, a, b):
+        return NS(device_type=NS(name=kind), name=name, time_range=NS(start=a, end=b))
+
+    events = [ev("CUDA", "sm90_xmma_gemm_e4m3", 0, 100), ev("CUDA", "expertact::tiles_kernel", 50, 150),
+              ev("CUDA", "sm90_xmma_gemm_e4m3", 160, 200),   # a 10 us gap: not counted
+              ev("CUDA", "elementwise", 400, 500),           # a 200 us gap before it
+              ev("CPU", "aten::_scaled_mm", 150, 390), ev("CPU", "cudaLaunchKernel", 250, 260),
+              ev("CPU", "cudaStreamSynchronize", 300, 350), ev("CPU", "cudaLaunchKernel", 600, 610),
+              ev("CPU", "aten::_scaled_mm", 590, 620)]
+    s = trace.summarise(events, wall_s=1.09e-3, steps=2)
+    assert s["busy_ms"] == pytest.approx((150 + 40 + 100) / 2e3)
+    assert s["kernel_ms"] == pytest.approx((100 + 100 + 40 + 100) / 2e3)
+    assert s["gemm_ms"] == pytest.approx(140 / 2e3)
+    assert s["idle_ms"] == pytest.approx(0.545 - 290 / 2e3)
+    assert s["gaps"]["count"] == 0.5 and s["gaps"]["ms"] == pytest.approx(200 / 2e3)
+    assert s["gaps"]["largest"] == [(0.2, "sm90_xmma_gemm_e4m3", "elementwise")]
+    assert s["gap_calls"] == pytest.approx({"cudaStreamSynchronize": 50 / 2e3, "cudaLaunchKernel": 10 / 2e3})
+    assert s["host"]["torch._scaled_mm"] == pytest.approx([1.0, 270 / 2e3])
+    assert s["host"]["kernel launches (cudaLaunchKernel)"] == pytest.approx([1.0, 20 / 2e3])
+    assert s["kernels"][0][0] == "sm90_xmma_gemm_e4m3" and s["kernels"][0][2] == 1.0
+    text = trace.report(s, "t")
+    assert "GPU idle 0.40 ms" in text and "cudaStreamSynchronize 0.03" in text

@@ -281,7 +281,7 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "ab-groups", "profile-fp8-finetune", "train-autoep-1000-seed2"]
+    assert fp8[:4] == ["test-fp8", "profile-fp8-finetune", "train-autoep-1000-seed2", "train-autoep-1000-seed2-fp8"]
     assert len(fp8) == len(set(fp8)) == 16
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
     # seed
@@ -306,7 +306,9 @@ def test_gpu_session_plan_and_dry_run():
         assert re.search(rf"^train-autoep-step-seeds: (.*\n)*.*autoep_train.py .*--seed \$seed .*--expert-share "
                          r".*--impl mlp-inplace,mlp-fp8-blockwise", dry, re.M) and "for seed in 2 3" in dry
     assert re.search(r"^profile-fp8-autoep: .*\n.*mlp_kernel_profile.py .*--shape 8,32768,1024,3072", dry, re.M)
-    assert re.search(r"^profile-fp8-finetune: .*--impls expertact,fp8,fp8-blockwise\s+--no-errors --experts 32 "
+    assert re.search(r"^profile-fp8-finetune: .*finetune_gpt_oss.py --variants expertact,expertact_fp8\s+--fp8 "
+                     r"blockwise --steps 30 --profile 4 .*\n.*--variants expertact_fp8 --fp8 rowwise --steps 30 "
+                     r"--profile 4\s+--out .*\n.*--impls expertact,fp8,fp8-blockwise\s+--no-errors --experts 32 "
                      r"--rows 8192 --dim 1024 --ffn 1024 .*\n.*mlp_kernel_profile.py \$impl --shape 32,8192,1024,1024",
                      dry, re.M)
     assert re.search(r"^ab-groups: bash bench/ab/ab.sh \S+ bench/ab/bwd-groups.patch groups$", dry, re.M)
@@ -364,3 +366,25 @@ def test_ab_patches_apply():
         files = re.findall(r"^diff --git a/(\S+)", p.read_text(), re.M)
         assert files and all(f.startswith(("python/", "tests/")) for f in files), (p.name, files)
         assert f"bench/ab/{p.name}" in session, p.name
+
+
+def test_finetune_profile(tmp_path, restore_flags):
+    """--profile N: N steps after the warm-up run under torch.profiler, left out of the timing; each
+    variant's summary (expertact.bench.trace) is in OUT/profile-VARIANT.txt and its record, and
+    counts the host's GEMM calls (on the CPU: the experts' and attention's torch.mm); a
+    profile that leaves no timed step is refused. The losses are the unprofiled run's."""
+    with pytest.raises(SystemExit):
+        ft.parse_args(["--steps", "6", "--warmup", "2", "--profile", "4"])
+    plain = ft.run(_args(tmp_path / "plain", ["expertact"]), log=_quiet)["variants"]["expertact"]
+    result = ft.run(_args(tmp_path / "prof", ["expertact"], "--profile", "2"), log=_quiet)
+    r = result["variants"]["expertact"]
+    assert r["loss"] == plain["loss"]
+    assert r["profiled_steps"] == [2, 4]
+    timed = [t for i, t in enumerate(r["step_time_s"]) if i >= 2 and i not in (2, 3)]
+    assert r["mean_step_time_s"] == pytest.approx(sum(timed) / len(timed))
+    p = r["profile"]
+    assert p["steps"] == 2 and p["wall_ms"] == pytest.approx(1e3 * sum(r["step_time_s"][2:4]) / 2)
+    assert p["host"]["torch.mm"][0] > 0 and p["kernels"] == []
+    text = (tmp_path / "prof" / "profile-expertact.txt").read_text()
+    assert "torch.mm" in text and "no GPU kernels recorded" in text
+    assert "but the 2 profiled (2..3" in (tmp_path / "prof" / "results.md").read_text()
