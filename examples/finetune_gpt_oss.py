@@ -509,13 +509,16 @@ def _profiled(setup):
 
 
 def criterion_lines(result):
-    """docs/spec.md section 10's loss criterion (autoep_report.criterion) for every FP8 variant
-    against each bf16 baseline there is: expertact's bf16 run (the FP8 path's own bf16) and
-    transformers' default (grouped_mm), the other bf16 variants the yardsticks; "" without an FP8
-    variant or a yardstick."""
+    """docs/spec.md section 10's criterion for every FP8 variant against each bf16 baseline there
+    is: expertact's bf16 run (the FP8 path's own bf16) and transformers' default (grouped_mm), the
+    other bf16 variants the yardsticks. Its loss half is autoep_report.criterion; its speed half
+    the FP8 step against the fastest bf16 expertact run's (the whole-MLP runs here), at least
+    autoep_report.DEFAULT_SPEEDUP x. "" without an FP8 variant or a yardstick."""
     import autoep_report  # a sibling example: the criterion is written once
     ok = {n: r for n, r in result["variants"].items() if "loss" in r and "error" not in r}
     fp8 = [n for n, r in ok.items() if r["implementation"] == "expertact_fp8"]
+    bf16_mlp = [r["mean_step_time_s"] for n, r in ok.items()
+                if n not in fp8 and r["implementation"].startswith("expertact") and "mean_step_time_s" in r]
     lines = []
     for base in ("expertact", BASELINE):
         ys = [n for n in ok if n != base and n not in fp8]
@@ -523,18 +526,22 @@ def criterion_lines(result):
             continue
         for n in fp8:
             c = autoep_report.criterion(ok[n], ok[base], [ok[y] for y in ys])
+            x = min(bf16_mlp) / ok[n]["mean_step_time_s"] if bf16_mlp and "mean_step_time_s" in ok[n] else None
+            speed = ("no bf16 expertact run" if x is None else
+                     f"{x:.3f}x: {'PASS' if x >= autoep_report.DEFAULT_SPEEDUP else 'FAIL'}")
             lines.append(f"| {n} ({ok[n].get('fp8', '?')}) | {base} | {', '.join(ys)} | "
                          f"{', '.join(f'{x:+.4f}' for x in c['windows'])} | "
                          f"{', '.join(f'{x:.4f}' for x in c['bands'])} | "
-                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {autoep_report.verdict(c)} |")
+                         f"{c['last']:+.4f} / {c['band_last']:.4f} | {autoep_report.verdict(c)} | {speed} |")
     if not lines:
         return ""
-    return ("\nThe loss criterion (docs/spec.md section 10): per 50-step window the FP8 run's mean loss minus "
+    return ("\nThe criterion (docs/spec.md section 10). Loss: per 50-step window the FP8 run's mean loss minus "
             "the baseline's, within max(2 x the largest yardstick difference, 0.01); over the last 100 steps "
-            "within max(the largest yardstick difference, 0.5% of the loss).\n\n"
+            "within max(the largest yardstick difference, 0.5% of the loss). Step: the fastest bf16 expertact "
+            f"run's over the FP8 run's, at least {autoep_report.DEFAULT_SPEEDUP}x.\n\n"
             "| FP8 run (recipe) | baseline | yardsticks | diff per window | band per window | "
-            "last 100: diff / band | criterion |\n| --- | --- | --- | --- | --- | --- | --- |\n"
-            + "\n".join(lines) + "\n")
+            "last 100: diff / band | loss | step vs the fastest bf16 expertact |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(lines) + "\n")
 
 
 def svg_plot(result, width=900, height=640):

@@ -210,33 +210,38 @@ def test_finetune_fp8_recipe_by_name(tmp_path, restore_flags, monkeypatch):
 
 
 def test_finetune_fp8_criterion():
-    """results.md applies the loss criterion to each FP8 variant against expertact's bf16 run and
+    """results.md applies the criterion to each FP8 variant against expertact's bf16 run and
     against transformers' default, the other bf16 runs the yardsticks: a run inside the band
-    passes, one shifted past it in one window fails naming that window, a failed variant and a
+    passes the loss half, one shifted past it in one window fails naming that window; the step
+    half passes at 1.05x the fastest bf16 expertact run's and fails below; a failed variant and a
     missing baseline are left out."""
     import random
     rng = random.Random(0)
     base = [2.0 - s / 300 + 0.01 * rng.random() for s in range(300)]
     shifted = lambda d, lo=0, hi=300: [x + (d if lo <= s < hi else 0.0) for s, x in enumerate(base)]  # noqa: E731
-    run = lambda loss, impl, **k: dict(implementation=impl, loss=loss, **k)  # noqa: E731
-    variants = dict(grouped_mm=run(shifted(0.004), "grouped_mm"), eager=run(shifted(-0.003), "eager"),
-                    expertact=run(base, "expertact"),
-                    expertact_fp8=run(shifted(0.005), "expertact_fp8", fp8="blockwise"))
+    run = lambda loss, impl, t, **k: dict(implementation=impl, loss=loss, mean_step_time_s=t, **k)  # noqa: E731
+    variants = dict(grouped_mm=run(shifted(0.004), "grouped_mm", 0.7), eager=run(shifted(-0.003), "eager", 0.45),
+                    expertact=run(base, "expertact", 0.2), expertact_inplace=run(base, "expertact_inplace", 0.21),
+                    expertact_fp8=run(shifted(0.005), "expertact_fp8", 0.19, fp8="blockwise"))
     result = dict(variants=variants)
     text = ft.criterion_lines(result)
     rows = [ln for ln in text.splitlines() if ln.startswith("| expertact_fp8")]
     assert [r.split(" | ")[1] for r in rows] == ["expertact", "grouped_mm"]
-    assert all(r.endswith("| PASS |") and "(blockwise)" in r for r in rows)
-    assert "| grouped_mm, eager |" in rows[0] and "| eager, expertact |" in rows[1]
-    variants["expertact_fp8"] = run(shifted(0.05, 100, 150), "expertact_fp8", fp8="rowwise")
+    assert all(r.endswith("| PASS | 1.053x: PASS |") and "(blockwise)" in r for r in rows), rows
+    assert "| grouped_mm, eager, expertact_inplace |" in rows[0] and "| eager, expertact, expertact_inplace |" in rows[1]
+    variants["expertact_fp8"] = run(shifted(0.05, 100, 150), "expertact_fp8", 0.3, fp8="rowwise")
     rows = [ln for ln in ft.criterion_lines(result).splitlines() if ln.startswith("| expertact_fp8")]
-    assert all(r.endswith("| FAIL (window 3) |") for r in rows), rows
+    assert all(r.endswith("| FAIL (window 3) | 0.667x: FAIL |") for r in rows), rows
+    variants["expertact_fp8"]["mean_step_time_s"] = 0.1999  # 1.0005x: the step half fails
+    rows = [ln for ln in ft.criterion_lines(result).splitlines() if ln.startswith("| expertact_fp8")]
+    assert all(r.endswith("| 1.001x: FAIL |") for r in rows), rows
+    del variants["expertact_inplace"]
     variants["grouped_mm"] = dict(implementation="grouped_mm", error="OutOfMemoryError")
     rows = [ln for ln in ft.criterion_lines(result).splitlines() if ln.startswith("| expertact_fp8")]
     assert len(rows) == 1 and "| expertact | eager |" in rows[0]
     del variants["eager"]
     assert ft.criterion_lines(result) == ""  # no yardstick left
-    assert ft.criterion_lines(dict(variants=dict(expertact=run(base, "expertact")))) == ""
+    assert ft.criterion_lines(dict(variants=dict(expertact=run(base, "expertact", 0.2)))) == ""
 
 
 def test_torchtitan_loop(tmp_path, restore_flags, monkeypatch):
