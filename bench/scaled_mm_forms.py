@@ -14,6 +14,13 @@ node sends, since an H100 refused one with N = 96). Each case also runs on a fre
 power-of-two scales: every product is exact in float32, so "ok" means bit-equal to the exact sum
 rounded once to bf16.
 
+A second table: the forms of B's 128 x 128 scales at K block counts that are no multiple of 4
+(GPT-OSS's K = 2,880 and 5,760: 23 and 45 blocks; a 3-block K; 3,072 as the control), an
+expert's 8,192 rows: the block scales repeated on their rows as 1 x 128 (what the node sends
+where the 128 x 128 forms are refused), as they are ([KB, NB], strides (1, KB): cuBLAS reads
+rows of L4 = KB rounded up to 4, so misaligned) and padded ([KB, NB], strides (1, L4)); each
+"ok" form timed (CUDA events, the median of 20 calls).
+
     python bench/scaled_mm_forms.py [--markdown FILE]     (a CUDA GPU; on the CPU it says so)
 """
 import argparse
@@ -83,6 +90,40 @@ def k_case(tiles, offset_tiles, M, N, device):
                  _exact_scales((Tp // TILE, N), 3)[offset_tiles:], device)
 
 
+def weight_forms(K, N, M, device):
+    """(form, runner) for each form of B's 128 x 128 scales (the module docstring), the exact
+    product rounded once to bf16."""
+    KB, NB = -(-K // TILE), -(-N // TILE)
+    L4 = -(-KB // 4) * 4
+    a, b = _exact_ints((M, K), 7), _exact_ints((N, K), 5)
+    sa, blk = _exact_scales((KB, M), 5).t(), _exact_scales((NB, KB), 4)
+    rows = blk.repeat_interleave(TILE, 0)[:N]  # [N, KB]: each block's scale on its rows
+    want = (a * sa.repeat_interleave(TILE, 1)[:, :K]) @ (b * rows.repeat_interleave(TILE, 1)[:, :K]).t()
+    aq, bq, sa = a.to(device, E4M3), b.to(device, E4M3), sa.to(device)
+    padded = torch.ones((NB, L4), device=device)
+    padded[:, :KB] = blk.to(device)
+    unpadded = torch.ones(NB * L4, device=device)  # room for cuBLAS's reads past [NB, KB]
+    unpadded[:NB * KB] = blk.reshape(-1).to(device)
+    forms = (("1 x 128 [KB, N]", rows.t().contiguous().to(device)),
+             ("128 x 128 [KB, NB], strides (1, KB)", unpadded[:NB * KB].view(NB, KB).t()),
+             (f"128 x 128 [KB, NB], strides (1, {L4})", padded[:, :KB].t()))
+    return [(name, lambda sb=sb: torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=False))
+            for name, sb in forms], want.to(torch.bfloat16).float().to(device)
+
+
+def ms_per_call(call, reps=20):
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * reps)]
+    for _ in range(3):
+        call()
+    for i in range(reps):
+        ev[2 * i].record()
+        call()
+        ev[2 * i + 1].record()
+    torch.cuda.synchronize()
+    return sorted(ev[2 * i].elapsed_time(ev[2 * i + 1]) for i in range(reps))[reps // 2]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--markdown", help="also write the table here")
@@ -109,12 +150,24 @@ def main(argv=None) -> int:
             a, a_copy, wide, want, align = k_case(tiles, off, 32, 48, dev)
             rows.append((f"k-grouped, {tiles} token tile(s)", f"token {off * TILE}", align,
                          outcome(a, want), outcome(a_copy, want), wide and outcome(wide, want)))
+    weights = []
+    M = 8192
+    for K, N in ((2880, 5760), (2880, 2880), (5760, 2880), (272, 272), (3072, 6144)):
+        runners, want = weight_forms(K, N, M, dev)
+        for form, call in runners:
+            got = outcome(call, want)
+            t = ms_per_call(call) if got == "ok" else None
+            weights.append((K, N, form, got, t, t and 2 * M * K * N / t / 1e9))
     name = torch.cuda.get_device_name(dev)
     lines = [f"## torch._scaled_mm's blockwise forms on {name}", "",
              f"torch {torch.__version__}, CUDA {torch.version.cuda}; `python bench/scaled_mm_forms.py`", "",
              "| GEMM | where the expert starts | A's start past a 256-byte boundary (bytes) | A a view at its rows | "
              "A copied to a fresh tensor | widened to two K tiles |", "|---|---|---:|---|---|---|"]
     lines += [f"| {g} | {w} | {al} | {o} | {c} | {wd or '—'} |" for g, w, al, o, c, wd in rows]
+    lines += ["", f"### B's 128 x 128 scales at K block counts not a multiple of 4 ({M} rows)", "",
+              "| K (blocks) | N | B's scales | outcome | ms per call | TFLOP/s |", "|---|---:|---|---|---:|---:|"]
+    lines += [f"| {K} ({-(-K // TILE)}) | {N} | {form} | {got} | {'—' if t is None else f'{t:.3f}'} | "
+              f"{'—' if tf is None else f'{tf:.0f}'} |" for K, N, form, got, t, tf in weights]
     text = "\n".join(lines) + "\n"
     print(text)
     write_outputs(None, args.markdown, None, text, quiet=True)

@@ -1,7 +1,9 @@
 """bench/scaled_mm_forms.py on the CPU: each case's expected product is the exact one for the
 operands and scales it hands torch._scaled_mm (a stand-in that dequantises them by the 1 x 128
 rules gives "ok" everywhere), a torch._scaled_mm that misreads the scales is reported "wrong",
-a refusal is reported with its message, and without a GPU the script says so and exits 0."""
+a refusal is reported with its message, and without a GPU the script says so and exits 0; the
+forms of B's 128 x 128 scales are exact under cuBLAS's reading of them (rows of K blocks padded
+to a multiple of 4) where padded, and misread unpadded at a K block count no multiple of 4."""
 import importlib.util
 import pathlib
 
@@ -83,3 +85,26 @@ def test_a_misread_scale_and_a_refusal_are_named(monkeypatch, no_sync):
 def test_without_a_gpu_it_says_so(capsys):
     assert forms.main([]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def _cublas_reading_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+    """As _dequantising_mm, and B's 128 x 128 scales ([KB, NB]) read as cuBLAS reads them: rows
+    of NB's blocks, each of KB values, L4 = KB rounded up to 4 apart from where the view starts."""
+    K, N = b.shape
+    KB = -(-K // TILE)
+    if scale_b.shape[1] < N:
+        NB, L4 = scale_b.shape[1], -(-KB // 4) * 4
+        read = torch.as_strided(scale_b, (NB, KB), (L4, 1))  # [NB, KB]
+        scale_b = read.repeat_interleave(TILE, 0)[:N].t()  # [KB, N]: each block's scale on its columns
+    return _dequantising_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum)
+
+
+def test_the_weight_scale_forms(monkeypatch, no_sync):
+    monkeypatch.setattr(torch, "_scaled_mm", _cublas_reading_mm)
+    for K, N, misread in ((272, 272, True), (2880, 384, True), (512, 256, False)):
+        runners, want = forms.weight_forms(K, N, 8, torch.device("cpu"))
+        (rows, r), (unpadded, u), (padded, p) = ((name, forms.outcome(call, want)) for name, call in runners)
+        L4 = -(-(-(-K // TILE)) // 4) * 4
+        assert (rows, unpadded) == ("1 x 128 [KB, N]", "128 x 128 [KB, NB], strides (1, KB)")
+        assert padded == f"128 x 128 [KB, NB], strides (1, {L4})"
+        assert r == p == "ok" and u.startswith("wrong") == misread, (K, r, u, p)
