@@ -76,10 +76,15 @@ BOS, EOS = 256, 257
 VOCAB = 258
 
 # Model and batch presets. "h200": the experts see 65,536 tokens x top-4 = 262,144 rows per layer
-# and step (see docs/finetune.md for the FLOP estimate). "tiny": the CPU test, seconds.
+# and step (see docs/finetune.md for the FLOP estimate). "20b-experts": two layers as GPT-OSS-20B
+# has them (its config: hidden = expert intermediate = 2,880, 32 experts, top-4, 64 query heads,
+# 8 KV heads of 64), 32,768 tokens a step: the expert GEMMs a user fine-tuning that model runs,
+# where "h200"'s are too small for FP8 to pay. "tiny": the CPU test, seconds.
 SIZES = {
     "h200": dict(hidden=1024, intermediate=1024, experts=32, top_k=4, layers=4, heads=16, kv_heads=4,
                  head_dim=64, seq=256, batch=256, sliding_window=128),
+    "20b-experts": dict(hidden=2880, intermediate=2880, experts=32, top_k=4, layers=2, heads=64, kv_heads=8,
+                        head_dim=64, seq=256, batch=128, sliding_window=128),
     "tiny": dict(hidden=64, intermediate=64, experts=4, top_k=2, layers=2, heads=4, kv_heads=2,
                  head_dim=16, seq=32, batch=4, sliding_window=16),
 }
@@ -120,7 +125,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--size", choices=tuple(SIZES), default=None,
-                   help="size preset: h200 (default on CUDA) or tiny (default on the CPU)")
+                   help="size preset: h200 (default on CUDA), 20b-experts (GPT-OSS-20B's layer dims, two "
+                        "layers) or tiny (default on the CPU)")
     for key in SIZE_KEYS:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override the preset's {key}")
     p.add_argument("--arch", choices=("gpt_oss", "qwen3_moe"), default="gpt_oss",

@@ -38,7 +38,8 @@
 #                          test_fp8_blocks.py, test_fp8_gemm.py, test_fp8_mlp.py that exist)
 #   scaled-mm-forms        bench/scaled_mm_forms.py: which per-expert torch._scaled_mm forms of the blockwise
 #                          recipe cuBLAS runs (row and token offsets, one to three K tiles), each also on a
-#                          fresh copy of A
+#                          fresh copy of A; and B's 128 x 128 scales at K block counts no multiple of 4
+#                          (GPT-OSS's 2,880 and 5,760) as 1 x 128, as they are and padded, each timed
 #   fp8-accuracy           the first MoE layer's expert inputs captured at step 150 of the AutoEP h200
 #                          training (DeepSpeed's default), then python -m expertact.bench --fp8-accuracy
 #                          on them and at the busiest rank's shape with their column scales
@@ -74,6 +75,11 @@
 #   finetune-fp8-yardsticks  examples/finetune_gpt_oss.py, h200 size, 300 steps: grouped_mm, eager
 #   finetune-fp8           ... expertact (bf16, the baseline of the FP8 comparison) and expertact_fp8 with
 #                          the recipe FINETUNE_FP8 (default blockwise, the default recipe), into the same report
+#   finetune-20b           the same fine-tuning at GPT-OSS-20B's layer dims (--size 20b-experts: hidden = expert
+#                          intermediate = 2,880, 32 experts, two layers, 32,768 tokens a step), where the expert
+#                          GEMMs are large enough for FP8 to pay: expertact and expertact_fp8 (FINETUNE_FP8),
+#                          4 steps profiled
+#   finetune-20b-yardsticks  ... eager and grouped_mm into the same report (the criterion's yardsticks)
 #   profile-fp8-finetune   where blockwise's step goes in the GPT-OSS fine-tuning (0.62x bf16's step): 30 steps
 #                          of its bf16, blockwise and rowwise runs with 4 profiled (--profile: GPU busy and idle
 #                          time, kernels, host calls a step), then at its expert shape (32 experts x 8,192
@@ -112,20 +118,22 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-1000-seed2-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups
-       ab-tail-rows)
+       ab-tail-rows finetune-20b finetune-20b-yardsticks)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/,
 # -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/):
 # blockwise, the default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over
 # 1,000 steps at seed 1234 left the loss plateau 130 steps before every bf16 run (windows fail on the low
 # side); so first the GPU tests (the row-independence case never ran on a GPU) and where the fine-tuning's
 # step goes (short, so a machine taken back mid-session loses little), then the 1,000 steps at seed 2
-# (is the lead the recipe's or the seed's), the fine-tuning step's host-side A/B, the extra peak's A/B,
+# (is the lead the recipe's or the seed's), the per-expert forms cuBLAS takes (B's scales at GPT-OSS's
+# K block counts), the fine-tuning at GPT-OSS-20B's layer dims (where FP8's step can pay), the fine-tuning step's host-side A/B, the extra peak's A/B,
 # the step on an H200, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
-# the GEMMs' profiles, the bench of AutoEP's rows, the operand kernels and the per-expert forms cuBLAS
-# takes (in this order each pair of runs read together fits one session).
-PLAN=(test-fp8 profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 ab-tail-rows ab-groups
-      train-autoep-step test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8
-      bench-fp8-gemms bench-autoep bench-fp8-operands scaled-mm-forms)
+# the GEMMs' profiles, the bench of AutoEP's rows and the operand kernels (in this order each pair of runs
+# read together fits one session).
+PLAN=(test-fp8 profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 scaled-mm-forms
+      finetune-20b finetune-20b-yardsticks ab-tail-rows ab-groups train-autoep-step test-megatron
+      bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
+      bench-fp8-operands)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
 # deleted since (109 s with them, below); five 300-step AutoEP runs and
@@ -171,7 +179,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
                 [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=190 [ab-groups]=200
-                [ab-tail-rows]=270)
+                [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -201,7 +209,7 @@ plan() {
 # where both do not fit the one under way.
 declare -A WITH=([train-autoep-1000-bf16]="train-autoep-1000-mlp train-autoep-1000-fp8"
                  [train-autoep-1000-seed2]=train-autoep-1000-seed2-fp8
-                 [finetune-fp8-yardsticks]=finetune-fp8)
+                 [finetune-fp8-yardsticks]=finetune-fp8 [finetune-20b]=finetune-20b-yardsticks)
 
 # pack STAGE...: the stages in this order, in calls of at most CALL_S and sessions of at most
 # SESSION_S (a stage and its WITH in one), each session opening with a call of preflight and build (a
@@ -489,6 +497,12 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     ab-tail-rows)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/tail-rows.patch "test_fp8_gemm or test_fp8_mlp" \
         finetune ;;
+    finetune-20b)
+      run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --size 20b-experts \
+        --variants expertact,expertact_fp8 --fp8 "$FINETUNE_FP8" --profile 4 --out "$S/finetune-20b" ;;
+    finetune-20b-yardsticks)
+      run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --size 20b-experts --variants eager,grouped_mm \
+        --out "$S/finetune-20b" ;;
     finetune-fp8-yardsticks)
       run_stage "$st" "$D" "$PY" "$PY" examples/finetune_gpt_oss.py --variants grouped_mm,eager \
         --out "$S/finetune-fp8" ;;

@@ -287,7 +287,7 @@ def test_gpu_session_plan_and_dry_run():
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
     assert fp8[:4] == ["test-fp8", "profile-fp8-finetune", "train-autoep-1000-seed2", "train-autoep-1000-seed2-fp8"]
-    assert len(fp8) == len(set(fp8)) == 16
+    assert len(fp8) == len(set(fp8)) == 18
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
     # seed
     session_of = {}
@@ -295,6 +295,7 @@ def test_gpu_session_plan_and_dry_run():
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
     assert session_of["train-autoep-1000-seed2"] == session_of["train-autoep-1000-seed2-fp8"]
+    assert session_of["finetune-20b"] == session_of["finetune-20b-yardsticks"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
@@ -316,6 +317,9 @@ def test_gpu_session_plan_and_dry_run():
                      r"--profile 4\s+--out .*\n.*--impls expertact,fp8,fp8-blockwise\s+--no-errors --experts 32 "
                      r"--rows 8192 --dim 1024 --ffn 1024 .*\n.*mlp_kernel_profile.py \$impl --shape 32,8192,1024,1024",
                      dry, re.M)
+    for st, variants in (("finetune-20b", "expertact,expertact_fp8"), ("finetune-20b-yardsticks", "eager,grouped_mm")):
+        assert re.search(rf"^{st}: .*finetune_gpt_oss.py --size 20b-experts\s+--variants {variants} .*--out "
+                         r"\S*/session/finetune-20b$", dry, re.M), st
     assert re.search(r"^ab-groups: bash bench/ab/ab.sh \S+ bench/ab/bwd-groups.patch groups$", dry, re.M)
     assert re.search(r"^ab-tail-rows: bash bench/ab/ab.sh \S+ bench/ab/tail-rows.patch test_fp8_gemm or "
                      r"test_fp8_mlp finetune$", dry, re.M)
@@ -393,3 +397,28 @@ def test_finetune_profile(tmp_path, restore_flags):
     text = (tmp_path / "prof" / "profile-expertact.txt").read_text()
     assert "torch.mm" in text and "no GPU kernels recorded" in text
     assert "but the 2 profiled (2..3" in (tmp_path / "prof" / "results.md").read_text()
+
+
+def test_finetune_20b_experts_preset(tmp_path, restore_flags):
+    """The "20b-experts" preset has GPT-OSS's layer dims (transformers' GptOssConfig defaults:
+    hidden 2,880 = expert intermediate, top-4, 64 query heads and 8 KV heads of 64, the
+    128-token sliding window) with GPT-OSS-20B's 32 experts; at those dims (fewer experts, one
+    layer, a few tokens) the bf16 and FP8 (blockwise, emulated) variants train on the CPU beside
+    transformers' grouped_mm."""
+    from transformers import GptOssConfig
+    s, c = ft.SIZES["20b-experts"], GptOssConfig()
+    assert (s["hidden"], s["intermediate"], s["top_k"], s["heads"], s["kv_heads"], s["head_dim"], s["sliding_window"]) \
+        == (c.hidden_size, c.intermediate_size, c.num_experts_per_tok, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.sliding_window)
+    assert s["experts"] == 32 and s["seq"] * s["batch"] == 32768
+    result = ft.run(["--device", "cpu", "--size", "20b-experts", "--layers", "1", "--experts", "4", "--seq", "16",
+                     "--batch", "2", "--steps", "3", "--warmup", "1", "--dtype", "bf16", "--lr", "1e-4", "--log-every", "100",
+                     "--out", str(tmp_path), "--variants", "grouped_mm,expertact,expertact_fp8"], log=_quiet)
+    v = result["variants"]
+    assert result["setup"]["sizes"]["hidden"] == 2880 and result["setup"]["expert_rows_per_layer"] == 128
+    for name in v:
+        assert "error" not in v[name], v[name].get("error")
+        assert all(math.isfinite(x) for x in v[name]["loss"])
+    assert _max_diff(v["expertact"]["loss"], v["grouped_mm"]["loss"]) < 0.01  # bf16, the same function (measured 2e-3)
+    assert v["expertact_fp8"]["fp8"] == "blockwise" and v["expertact_fp8"]["loss"] != v["expertact"]["loss"]
+    assert _max_diff(v["expertact_fp8"]["loss"], v["expertact"]["loss"]) < 0.05  # measured 0.018
