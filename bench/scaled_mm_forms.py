@@ -18,8 +18,10 @@ A second table: the forms of B's 128 x 128 scales at K block counts that are no 
 (GPT-OSS's K = 2,880 and 5,760: 23 and 45 blocks; a 3-block K; 3,072 as the control), an
 expert's 8,192 rows: the block scales repeated on their rows as 1 x 128 (what the node sends
 where the 128 x 128 forms are refused), as they are ([KB, NB], strides (1, KB): cuBLAS reads
-rows of L4 = KB rounded up to 4, so misaligned) and padded ([KB, NB], strides (1, L4)); each
-"ok" form timed (CUDA events, the median of 20 calls).
+rows of L4 = KB rounded up to 4, so misaligned), padded ([KB, NB], strides (1, L4): the form
+the node sends where its probe passes) and padded with the padding in the shape ([L4, NB], the
+shape pytorch/pytorch#166752 describes); each "ok" form timed (CUDA events, the median of 20
+calls).
 
     python bench/scaled_mm_forms.py [--markdown FILE]     (a CUDA GPU; on the CPU it says so)
 """
@@ -106,7 +108,8 @@ def weight_forms(K, N, M, device):
     unpadded[:NB * KB] = blk.reshape(-1).to(device)
     forms = (("1 x 128 [KB, N]", rows.t().contiguous().to(device)),
              ("128 x 128 [KB, NB], strides (1, KB)", unpadded[:NB * KB].view(NB, KB).t()),
-             (f"128 x 128 [KB, NB], strides (1, {L4})", padded[:, :KB].t()))
+             (f"128 x 128 [KB, NB], strides (1, {L4})", padded[:, :KB].t()),
+             (f"128 x 128 [{L4}, NB], strides (1, {L4})", padded.t()))
     return [(name, lambda sb=sb: torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                     use_fast_accum=False))
             for name, sb in forms], want.to(torch.bfloat16).float().to(device)

@@ -103,8 +103,8 @@ def test_the_weight_scale_forms(monkeypatch, no_sync):
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_reading_mm)
     for K, N, misread in ((272, 272, True), (2880, 384, True), (512, 256, False)):
         runners, want = forms.weight_forms(K, N, 8, torch.device("cpu"))
-        (rows, r), (unpadded, u), (padded, p) = ((name, forms.outcome(call, want)) for name, call in runners)
+        (rows, r), (unpadded, u), (padded, p), (full, f) = ((name, forms.outcome(call, want)) for name, call in runners)
         L4 = -(-(-(-K // TILE)) // 4) * 4
         assert (rows, unpadded) == ("1 x 128 [KB, N]", "128 x 128 [KB, NB], strides (1, KB)")
-        assert padded == f"128 x 128 [KB, NB], strides (1, {L4})"
-        assert r == p == "ok" and u.startswith("wrong") == misread, (K, r, u, p)
+        assert (padded, full) == (f"128 x 128 [KB, NB], strides (1, {L4})", f"128 x 128 [{L4}, NB], strides (1, {L4})")
+        assert r == p == f == "ok" and u.startswith("wrong") == misread, (K, r, u, p, f)
