@@ -333,44 +333,48 @@ def train_loop(tag, model, loss_fn, batches, args, device, tokens_per_step, log=
     probe_steps = {0, args.steps // 2, args.steps - 1}
     n_prof = getattr(args, "profile", 0)
     profiled, prof, profile_out = range(args.warmup, args.warmup + n_prof), None, {}
-    for step in range(args.steps):
-        probe.armed = step in probe_steps
-        ids = batches(step).to(device, non_blocking=True)
-        sync()
-        if n_prof and step == profiled.start:
-            from torch.profiler import ProfilerActivity, profile
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            prof = profile(activities=acts)
-            prof.__enter__()
-        with warnings.catch_warnings(record=True) as caught:
-            if step < 2:
-                warnings.simplefilter("always")
-            t0 = time.perf_counter()
-            loss = loss_fn(model, ids)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+    try:
+        for step in range(args.steps):
+            probe.armed = step in probe_steps
+            ids = batches(step).to(device, non_blocking=True)
             sync()
-            times.append(time.perf_counter() - t0)
-        if prof is not None and step + 1 == profiled.stop:
+            if n_prof and step == profiled.start:
+                from torch.profiler import ProfilerActivity, profile
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                prof = profile(activities=acts)
+                prof.__enter__()
+            with warnings.catch_warnings(record=True) as caught:
+                if step < 2:
+                    warnings.simplefilter("always")
+                t0 = time.perf_counter()
+                loss = loss_fn(model, ids)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                sync()
+                times.append(time.perf_counter() - t0)
+            if prof is not None and step + 1 == profiled.stop:
+                prof.__exit__(None, None, None)
+                profile_out = _profile_summary(tag, prof, sum(times[profiled.start:]), n_prof, args.out, log)
+                prof = None
+            for w in caught:
+                msg = str(w.message)
+                if "determinis" in msg and msg not in seen:
+                    seen.append(msg)
+            if probe.armed:  # counted after the step's clock stopped
+                routing[str(step)] = probe.take()
+            losses.append(float(loss.detach().float().item()))
+            if not math.isfinite(losses[-1]):
+                raise FloatingPointError(f"{tag}: loss {losses[-1]} at step {step}")
+            if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
+                peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+                log(f"[{tag}] step {step + 1:4d}/{args.steps} loss {losses[-1]:.4f} step {times[-1] * 1e3:8.1f} ms "
+                    f"{tokens_per_step / times[-1]:10.0f} tok/s peak {peak:.2f} GiB", flush=True)
+    finally:  # a step that raised leaves no profiler running into the next variant
+        if prof is not None:
             prof.__exit__(None, None, None)
-            profile_out = _profile_summary(tag, prof, sum(times[profiled.start:]), n_prof, args.out, log)
-            prof = None
-        for w in caught:
-            msg = str(w.message)
-            if "determinis" in msg and msg not in seen:
-                seen.append(msg)
-        if probe.armed:  # counted after the step's clock stopped
-            routing[str(step)] = probe.take()
-        losses.append(float(loss.detach().float().item()))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"{tag}: loss {losses[-1]} at step {step}")
-        if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps:
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
-            log(f"[{tag}] step {step + 1:4d}/{args.steps} loss {losses[-1]:.4f} step {times[-1] * 1e3:8.1f} ms "
-                f"{tokens_per_step / times[-1]:10.0f} tok/s peak {peak:.2f} GiB", flush=True)
     if seen:
         log(f"[{tag}] determinism warnings in the first steps: " + " | ".join(m.splitlines()[0] for m in seen),
             flush=True)

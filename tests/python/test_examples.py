@@ -377,11 +377,12 @@ def test_ab_patches_apply():
         assert f"bench/ab/{p.name}" in session, p.name
 
 
-def test_finetune_profile(tmp_path, restore_flags):
+def test_finetune_profile(tmp_path, restore_flags, monkeypatch):
     """--profile N: N steps after the warm-up run under torch.profiler, left out of the timing; each
     variant's summary (expertact.bench.trace) is in OUT/profile-VARIANT.txt and its record, and
     counts the host's GEMM calls (on the CPU: the experts' and attention's torch.mm); a
-    profile that leaves no timed step is refused. The losses are the unprofiled run's."""
+    profile that leaves no timed step is refused; a variant that fails inside its profiled
+    steps leaves no profiler running. The losses are the unprofiled run's."""
     with pytest.raises(SystemExit):
         ft.parse_args(["--steps", "6", "--warmup", "2", "--profile", "4"])
     plain = ft.run(_args(tmp_path / "plain", ["expertact"]), log=_quiet)["variants"]["expertact"]
@@ -397,6 +398,19 @@ def test_finetune_profile(tmp_path, restore_flags):
     text = (tmp_path / "prof" / "profile-expertact.txt").read_text()
     assert "torch.mm" in text and "no GPU kernels recorded" in text
     assert "but the 2 profiled (2..3" in (tmp_path / "prof" / "results.md").read_text()
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def fails_once_profiling(*a, **k):  # the second variant's step 3, inside its profiled steps 2..3
+        calls.append(1)
+        if len(calls) == STEPS + 4:
+            raise RuntimeError("a step that fails")
+        return clip(*a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", fails_once_profiling)
+    v = ft.run(_args(tmp_path / "fail", ["expertact_inplace", "expertact"], "--profile", "2"), log=_quiet)["variants"]
+    assert "error" not in v["expertact_inplace"] and v["expertact_inplace"]["profile"]["host"]["torch.mm"][0] > 0
+    assert "a step that fails" in v["expertact"]["error"]
+    assert not torch.autograd.profiler._is_profiler_enabled
 
 
 def test_finetune_20b_experts_preset(tmp_path, restore_flags):
