@@ -7,7 +7,6 @@ trained router's are; --even for equal shares), so most experts' row counts are 
 
     python3 bench/blockwise_host_ops.py                       # the GPT-OSS fine-tuning's shape: 32,8192,1024,1024
     python3 bench/blockwise_host_ops.py --shape 4,261280,3072,3072 --even
-    python3 bench/blockwise_host_ops.py --shape 32,4096,2880,2880 --scales rows   # GPT-OSS-20B's dims
 """
 from __future__ import annotations
 
@@ -47,16 +46,15 @@ def routing(E, T, even, seed=0):
     return counts, ends, _fp8_buffers.padded_offsets(ends, TILE)  # the weight gradients' padded ends, as the node
 
 
-def layer(E, T, D, F, ends, pends, square=True):
+def layer(E, T, D, F, ends, pends):
     """The six GEMMs of one layer as the node calls them: gate_up, y, dh, dx (M-grouped), dw2, dw13;
-    B's scales 128 x 128 (padded where K's block count is no multiple of 4), as square_weight_scales
-    gives them on sm90 where both probes pass; 1 x 128 with ``square`` False."""
+    B's scales 128 x 128 where K's block count is a multiple of 4 (as square_weight_scales on sm90)."""
     def m(K, N):
         a = torch.empty((T, K), dtype=E4M3, device="meta")
         sa = torch.empty((-(-K // TILE), T), device="meta").t()
         b = torch.empty((E, N, K), dtype=E4M3, device="meta")
         return _gemm._blockwise_per_expert(a, sa, b, torch.empty((E, -(-N // TILE), -(-K // TILE)), device="meta"),
-                                           ends, "m", False, square)
+                                           ends, "m", False, -(-K // TILE) % 4 == 0)
 
     def k(M, N):
         Tp = pends[-1]
@@ -72,9 +70,6 @@ def main(argv=None):
     p.add_argument("--shape", default="32,8192,1024,1024", help="E,ROWS,D,F (rows per expert at an even share)")
     p.add_argument("--even", action="store_true", help="equal shares (default: skewed)")
     p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--scales", choices=("blocks", "rows"), default="blocks",
-                   help="B's scales in the M-grouped GEMMs: 128 x 128 (padded to rows of 4 K blocks where needed), "
-                        "or 1 x 128 (each block's scale repeated on its rows: where the 128 x 128 probes fail)")
     a = p.parse_args(argv)
     E, rows, D, F = (int(v) for v in a.shape.split(","))
     T = E * rows
@@ -88,20 +83,20 @@ def main(argv=None):
 
     torch._scaled_mm = stub
     try:
-        layer(E, T, D, F, ends, pends, a.scales == "blocks")  # warm-up
+        layer(E, T, D, F, ends, pends)  # warm-up
         times = []
         for _ in range(a.repeat):
             t0 = time.perf_counter()
-            layer(E, T, D, F, ends, pends, a.scales == "blocks")
+            layer(E, T, D, F, ends, pends)
             times.append(time.perf_counter() - t0)
         calls.clear()
         with Count() as c:
-            layer(E, T, D, F, ends, pends, a.scales == "blocks")
+            layer(E, T, D, F, ends, pends)
     finally:
         torch._scaled_mm = real
     launching = sum(n for op, n in c.ops.items() if any(f".{w}." in op or op.endswith(f".{w}") for w in LAUNCHING))
     times.sort()
-    print(f"shape E={E} T={T:,} D={D} F={F}, {'even' if a.even else 'skewed'} routing, B's scales {a.scales}: "
+    print(f"shape E={E} T={T:,} D={D} F={F}, {'even' if a.even else 'skewed'} routing: "
           f"{sum(n % 4 != 0 for n in counts)} of {E} experts' rows no multiple of 4, busiest "
           f"{max(counts) / rows:.2f}x an even share")
     print(f"one layer's six GEMMs: {len(calls)} torch._scaled_mm calls, {sum(c.ops.values())} aten ops, "

@@ -320,13 +320,11 @@ def test_k_grouped_transposed_output(device):
 @requires_gpu_gemm
 def test_the_weight_scales_form_taken_on_this_gpu():
     """B's 128 x 128 scales pass their probe on this GPU, so the M-grouped GEMMs at K = 3,072 and
-    6,144 take them as they are (a refusal would leave the slower 1 x 128 form: named here); at a
-    K block count not a multiple of 4 (K = 2,880: 23) they go padded where that form's probe
-    passed, else as 1 x 128 (the exact cases at K = 2,880 above run in the form taken)."""
+    6,144 take them as they are (a refusal would leave the slower 1 x 128 form: named here)."""
     device = torch.device("cuda", torch.cuda.current_device())
     assert _gemm.blockwise_backend(device)[0] == "scaled_mm"
     assert _gemm.square_weight_scales(device, 24), _gemm._SQUARE.get(device.index)
-    assert _gemm.square_weight_scales(device, 23) == (_gemm._PADDED.get(device.index) is None)
+    assert not _gemm.square_weight_scales(device, 23)
 
 
 # ---------------------------------------------------------------------------

@@ -694,8 +694,7 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     outer-dim-major); a stride is not checked along a dim of size 1) and as cuBLAS runs them on
     an H200 (an outer-dim-major scale's leading dimension a multiple of 4: M = 17 is refused; a
     128 x 128 scale's rows of K blocks read padded to a multiple of 4, so unpadded ones only
-    where that changes nothing, and padded ones (strides (1, L4)) taken here: whether this
-    torch's check takes them is what the probe's "padded" form finds on a GPU) and an H100 (scales of one K block, which torch takes as rowwise
+    where that changes nothing) and an H100 (scales of one K block, which torch takes as rowwise
     ones: refused at M = 20, K = 32 on rows 320 bytes into A, so never sent), computed on the CPU
     on the exactly dequantised operands in ``acc`` and rounded once to bf16; with ``out``, written
     there (a contiguous [M, N] bf16 tensor, as the out= form resizes nothing, starting where
@@ -711,8 +710,8 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     def tiles_1x128(t, s):
         return s.dim() == 2 and size_stride(s, 0, t.shape[0], 1) and size_stride(s, 1, _cdiv(t.shape[1]), t.shape[0])
 
-    def blocks_128(t, s, row=None):  # rows of K blocks ``row`` apart (default: their count)
-        return (s.dim() == 2 and size_stride(s, 0, _cdiv(t.shape[0]), row or _cdiv(t.shape[1]))
+    def blocks_128(t, s):
+        return (s.dim() == 2 and size_stride(s, 0, _cdiv(t.shape[0]), _cdiv(t.shape[1]))
                 and size_stride(s, 1, _cdiv(t.shape[1]), 1))
 
     bt, sbt = b.t(), scale_b.t()
@@ -721,10 +720,9 @@ def _scaled_mm_contract(a, b, scale_a=None, scale_b=None, out_dtype=None, use_fa
     assert _cdiv(K) > 1, ("one K block: torch._scaled_mm takes these scales as rowwise ones, which cuBLAS "
                           "refused")
     assert M % 4 == 0, f"cuBLAS refuses an outer-dim-major scale of {M} rows"
-    read_as_padded = blocks_128(bt, sbt, -(-_cdiv(K) // 4) * 4)
-    square = blocks_128(bt, sbt) or read_as_padded
+    square = blocks_128(bt, sbt)
     assert square or tiles_1x128(bt, sbt), (scale_b.shape, scale_b.stride())
-    assert not square or read_as_padded or _cdiv(N) == 1, "cuBLAS reads these 128 x 128 scales misaligned"
+    assert not square or _cdiv(K) % 4 == 0 or _cdiv(N) == 1, "cuBLAS reads these 128 x 128 scales misaligned"
     A = a.to(acc) * scale_a.to(acc).repeat_interleave(TILE, 1)[:, :K]
     sbt = sbt.repeat_interleave(TILE, 0)[:N] if square else sbt
     got = (A @ (bt.to(acc) * sbt.to(acc).repeat_interleave(TILE, 1)[:, :K]).t()).to(torch.bfloat16)
@@ -811,9 +809,8 @@ def test_the_scaled_mm_path_pads_and_expands(monkeypatch, align):
             want[lo:hi] = xd[lo:hi] @ dequantize(wq[e], ws[e], TILE, TILE).t()
         return (q, s.t().contiguous().t(), wq, ws), want.to(torch.bfloat16)
 
-    # three K tiles, the last partial (K = 272): B's 128 x 128 scales go in as 1 x 128, or padded to
-    # rows of four; four (K = 496): also as they are; one (K = 32, as Megatron's small test models
-    # have): widened to two
+    # three K tiles, the last partial (K = 272): B's 128 x 128 scales go in as 1 x 128;
+    # four (K = 496): also as they are; one (K = 32, as Megatron's small test models have): widened to two
     for K, k_step, forms in ((272, 2, (False,)), (496, 3, (False, True)), (32, 1, (False,))):
         operands, want = m_grouped(K, k_step)
         for square in forms:
@@ -846,37 +843,18 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
     tile's scales for all (or, in the weight gradients, B's first token tile's), leaves its output
     unwritten, or refuses a form, is named."""
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_contract)
-    for square in (False, True, "padded"):
-        assert _gemm._scaled_mm_probe(torch.device("cpu"), square) is None, square
+    assert _gemm._scaled_mm_probe(torch.device("cpu")) is None
+    assert _gemm._scaled_mm_probe(torch.device("cpu"), True) is None
 
-    def laid_out_as(t, values):
-        """``values`` in a tensor of t's shape and strides (padding included)."""
-        v = torch.ones(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1).as_strided(t.shape, t.stride())
-        return v.copy_(values)
-
-    def first_tile_scales(a, b, scale_a=None, scale_b=None, **kw):  # the layouts kept
-        sa = laid_out_as(scale_a, scale_a[:, :1].expand_as(scale_a))
-        sb = laid_out_as(scale_b, scale_b[:1].expand_as(scale_b))  # 1 x 128: [KB, N]; 128 x 128: [KB, NB]
+    def first_tile_scales(a, b, scale_a=None, scale_b=None, **kw):
+        sa = scale_a[:, :1].expand_as(scale_a).t().contiguous().t()  # the layouts kept
+        sb = scale_b[:1].expand_as(scale_b).contiguous()  # 1 x 128: [KB, N]; 128 x 128: [KB, NB] (1, KB)
+        sb = sb if scale_b.stride(0) != 1 else sb.t().contiguous().t()
         return _scaled_mm_contract(a, b, sa, sb, **kw)
 
-    def unpadded(a, b, scale_a=None, scale_b=None, **kw):
-        """A torch that compacts a padded 128 x 128 scale before cuBLAS reads it in rows of L4."""
-        sbt = scale_b.t()  # [NB, KB], rows L4 apart where padded
-        (nb, kb), l4 = sbt.shape, sbt.stride(0)
-        if scale_b.shape[1] < b.shape[1] and nb > 1 and l4 != kb:
-            misread = torch.ones(nb * l4)
-            misread[:nb * kb] = sbt.contiguous().view(-1)
-            scale_b = laid_out_as(scale_b, misread.view(nb, l4)[:, :kb].t())
-        return _scaled_mm_contract(a, b, scale_a, scale_b, **kw)
-
-    monkeypatch.setattr(torch, "_scaled_mm", unpadded)
-    assert "1 x 128 / 128 x 128 (K blocks padded to a multiple of 4)" in _gemm._scaled_mm_probe(torch.device("cpu"),
-                                                                                              "padded")
     monkeypatch.setattr(torch, "_scaled_mm", first_tile_scales)
     for square, form, shape in ((False, "1 x 128", r"\(28, 272, 32\)"),
-                                (True, "1 x 128 / 128 x 128", r"\(28, 496, 272\)"),
-                                ("padded", r"1 x 128 / 128 x 128 \(K blocks padded to a multiple of 4\)",
-                                 r"\(28, 272, 272\)")):
+                                (True, "1 x 128 / 128 x 128", r"\(28, 496, 272\)")):
         why = _gemm._scaled_mm_probe(torch.device("cpu"), square)
         assert re.fullmatch(rf"this torch \(.*\) gives wrong values in torch._scaled_mm with {form} scales on cpu "
                             rf"\(m-grouped, \(M, K, N\) = {shape}: relative error .*\)", why), why
@@ -909,10 +887,9 @@ def test_the_scaled_mm_probe_on_the_cpu(monkeypatch):
 
 
 def test_the_weight_scales_form_on_a_gpu(monkeypatch):
-    """Which form B's scales take (the probes' answers faked, per device): 128 x 128 as they are
-    where K's block count is a multiple of 4 and that form's probe passed, padded where it is not
-    and the padded form's probe passed; 1 x 128 otherwise, the backend kept when only the
-    128 x 128 probes fail; no backend when the 1 x 128 one fails."""
+    """Which form B's scales take (the probes' answers faked, per device): 128 x 128 where K's
+    block count is a multiple of 4 and that form's probe passed; 1 x 128 otherwise, the backend
+    kept when only the 128 x 128 probe fails; no backend when the 1 x 128 one fails."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -921,22 +898,19 @@ def test_the_weight_scales_form_on_a_gpu(monkeypatch):
     def refuses(*a, **kw):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
 
-    # the probes' answers for (1 x 128, 128 x 128, padded), the backend, the form at KB % 4 == 0 and not
-    for answers, backend, square, padded in (((None, None, None), "scaled_mm", True, True),
-                                             ((None, None, "wrong values"), "scaled_mm", True, False),
-                                             ((None, "wrong values", None), "scaled_mm", False, True),
-                                             ((None, refuses, refuses), "scaled_mm", False, False),
-                                             (("wrong values", None, None), None, False, False)):
+    for answers, backend, square in (((None, None), "scaled_mm", True),
+                                     ((None, "wrong values"), "scaled_mm", False),
+                                     ((None, refuses), "scaled_mm", False),
+                                     (("wrong values", None), None, False)):
         monkeypatch.setattr(_gemm, "_SCALED_MM", {})
         monkeypatch.setattr(_gemm, "_SQUARE", {})
-        monkeypatch.setattr(_gemm, "_PADDED", {})
 
-        def probe(device, sq=False, a=dict(zip((False, True, "padded"), answers))):
+        def probe(device, sq=False, a=answers):
             return a[sq]() if callable(a[sq]) else a[sq]
 
         monkeypatch.setattr(_gemm, "_scaled_mm_probe", probe)
         assert _gemm._cuda_backend(cuda)[0] == backend, answers
-        for kb, want in ((24, square), (48, square), (3, padded), (23, padded), (45, padded), (1, padded)):
+        for kb, want in ((24, square), (48, square), (3, False), (6, False), (1, False)):
             assert _gemm.square_weight_scales(cuda, kb) == want, (answers, kb)
 
 
@@ -949,7 +923,6 @@ def test_a_fault_in_the_probe_is_raised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(_gemm, "_SCALED_MM", {})
     monkeypatch.setattr(_gemm, "_SQUARE", {})
-    monkeypatch.setattr(_gemm, "_PADDED", {})
 
     def faults(device, square=False):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -963,14 +936,13 @@ def test_a_fault_in_the_probe_is_raised(monkeypatch):
 
 def test_the_node_sends_each_weight_scales_form(monkeypatch):
     """blockwise_gmm through the per-expert backend with the 128 x 128 form admitted: B's scales
-    reach torch._scaled_mm as [KB, NB] (strides (1, KB)) where KB is a multiple of 4; where it is
-    not, padded ([KB, NB], strides (1, L4)) with the padded form admitted, else as 1 x 128
-    [KB, N]; the weight gradients' as 1 x 128 always (an expert of one token tile with two, the
-    second a zero tile of scale 1); the values the emulation's."""
+    reach torch._scaled_mm as [KB, NB] (strides (1, KB)) where KB is a multiple of 4, else as
+    1 x 128 [KB, N]; the weight gradients' as 1 x 128 always (an expert of one token tile with
+    two, the second a zero tile of scale 1); the values the emulation's."""
     seen = []
 
     def mm(a, b, scale_a=None, scale_b=None, **kw):
-        seen.append((tuple(scale_b.shape), scale_b.stride()))
+        seen.append(tuple(scale_b.shape))
         return _scaled_mm_contract(a, b, scale_a, scale_b, **kw)
 
     monkeypatch.setattr(torch, "_scaled_mm", mm)
@@ -978,9 +950,7 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
     monkeypatch.setitem(_gemm._SQUARE, "cpu", None)  # the 128 x 128 form admitted
     g = torch.Generator().manual_seed(9)
     ends, N = [20, 20, 52], 272
-    for K, padded, want in ((512, False, ((4, 3), (1, 4))), (384, False, ((3, N), (N, 1))),
-                            (384, True, ((3, 3), (1, 4))), (2880, True, ((23, 3), (1, 24)))):
-        monkeypatch.setitem(_gemm._PADDED, "cpu", None if padded else "refused")
+    for K, want in ((512, (4, 3)), (384, (3, N))):
         q, s = row_tiles(torch.randn(52, K, generator=g, dtype=torch.float64))
         wq, ws = blocks(torch.randn(3, N, K, generator=g, dtype=torch.float64))
         seen.clear()
@@ -991,7 +961,7 @@ def test_the_node_sends_each_weight_scales_form(monkeypatch):
     bq, sb = column_tiles(torch.randn(52, 32, generator=g, dtype=torch.float64), ends)
     seen.clear()
     _gemm.blockwise_gmm(aq, sa, bq, sb, padded_ends(ends), "k")
-    assert [shape for shape, _ in seen] == [(2, 32), (2, 32)], seen  # one token tile each: widened to two
+    assert seen == [(2, 32), (2, 32)], seen  # one token tile each: widened to two
 
 
 # ---------------------------------------------------------------------------

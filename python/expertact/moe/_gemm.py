@@ -206,7 +206,6 @@ TILE = 128
 _E4M3 = torch.float8_e4m3fn
 _SCALED_MM = {}  # device index -> None (torch._scaled_mm takes the blockwise scales there) or why not
 _SQUARE = {}  # device index -> None (B's 128 x 128 scales passed the probe there) or why not: square_weight_scales
-_PADDED = {}  # the same for those scales with their K blocks padded to a multiple of 4 (strides (1, L4))
 
 # torch._scaled_mm's blockwise GEMMs as cuBLAS runs them on sm90, and the forms
 # _blockwise_per_expert gives them. An outer-dim-major 1 x 128 scale ([M, KB], strides (1, M))
@@ -215,21 +214,19 @@ _PADDED = {}  # the same for those scales with their K blocks padded to a multip
 # expert's last M % 4 rows run as 4 rows, zero-padded. cuBLAS reads a 128 x 128 scale with each
 # row of K blocks padded to a multiple of 4, which torch._scaled_mm's check of the scale's
 # strides does not ask for in every version (pytorch/pytorch#166752): with a K block count not a
-# multiple of 4 such a scale is refused or read misaligned. So B's 128 x 128 scales go in as they
-# are ([KB, NB] with strides (1, KB)) where KB is a multiple of 4 (D or F = 3,072, 2F = 6,144) and
-# the probe of that form passed on the device; where KB is not (GPT-OSS's D = F = 2,880: KB = 23,
-# and 45 for 2F), as a view with the rows cuBLAS reads ([KB, NB] with strides (1, L4), L4 = KB
-# rounded up to a multiple of 4: one padded copy of the expert's scales per GEMM) where that
-# form's probe passed; otherwise as 1 x 128 scales, each block's scale repeated on its 128 rows:
-# the same values, a scale [N, KB] whose leading dimension N is a multiple of 16
-# (torch._scaled_mm's own rule for B), with N / 128 times the scale bytes for cuBLAS to read per
-# K tile, a form cuBLAS runs slower (docs/notes/fp8-recipes.md). With one K block a 1 x 128 scale
+# multiple of 4 such a scale is read misaligned (torch 2.11, H100: wrong values at K = 2,880,
+# 5,760 and 272), and a padded one ([KB, NB] with strides (1, L4), or [L4, NB]) is refused
+# (bench/scaled_mm_forms.py's second table). So B's 128 x 128 scales go in as they
+# are ([KB, NB] with strides (1, KB)) where KB is a multiple of 4 (every K of the MLP at training
+# shapes: D or F = 3,072, 2F = 6,144) and the probe of that form passed on the device; otherwise
+# as 1 x 128 scales, each block's scale repeated on its 128 rows: the same values, a scale
+# [N, KB] whose leading dimension N is a multiple of 16 (torch._scaled_mm's own rule for B), with
+# N / 128 times the scale bytes for cuBLAS to read per K tile. With one K block a 1 x 128 scale
 # has the shape of a rowwise one ([M, 1], [1, N]) and torch._scaled_mm takes it as such: cuBLAS
 # refused that call on an H100 (torch 2.11, CUDA 13.0; M = 20, K = 32, the rows starting 320
 # bytes into A) where the blockwise form runs, so a reduction of one tile goes in widened to two
 # (_widened: zero columns; _unit_tile: their scale 1).
 _SCALE_ROWS = 4
-_L4 = 4  # a 128 x 128 scale's row of K blocks as cuBLAS reads it: padded to a multiple of this
 # cuBLAS chooses its kernel for operands aligned to 256 bytes unless told otherwise (the default
 # of its CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES preferences), so an expert's rows are written
 # in place (torch._scaled_mm's out=) only where they start on such a boundary, as every expert's
@@ -243,21 +240,21 @@ def _index(device) -> int:
 
 def _scaled_mm_refusal(device) -> Optional[str]:
     """Why this torch's torch._scaled_mm does not take the blockwise GEMMs on this GPU, or None:
-    probed once per device (_scaled_mm_probe, each form the node sends), then cached; the probes
-    of B's 128 x 128 forms (as they are, and padded) decide square_weight_scales there (a refusal
-    of those forms alone leaves the 1 x 128 form in use)."""
+    probed once per device (_scaled_mm_probe, each form the node sends), then cached; the probe
+    of B's 128 x 128 form decides square_weight_scales there (a refusal of that form alone
+    leaves the 1 x 128 form in use)."""
     index = _index(device)
     if index in _SCALED_MM:
         return _SCALED_MM[index]
-    square = padded = "not probed: the 1 x 128 form was refused"
+    square = "not probed: the 1 x 128 form was refused"
     if not hasattr(torch, "_scaled_mm"):
         why = f"this torch ({torch.__version__}) has no torch._scaled_mm"
     else:
         dev = torch.device("cuda", index)
         why = _probe_form(dev, False)
         if why is None:
-            square, padded = _probe_form(dev, True), _probe_form(dev, "padded")
-    _SCALED_MM[index], _SQUARE[index], _PADDED[index] = why, square, padded
+            square = _probe_form(dev, True)
+    _SCALED_MM[index], _SQUARE[index] = why, square
     return why
 
 
@@ -267,7 +264,7 @@ _STICKY_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "d
                        "misaligned address", "illegal instruction", "uncorrectable ecc")
 
 
-def _probe_form(device, square) -> Optional[str]:
+def _probe_form(device, square: bool) -> Optional[str]:
     """_scaled_mm_probe on ``device`` with its refusals as answers (a fault that leaves the CUDA
     context unusable is raised instead)."""
     try:
@@ -285,32 +282,24 @@ def _probe_form(device, square) -> Optional[str]:
                 f"{torch.cuda.get_device_name(device)} ({type(e).__name__}: {first})")
 
 
-def _form_name(square) -> str:
-    """B's scale form by the probe's name for it: False, True or "padded" (_PROBE_M)."""
-    if square == "padded":
-        return "1 x 128 / 128 x 128 (K blocks padded to a multiple of 4)"
+def _form_name(square: bool) -> str:
     return "1 x 128 / 128 x 128" if square else "1 x 128"
 
 
 def square_weight_scales(device, kb: int) -> bool:
-    """Whether the M-grouped GEMMs on ``device`` pass B's scales as 128 x 128 blocks for a K of kb
-    blocks: as they are where kb is a multiple of 4 and that form's probe passed there, padded
-    where kb is not and the padded form's probe passed (the notes above _SCALE_ROWS)."""
+    """Whether the M-grouped GEMMs on ``device`` pass B's 128 x 128 scales as they are: K's block
+    count kb a multiple of 4 (the notes above _SCALE_ROWS) and that form's probe passed there."""
     key = _index(device) if device.type == "cuda" else device.type
-    answers = _SQUARE if kb % 4 == 0 else _PADDED
-    return key in answers and answers[key] is None
+    return kb % 4 == 0 and key in _SQUARE and _SQUARE[key] is None
 
 
 # The probe's problems, each run through _blockwise_per_expert as the node calls it. M-grouped,
 # (T, K, N, ends): experts of 3 rows (run padded to 4) and 21 (20 of them into a slice of the
 # output at a row offset, the last padded), one empty, rows past the last end; B's scales 1 x 128
 # with three K tiles, the last partial, or 128 x 128 with four (the multiple of 4 that form
-# needs, the last partial) and three N blocks, the last partial, or ("padded") 128 x 128 with
-# three K tiles (rows of 3 blocks read as rows of 4: a scale read from the unpadded layout is
-# another block's) and three N blocks. K-grouped, (M, N, padded ends): two experts with tokens,
-# one without.
-_PROBE_M = {False: (28, 272, 32, [3, 24, 24]), True: (28, 496, 272, [3, 24, 24]),
-            "padded": (28, 272, 272, [3, 24, 24])}
+# needs, the last partial) and three N blocks, the last partial. K-grouped, (M, N, padded ends):
+# two experts with tokens, one without.
+_PROBE_M = {False: (28, 272, 32, [3, 24, 24]), True: (28, 496, 272, [3, 24, 24])}
 _PROBE_K = (16, 32, [128, 128, 384])
 
 
@@ -329,10 +318,9 @@ def _exact_scales(shape, m, tile_dim=0):
     return 2.0 ** ((2 * tile + idx - tile * idx.stride(tile_dim)) % m - m // 2).float()
 
 
-def _scaled_mm_probe(device, square=False) -> Optional[str]:
+def _scaled_mm_probe(device, square: bool = False) -> Optional[str]:
     """Each form _blockwise_per_expert sends torch._scaled_mm (B's scales 128 x 128 with
-    ``square``, as they are with True, padded with "padded"; else 1 x 128; the weight-gradient
-    form with the 1 x 128 one), on ``device``, on
+    ``square``, else 1 x 128; the weight-gradient form with the 1 x 128 one), on ``device``, on
     values whose products are exact in float32 (small integers, power-of-two scales that differ
     per tile): None if every result is the CPU emulation's (the exact sum rounded once to bf16)
     within bf16's rounding, else what differs (a scale read from the wrong place is off by a
@@ -353,8 +341,7 @@ def _scaled_mm_probe(device, square=False) -> Optional[str]:
         problems.append(("k", k_args, pends, (M, Tp, Nk)))
     for grouping, args, e, shape in problems:
         want = _blockwise_emulated(*args, e, grouping, False)
-        got = _blockwise_per_expert(*(t.to(device) for t in args), e, grouping, False,
-                                    bool(square) and grouping == "m")
+        got = _blockwise_per_expert(*(t.to(device) for t in args), e, grouping, False, square and grouping == "m")
         err = ((got.cpu().float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).nan_to_num(1e30).max()
         if not err <= 2.0 ** -8:  # bf16's rounding (the sums are exact); a NaN or a stale value fails
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
@@ -455,7 +442,7 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
     """blockwise_gmm by torch._scaled_mm per expert, in the forms its probe checks (the notes
     above _SCALE_ROWS): A's scales 1 x 128 along K, outer-dim-major ([rows, KB] with strides
     (1, rows), rows a multiple of 4); B given transposed (column-major) with its scales 128 x 128
-    (``square``: as they are where KB is a multiple of 4, else padded to one) or 1 x 128. Each expert's product goes into its rows (or its
+    (``square``: KB a multiple of 4) or 1 x 128. Each expert's product goes into its rows (or its
     block) of one output allocated uninitialised, in place where they start on a 256-byte
     boundary (_mm_into): every element is written, by a GEMM or as a zero (rows past the last
     end, an expert without tokens). Each ``out=`` is a
@@ -474,17 +461,10 @@ def _blockwise_per_expert(a, scale_a, b, scale_b, ends, grouping, out_transposed
         last = ends[-1] if ends else 0
         if last < T:
             out[last:].zero_()
-        KB = scale_b.shape[-1]
-        padded = None
-        if square and KB % _L4:  # every expert's [NB, KB] blocks in rows of L4, as cuBLAS reads them
-            padded = torch.ones((*scale_b.shape[:-1], KB + _L4 - KB % _L4), dtype=scale_b.dtype, device=a.device)
-            padded[..., :KB] = scale_b
         for e, end in enumerate(ends):
             n = end - start
             if n > 0:
-                if padded is not None:  # [KB, NB] with strides (1, L4)
-                    sb = padded[e, :, :KB].t()
-                elif square:  # [KB, NB] with strides (1, KB): b[e]^T's 128 x 128 scales
+                if square:  # [KB, NB] with strides (1, KB): b[e]^T's 128 x 128 scales
                     sb = scale_b[e].contiguous().t()
                 else:  # [KB, N]: b[e]'s rows' 1 x 128
                     sb = scale_b[e].t().repeat_interleave(TILE, 1)[:, :N].contiguous()
