@@ -16,6 +16,11 @@ calls them, through expertact.fp8:
 Medians of 10 calls after 2 (CUDA events; wall time on the CPU, where the kernels are the
 reference C++ path and the rates mean nothing).
 
+Then the blockwise recipe's four weight passes (128 x 128 blocks, expertact.fp8.quantize_blocks)
+of one forward and backward, the weights stored as transformers' GPT-OSS experts hold them
+(gate_up [E, D, 2F], down [E, F, D]): each GEMM quantises its B operand [E, N, K] as a view of
+that storage, two of them transposed (the forward's), two not.
+
     python bench/fp8_operand_kernels.py                              # the busiest rank's shape
     python bench/fp8_operand_kernels.py --shape 8,32768,1024,3072    # one MoE layer of AutoEP's run
     python bench/fp8_operand_kernels.py --bias                       # with GPT-OSS's gate_up bias
@@ -133,6 +138,19 @@ def main(argv=None) -> int:
         rate = sums[2 + k] / sums[k] / 1e9
         total += [f"{sums[k]:.3f}", f"{sums[2 + k] / 1e9:.2f}", f"{rate:.2f}", f"{100 * rate / copy_rate:.0f}%"]
     lines.append("| all six | " + " | ".join(total) + " |")
+    w13, w2 = normal(E, D, 2 * F), normal(E, F, D)
+    lines += ["", "| the weights' blocks | view | ms | GB | TB/s | % of the copy's |", "|---|---|---:|---:|---:|---:|"]
+    wsum = [0.0, 0]
+    for name, view in (("gate_up's B (forward)", w13.transpose(1, 2)), ("y's B (forward)", w2.transpose(1, 2)),
+                       ("dh's B (backward)", w2), ("dx's B (backward)", w13)):
+        ms, nbytes = median_ms(lambda v=view: xf.quantize_blocks(v), 10, 2, dev), 3 * view.numel()
+        wsum[0] += ms
+        wsum[1] += nbytes
+        kind = "transposed" if view.stride(-1) != 1 else "rows contiguous"
+        lines.append(f"| {name} | {kind} | {ms:.3f} | {nbytes / 1e9:.2f} | {nbytes / ms / 1e9:.2f} | "
+                     f"{100 * nbytes / ms / 1e9 / copy_rate:.0f}% |")
+    lines.append(f"| all four | | {wsum[0]:.3f} | {wsum[1] / 1e9:.2f} | {wsum[1] / wsum[0] / 1e9:.2f} | "
+                 f"{100 * wsum[1] / wsum[0] / 1e9 / copy_rate:.0f}% |")
     text = "\n".join(lines) + "\n"
     print(text)
     write_outputs(None, args.markdown, None, text, quiet=True)

@@ -89,6 +89,10 @@
 #   ab-groups              bench/ab/bwd-groups.patch (blockwise's dh and activation backward by groups of
 #                          experts: the extra peak): the module bench's bf16 and blockwise rows at the busiest
 #                          rank's and AutoEP's shapes, main / patched / main, and the patch's GPU tests
+#   ab-blocks-tr           bench/ab/blocks-tr.patch (the weights' 128 x 128 blocks read along the storage's rows
+#                          where the GEMM's view of a weight is transposed, as the forward's are): the operand
+#                          passes and the fine-tuning's blockwise run at GPT-OSS-20B's dims (40 steps), main /
+#                          patched / main, the library rebuilt with the patch, and the FP8 blocks' GPU tests
 #   ab-tail-rows           bench/ab/tail-rows.patch (blockwise's per-expert GEMMs without the padded call for an
 #                          expert's last 1 to 3 rows: host work at many experts): the GPT-OSS fine-tuning's
 #                          blockwise run, 100 steps, main / patched / main, and the FP8 tests patched
@@ -118,21 +122,19 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-1000-seed2-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups
-       ab-tail-rows finetune-20b finetune-20b-yardsticks)
+       ab-tail-rows finetune-20b finetune-20b-yardsticks ab-blocks-tr)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/,
-# -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/ and -05-finetune/):
-# blockwise, the default, passed the GPT-OSS fine-tuning's loss criterion at 0.62x bf16's step, and over
-# 1,000 steps at seed 1234 left the loss plateau 130 steps before every bf16 run (windows fail on the low
-# side); so first the GPU tests (the row-independence case never ran on a GPU) and where the fine-tuning's
-# step goes (short, so a machine taken back mid-session loses little), then the 1,000 steps at seed 2
-# (is the lead the recipe's or the seed's), the per-expert forms cuBLAS takes (B's scales at GPT-OSS's
-# K block counts), the fine-tuning at GPT-OSS-20B's layer dims (where FP8's step can pay), the fine-tuning step's host-side A/B, the extra peak's A/B,
-# the step on an H200, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
-# the GEMMs' profiles, the bench of AutoEP's rows and the operand kernels (in this order each pair of runs
-# read together fits one session).
-PLAN=(test-fp8 profile-fp8-finetune train-autoep-1000-seed2 train-autoep-1000-seed2-fp8 scaled-mm-forms
-      finetune-20b finetune-20b-yardsticks ab-tail-rows ab-groups train-autoep-step test-megatron
-      bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
+# -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/, -05-finetune/ and
+# -05-seed2/): blockwise passed the 1,000 steps at seed 2; the GPT-OSS fine-tuning's step is host-bound
+# (0.62x bf16's at the h200 size, where no FP8 recipe can reach 1.05x), and at GPT-OSS-20B's dims a
+# 40-step preview gave 0.96x, 13 ms of it the weights' quantisation; so first the GPU tests, the A/Bs
+# of the weights' transposed read, of the per-expert calls' host work and of the extra peak, then the
+# fine-tuning at GPT-OSS-20B's dims with its yardsticks (with what the A/Bs keep), the step on an H200,
+# the Megatron tests, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
+# the GEMMs' profiles, the bench of AutoEP's rows and the operand kernels (in this order each pair of
+# runs read together fits one session).
+PLAN=(test-fp8 ab-blocks-tr ab-tail-rows ab-groups finetune-20b finetune-20b-yardsticks train-autoep-step
+      test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
       bench-fp8-operands)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
 # gpu-check-h200-2026-12-03.txt, docs/notes/megatron-notes.md) without the CUTLASS GEMMs, which are
@@ -179,7 +181,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
                 [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=190 [ab-groups]=200
-                [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480)
+                [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480 [ab-blocks-tr]=330)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -494,6 +496,8 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
           || exit 1; done" ;;
     ab-groups)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/bwd-groups.patch groups ;;
+    ab-blocks-tr)
+      run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/blocks-tr.patch "blocks" finetune-20b ;;
     ab-tail-rows)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/tail-rows.patch "test_fp8_gemm or test_fp8_mlp" \
         finetune ;;

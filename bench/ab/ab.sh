@@ -4,9 +4,12 @@
 # is applied; the tree is restored on exit. MODE "bench": the module bench's bf16 and blockwise
 # rows at the busiest rank's shape and at AutoEP's; "finetune": examples/finetune_gpt_oss.py's
 # blockwise run, 100 steps (its routing skewed as training makes it; bf16 beside it in the first
-# main run), 4 of them profiled (--profile; left out of the timing). A stage of
-# scripts/gpu_session.sh (ab-groups, ab-tail-rows), which builds the library and sets PYTHONPATH
-# and EXPERTACT_LIBRARY; the patch is Python only (main's build).
+# main run), 4 of them profiled (--profile; left out of the timing); "finetune-20b": the same
+# at --size 20b-experts (GPT-OSS-20B's layer dims), 40 steps, after the operand passes
+# (bench/fp8_operand_kernels.py, the weights' blocks among them) at its expert shape. A stage
+# of scripts/gpu_session.sh (ab-groups, ab-tail-rows, ab-blocks-tr), which builds the library
+# and sets PYTHONPATH and EXPERTACT_LIBRARY; a patch that touches src/ is built into that
+# library when applied and built out again when restored (ninja rebuilds the files it changed).
 #
 #   bash bench/ab/ab.sh RESULTS_DIR PATCH PYTEST_K [MODE]
 set -u
@@ -15,18 +18,29 @@ R=${1:?results dir} PATCH=${2:?patch} K=${3:?pytest -k expression} MODE=${4:-ben
 PY=${PYTHON:-python3}
 mkdir -p "$R"
 applied=0
-restore() { [ $applied = 1 ] && git apply -R "$PATCH" && applied=0 && echo "restored main"; }
+BUILD_DIR=$(dirname "${EXPERTACT_LIBRARY:-build/gpu/libexpertact.so}")
+native=0
+grep -q '^diff --git a/src/' "$PATCH" && native=1
+rebuild() {  # the library again from the tree as it is now, where the patch has C++
+  [ $native = 1 ] || return 0
+  cmake --build "$BUILD_DIR" --target expertact > "$R/build-$1.log" 2>&1 || { echo "build ($1) failed"; rc=1; }
+}
+restore() { [ $applied = 1 ] && git apply -R "$PATCH" && applied=0 && echo "restored main" && rebuild main; }
 trap restore EXIT
 rc=0
 bench() {  # bench LABEL: MODE's measurement
   local t0=$SECONDS rows=(--impls expertact,fp8-blockwise --no-errors)
-  if [ "$MODE" = finetune ]; then
-    local variants=expertact_fp8
+  if [ "$MODE" = finetune ] || [ "$MODE" = finetune-20b ]; then
+    local variants=expertact_fp8 size=(--steps 100)
     [ "$1" = main-1 ] && variants=expertact,expertact_fp8
+    if [ "$MODE" = finetune-20b ]; then
+      size=(--size 20b-experts --steps 40)
+      "$PY" bench/fp8_operand_kernels.py --shape "${AB_OPERANDS_SHAPE:-32,4096,2880,2880}" --markdown "$R/operands-$1.md" \
+        > "$R/operands-$1.log" 2>&1 || rc=1
+    fi
     # (AB_FINETUNE_ARGS: more of its options, e.g. --dtype bf16 to try this script on the CPU)
-    "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise --steps 100 --profile 4 \
-      --out "$R/finetune-$1" \
-      ${AB_FINETUNE_ARGS:-} > "$R/finetune-$1.log" 2>&1 || rc=1
+    "$PY" examples/finetune_gpt_oss.py --variants $variants --fp8 blockwise "${size[@]}" --profile 4 \
+      --out "$R/finetune-$1" ${AB_FINETUNE_ARGS:-} > "$R/finetune-$1.log" 2>&1 || rc=1
     echo "finetune $1: $((SECONDS - t0)) s"
     return
   fi
@@ -38,6 +52,7 @@ bench() {  # bench LABEL: MODE's measurement
 }
 bench main-1
 git apply "$PATCH" && applied=1 && echo "applied $PATCH" || { echo "$PATCH does not apply to this tree"; exit 1; }
+rebuild patch
 bench patch
 (cd /tmp && "$PY" -m pytest -q -p no:cacheprovider -rs "$OLDPWD/tests/python" -k "$K") > "$R/pytest.txt" 2>&1 || rc=1
 tail -3 "$R/pytest.txt"
@@ -56,7 +71,7 @@ for shape in ("busiest", "autoep"):
         print(f"{shape} {impl}: " + "; ".join(cells))
 PYEOF
 fi
-if [ "$MODE" = finetune ]; then  # the same bits per step: the patch changes no value
+if [ "$MODE" != bench ]; then  # the same bits per step: the patch changes no value
   "$PY" - "$R" <<'PYEOF' || rc=1
 import json, sys
 runs = {k: json.load(open(f"{sys.argv[1]}/finetune-{k}/results.json"))["variants"]["expertact_fp8"]
@@ -71,7 +86,11 @@ fi
 for f in "$R"/finetune-*/profile-*.txt; do  # where each run's step went (4 profiled steps)
   [ -f "$f" ] && echo "== ${f#$R/}" && head -2 "$f"
 done
+for f in "$R"/operands-*.md; do  # the weights' passes, main / patched / main
+  [ -f "$f" ] && echo "== ${f#$R/}" && grep -E "^\| (all six|all four|gate_up's B|y's B|dh's B|dx's B) " "$f"
+done
 for f in "$R"/*.md "$R"/finetune-*/results.md; do
+  case $f in "$R"/operands-*) continue ;; esac
   [ -f "$f" ] && echo "== ${f#$R/}" && grep -E "^\| (expertact|expertact_fp8|fp8-blockwise) " "$f"
 done
 exit $rc

@@ -286,21 +286,21 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "profile-fp8-finetune", "train-autoep-1000-seed2", "train-autoep-1000-seed2-fp8"]
-    assert len(fp8) == len(set(fp8)) == 18
+    assert fp8[:4] == ["test-fp8", "ab-blocks-tr", "ab-tail-rows", "ab-groups"]
+    assert len(fp8) == len(set(fp8)) == 15
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
     # seed
     session_of = {}
     for n, block in enumerate(re.split(r"session \d+ \(a fresh machine\)", plan)[1:]):
         for c in re.findall(r"call: bash scripts/gpu_session.sh (.+?)\s+~", block):
             session_of.update(dict.fromkeys(c.split(), n))
-    assert session_of["train-autoep-1000-seed2"] == session_of["train-autoep-1000-seed2-fp8"]
     assert session_of["finetune-20b"] == session_of["finetune-20b-yardsticks"]
     assert all(int(t) <= cap for _, t in calls) and totals and all(t <= session_cap for t in totals)
     assert stages.count("build") == len(totals) and all(c.startswith("preflight build") for c, _ in calls
                                                        if "build" in c.split())
     off_plan = ["train-autoep-seed2", "train-autoep-seed3", "train-autoep-blockwise-seeds", "train-autoep-1000-bf16",
-                "train-autoep-1000-mlp", "train-autoep-1000-fp8", "finetune-fp8-yardsticks", "finetune-fp8"]
+                "train-autoep-1000-mlp", "train-autoep-1000-fp8", "finetune-fp8-yardsticks", "finetune-fp8",
+                "train-autoep-1000-seed2", "train-autoep-1000-seed2-fp8", "profile-fp8-finetune", "scaled-mm-forms"]
     dry = subprocess.run(["bash", str(script), "--dry-run", *fp8, *off_plan, "fp8-accuracy", "train-autoep",
                           "train-autoep-fp8"], capture_output=True, text=True, env=env, check=True).stdout
     assert not os.path.exists("/nonexistent/out")
@@ -321,6 +321,8 @@ def test_gpu_session_plan_and_dry_run():
         assert re.search(rf"^{st}: .*finetune_gpt_oss.py --size 20b-experts\s+--variants {variants} .*--out "
                          r"\S*/session/finetune-20b$", dry, re.M), st
     assert re.search(r"^ab-groups: bash bench/ab/ab.sh \S+ bench/ab/bwd-groups.patch groups$", dry, re.M)
+    assert re.search(r"^ab-blocks-tr: bash bench/ab/ab.sh \S+ bench/ab/blocks-tr.patch blocks finetune-20b$", dry,
+                     re.M)
     assert re.search(r"^ab-tail-rows: bash bench/ab/ab.sh \S+ bench/ab/tail-rows.patch test_fp8_gemm or "
                      r"test_fp8_mlp finetune$", dry, re.M)
     assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
@@ -358,9 +360,9 @@ def test_gpu_session_plan_and_dry_run():
 
 def test_ab_patches_apply():
     """Each change waiting for its GPU A/B (bench/ab/*.patch, a stage of scripts/gpu_session.sh)
-    still applies to this tree, touches Python only (the A/B runs main's build), and the stage
-    that runs it names its patch; a patch that no longer applies is rebased or dropped, never
-    left to fail on the GPU machine."""
+    still applies to this tree, touches Python, tests or the library's sources (ab.sh rebuilds
+    the library for a patch to src/), and the stage that runs it names its patch; a patch that
+    no longer applies is rebased or dropped, never left to fail on the GPU machine."""
     import shutil
     import subprocess
     root = EXAMPLES.parent
@@ -373,7 +375,7 @@ def test_ab_patches_apply():
         check = subprocess.run(["git", "apply", "--check", str(p)], cwd=root, capture_output=True, text=True)
         assert check.returncode == 0, (p.name, check.stderr)
         files = re.findall(r"^diff --git a/(\S+)", p.read_text(), re.M)
-        assert files and all(f.startswith(("python/", "tests/")) for f in files), (p.name, files)
+        assert files and all(f.startswith(("python/", "tests/", "src/")) for f in files), (p.name, files)
         assert f"bench/ab/{p.name}" in session, p.name
 
 

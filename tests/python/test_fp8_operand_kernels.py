@@ -25,7 +25,11 @@ def test_every_pass_runs_on_the_cpu(tmp_path, capsys):
     md = tmp_path / "ops.md"
     assert ops.main(["--shape", "2,256,128,256", "--device", "cpu", "--markdown", str(md)]) == 0
     rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and not line.startswith("| pass")]
-    assert [r.split(" | ")[0][2:] for r in rows] == list(ops.traffic(1, 1, 1)) + ["all six"]
+    weights = ["gate_up's B (forward)", "y's B (forward)", "dh's B (backward)", "dx's B (backward)", "all four"]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(ops.traffic(1, 1, 1)) + ["all six", "the weights' blocks"] \
+        + weights
+    kinds = [r.split(" | ")[1] for r in rows[-5:-1]]
+    assert kinds == ["transposed", "transposed", "rows contiguous", "rows contiguous"]  # as the node reads them
     assert "CPU (reference path" in md.read_text() and md.read_text() in capsys.readouterr().out + "\n"
 
 
@@ -34,7 +38,7 @@ def test_every_pass_runs_with_a_bias(tmp_path):
     assert ops.main(["--shape", "2,256,128,256", "--device", "cpu", "--bias", "--markdown", str(md)]) == 0
     text = md.read_text()
     assert "gate_up with a bias" in text and "--shape 2,256,128,256 --bias`" in text
-    assert text.count("\n| ") == 8  # the header, six passes and the total
+    assert text.count("\n| ") == 14  # the header, six passes and the total; the weights' header, four and total
 
 
 def test_the_bias_reaches_every_glu_call(monkeypatch):
