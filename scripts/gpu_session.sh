@@ -93,6 +93,9 @@
 #                          where the GEMM's view of a weight is transposed, as the forward's are): the operand
 #                          passes and the fine-tuning's blockwise run at GPT-OSS-20B's dims (40 steps), main /
 #                          patched / main, the library rebuilt with the patch, and the FP8 blocks' GPU tests
+#   ab-kpad                bench/ab/kpad.patch (K padded to a multiple of 512 where its block count is not a
+#                          multiple of 4, so that B's 128 x 128 scales go to cuBLAS instead of the 1 x 128
+#                          form): as ab-blocks-tr, the FP8 GEMM tests patched
 #   ab-tail-rows           bench/ab/tail-rows.patch (blockwise's per-expert GEMMs without the padded call for an
 #                          expert's last 1 to 3 rows: host work at many experts): the GPT-OSS fine-tuning's
 #                          blockwise run, 100 steps, main / patched / main, and the FP8 tests patched
@@ -122,18 +125,19 @@ ORDER=(preflight build bench-autoep train-autoep bench-megatron train-megatron-s
        train-autoep-1000-seed2-fp8 finetune-fp8-yardsticks finetune-fp8 train-autoep-seed2
        train-autoep-seed3 train-autoep-blockwise-seeds scaled-mm-forms profile-fp8-autoep
        bench-fp8-operands train-autoep-step train-autoep-step-seeds profile-fp8-finetune ab-groups
-       ab-tail-rows finetune-20b finetune-20b-yardsticks ab-blocks-tr)
+       ab-tail-rows finetune-20b finetune-20b-yardsticks ab-blocks-tr ab-kpad)
 # Priority order, what the runs of 2026-12-05 left (bench/results/gpu-session-h200-2026-12-05/, -05b/,
 # -05c/, gpu-session-h100-2026-12-05/, -05-tiles/, -05-full/, -05-default/, -05-1000/, -05-finetune/ and
 # -05-seed2/): blockwise passed the 1,000 steps at seed 2; the GPT-OSS fine-tuning's step is host-bound
 # (0.62x bf16's at the h200 size, where no FP8 recipe can reach 1.05x), and at GPT-OSS-20B's dims a
 # 40-step preview gave 0.96x, 13 ms of it the weights' quantisation; so first the GPU tests, the A/Bs
-# of the weights' transposed read, of the per-expert calls' host work and of the extra peak, then the
+# of the weights' transposed read, of K padded for the 128 x 128 scale form, of the per-expert calls'
+# host work and of the extra peak, then the
 # fine-tuning at GPT-OSS-20B's dims with its yardsticks (with what the A/Bs keep), the step on an H200,
 # the Megatron tests, the module bench, where the step goes at AutoEP's shape, the seeds' steps again,
 # the GEMMs' profiles, the bench of AutoEP's rows and the operand kernels (in this order each pair of
 # runs read together fits one session).
-PLAN=(test-fp8 ab-blocks-tr ab-tail-rows ab-groups finetune-20b finetune-20b-yardsticks train-autoep-step
+PLAN=(test-fp8 ab-blocks-tr ab-kpad ab-tail-rows ab-groups finetune-20b finetune-20b-yardsticks train-autoep-step
       test-megatron bench-mlp-fp8 profile-fp8-autoep train-autoep-step-seeds profile-fp8 bench-fp8-gemms bench-autoep
       bench-fp8-operands)
 # Estimated seconds of each stage, from the kept runs: the CUDA build took 71-80 s (bench/results/
@@ -181,7 +185,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
                 [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=190 [ab-groups]=200
-                [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480 [ab-blocks-tr]=330)
+                [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480 [ab-blocks-tr]=330 [ab-kpad]=290)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
 # end of a 289 s first call), after three tries that found no machine (90 s each). --plan fills
@@ -498,6 +502,9 @@ from torchao.prototype.moe_training.config import Float8TrainingOpConfig
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/bwd-groups.patch groups ;;
     ab-blocks-tr)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/blocks-tr.patch "blocks" finetune-20b ;;
+    ab-kpad)
+      run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/kpad.patch "test_fp8_gemm or test_fp8_mlp" \
+        finetune-20b ;;
     ab-tail-rows)
       run_stage "$st" "$D" "$PY" bash bench/ab/ab.sh "$D" bench/ab/tail-rows.patch "test_fp8_gemm or test_fp8_mlp" \
         finetune ;;

@@ -286,8 +286,8 @@ def test_gpu_session_plan_and_dry_run():
     session_cap = int(re.search(r"sessions \(<= (\d+) s", plan).group(1))
     stages = [s for c, _ in calls for s in c.split()]
     fp8 = [s for s in stages if s not in ("preflight", "build")]
-    assert fp8[:4] == ["test-fp8", "ab-blocks-tr", "ab-tail-rows", "ab-groups"]
-    assert len(fp8) == len(set(fp8)) == 15
+    assert fp8[:4] == ["test-fp8", "ab-blocks-tr", "ab-kpad", "ab-tail-rows"]
+    assert len(fp8) == len(set(fp8)) == 16
     # the runs a comparison reads together share a session (one machine): the 1,000-step runs of a
     # seed
     session_of = {}
@@ -323,6 +323,8 @@ def test_gpu_session_plan_and_dry_run():
     assert re.search(r"^ab-groups: bash bench/ab/ab.sh \S+ bench/ab/bwd-groups.patch groups$", dry, re.M)
     assert re.search(r"^ab-blocks-tr: bash bench/ab/ab.sh \S+ bench/ab/blocks-tr.patch blocks finetune-20b$", dry,
                      re.M)
+    assert re.search(r"^ab-kpad: bash bench/ab/ab.sh \S+ bench/ab/kpad.patch test_fp8_gemm or test_fp8_mlp "
+                     r"finetune-20b$", dry, re.M)
     assert re.search(r"^ab-tail-rows: bash bench/ab/ab.sh \S+ bench/ab/tail-rows.patch test_fp8_gemm or "
                      r"test_fp8_mlp finetune$", dry, re.M)
     assert re.search(r"^bench-fp8-operands: .*fp8_operand_kernels.py .*\n.*--shape 8,32768,1024,3072", dry, re.M)
