@@ -18,10 +18,10 @@ A second table: the forms of B's 128 x 128 scales at K block counts that are no 
 (GPT-OSS's K = 2,880 and 5,760: 23 and 45 blocks; a 3-block K; 3,072 as the control), an
 expert's 8,192 rows: the block scales repeated on their rows as 1 x 128 (what the node sends
 where the 128 x 128 forms are refused), as they are ([KB, NB], strides (1, KB): cuBLAS reads
-rows of L4 = KB rounded up to 4, so misaligned), padded ([KB, NB], strides (1, L4): the form
-the node sends where its probe passes) and padded with the padding in the shape ([L4, NB], the
-shape pytorch/pytorch#166752 describes); each "ok" form timed (CUDA events, the median of 20
-calls).
+rows of L4 = KB rounded up to 4, so misaligned), padded ([KB, NB], strides (1, L4): the layout
+cuBLAS reads) and padded with the padding in the shape ([L4, NB], the shape
+pytorch/pytorch#166752 describes); each "ok" form timed (CUDA events, the median of 20 calls).
+torch 2.11 on an H100 refused both padded forms (bench/results/gpu-session-h100-2026-12-05-seed2/).
 
     python bench/scaled_mm_forms.py [--markdown FILE]     (a CUDA GPU; on the CPU it says so)
 """

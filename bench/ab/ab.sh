@@ -7,7 +7,7 @@
 # main run), 4 of them profiled (--profile; left out of the timing); "finetune-20b": the same
 # at --size 20b-experts (GPT-OSS-20B's layer dims), 40 steps, after the operand passes
 # (bench/fp8_operand_kernels.py, the weights' blocks among them) at its expert shape. A stage
-# of scripts/gpu_session.sh (ab-groups, ab-tail-rows, ab-blocks-tr), which builds the library
+# of scripts/gpu_session.sh (ab-groups, ab-tail-rows, ab-blocks-tr, ab-kpad), which builds the library
 # and sets PYTHONPATH and EXPERTACT_LIBRARY; a patch that touches src/ is built into that
 # library when applied and built out again when restored (ninja rebuilds the files it changed).
 #
