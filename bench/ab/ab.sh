@@ -35,7 +35,8 @@ bench() {  # bench LABEL: MODE's measurement
     [ "$1" = main-1 ] && variants=expertact,expertact_fp8
     if [ "$MODE" = finetune-20b ]; then
       size=(--size 20b-experts --steps 40)
-      "$PY" bench/fp8_operand_kernels.py --shape "${AB_OPERANDS_SHAPE:-32,4096,2880,2880}" --markdown "$R/operands-$1.md" \
+      "$PY" bench/fp8_operand_kernels.py --shape "${AB_OPERANDS_SHAPE:-32,4096,2880,2880}" \
+        --markdown "$R/operands-$1.md" \
         > "$R/operands-$1.log" 2>&1 || rc=1
     fi
     # (AB_FINETUNE_ARGS: more of its options, e.g. --dtype bf16 to try this script on the CPU)
