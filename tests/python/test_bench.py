@@ -226,22 +226,23 @@ def test_python_m_expertact_bench_and_the_console_script_entry():
 
 def test_trace_summary_of_known_events():
     """expertact.bench.trace.summarise on events whose answer is known: overlapping kernels count
-    once in the busy time, a gap of GAP_US or more is found with the runtime calls inside it (and
+    once in the busy time, a user annotation on the GPU's timeline counts as no kernel, a gap of GAP_US or more is found with the runtime calls inside it (and
     a shorter one is not), GEMMs are told from other kernels, host calls are counted per step,
     and the idle time is the wall time less the busy time."""
     from types import SimpleNamespace as NS
 
     from expertact.bench import trace
 
-    def ev(kind, name, a, b):
-        return NS(device_type=NS(name=kind), name=name, time_range=NS(start=a, end=b))
+    def ev(kind, name, a, b, annotation=False):
+        return NS(device_type=NS(name=kind), name=name, time_range=NS(start=a, end=b), is_user_annotation=annotation)
 
     events = [ev("CUDA", "sm90_xmma_gemm_e4m3", 0, 100), ev("CUDA", "expertact::tiles_kernel", 50, 150),
               ev("CUDA", "sm90_xmma_gemm_e4m3", 160, 200),   # a 10 us gap: not counted
               ev("CUDA", "elementwise", 400, 500),           # a 200 us gap before it
               ev("CPU", "aten::_scaled_mm", 150, 390), ev("CPU", "cudaLaunchKernel", 250, 260),
               ev("CPU", "cudaStreamSynchronize", 300, 350), ev("CPU", "cudaLaunchKernel", 600, 610),
-              ev("CPU", "aten::_scaled_mm", 590, 620)]
+              ev("CPU", "aten::_scaled_mm", 590, 620),
+              ev("CUDA", "Optimizer.step#AdamW.step", 150, 450, annotation=True)]  # a range, not a kernel
     s = trace.summarise(events, wall_s=1.09e-3, steps=2)
     assert s["busy_ms"] == pytest.approx((150 + 40 + 100) / 2e3)
     assert s["kernel_ms"] == pytest.approx((100 + 100 + 40 + 100) / 2e3)

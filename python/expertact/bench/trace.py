@@ -50,7 +50,8 @@ def summarise(events, wall_s: float = None, steps: int = 1, top: int = 20) -> di
     kern, cpu = [], []
     for e in events:
         kind = e.device_type.name
-        if kind == "CUDA":
+        if kind == "CUDA" and not getattr(e, "is_user_annotation", False):  # a range such as
+            # the optimizer's "Optimizer.step#AdamW.step" on the GPU's timeline is not a kernel
             kern.append((e.time_range.start, e.time_range.end, e.name))
         elif kind == "CPU":
             cpu.append((e.time_range.start, e.time_range.end, e.name))
