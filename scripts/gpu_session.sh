@@ -175,7 +175,10 @@ PLAN=(test-fp8 ab-blocks-tr ab-kpad ab-tail-rows ab-groups finetune-20b finetune
 # On one H100 on 2026-12-05 18:46-19:14 UTC (bench/results/gpu-session-h100-2026-12-05-1000): preflight 47 s,
 # build 88 s, train-autoep-1000-bf16 448 s, train-autoep-1000-mlp 214 s, train-autoep-1000-fp8 399 s (the
 # report included; the seed-2 pair estimated the same), bench-mlp-fp8 117 s, test-fp8 51 s,
-# bench-fp8-operands 31 s, scaled-mm-forms 21 s.
+# bench-fp8-operands 31 s, scaled-mm-forms 21 s. On one H100 on 2026-12-05 21:28-21:47 UTC
+# (bench/results/gpu-session-h100-2026-12-05-seed2): build 53 s, test-fp8 37 s, scaled-mm-forms 17 s
+# (its second table included), train-autoep-1000-seed2 427 s, train-autoep-1000-seed2-fp8 383 s,
+# profile-fp8-finetune 98 s.
 declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500 [bench-megatron]=130
                 [train-megatron-swiglu]=480 [train-megatron-gpt-oss]=480 [report-megatron]=10
                 [test-megatron]=120 [test-fp8]=70 [fp8-accuracy]=120 [train-autoep-fp8]=340 [bench-fp8-gemms]=45
@@ -184,7 +187,7 @@ declare -A EST=([preflight]=40 [build]=110 [bench-autoep]=190 [train-autoep]=500
                 [finetune-fp8-yardsticks]=400 [finetune-fp8]=140 [train-autoep-seed2]=490
                 [train-autoep-seed3]=490 [train-autoep-blockwise-seeds]=190 [scaled-mm-forms]=30
                 [profile-fp8-autoep]=45 [bench-fp8-operands]=50
-                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=190 [ab-groups]=200
+                [train-autoep-step]=170 [train-autoep-step-seeds]=320 [profile-fp8-finetune]=100 [ab-groups]=200
                 [ab-tail-rows]=270 [finetune-20b]=240 [finetune-20b-yardsticks]=480 [ab-blocks-tr]=330 [ab-kpad]=290)
 # A device call runs at most 600 s and a session has 1,800 s of device time, the machine's start
 # included: 30-150 s on 2026-12-05 02:53 and 05:00 UTC, about 350 s at 10:34 UTC (held 646 s by the
